@@ -1,0 +1,69 @@
+"""Load causal LMs and tokenizers through transformers' real `from_pretrained` path.
+
+Only local directories are used here: ember never downloads from a hub at run time
+(set `HF_HUB_OFFLINE=1` to make that explicit; the loaders pass `local_files_only`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a config string ('float32', 'bf16', ...) or a torch dtype to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def _check_dir(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"model directory {str(p)!r} does not exist; ember loads models from local "
+            "directories only (register a name with --model NAME=DIR)"
+        )
+    return p
+
+
+def load_model(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """Load a causal LM from a local directory with `AutoModelForCausalLM.from_pretrained`.
+
+    `sdpa` attention is the default: with `position_ids` restarting per sequence and no
+    attention mask, transformers builds a block-diagonal causal mask, which is what
+    ember's sequence packing relies on (see `ember.engine.batching`).
+    """
+    p = _check_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        p,
+        dtype=resolve_dtype(dtype),
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+    return model.to(device)
+
+
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved beside a model (or in its own directory)."""
+    return AutoTokenizer.from_pretrained(_check_dir(path), local_files_only=True)

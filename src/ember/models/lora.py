@@ -1,0 +1,68 @@
+"""LoRA adapters through peft, configured the way Tinker's `LoraConfig` is.
+
+Tinker's LoraConfig has `rank`, `seed`, `train_mlp`, `train_attn`, `train_unembed`.
+ember maps it onto `peft.LoraConfig` with:
+
+* `lora_alpha = 32` for every rank (the scale is alpha / rank). This is the convention of
+  Tinker and "LoRA Without Regret": a fixed alpha makes the optimal learning rate roughly
+  independent of the rank. It is a module constant, not a per-run knob, so checkpoints
+  stay interchangeable with Tinker's.
+* no dropout, no bias; A initialised from `seed` (Kaiming-uniform, peft's default) and
+  B = 0, so a fresh adapter leaves the model's outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from tinker import types
+from transformers import PreTrainedModel
+
+LORA_ALPHA = 32
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_UNEMBED = ("lm_head",)
+
+
+def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig) -> list[str]:
+    """Names (suffixes) of the Linear modules that receive adapters, present in `model`."""
+    wanted: list[str] = []
+    if config.train_attn:
+        wanted += _ATTN
+    if config.train_mlp:
+        wanted += _MLP
+    if config.train_unembed:
+        wanted += _UNEMBED
+    present = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    targets = [w for w in wanted if w in present]
+    if not targets:
+        raise ValueError(
+            f"LoraConfig selects no module of this model (train_attn={config.train_attn}, "
+            f"train_mlp={config.train_mlp}, train_unembed={config.train_unembed}); "
+            f"linear modules present: {sorted(present)}"
+        )
+    return targets
+
+
+def peft_config(model: PreTrainedModel, config: types.LoraConfig) -> PeftLoraConfig:
+    if config.rank < 1:
+        raise ValueError(f"LoraConfig.rank must be >= 1, got {config.rank}")
+    return PeftLoraConfig(
+        r=config.rank,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=lora_target_modules(model, config),
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: PreTrainedModel, config: types.LoraConfig) -> PeftModel:
+    """Wrap `model` with a fresh LoRA adapter; only adapter weights stay trainable."""
+    seed = 0 if config.seed is None else int(config.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, peft_config(model, config))
+    return peft_model

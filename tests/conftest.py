@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny models built in code and loaded back through `from_pretrained`."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CPU-only CI)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Qwen3 (hidden 64, 2 layers, head_dim 16) with a char tokenizer, on disk."""
+    from ember.models.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny Llama with the same shape as `tiny_model_dir`."""
+    from ember.models.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), family="llama", seed=1)
