@@ -1,0 +1,38 @@
+"""`ember` command line: a thin dispatcher; each subcommand lives with the layer it drives.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int` and must be
+cheap to import (heavy imports inside `run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help)
+SUBCOMMANDS = {
+    "serve": ("ember.server.cli", "serve Tinker's HTTP protocol for the official tinker SDK"),
+    "demo": ("ember.recipes.demo", "SFT then GRPO on digit sums with a tiny model (CPU, minutes)"),
+    "train": ("ember.recipes.train_cli", "run a recipe: ember train sft|grpo --config file.toml"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="ember: self-hosted post-training engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sp)
+        sp.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
