@@ -1,10 +1,12 @@
 """Model loading (HF `from_pretrained` from local directories), LoRA via peft, tiny test models."""
 
 from ember.models.loading import load_model, load_tokenizer, resolve_dtype
-from ember.models.lora import LORA_ALPHA, apply_lora, lora_target_modules
+from ember.models.lora import LORA_ALPHA, add_lora_adapter, apply_lora, lora_target_modules, remove_lora_adapter
 
 __all__ = [
     "LORA_ALPHA",
+    "add_lora_adapter",
+    "remove_lora_adapter",
     "apply_lora",
     "load_model",
     "load_tokenizer",

@@ -66,3 +66,27 @@ def apply_lora(model: PreTrainedModel, config: types.LoraConfig) -> PeftModel:
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, peft_config(model, config))
     return peft_model
+
+
+def add_lora_adapter(model: PreTrainedModel | PeftModel, name: str, config: types.LoraConfig) -> PeftModel:
+    """Add a named adapter (many tenants on one base model held once in memory).
+
+    A plain model is wrapped (its Linear modules become peft LoRA layers, in place); a
+    PeftModel gets one more adapter. The caller activates it with `set_adapter(name)`.
+    """
+    seed = 0 if config.seed is None else int(config.seed)
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    cfg = peft_config(base, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(model, PeftModel):
+            if name in model.peft_config:
+                raise ValueError(f"adapter {name!r} already exists on this base model")
+            model.add_adapter(name, cfg)
+            return model
+        return get_peft_model(model, cfg, adapter_name=name)
+
+
+def remove_lora_adapter(model: PeftModel, name: str) -> None:
+    """Delete a tenant's adapter and free its weights."""
+    model.delete_adapter(name)
