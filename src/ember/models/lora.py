@@ -35,13 +35,14 @@ def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig) -> lis
         wanted += _MLP
     if config.train_unembed:
         wanted += _UNEMBED
-    present = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    # Suffixes of every module: after peft wrapping, `q_proj` is a LoRA layer, no longer a Linear.
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [w for w in wanted if w in present]
     if not targets:
         raise ValueError(
             f"LoraConfig selects no module of this model (train_attn={config.train_attn}, "
             f"train_mlp={config.train_mlp}, train_unembed={config.train_unembed}); "
-            f"linear modules present: {sorted(present)}"
+            f"projection modules present: {sorted(present & set(_ATTN + _MLP + _UNEMBED))}"
         )
     return targets
 
