@@ -1,0 +1,150 @@
+"""Turn Tinker datums into validated tensors, plan micro-batches, and pack them.
+
+Packing: the token ids of several datums are concatenated into one row with
+`position_ids` restarting at 0 for each datum and no attention mask. transformers then
+builds a block-diagonal causal mask from the position ids (`masking_utils.
+find_packed_sequence_indices`, used by sdpa/eager/flex; flash-attention uses the same
+position ids for varlen), so a packed sequence never attends to another.
+`tests/engine/test_engine_packing.py` checks packed logprobs against one-sequence forwards.
+Padding (`EngineConfig.packing=False`) right-pads each micro-batch to its longest datum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tinker import types
+
+from ember.losses import LossSpec, validate_datum_inputs
+
+_DTYPES = {"int64": torch.int64, "float32": torch.float32}
+
+
+@dataclass
+class PreparedDatum:
+    index: int  # position in the request
+    input_ids: torch.Tensor  # (N,) int64
+    inputs: dict[str, torch.Tensor]  # validated loss inputs, first dim N
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class MicroBatch:
+    datum_indices: list[int]  # request positions, in order
+    lengths: list[int]
+    input_ids: torch.Tensor  # (1, T) packed or (B, L) padded
+    position_ids: torch.Tensor  # same shape as input_ids
+    attention_mask: torch.Tensor | None  # None when packed
+    valid_index: torch.Tensor | None  # flat indices of real tokens in (B*L); None when packed
+    inputs: dict[str, torch.Tensor]  # loss inputs concatenated over the T real tokens
+    segment_ids: torch.Tensor  # (T,) datum index within this micro-batch
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def _model_input_ids(index: int, datum: types.Datum, vocab_size: int) -> torch.Tensor:
+    for j, chunk in enumerate(datum.model_input.chunks):
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise ValueError(
+                f"datum {index}: model_input chunk {j} is of type {getattr(chunk, 'type', type(chunk).__name__)!r}; "
+                "this engine serves text-only models (encoded_text chunks)"
+            )
+    ids = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
+    if ids.numel() == 0:
+        raise ValueError(f"datum {index}: model_input is empty; at least one token is required")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        pos = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"datum {index}: model_input token {int(ids[pos])} at position {pos} is outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
+    return ids
+
+
+def _loss_input_tensors(index: int, datum: types.Datum) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, td in datum.loss_fn_inputs.items():
+        dtype = str(td.dtype)
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"datum {index}: loss_fn_inputs[{key!r}] has dtype {dtype!r}; expected 'int64' or 'float32'"
+            )
+        try:
+            out[key] = td.to_torch()
+        except Exception as exc:  # malformed shape/data, bad sparse indices
+            raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] cannot be read as a tensor: {exc}") from exc
+    return out
+
+
+def prepare_datums(
+    datums: Sequence[types.Datum], spec: LossSpec, vocab_size: int
+) -> list[PreparedDatum]:
+    """Validate every datum before any compute (so a bad datum never leaves half a gradient)."""
+    if len(datums) == 0:
+        raise ValueError("forward_backward needs at least one datum; got an empty list")
+    prepared = []
+    for i, datum in enumerate(datums):
+        ids = _model_input_ids(i, datum, vocab_size)
+        inputs = validate_datum_inputs(spec.name, i, int(ids.shape[0]), _loss_input_tensors(i, datum), vocab_size)
+        prepared.append(PreparedDatum(index=i, input_ids=ids, inputs=inputs))
+    ranks = {p.inputs["target_tokens"].dim() for p in prepared}
+    if len(ranks) > 1:
+        raise ValueError("all datums of one request must have target_tokens of the same rank ((N,) or (N, K))")
+    return prepared
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Greedy, order-preserving: consecutive datums while their tokens fit the budget."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if current and used + n > token_budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _concat_inputs(items: Sequence[PreparedDatum]) -> dict[str, torch.Tensor]:
+    keys = items[0].inputs.keys()
+    return {k: torch.cat([d.inputs[k] for d in items], dim=0) for k in keys}
+
+
+def build_micro_batch(items: Sequence[PreparedDatum], packed: bool, pad_id: int = 0) -> MicroBatch:
+    lengths = [d.num_tokens for d in items]
+    segment_ids = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lengths))
+    if packed:
+        input_ids = torch.cat([d.input_ids for d in items]).unsqueeze(0)
+        position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        attention_mask, valid_index = None, None
+    else:
+        width = max(lengths)
+        input_ids = torch.full((len(items), width), pad_id, dtype=torch.int64)
+        attention_mask = torch.zeros((len(items), width), dtype=torch.int64)
+        for row, d in enumerate(items):
+            input_ids[row, : d.num_tokens] = d.input_ids
+            attention_mask[row, : d.num_tokens] = 1
+        position_ids = torch.arange(width).expand(len(items), width).clone()
+        valid_index = attention_mask.flatten().nonzero().squeeze(1)
+    return MicroBatch(
+        datum_indices=[d.index for d in items],
+        lengths=lengths,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        valid_index=valid_index,
+        inputs=_concat_inputs(items),
+        segment_ids=segment_ids,
+    )

@@ -1,0 +1,120 @@
+"""Engine checkpoints with torch.distributed.checkpoint (DCP), and HF/peft exports.
+
+Layout of a `save_state` directory:
+  *.distcp, .metadata   DCP shards: {"model": {name: tensor}, "optim": {name: {exp_avg, exp_avg_sq, step}}}
+  ember_state.json      kind (full | lora), LoRA config, optimizer step, whether Adam state is inside
+  rng_rank<r>.pt        torch RNG state of each rank (exact resume)
+
+Tensors are keyed by names independent of the adapter's name, so a checkpoint of one LoRA
+run loads into another run with the same LoRA config. DCP writes DTensors shard by shard
+and reshards on load, so the same directory loads at any world size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from peft import get_peft_model_state_dict
+
+if TYPE_CHECKING:
+    from ember.engine.torch_engine import TorchEngine
+
+META = "ember_state.json"
+FORMAT_VERSION = 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _meta(engine: "TorchEngine", optimizer: bool) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "lora" if engine.is_lora else "full",
+        "lora_config": engine.lora_config.model_dump() if engine.is_lora else None,
+        "model_name": engine.model_name,
+        "model_type": str(engine.hf_config.model_type),
+        "step": engine.step,
+        "has_optimizer": optimizer,
+    }
+
+
+def _optim_state(engine: "TorchEngine", init: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam moments keyed like the model tensors; with `init`, allocate empty slots to load into."""
+    out = {}
+    for name, p in engine.state_tensors().items():
+        state = engine.optimizer.state[p]
+        if init and not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if state:
+            out[name] = {"step": state["step"], "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    return out
+
+
+def save(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    state = {"model": {n: p.detach() for n, p in engine.state_tensors().items()}}
+    if optimizer:
+        state["optim"] = _optim_state(engine, init=False)
+    dcp.save(state, checkpoint_id=str(path))
+    torch.save({"cpu": torch.get_rng_state()}, path / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        (path / META).write_text(json.dumps(_meta(engine, optimizer), indent=2))
+
+
+def read_meta(path: Path) -> dict:
+    meta_file = path / META
+    if not meta_file.is_file():
+        raise ValueError(f"{str(path)!r} is not an ember checkpoint (no {META})")
+    return json.loads(meta_file.read_text())
+
+
+def _check_compatible(engine: "TorchEngine", meta: dict, path: Path) -> None:
+    kind = "lora" if engine.is_lora else "full"
+    if meta["kind"] != kind:
+        raise ValueError(f"checkpoint {str(path)!r} holds {meta['kind']} weights; this run trains {kind} weights")
+    if engine.is_lora:
+        mine, theirs = engine.lora_config.model_dump(), dict(meta["lora_config"])
+        mine.pop("seed", None), theirs.pop("seed", None)
+        if mine != theirs:
+            raise ValueError(f"checkpoint {str(path)!r} has LoRA config {theirs}; this run has {mine}")
+
+
+def load(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
+    meta = read_meta(path)
+    _check_compatible(engine, meta, path)
+    if optimizer and not meta["has_optimizer"]:
+        raise ValueError(f"checkpoint {str(path)!r} was saved without optimizer state")
+    with torch.no_grad():
+        state = {"model": {n: p.detach() for n, p in engine.state_tensors().items()}}
+        if optimizer:
+            engine.reset_optimizer(step=meta["step"])
+            state["optim"] = _optim_state(engine, init=True)
+        dcp.load(state, checkpoint_id=str(path))  # in place into the (possibly sharded) tensors
+    if not optimizer:
+        engine.reset_optimizer(step=0)
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if optimizer and rng_file.is_file():
+        torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])
+
+
+def export_hf(engine: "TorchEngine", path: Path) -> None:
+    """safetensors that `from_pretrained` (full FT) or `PeftModel.from_pretrained` (LoRA) loads."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not engine.is_lora:
+        state = {n: t for n, t in engine.named_weights()}
+        if _rank() == 0:
+            engine.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        return
+    adapter = {n: t.contiguous() for n, t in get_peft_model_state_dict(engine.model, adapter_name=engine.adapter_name, save_embedding_layers=False).items()}
+    if _rank() == 0:
+        safetensors.torch.save_file(adapter, str(path / "adapter_model.safetensors"))
+        engine.model.peft_config[engine.adapter_name].save_pretrained(str(path))

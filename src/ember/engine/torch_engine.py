@@ -1,0 +1,305 @@
+"""`TorchEngine`: a Hugging Face causal LM (full fine-tuning or a LoRA adapter) + AdamW.
+# ember: single-process engine complete
+
+Exactness is the point (DESIGN.md contract 2): a `forward_backward` adds
+∇ Σ_datums loss(datum) to the parameters' `.grad`, micro-batch by micro-batch, with no
+scaling, so any micro-batch budget, packing or split over calls gives the same gradient.
+The model always runs in eval mode (no dropout), like Tinker, so `forward`,
+`forward_backward` and the sampler see the same function.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from peft import PeftModel, get_peft_model_state_dict
+from tinker import types
+from transformers import PreTrainedModel
+
+from ember.engine import checkpoint
+from ember.engine.base import EngineInfo, EngineStatus, LossConfig, NonFiniteGradientError, TrainingEngine
+from ember.engine.batching import MicroBatch, build_micro_batch, plan_micro_batches, prepare_datums
+from ember.engine.config import EngineConfig
+from ember.losses import get_loss, resolve_config
+from ember.models import add_lora_adapter, load_model
+
+DEFAULT_ADAPTER = "default"
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    # DTensor (FSDP2/TP) → gather the full tensor; plain tensors pass through.
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _validate_adam(p: types.AdamParams) -> None:
+    checks = [
+        ("learning_rate", p.learning_rate >= 0),
+        ("beta1", 0 <= p.beta1 < 1),
+        ("beta2", 0 <= p.beta2 < 1),
+        ("eps", p.eps > 0),
+        ("weight_decay", p.weight_decay >= 0),
+        ("grad_clip_norm", p.grad_clip_norm >= 0),
+    ]
+    for name, ok in checks:
+        value = getattr(p, name)
+        if not ok or not math.isfinite(value):
+            raise ValueError(f"AdamParams.{name}={value} is out of range")
+
+
+class TorchEngine(TrainingEngine):
+    """One trainable model and its optimizer, single process (parallel layouts plug in below)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | PeftModel,
+        config: EngineConfig | None = None,
+        *,
+        model_name: str = "model",
+        lora_config: types.LoraConfig | None = None,
+        adapter_name: str = DEFAULT_ADAPTER,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.model_name = model_name
+        self.lora_config = lora_config
+        self.adapter_name = adapter_name if lora_config is not None else None
+        if lora_config is not None and not isinstance(model, PeftModel):
+            raise TypeError("a LoRA TorchEngine needs a PeftModel carrying its adapter (see ember.models.add_lora_adapter)")
+        self.model.eval()  # no dropout: trainer, forward and sampler compute the same function
+        self._activate()
+        self._params = self._trainable_parameters()
+        self.optimizer = self._new_optimizer()
+        self._step = 0
+        self._acc = EngineStatus(step=0, accumulated_micro_batches=0, accumulated_datums=0, accumulated_tokens=0)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | os.PathLike,
+        config: EngineConfig | None = None,
+        lora_config: types.LoraConfig | None = None,
+        model_name: str | None = None,
+    ) -> "TorchEngine":
+        """Load a local HF checkpoint; wrap it with a fresh LoRA adapter when `lora_config` is given."""
+        config = config or EngineConfig()
+        model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
+        if lora_config is not None:
+            model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config)
+        return cls(model, config, model_name=model_name or str(model_dir), lora_config=lora_config)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_config is not None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.config.device)
+
+    @property
+    def hf_config(self):
+        return self.model.config
+
+    def _activate(self) -> None:
+        # Several tenants may share one PeftModel; make ours the active adapter.
+        if self.is_lora and self.model.active_adapter != self.adapter_name:
+            self.model.set_adapter(self.adapter_name)
+
+    def _named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if not self.is_lora:
+            return list(self.model.named_parameters())
+        tag_a, tag_b = f".lora_A.{self.adapter_name}.", f".lora_B.{self.adapter_name}."
+        return [(n, p) for n, p in self.model.named_parameters() if tag_a in n or tag_b in n]
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        params = [p for _, p in self._named_trainable()]
+        for p in params:
+            p.requires_grad_(True)
+        if not params:
+            raise ValueError(f"model {self.model_name!r} has no trainable parameters")
+        return params
+
+    def _new_optimizer(self) -> torch.optim.AdamW:
+        d = types.AdamParams()
+        return torch.optim.AdamW(
+            self._params, lr=d.learning_rate, betas=(d.beta1, d.beta2), eps=d.eps, weight_decay=d.weight_decay
+        )
+
+    # ------------------------------------------------------------------ forward / backward
+    def _target_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        dev = self.device
+        out = self.model(
+            input_ids=mb.input_ids.to(dev),
+            position_ids=mb.position_ids.to(dev),
+            attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
+            use_cache=False,
+        )
+        logits = out.logits.flatten(0, 1)  # (B*L, V)
+        if mb.valid_index is not None:
+            logits = logits.index_select(0, mb.valid_index.to(dev))
+        logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 even for bf16 models
+        targets = mb.inputs["target_tokens"].to(dev)
+        if targets.dim() == 1:
+            return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+        return logp.gather(1, targets)
+
+    def _run(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: LossConfig | None, backward: bool):
+        spec = get_loss(loss_fn)
+        cfg = resolve_config(loss_fn, loss_fn_config)
+        prepared = prepare_datums(datums, spec, int(self.hf_config.vocab_size))
+        self._activate()
+        outputs: list[dict[str, types.TensorData]] = [None] * len(prepared)  # type: ignore[list-item]
+        total = 0.0
+        plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
+        for group in plan:
+            mb = build_micro_batch([prepared[i] for i in group], self.config.packing)
+            with torch.set_grad_enabled(backward):
+                logp = self._target_logprobs(mb)
+                inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}
+                elementwise = spec.fn(logp, inputs, cfg, mb.segment_ids.to(logp.device))
+                loss = elementwise.sum()
+                if backward:
+                    loss.backward()
+            total += float(loss.detach())
+            self._scatter_outputs(mb, logp.detach(), elementwise.detach(), outputs)
+            if backward:
+                self._acc.accumulated_micro_batches += 1
+                self._acc.accumulated_datums += len(group)
+                self._acc.accumulated_tokens += mb.num_tokens
+        return types.ForwardBackwardOutput(
+            loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={"loss:sum": total}
+        )
+
+    @staticmethod
+    def _scatter_outputs(mb: MicroBatch, logp: torch.Tensor, elementwise: torch.Tensor, outputs: list) -> None:
+        logp_parts = torch.split(logp.float().cpu(), mb.lengths)
+        loss_parts = torch.split(elementwise.float().cpu(), mb.lengths)
+        for idx, lp, el in zip(mb.datum_indices, logp_parts, loss_parts):
+            outputs[idx] = {
+                "logprobs": types.TensorData.from_torch(lp.contiguous()),
+                "elementwise_loss": types.TensorData.from_torch(el.contiguous()),
+            }
+
+    def forward_backward(self, datums, loss_fn, loss_fn_config=None) -> types.ForwardBackwardOutput:
+        return self._run(datums, loss_fn, loss_fn_config, backward=True)
+
+    def forward(self, datums, loss_fn, loss_fn_config=None) -> types.ForwardBackwardOutput:
+        return self._run(datums, loss_fn, loss_fn_config, backward=False)
+
+    # ------------------------------------------------------------------ optimizer
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        norms = torch.stack([torch.linalg.vector_norm(_full_tensor(g).float()) for g in grads])
+        return torch.linalg.vector_norm(norms)
+
+    def _first_non_finite(self) -> str:
+        for name, p in self._named_trainable():
+            if p.grad is not None and not torch.isfinite(_full_tensor(p.grad)).all():
+                return name
+        return "?"
+
+    def optim_step(self, adam_params: types.AdamParams) -> dict[str, float]:
+        _validate_adam(adam_params)
+        self._activate()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        norm = float(self._grad_norm(grads)) if grads else 0.0
+        if not math.isfinite(norm):
+            bad = self._first_non_finite()
+            self.clear_gradients()
+            raise NonFiniteGradientError(
+                f"optim_step refused a non-finite gradient (global norm {norm}; first bad parameter {bad!r}). "
+                "Weights and optimizer state are unchanged; the accumulated gradient was discarded."
+            )
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam_params.learning_rate, betas=(adam_params.beta1, adam_params.beta2),
+                eps=adam_params.eps, weight_decay=adam_params.weight_decay,
+            )
+        if grads and adam_params.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self._params, adam_params.grad_clip_norm)
+        self.optimizer.step()
+        self._step += 1
+        self.clear_gradients()
+        return {"grad_norm:mean": norm, "learning_rate:mean": adam_params.learning_rate, "step:max": float(self._step)}
+
+    def clear_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._acc = EngineStatus(step=self._step, accumulated_micro_batches=0, accumulated_datums=0, accumulated_tokens=0)
+
+    # ------------------------------------------------------------------ weights and state
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.is_lora:
+            items = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name, save_embedding_layers=False).items()
+        else:
+            items = self.model.state_dict().items()
+        for name, t in items:
+            t = _full_tensor(t).detach()
+            yield name, t.to(dtype=dtype or t.dtype).clone()
+
+    def state_tensors(self) -> dict[str, torch.nn.Parameter]:
+        """Trainable parameters keyed by a name independent of the adapter's name."""
+        if not self.is_lora:
+            return dict(self._named_trainable())
+        return {n.replace(f".{self.adapter_name}.", "."): p for n, p in self._named_trainable()}
+
+    def save_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
+        checkpoint.save(self, Path(path), optimizer=optimizer)
+
+    def load_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
+        self._activate()
+        self.clear_gradients()
+        checkpoint.load(self, Path(path), optimizer=optimizer)
+
+    def export_hf(self, path: str | os.PathLike) -> None:
+        checkpoint.export_hf(self, Path(path))
+
+    def reset_optimizer(self, step: int = 0) -> None:
+        self.optimizer = self._new_optimizer()
+        self._step = step
+        self.clear_gradients()
+
+    def info(self) -> EngineInfo:
+        n_all = sum(p.numel() for p in self.model.parameters())
+        return EngineInfo(
+            model_name=self.model_name,
+            model_type=str(self.hf_config.model_type),
+            is_lora=self.is_lora,
+            lora_rank=self.lora_config.rank if self.is_lora else None,
+            lora_config=self.lora_config.model_dump() if self.is_lora else None,
+            parallel={"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1},
+            device=self.config.device,
+            dtype=self.config.dtype,
+            num_parameters=n_all,
+            num_trainable_parameters=sum(p.numel() for p in self._params),
+            packing="packed" if self.config.packing else "padded",
+        )
+
+    def status(self) -> EngineStatus:
+        self._acc.step = self._step
+        return EngineStatus(**vars(self._acc))
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # ------------------------------------------------------------------ colocation
+    def _move(self, device: torch.device) -> None:
+        if not self.is_lora:
+            self.model.to(device)
+        for p in self._params:
+            p.data = p.data.to(device)
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and k != "step":
+                    state[k] = v.to(device)
+
+    def offload(self) -> None:
+        self._move(torch.device("cpu"))
+
+    def onload(self) -> None:
+        self._move(self.device)

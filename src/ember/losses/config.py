@@ -1,0 +1,64 @@
+"""`loss_fn_config` resolution: defaults filled in, everything else checked.
+
+Rules (a third-party Tinker-compatible executor enforces the same; tinker-protocol.md §5):
+unknown keys are rejected, values must be finite real numbers, clip thresholds are
+absolute ratio bounds with 0 ≤ low ≤ high, and β ≥ 0.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+
+from ember.losses.registry import get_loss
+
+ConfigIn = Mapping[str, float | str] | None
+
+
+def _as_number(name: str, key: str, value: object) -> float:
+    # bool is an int subclass; `True` as a clip threshold is certainly a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"loss {name!r}: loss_fn_config[{key!r}] must be a number, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"loss {name!r}: loss_fn_config[{key!r}] must be finite, got {number}")
+    return number
+
+
+def _check_ranges(name: str, config: Mapping[str, float]) -> None:
+    if "clip_low_threshold" in config:
+        low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+        if not 0.0 <= low <= high:
+            raise ValueError(
+                f"loss {name!r}: clip thresholds must satisfy 0 <= clip_low_threshold <= "
+                f"clip_high_threshold (absolute ratio bounds, e.g. 0.8 and 1.2), "
+                f"got clip_low_threshold={low}, clip_high_threshold={high}"
+            )
+    if config.get("beta", 0.0) < 0.0:
+        raise ValueError(f"loss {name!r}: loss_fn_config['beta'] must be >= 0, got {config['beta']}")
+
+
+def resolve_config(name: str, config: ConfigIn) -> dict[str, float]:
+    """The loss's config with defaults filled in, as plain floats.
+
+    ``ValueError`` on an unknown loss, unknown keys (named, with the accepted keys),
+    non-numeric or non-finite values, clip thresholds out of order, or β < 0.
+    Idempotent: resolving a resolved config returns an equal dict.
+    """
+    spec = get_loss(name)
+    given = dict(config or {})
+    unknown = sorted(str(k) for k in given if k not in spec.config_defaults)
+    if unknown:
+        accepted = ", ".join(sorted(spec.config_defaults)) or "none"
+        raise ValueError(
+            f"loss {name!r}: unknown loss_fn_config key(s) {unknown}; accepted keys: {accepted}"
+        )
+    resolved = dict(spec.config_defaults)
+    for key, value in given.items():
+        resolved[key] = _as_number(name, key, value)
+    _check_ranges(name, resolved)
+    return resolved

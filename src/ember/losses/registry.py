@@ -1,0 +1,107 @@
+"""The loss-name registry: a plain dict filled at import, one `LossSpec` per Tinker loss.
+
+Sources for names, inputs and defaults: tinker-protocol.md §5.
+
+* ``ppo`` 0.8 / 1.2 and ``cispo`` 0.0 / 4.0: the official cookbook tutorial
+  ``202_loss_functions.py`` (the PPO doc page says "fixed to 0.2", i.e. 0.8 / 1.2).
+* ``gspo`` 0.8 / 1.2: Tinker's GSPO page writes the clip as (1 − ε_low, 1 + ε_high) and
+  shows no numbers; we use PPO's defaults. (The GSPO paper's own ranges, 3e-4 / 4e-4,
+  are ε's for a differently scaled setup; pass them explicitly if wanted.)
+* ``dro`` β = 0.1: Tinker's docs only show a custom value; 0.1 follows a third-party
+  Tinker-compatible reimplementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from ember.losses import functions
+
+LossFn = Callable[
+    [torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float], torch.Tensor | None],
+    torch.Tensor,
+]
+
+RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What a loss needs: its function, its `loss_fn_inputs` keys and its config keys."""
+
+    name: str
+    fn: LossFn  # fn(target_logprobs, inputs, config, segment_ids) -> elementwise_loss (T,)
+    required_inputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...]
+    config_defaults: Mapping[str, float]
+    supports_top_k: bool = False  # target_tokens may be (N, K)
+
+    @property
+    def accepted_inputs(self) -> tuple[str, ...]:
+        return self.required_inputs + self.optional_inputs
+
+
+def _spec(
+    fn: LossFn,
+    required: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+    defaults: Mapping[str, float] | None = None,
+    top_k: bool = False,
+) -> LossSpec:
+    return LossSpec(
+        name=fn.__name__,
+        fn=fn,
+        required_inputs=required,
+        optional_inputs=optional,
+        config_defaults=MappingProxyType(dict(defaults or {})),
+        supports_top_k=top_k,
+    )
+
+
+_PPO_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+LOSSES: dict[str, LossSpec] = {
+    spec.name: spec
+    for spec in (
+        _spec(functions.cross_entropy, ("target_tokens",), ("weights",), top_k=True),
+        _spec(functions.importance_sampling, RL_INPUTS),
+        _spec(functions.ppo, RL_INPUTS, defaults=_PPO_CLIP),
+        _spec(
+            functions.cispo,
+            RL_INPUTS,
+            defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+        ),
+        _spec(functions.dro, RL_INPUTS, defaults={"beta": 0.1}),
+        _spec(functions.gspo, RL_INPUTS + ("sequence_ratio_mask",), defaults=_PPO_CLIP),
+    )
+}
+
+# Names the tinker SDK knows (`tinker.types.LossFnType`) that ember deliberately lacks.
+UNSUPPORTED: dict[str, str] = {
+    "stable_reinforce": (
+        "it is an alpha Tinker feature that needs server-side records of the sampled "
+        "sequences (provenance spans from a record_stability_info=True sampler), which "
+        "ember does not keep"
+    ),
+    "custom": (
+        "server-side custom losses (selected by loss_id) are a flag-gated Tinker feature; "
+        "use TrainingClient.forward_backward_custom, which runs on cross_entropy"
+    ),
+}
+
+
+def get_loss(name: str) -> LossSpec:
+    """The `LossSpec` registered as ``name``; ``ValueError`` naming the known losses."""
+    known = ", ".join(LOSSES)
+    if not isinstance(name, str):
+        raise ValueError(f"loss_fn must be a string, got {type(name).__name__}; known: {known}")
+    if name in LOSSES:
+        return LOSSES[name]
+    if name in UNSUPPORTED:
+        raise ValueError(f"loss_fn {name!r} is not supported by ember: {UNSUPPORTED[name]}. "
+                         f"Supported: {known}")
+    raise ValueError(f"unknown loss_fn {name!r}; known: {known}")

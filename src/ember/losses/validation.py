@@ -1,0 +1,142 @@
+"""Checks on one datum's `loss_fn_inputs` before anything touches the model.
+
+Alignment (tinker-protocol.md §4.3): ``model_input`` position i predicts token i+1, so
+every loss input has first dimension N = length of ``model_input``. ``target_tokens`` is
+int64 (N,), or (N, K) for top-K ``cross_entropy`` with ``weights`` of the same shape;
+``weights``, ``logprobs``, ``advantages`` and ``sequence_ratio_mask`` are float (N,).
+
+Every error is a ``ValueError`` that names the datum index and the field, e.g.
+``datum 3: loss_fn_inputs['weights'] has shape (7,), expected (8,) (same as target_tokens)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ember.losses.registry import LOSSES, LossSpec, get_loss
+
+_CONFIG_KEYS = frozenset(k for spec in LOSSES.values() for k in spec.config_defaults)
+
+
+def _shape(shape: tuple[int, ...] | torch.Size) -> str:
+    dims = tuple(int(d) for d in shape)
+    return f"({dims[0]},)" if len(dims) == 1 else str(dims)
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _first_bad(bad: torch.Tensor) -> str:
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    return str(index[0]) if len(index) == 1 else str(index)
+
+
+def _check_keys(spec: LossSpec, where: str, inputs: Mapping[str, object]) -> None:
+    got = sorted(map(str, inputs))
+    missing = [k for k in spec.required_inputs if k not in inputs]
+    if missing:
+        raise ValueError(
+            f"{where}: loss_fn_inputs is missing {missing}, required by loss {spec.name!r} "
+            f"(got keys {got})"
+        )
+    unknown = [k for k in got if k not in spec.accepted_inputs]
+    if unknown:
+        hint = [k for k in unknown if k in _CONFIG_KEYS]
+        note = f"; {hint} belong in loss_fn_config, not loss_fn_inputs" if hint else ""
+        raise ValueError(
+            f"{where}: loss_fn_inputs has unknown key(s) {unknown} for loss {spec.name!r} "
+            f"(accepted: {', '.join(spec.accepted_inputs)}){note}"
+        )
+
+
+def _as_dense(where: str, key: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{where}: loss_fn_inputs[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
+        )
+    return value.to_dense() if value.layout != torch.strided else value
+
+
+def _check_target_tokens(
+    spec: LossSpec, where: str, n_tokens: int, tokens: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    field = f"{where}: loss_fn_inputs['target_tokens']"
+    allowed = "(N,) or (N, K)" if spec.supports_top_k else "(N,)"
+    if tokens.dim() not in ((1, 2) if spec.supports_top_k else (1,)):
+        raise ValueError(
+            f"{field} has shape {_shape(tokens.shape)}, expected {allowed} with N={n_tokens}"
+            + ("" if spec.supports_top_k else " (only cross_entropy takes (N, K) targets)")
+        )
+    if tokens.shape[0] != n_tokens or (tokens.dim() == 2 and tokens.shape[1] < 1):
+        expected = f"({n_tokens},)" if tokens.dim() == 1 else f"({n_tokens}, K) with K >= 1"
+        raise ValueError(
+            f"{field} has shape {_shape(tokens.shape)}, expected {expected} "
+            "(first dim = model_input length)"
+        )
+    if tokens.dtype != torch.int64:
+        raise ValueError(f"{field} has dtype {_dtype(tokens)}, expected int64")
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bool(bad.any()):
+        position = _first_bad(bad)
+        value = int(tokens[bad][0])
+        raise ValueError(
+            f"{field} has token id {value} at position {position}, "
+            f"outside [0, vocab_size={vocab_size})"
+        )
+    return tokens.contiguous()
+
+
+def _check_float(
+    where: str, key: str, value: torch.Tensor, expected: torch.Size, note: str
+) -> torch.Tensor:
+    field = f"{where}: loss_fn_inputs[{key!r}]"
+    if not value.is_floating_point():
+        raise ValueError(
+            f"{field} has dtype {_dtype(value)}, expected a float tensor (float32)"
+        )
+    if value.shape != expected:
+        raise ValueError(
+            f"{field} has shape {_shape(value.shape)}, expected {_shape(expected)} ({note})"
+        )
+    value = value.to(torch.float32).contiguous()
+    bad = ~torch.isfinite(value)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{field} has a non-finite value {float(value[bad][0])} at position {_first_bad(bad)}"
+        )
+    return value
+
+
+def validate_datum_inputs(
+    name: str,
+    datum_index: int,
+    n_tokens: int,
+    inputs: Mapping[str, torch.Tensor],
+    vocab_size: int,
+) -> dict[str, torch.Tensor]:
+    """Check one datum's ``loss_fn_inputs`` (dense torch tensors) for loss ``name``.
+
+    ``n_tokens`` is the datum's ``model_input`` length. Returns a new dict: target_tokens
+    int64; float inputs as contiguous float32; ``cross_entropy`` without ``weights`` gets
+    all-ones weights (tinker-protocol.md §5 recommends ones; skyrl-tx does the same).
+    """
+    spec = get_loss(name)
+    where = f"datum {datum_index}"
+    if n_tokens < 1:
+        raise ValueError(f"{where}: model_input is empty (length {n_tokens}); need >= 1 token")
+    _check_keys(spec, where, inputs)
+    dense = {key: _as_dense(where, key, value) for key, value in inputs.items()}
+    tokens = _check_target_tokens(spec, where, n_tokens, dense.pop("target_tokens"), vocab_size)
+    out = {"target_tokens": tokens}
+    for key, value in dense.items():
+        if key == "weights":
+            expected, note = tokens.shape, "same as target_tokens"
+        else:
+            expected, note = torch.Size([n_tokens]), "N = model_input length"
+        out[key] = _check_float(where, key, value, expected, note)
+    if "weights" in spec.optional_inputs and "weights" not in out:
+        out["weights"] = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
+    return out
