@@ -1,5 +1,4 @@
 """`TorchEngine`: a Hugging Face causal LM (full fine-tuning or a LoRA adapter) + AdamW.
-# ember: single-process engine complete
 
 Exactness is the point (DESIGN.md contract 2): a `forward_backward` adds
 ∇ Σ_datums loss(datum) to the parameters' `.grad`, micro-batch by micro-batch, with no
@@ -7,6 +6,7 @@ scaling, so any micro-batch budget, packing or split over calls gives the same g
 The model always runs in eval mode (no dropout), like Tinker, so `forward`,
 `forward_backward` and the sampler see the same function.
 """
+# ember: single-process engine complete
 
 from __future__ import annotations
 
