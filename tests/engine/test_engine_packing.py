@@ -30,3 +30,30 @@ def test_forward_leaves_no_gradient_and_no_change(tiny_model_dir):
     assert all(p.grad is None for p in engine.state_tensors().values())
     b = engine.forward(datums, "cross_entropy")
     assert a.metrics == b.metrics
+
+
+def test_pack_rows_first_fit_decreasing():
+    from ember.engine.batching import pack_rows
+
+    lengths = [5, 3, 8, 2, 2, 6]
+    rows = pack_rows(lengths, width=8)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 8 for r in rows)
+    assert len(rows) == 4  # 26 tokens need at least 4 rows of 8
+
+
+def test_single_row_and_multi_row_layouts_agree(tiny_model_dir):
+    from ember.engine.batching import build_micro_batch, prepare_datums
+    from ember.losses import get_loss
+
+    datums = random_sft_datums(5, vocab=84, min_len=2, max_len=9, seed=8)
+    items = prepare_datums(datums, get_loss("cross_entropy"), 84)
+    model = load_model(tiny_model_dir)
+    results = []
+    for single in (False, True):
+        mb = build_micro_batch(items, packed=True, single_row=single)
+        assert mb.input_ids.shape[0] == (1 if single else mb.input_ids.shape[0])
+        with torch.no_grad():
+            logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        results.append(logits.flatten(0, 1)[mb.valid_index])
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)

@@ -1,10 +1,14 @@
 """Turn Tinker datums into validated tensors, plan micro-batches, and pack them.
 
-Packing: the token ids of several datums are concatenated into one row with
-`position_ids` restarting at 0 for each datum and no attention mask. transformers then
-builds a block-diagonal causal mask from the position ids (`masking_utils.
-find_packed_sequence_indices`, used by sdpa/eager/flex; flash-attention uses the same
-position ids for varlen), so a packed sequence never attends to another.
+Packing: datums are placed into rows (first-fit decreasing) with `position_ids`
+restarting at 0 for each datum and no attention mask; transformers then builds a
+block-diagonal causal mask from the position ids (`masking_utils.
+find_packed_sequence_indices`), so a packed sequence never attends to another. Row width:
+with a dense-mask backend (sdpa, eager) a row is as wide as the longest datum of the
+micro-batch, so attention never costs more than padding would while the linear layers
+skip the padding; with flash-attention (varlen kernels, no T×T mask) everything goes into
+one row. Leftover room in a row is filled with pad tokens forming their own segment
+(positions restart at 0), which no real token can attend to and no loss reads.
 `tests/engine/test_engine_packing.py` checks packed logprobs against one-sequence forwards.
 Padding (`EngineConfig.packing=False`) right-pads each micro-batch to its longest datum.
 """
@@ -37,10 +41,10 @@ class PreparedDatum:
 class MicroBatch:
     datum_indices: list[int]  # request positions, in order
     lengths: list[int]
-    input_ids: torch.Tensor  # (1, T) packed or (B, L) padded
+    input_ids: torch.Tensor  # (rows, width)
     position_ids: torch.Tensor  # same shape as input_ids
     attention_mask: torch.Tensor | None  # None when packed
-    valid_index: torch.Tensor | None  # flat indices of real tokens in (B*L); None when packed
+    valid_index: torch.Tensor  # flat indices of the real tokens in (B*L), datum by datum
     inputs: dict[str, torch.Tensor]  # loss inputs concatenated over the T real tokens
     segment_ids: torch.Tensor  # (T,) datum index within this micro-batch
 
@@ -122,22 +126,64 @@ def _concat_inputs(items: Sequence[PreparedDatum]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([d.inputs[k] for d in items], dim=0) for k in keys}
 
 
-def build_micro_batch(items: Sequence[PreparedDatum], packed: bool, pad_id: int = 0) -> MicroBatch:
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """First-fit decreasing bin packing of item indices into rows of `width` tokens."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
+def _packed_layout(items: Sequence[PreparedDatum], width: int, pad_id: int):
+    lengths = [d.num_tokens for d in items]
+    rows = pack_rows(lengths, width)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.int64)
+    starts = [0] * len(items)  # flat offset of each item
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            n = lengths[i]
+            input_ids[r, col : col + n] = items[i].input_ids
+            position_ids[r, col : col + n] = torch.arange(n)
+            starts[i] = r * width + col
+            col += n
+        position_ids[r, col:] = torch.arange(width - col)  # the pad segment
+    valid_index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in range(len(items))])
+    return input_ids, position_ids, valid_index
+
+
+def _padded_layout(items: Sequence[PreparedDatum], pad_id: int):
+    width = max(d.num_tokens for d in items)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(items), width), dtype=torch.int64)
+    for row, d in enumerate(items):
+        input_ids[row, : d.num_tokens] = d.input_ids
+        attention_mask[row, : d.num_tokens] = 1
+    position_ids = torch.arange(width).expand(len(items), width).clone()
+    return input_ids, position_ids, attention_mask, attention_mask.flatten().nonzero().squeeze(1)
+
+
+def build_micro_batch(
+    items: Sequence[PreparedDatum], packed: bool, pad_id: int = 0, single_row: bool = False
+) -> MicroBatch:
+    """Lay out one micro-batch; `single_row` packs everything in one row (varlen attention)."""
     lengths = [d.num_tokens for d in items]
     segment_ids = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lengths))
+    attention_mask = None
     if packed:
-        input_ids = torch.cat([d.input_ids for d in items]).unsqueeze(0)
-        position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        attention_mask, valid_index = None, None
+        width = sum(lengths) if single_row else max(lengths)
+        input_ids, position_ids, valid_index = _packed_layout(items, width, pad_id)
     else:
-        width = max(lengths)
-        input_ids = torch.full((len(items), width), pad_id, dtype=torch.int64)
-        attention_mask = torch.zeros((len(items), width), dtype=torch.int64)
-        for row, d in enumerate(items):
-            input_ids[row, : d.num_tokens] = d.input_ids
-            attention_mask[row, : d.num_tokens] = 1
-        position_ids = torch.arange(width).expand(len(items), width).clone()
-        valid_index = attention_mask.flatten().nonzero().squeeze(1)
+        input_ids, position_ids, attention_mask, valid_index = _padded_layout(items, pad_id)
     return MicroBatch(
         datum_indices=[d.index for d in items],
         lengths=lengths,

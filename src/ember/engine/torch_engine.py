@@ -104,6 +104,16 @@ class TorchEngine(TrainingEngine):
     def hf_config(self):
         return self.model.config
 
+    @property
+    def _varlen_attention(self) -> bool:
+        # flash-attention consumes packed position_ids as varlen sequences: one row, no T×T mask.
+        return self.config.attn_implementation.startswith("flash_attention")
+
+    @property
+    def _pad_id(self) -> int:
+        pad = getattr(self.hf_config, "pad_token_id", None)
+        return int(pad) if isinstance(pad, int) else 0
+
     def _activate(self) -> None:
         # Several tenants may share one PeftModel; make ours the active adapter.
         if self.is_lora and self.model.active_adapter != self.adapter_name:
@@ -138,9 +148,7 @@ class TorchEngine(TrainingEngine):
             attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
             use_cache=False,
         )
-        logits = out.logits.flatten(0, 1)  # (B*L, V)
-        if mb.valid_index is not None:
-            logits = logits.index_select(0, mb.valid_index.to(dev))
+        logits = out.logits.flatten(0, 1).index_select(0, mb.valid_index.to(dev))  # (T, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 even for bf16 models
         targets = mb.inputs["target_tokens"].to(dev)
         if targets.dim() == 1:
@@ -156,7 +164,9 @@ class TorchEngine(TrainingEngine):
         total = 0.0
         plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
         for group in plan:
-            mb = build_micro_batch([prepared[i] for i in group], self.config.packing)
+            mb = build_micro_batch(
+                [prepared[i] for i in group], self.config.packing, self._pad_id, single_row=self._varlen_attention
+            )
             with torch.set_grad_enabled(backward):
                 logp = self._target_logprobs(mb)
                 inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}

@@ -1,0 +1,304 @@
+"""Parallel layouts for a Hugging Face causal LM on a DeviceMesh: FSDP2, HSDP/replication, TP.
+
+Mesh: three named dims, outermost first, `("dp_replicate", "dp_shard", "tp")`, so the
+ranks of one tensor-parallel group are contiguous and the data-parallel rank of global
+rank r is `r // tp` (`ParallelismConfig.dp_rank`). Every data-parallel rank receives its
+own datums; the `tp` ranks of one data-parallel rank receive the same datums.
+
+Order of application (as torchtitan): tensor parallel → activation checkpointing → FSDP2.
+
+* **TP** (`tp > 1`, Llama/Qwen3 family): DTensor `parallelize_module` per decoder layer —
+  `ColwiseParallel` for q/k/v/gate/up, `RowwiseParallel` for o/down. The attention modules
+  of these families read head counts only through `view(..., -1, head_dim)` and the
+  ratio `num_key_value_groups` (unchanged by TP), so nothing in the model needs to be
+  rewritten; `_check_tp_divisibility` makes sure every rank holds whole heads. Qwen3's
+  per-head `q_norm`/`k_norm` see only the local heads, so their weights become replicated
+  DTensors (`SequenceParallel` over the heads dim) whose gradient DTensor sums across TP
+  ranks. Embeddings, layer norms and `lm_head` stay replicated plain tensors: they see the
+  full (all-reduced) activations, so every TP rank computes their complete gradient.
+  LoRA layers (peft) are split too: the base Linear as above, `lora_B` column-wise after a
+  replicated `lora_A` (q/k/v/gate/up), `lora_A` row-wise before a replicated `lora_B`
+  (o/down).
+* **FSDP2** (`dp_shard > 1` or `dp_replicate > 1`): `fully_shard` per decoder layer and at
+  the root, on the 1-D `dp_shard` mesh, or the 2-D `(dp_replicate, dp_shard)` mesh (HSDP;
+  with `dp_shard == 1` that is DDP-style replication). **Gradient reduction is a SUM**
+  (DESIGN.md contract 2): FSDP2 averages by default, so every FSDP module gets
+  `set_gradient_divide_factor(1.0)` and `set_force_sum_reduction_for_comms(True)` (in
+  torch 2.13, `_fsdp_collectives._get_gradient_divide_factors` then picks
+  `ReduceOp.SUM` for both the reduce-scatter and the HSDP all-reduce and a post-divide
+  factor of 1, i.e. none; gloo has no PREMUL_SUM, so the force-sum flag is needed on CPU).
+* **Mixed precision**: with a bf16 compute dtype on GPU, `MixedPrecisionPolicy(param_dtype=
+  bf16, reduce_dtype=fp32)`; the sharded parameters (and AdamW state) stay in the dtype the
+  model was loaded in. On CPU/fp32 no policy (exactness tests run there).
+* **CPU offload** (`cpu_offload=True`, GPU only): FSDP2's `CPUOffloadPolicy`.
+* **Activation checkpointing**: `torch.distributed._composable.checkpoint` on each decoder
+  layer — a composable API (hooks, no wrapper module), so parameter names, state dicts and
+  checkpoints are unchanged. transformers' own `gradient_checkpointing_enable` only acts in
+  training mode and ember's engine runs in eval mode (no dropout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_TP_FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
+
+
+@dataclass
+class ParallelismConfig:
+    """How one engine is laid out over `world_size = dp_replicate * dp_shard * tp` ranks.
+
+    dp_replicate: replicas holding a full copy each (HSDP across replicas; DDP-style when
+        dp_shard == 1). Gradients are summed across replicas.
+    dp_shard: FSDP2 degree: parameters, gradients and optimizer state are sharded dim-0.
+    tp: tensor-parallel degree (Llama/Qwen3 attention heads and MLP columns).
+    activation_checkpointing: recompute each decoder layer's activations in backward.
+    cpu_offload: FSDP2 CPUOffloadPolicy (sharded params/grads/optimizer on CPU; GPU only).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelismConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.cpu_offload and self.dp_size == 1:
+            raise ValueError("ParallelismConfig.cpu_offload needs FSDP2 (dp_shard or dp_replicate > 1)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (each gets its own share of the datums)."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel rank of global rank `rank` (tp is the innermost mesh dim)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {self.world_size}")
+        return rank // self.tp
+
+    def as_dict(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "dp_replicate": self.dp_replicate,
+                "dp_shard": self.dp_shard, "tp": self.tp}
+
+    @classmethod
+    def for_world(cls, world_size: int, **kwargs) -> "ParallelismConfig":
+        """Default layout for `world_size` ranks: FSDP2 over all of them."""
+        return cls(dp_shard=world_size, **kwargs)
+
+
+def build_mesh(pconfig: ParallelismConfig, device_type: str = "cpu") -> DeviceMesh:
+    """A DeviceMesh of shape (dp_replicate, dp_shard, tp) with those dim names.
+
+    The default process group must be initialised with exactly `pconfig.world_size` ranks.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("build_mesh needs torch.distributed initialised (use ember.workers to start ranks)")
+    world = dist.get_world_size()
+    if world != pconfig.world_size:
+        raise ValueError(
+            f"ParallelismConfig {pconfig.as_dict()} needs {pconfig.world_size} ranks; the process group has {world}"
+        )
+    shape = (pconfig.dp_replicate, pconfig.dp_shard, pconfig.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+# ---------------------------------------------------------------------- model structure
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers `*ForCausalLM` inside a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """`model.model.layers` of a Llama/Qwen-style causal LM (peft-wrapped or not)."""
+    inner = getattr(hf_model(model), "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(hf_model(model)).__name__} has no `model.layers`; cannot parallelize it per layer")
+    return layers
+
+
+def _mixed_precision(device_type: str, dtype: torch.dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device_type == "cuda" and dtype == torch.bfloat16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+# ---------------------------------------------------------------------- tensor parallel
+def _check_tp_divisibility(config, tp: int) -> None:
+    model_type = str(getattr(config, "model_type", "?"))
+    if model_type not in _TP_FAMILIES:
+        raise ValueError(f"tensor parallelism supports {_TP_FAMILIES}; this model is {model_type!r}")
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    for name, value in sizes.items():
+        if value % tp:
+            raise ValueError(f"tp={tp} must divide config.{name}={value} (each rank holds whole heads/columns)")
+
+
+def _lora_leaves(module: nn.Module) -> tuple[nn.Module, list[str]] | None:
+    """(base Linear, adapter names) of a peft LoRA layer; None for a plain Linear."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return None
+    return base, list(getattr(module, "lora_A", {}).keys())
+
+
+def _projection_plan(layer: nn.Module, path: str, rowwise: bool) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    style = RowwiseParallel if rowwise else ColwiseParallel
+    lora = _lora_leaves(layer.get_submodule(path))
+    if lora is None:
+        return {path: style()}
+    # Column split: x → A (replicated) → B (columns split). Row split: x_shard → A (rows split) → B (replicated).
+    plan = {f"{path}.base_layer": style()}
+    for name in lora[1]:
+        plan[f"{path}.lora_A.{name}" if rowwise else f"{path}.lora_B.{name}"] = style()
+    return plan
+
+
+def layer_tp_plan(layer: nn.Module) -> dict:
+    """The `parallelize_module` plan of one Llama/Qwen3 decoder layer."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    plan: dict = {}
+    for path in _COLWISE:
+        plan.update(_projection_plan(layer, path, rowwise=False))
+    for path in _ROWWISE:
+        plan.update(_projection_plan(layer, path, rowwise=True))
+    for path in _HEAD_NORMS:
+        try:
+            layer.get_submodule(path)
+        except AttributeError:
+            continue
+        # (B, L, heads, head_dim): the local heads are a Shard(2) of all heads.
+        plan[path] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    _check_tp_divisibility(hf_model(model).config, tp_mesh.size())
+    for layer in decoder_layers(model):
+        parallelize_module(layer, tp_mesh, layer_tp_plan(layer))
+
+
+# ---------------------------------------------------------------------- FSDP2
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def set_sum_reduction(modules: Iterable[nn.Module]) -> None:
+    """Make FSDP2 SUM gradients across data-parallel ranks instead of averaging them."""
+    for m in modules:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype, cpu_offload: bool) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    device_type = dp_mesh.device_type
+    if cpu_offload and device_type == "cpu":
+        raise ValueError("ParallelismConfig.cpu_offload needs a CUDA device; the model is already on the CPU")
+    kwargs = {
+        "mesh": dp_mesh,
+        "mp_policy": _mixed_precision(device_type, dtype),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    set_sum_reduction(fsdp_modules(model))
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for layer in decoder_layers(model):
+        checkpoint(layer)
+
+
+def parallelize_model(
+    model: nn.Module, mesh: DeviceMesh | None, pconfig: ParallelismConfig, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Apply TP, activation checkpointing and FSDP2 in place (see the module docstring).
+
+    `dtype` is the compute dtype (bf16 on GPU turns on FSDP2 mixed precision). With a
+    world of one and no activation checkpointing the model is returned untouched.
+    """
+    if pconfig.tp > 1 or pconfig.dp_size > 1:
+        if mesh is None:
+            raise ValueError(f"ParallelismConfig {pconfig.as_dict()} needs a DeviceMesh (see build_mesh)")
+        if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+            raise ValueError(f"mesh dims must be {MESH_DIMS}, got {mesh.mesh_dim_names}")
+    if pconfig.tp > 1:
+        apply_tp(model, mesh["tp"])
+    if pconfig.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if pconfig.dp_size > 1:
+        dp_mesh = mesh["dp_shard"] if pconfig.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        apply_fsdp(model, dp_mesh, dtype, pconfig.cpu_offload)
+    return model
+
+
+# ---------------------------------------------------------------------- runtime helpers for engines
+@dataclass
+class ParallelContext:
+    """What a parallel engine needs at run time: its layout and mesh."""
+
+    config: ParallelismConfig
+    mesh: DeviceMesh | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.config.world_size > 1
+
+    def info(self) -> dict[str, int]:
+        return self.config.as_dict()
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise MAX of small integer vectors over all ranks (one all-reduce)."""
+        if not self.is_distributed:
+            return list(values)
+        device = "cpu" if self.mesh is None or self.mesh.device_type == "cpu" else torch.device(
+            "cuda", torch.cuda.current_device()
+        )
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
+    def summary(self) -> dict:
+        return {**asdict(self.config), "world_size": self.world_size}
