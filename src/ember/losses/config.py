@@ -39,7 +39,9 @@ def _check_ranges(name: str, config: Mapping[str, float]) -> None:
                 f"got clip_low_threshold={low}, clip_high_threshold={high}"
             )
     if config.get("beta", 0.0) < 0.0:
-        raise ValueError(f"loss {name!r}: loss_fn_config['beta'] must be >= 0, got {config['beta']}")
+        raise ValueError(
+            f"loss {name!r}: loss_fn_config['beta'] must be >= 0, got {config['beta']}"
+        )
 
 
 def resolve_config(name: str, config: ConfigIn) -> dict[str, float]:

@@ -14,13 +14,17 @@ from ember.losses import functions
 from ember.losses.config import ConfigIn, resolve_config
 
 
-def _ratio_T(name: str, logp_T: torch.Tensor, inputs: Mapping[str, torch.Tensor],
-             segment_ids: torch.Tensor | None) -> torch.Tensor:
+def _ratio_T(
+    name: str,
+    logp_T: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    segment_ids: torch.Tensor | None,
+) -> torch.Tensor:
     q_T = inputs["logprobs"].to(logp_T)
     if name != "gspo":
         return torch.exp(logp_T - q_T)
     mask_T = inputs["sequence_ratio_mask"].to(logp_T)
-    return torch.exp(functions._segment_log_ratio(logp_T, q_T, mask_T, segment_ids))
+    return torch.exp(functions.gspo_sequence_log_ratio(logp_T, q_T, mask_T, segment_ids))
 
 
 @torch.no_grad()

@@ -156,7 +156,7 @@ def dro(
     return -(logp_T * adv_T - 0.5 * beta * (logp_T - q_T) ** 2)
 
 
-def _segment_log_ratio(
+def gspo_sequence_log_ratio(
     logp_T: torch.Tensor, q_T: torch.Tensor, mask_T: torch.Tensor, segment_ids: torch.Tensor | None
 ) -> torch.Tensor:
     """Per token, its datum's mean of sg[logp] − q over the tokens with mask ≠ 0.
@@ -197,7 +197,7 @@ def gspo(
     """
     logp_T, q_T, adv_T = _rl_tensors(target_logprobs, inputs)
     mask_T = _per_token("sequence_ratio_mask", inputs, logp_T)
-    log_s_T = _segment_log_ratio(logp_T, q_T, mask_T, segment_ids)
+    log_s_T = gspo_sequence_log_ratio(logp_T, q_T, mask_T, segment_ids)
     s_T = torch.exp(log_s_T + logp_T - logp_T.detach())
     low, high = _clip_bounds(config)
     return _clipped_surrogate(s_T, adv_T, low, high)

@@ -102,6 +102,7 @@ def get_loss(name: str) -> LossSpec:
     if name in LOSSES:
         return LOSSES[name]
     if name in UNSUPPORTED:
-        raise ValueError(f"loss_fn {name!r} is not supported by ember: {UNSUPPORTED[name]}. "
-                         f"Supported: {known}")
+        raise ValueError(
+            f"loss_fn {name!r} is not supported by ember: {UNSUPPORTED[name]}. Supported: {known}"
+        )
     raise ValueError(f"unknown loss_fn {name!r}; known: {known}")

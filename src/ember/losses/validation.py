@@ -94,9 +94,7 @@ def _check_float(
 ) -> torch.Tensor:
     field = f"{where}: loss_fn_inputs[{key!r}]"
     if not value.is_floating_point():
-        raise ValueError(
-            f"{field} has dtype {_dtype(value)}, expected a float tensor (float32)"
-        )
+        raise ValueError(f"{field} has dtype {_dtype(value)}, expected a float tensor (float32)")
     if value.shape != expected:
         raise ValueError(
             f"{field} has shape {_shape(value.shape)}, expected {_shape(expected)} ({note})"
