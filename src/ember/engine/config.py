@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ember.models.loading import resolve_dtype
 
 
@@ -13,8 +15,12 @@ class EngineConfig:
 
     micro_batch_tokens: token budget of one packed micro-batch (forward + backward at once).
         A datum longer than the budget forms a micro-batch of its own.
-    dtype: parameter/compute dtype. "float32" on CPU; "bfloat16" on GPU (with FSDP2 the
-        gradient reduction stays fp32, see ParallelismConfig).
+    dtype: dtype the parameters (and Adam state) are stored in. Keep "float32" for exact
+        training; "bfloat16" halves memory at the cost of bf16 optimizer updates.
+    autocast_dtype: None (compute in `dtype`) or "bfloat16"/"float16": run the forward and
+        backward under `torch.autocast` with fp32 master weights — the usual single-GPU
+        mixed-precision recipe. Under FSDP2, ParallelismConfig's MixedPrecisionPolicy does
+        this instead. Log-softmax and losses are always computed in fp32.
     device: "cpu", "cuda" or "cuda:N".
     packing: True packs sequences into one row with block-diagonal attention (via
         position_ids); False pads each micro-batch to its longest sequence.
@@ -24,6 +30,7 @@ class EngineConfig:
 
     micro_batch_tokens: int = 8192
     dtype: str = "float32"
+    autocast_dtype: str | None = None
     device: str = "cpu"
     packing: bool = True
     attn_implementation: str = "sdpa"
@@ -33,6 +40,8 @@ class EngineConfig:
         if self.micro_batch_tokens < 1:
             raise ValueError(f"EngineConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         resolve_dtype(self.dtype)
+        if self.autocast_dtype is not None and resolve_dtype(self.autocast_dtype) not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"EngineConfig.autocast_dtype must be None, 'bfloat16' or 'float16', got {self.autocast_dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):

@@ -25,7 +25,7 @@ from ember.engine.base import EngineInfo, EngineStatus, LossConfig, NonFiniteGra
 from ember.engine.batching import MicroBatch, build_micro_batch, plan_micro_batches, prepare_datums
 from ember.engine.config import EngineConfig
 from ember.losses import get_loss, resolve_config
-from ember.models import add_lora_adapter, load_model
+from ember.models import add_lora_adapter, load_model, resolve_dtype
 
 DEFAULT_ADAPTER = "default"
 
@@ -142,12 +142,14 @@ class TorchEngine(TrainingEngine):
     # ------------------------------------------------------------------ forward / backward
     def _target_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.device
-        out = self.model(
-            input_ids=mb.input_ids.to(dev),
-            position_ids=mb.position_ids.to(dev),
-            attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
-            use_cache=False,
-        )
+        amp = self.config.autocast_dtype
+        with torch.autocast(dev.type, dtype=resolve_dtype(amp) if amp else None, enabled=amp is not None):
+            out = self.model(
+                input_ids=mb.input_ids.to(dev),
+                position_ids=mb.position_ids.to(dev),
+                attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                use_cache=False,
+            )
         logits = out.logits.flatten(0, 1).index_select(0, mb.valid_index.to(dev))  # (T, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 even for bf16 models
         targets = mb.inputs["target_tokens"].to(dev)
