@@ -1,0 +1,99 @@
+"""In-process `SamplingClient`: the SDK's SamplingClient methods over an `ember.service`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import TYPE_CHECKING
+
+from tinker import types
+from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
+
+from ember.client.futures import chain, unwrap
+
+if TYPE_CHECKING:
+    from ember.client.service_client import ServiceClient
+
+
+def _with_sequence_ids(response: types.SampleResponse, ids: list[str] | None) -> types.SampleResponse:
+    """Stamp the submission's sample_sequence_ids on the sequences, as the SDK does."""
+    if not ids or len(ids) != len(response.sequences):
+        return response
+    if all(s.sequence_id == i for s, i in zip(response.sequences, ids)):
+        return response
+    seqs = [dataclasses.replace(s, sequence_id=i) for s, i in zip(response.sequences, ids, strict=True)]
+    return dataclasses.replace(response, sequences=seqs)
+
+
+class SamplingClient:
+    """Same methods, arguments and return types as `tinker.SamplingClient`."""
+
+    def __init__(self, service_client: "ServiceClient", sampling_session_id: str, base_model: str) -> None:
+        self._sc = service_client
+        self._sampling_session_id = sampling_session_id
+        self._base_model = base_model
+        self._seq = itertools.count(0)
+        self._seq_lock = threading.Lock()
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+    def sample(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> APIFuture[types.SampleResponse]:
+        if target_prompt_logprobs is not None or prompt_alt_tokens_k:
+            raise ValueError("target_prompt_logprobs and prompt_alt_tokens_k are not supported by ember's sampler")
+        if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
+            raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
+        sub = self._sc._service.sample(
+            self._sc._owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
+            include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
+        )
+        ids = sub.sample_sequence_ids
+        state = self._sc._watch(sub.request_id)
+        return AwaitableConcurrentFuture(chain(state, lambda st: _with_sequence_ids(unwrap(st), ids)))
+
+    async def sample_async(self, prompt, num_samples, sampling_params, include_prompt_logprobs=False,
+                           topk_prompt_logprobs=0, topk_sample_logprobs=0, target_prompt_logprobs=None,
+                           prompt_alt_tokens_k=0, prompt_logprobs_last_n=None) -> types.SampleResponse:
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs,
+                                 topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k,
+                                 prompt_logprobs_last_n)
+
+    def compute_logprobs(self, prompt: types.ModelInput,
+                         prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
+        """As in the SDK: a one-token sample with prompt logprobs; None at position 0."""
+        fut = self.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                          prompt_logprobs_last_n=prompt_logprobs_last_n)
+        return AwaitableConcurrentFuture(chain(fut.future(), lambda r: r.prompt_logprobs))
+
+    async def compute_logprobs_async(self, prompt: types.ModelInput,
+                                     prompt_logprobs_last_n: int | None = None) -> list[float | None]:
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
+
+    def get_tokenizer(self):
+        return self._sc._tokenizer(self._base_model, None)
+
+    def get_base_model(self) -> str:
+        return self._base_model
+
+    async def get_base_model_async(self) -> str:
+        return self._base_model
+
+    def get_sampler_handle(self) -> str:
+        return self._sampling_session_id
+
+    def __repr__(self) -> str:
+        return f"SamplingClient(sampling_session_id={self._sampling_session_id!r}, base_model={self._base_model!r})"

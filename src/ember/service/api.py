@@ -1,0 +1,439 @@
+"""`ServiceAPI`: the multi-tenant core's public interface (no HTTP in it).
+
+The HTTP server (`ember.server`) and the in-process client (`ember.client`) both talk to a
+service only through this interface. Its methods mirror Tinker's endpoints
+(tinker-protocol.md §2): arguments are the request fields, already parsed into tinker
+types; results are tinker types, so the server only translates them to the wire format.
+
+Construction (implementation in `ember.service.core`)::
+
+    from ember.service import Service, ServiceConfig
+    service = Service(ServiceConfig(data_dir="/var/ember", models={"Qwen/Qwen3-0.6B": "/models/qwen3"},
+                                    database_url=None))   # None -> sqlite:///<data_dir>/ember.db
+    ...
+    service.close()
+
+`Service(config, engine_factory=..., sampler_factory=...)` takes the seams for scale-out:
+`ember.service.engines.EngineFactory` (default `LocalEngineFactory`: in-process
+TorchEngines, LoRA adapters sharing one base model; `WorkerGroupEngineFactory` runs
+engines on an `ember.workers.WorkerGroup`) and `ember.service.samplers.SamplerFactory`
+(default: one `TorchSampler` per base model).
+
+Conventions
+-----------
+* **owner**: every call takes the caller's identity first (the API key's identity on the
+  server; `"local"` in process). Sessions, runs, samplers, checkpoints and futures are
+  visible only to their owner; something owned by another owner is reported exactly like
+  something that does not exist (`NotFoundError`), so ids cannot be probed.
+* **Direct calls** (sessions, `get_info`, `create_sampling_session`, `get_sampler`, REST
+  listings) return their result or raise a `ServiceError` subclass (mapping to HTTP:
+  `UserError` 400, `NotFoundError` 404, `SessionGoneError` 410, `ServerError` 500).
+* **Submissions** (`create_model`, `load_weights`, `forward_backward`, `optim_step`,
+  `save_weights`, `save_weights_for_sampler`, `sample`) return a `Submission` at once and
+  never block on the work. They raise only for malformed arguments that the caller should
+  have rejected itself (a `UserError`, e.g. a negative seq_id). Every *semantic* failure
+  (unknown model or base model, unknown loss, bad datum, duplicate checkpoint name,
+  non-finite gradient, ...) is reported through the future as
+  `FutureState(status="failed", category=User)`, never as an exception: the SDK retries
+  HTTP errors for minutes, but shows a failed future to the user at once.
+* **Ordering** (DESIGN.md contract 3): requests of one training run (every submission
+  that carries a `seq_id`) execute in `seq_id` order. After `create_model` the next
+  expected seq_id is 1; a run created by `load_weights(session_id=..., model_seq_id=...)`
+  counts that load as seq 0, so the next is also 1. A missing seq_id is waited for at
+  most `ServiceConfig.seq_gap_timeout_s` (counted from the moment the run is idle with a
+  later request waiting), then skipped with a logged warning; if it arrives afterwards it
+  fails with category `server` ("arrived after it was skipped").
+* **Idempotency**: resubmitting the same key returns the *same* `Submission`
+  (same request_id, nothing executed twice). Keys: `(session_id, model_seq_id)` for
+  `create_model` / create-via-`load_weights`; `(model_id, seq_id)` for training calls;
+  `(session_id, sampling_session_seq_id)` for `create_sampling_session` and for
+  `save_weights_for_sampler` with a `sampling_session_seq_id`;
+  `(sampling_session_id, seq_id)` for `sample`.
+* **Futures** are kept (in the database) after retrieval, so a retry after a network
+  error, or a retrieve after a server restart, still gets the result. Requests that were
+  accepted but not finished when the server died answer
+  `failed / category=server / "... the server restarted ..."`.
+* **Threading**: every method is thread-safe and, except `retrieve`, returns quickly.
+  `retrieve(timeout_s=...)` blocks up to `timeout_s`; an asyncio server should call
+  `retrieve_async`, which waits without holding a thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tinker import types
+
+__all__ = [
+    "FutureStatus",
+    "FutureState",
+    "NotFoundError",
+    "RequestType",
+    "ServerError",
+    "ServiceAPI",
+    "ServiceError",
+    "SessionGoneError",
+    "Submission",
+    "UserError",
+]
+
+# The values of the SDK's `X-Tinker-Request-Type` header, one per kind of future.
+RequestType = Literal[
+    "CreateModel",
+    "ForwardBackward",
+    "Forward",
+    "OptimStep",
+    "SaveWeights",
+    "LoadWeights",
+    "SaveWeightsForSampler",
+    "Sample",
+]
+# Result types per request type (what `FutureState.result` holds when complete):
+#   CreateModel            -> types.CreateModelResponse
+#   ForwardBackward/Forward-> types.ForwardBackwardOutput   (protobuf on the wire)
+#   OptimStep              -> types.OptimStepResponse
+#   SaveWeights            -> types.SaveWeightsResponse
+#   LoadWeights            -> types.LoadWeightsResponse
+#   SaveWeightsForSampler  -> types.SaveWeightsForSamplerResponseInternal
+#                             (`path` set for a named save, `sampling_session_id` set
+#                             when a sampling_session_seq_id was given)
+#   Sample                 -> types.SampleResponse (sequence_id of sequence i is
+#                             Submission.sample_sequence_ids[i]; protobuf on the wire)
+
+FutureStatus = Literal["pending", "complete", "failed"]
+
+
+class ServiceError(Exception):
+    """Base of the errors raised by direct calls. `category` as in RequestFailedResponse."""
+
+    category: types.RequestErrorCategory = types.RequestErrorCategory.Unknown
+
+
+class UserError(ServiceError, ValueError):
+    """Bad input from the caller (HTTP 400)."""
+
+    category = types.RequestErrorCategory.User
+
+
+class NotFoundError(UserError, LookupError):
+    """Unknown id, or an id owned by someone else (HTTP 404)."""
+
+
+class SessionGoneError(UserError):
+    """The session was finished or expired (HTTP 410 on heartbeat)."""
+
+
+class ServerError(ServiceError, RuntimeError):
+    """Our fault (HTTP 500)."""
+
+    category = types.RequestErrorCategory.Server
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What a submission answers at once (the wire's UntypedAPIFuture)."""
+
+    request_id: str
+    model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None  # only for `sample`: one per requested sample
+
+
+@dataclass(frozen=True)
+class FutureState:
+    """One answer of `retrieve`.
+
+    status "pending":  not finished within the wait; the server answers `try_again`
+                       (`queue_state` is "active" unless the service is paused).
+    status "complete": `result` holds the tinker type listed under `RequestType`.
+    status "failed":   `error` (human-readable, names datum index / field where relevant)
+                       and `category` (User for bad input, Server for our faults).
+    """
+
+    request_id: str
+    request_type: RequestType
+    status: FutureStatus
+    result: Any = None
+    error: str | None = None
+    category: types.RequestErrorCategory | None = None
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
+    model_id: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status != "pending"
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    owner: str
+    tags: list[str] = field(default_factory=list)
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    project_id: str | None = None
+    display_name: str | None = None
+    status: Literal["active", "finished", "expired"] = "active"
+
+
+class ServiceAPI(abc.ABC):
+    """The multi-tenant service. See the module docstring for the conventions."""
+
+    # ------------------------------------------------------------------ sessions
+    @abc.abstractmethod
+    def create_session(
+        self,
+        owner: str,
+        *,
+        tags: Sequence[str] = (),
+        user_metadata: Mapping[str, Any] | None = None,
+        project_id: str | None = None,
+        display_name: str | None = None,
+        sdk_version: str | None = None,
+    ) -> types.CreateSessionResponse:
+        """Open a session (one per ServiceClient). Returns its id ("sess-<hex>")."""
+
+    @abc.abstractmethod
+    def heartbeat(self, owner: str, session_id: str) -> None:
+        """Keep a session alive. Raises SessionGoneError if finished/expired (→ HTTP 410)."""
+
+    @abc.abstractmethod
+    def finish_session(
+        self, owner: str, session_id: str, reason: str = "success", detail: str | None = None
+    ) -> None:
+        """Close a session (`reason` ∈ success|errored|interrupted). Its runs take no new
+        requests (failed, category server), finish what is queued, then free their engines
+        (LoRA adapters leave the shared model); its sampling sessions are dropped; its
+        checkpoints and futures stay (they outlive sessions). Idempotent."""
+
+    @abc.abstractmethod
+    def expire_sessions(self) -> list[str]:
+        """Expire sessions without a heartbeat for `ServiceConfig.session_timeout_s`
+        (no-op when that is None); unload their models (checkpoints stay). Returns the
+        expired ids. The service calls this itself periodically; exposed for tests."""
+
+    @abc.abstractmethod
+    def get_session(self, owner: str, session_id: str) -> types.GetSessionResponse: ...
+
+    @abc.abstractmethod
+    def list_sessions(self, owner: str, limit: int = 20, offset: int = 0) -> types.ListSessionsResponse: ...
+
+    # ------------------------------------------------------------- training runs
+    @abc.abstractmethod
+    def create_model(
+        self,
+        owner: str,
+        session_id: str,
+        model_seq_id: int,
+        base_model: str,
+        lora_config: types.LoraConfig | None,
+        *,
+        optimizer_config: Mapping[str, Any] | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> Submission:
+        """Create a training run with model id f"{session_id}:train:{model_seq_id}".
+
+        `lora_config` None means full fine-tuning (a private copy of the base model);
+        otherwise a named LoRA adapter on the shared base model. `base_model` is a
+        registered name or a local model directory. Future → CreateModelResponse.
+        Unknown base model / bad LoRA config / unsupported optimizer → failed, user.
+        """
+
+    @abc.abstractmethod
+    def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
+        """Direct. model_data = {arch, model_name (base model name), tokenizer_id (a local
+        directory)}, is_lora, lora_rank. Raises NotFoundError until create_model/
+        create-via-load has registered the run (the server should answer 404; the SDK
+        only calls it after the creation future completed)."""
+
+    @abc.abstractmethod
+    def load_weights(
+        self,
+        owner: str,
+        path: str,
+        optimizer: bool,
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        session_id: str | None = None,
+        model_seq_id: int | None = None,
+        base_model: str | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> Submission:
+        """Load a `tinker://<run>/weights/<name>` checkpoint (state saved by `save_weights`).
+
+        Two addressing modes (exactly one must be given, else UserError):
+        * `model_id` + `seq_id`: into the existing run (an ordered op of that run);
+        * `session_id` + `model_seq_id`: create-via-load — a new run
+          f"{session_id}:train:{model_seq_id}" with the checkpoint's base model and LoRA
+          config; the load is its seq 0.
+        `optimizer=False` starts Adam fresh (step 0). Future → LoadWeightsResponse
+        (path, model_id). Unknown/foreign path → failed, user.
+        """
+
+    @abc.abstractmethod
+    def forward_backward(
+        self,
+        owner: str,
+        model_id: str,
+        seq_id: int,
+        data: Sequence[types.Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float | str] | None = None,
+        *,
+        forward_only: bool = False,
+    ) -> Submission:
+        """Ordered op. Future (request type ForwardBackward, or Forward when forward_only)
+        → ForwardBackwardOutput with per-datum `logprobs` (+ `elementwise_loss`) and metrics
+        {"loss:sum": ...} (keys always have exactly one colon). Gradients accumulate until
+        optim_step. Bad datum / unknown loss / bad config → failed, user (engine's message)."""
+
+    @abc.abstractmethod
+    def optim_step(self, owner: str, model_id: str, seq_id: int, adam_params: types.AdamParams) -> Submission:
+        """Ordered op. Future → OptimStepResponse(metrics). A non-finite gradient →
+        failed, user ("non-finite gradient ..."); weights and Adam state stay untouched."""
+
+    @abc.abstractmethod
+    def save_weights(
+        self,
+        owner: str,
+        model_id: str,
+        seq_id: int,
+        path: str,
+        *,
+        overwrite: bool = False,
+        ttl_seconds: int | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> Submission:
+        """Ordered op (the SDK's `save_state`): weights + optimizer state + step, stored under
+        the data directory. `path` is a checkpoint *name* ([A-Za-z0-9_.-]+, no "..";
+        violations → failed, user). Future → SaveWeightsResponse(path=
+        "tinker://<model_id>/weights/<name>"). Existing name without overwrite → failed, user."""
+
+    @abc.abstractmethod
+    def save_weights_for_sampler(
+        self,
+        owner: str,
+        model_id: str,
+        seq_id: int | None,
+        path: str | None = None,
+        *,
+        sampling_session_seq_id: int | None = None,
+        kind: Literal["snapshot", "inflight"] = "snapshot",
+        ttl_seconds: int | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> Submission:
+        """Ordered op (when seq_id is not None). Exactly one of `path` (a name) and
+        `sampling_session_seq_id` must be given.
+
+        * name: exports the current weights as safetensors → SaveWeightsForSamplerResponseInternal(
+          path="tinker://<model_id>/sampler_weights/<name>").
+        * sampling_session_seq_id: snapshots the current weights (immutable, contract 4)
+          into a new sampling session of the run's session (idempotent on
+          (session_id, sampling_session_seq_id)) → ...Internal(sampling_session_id=...).
+          `kind="inflight"` is treated as "snapshot" (documented simplification).
+        """
+
+    # ----------------------------------------------------------------- sampling
+    @abc.abstractmethod
+    def create_sampling_session(
+        self,
+        owner: str,
+        session_id: str,
+        sampling_session_seq_id: int,
+        *,
+        base_model: str | None = None,
+        model_path: str | None = None,
+    ) -> types.CreateSamplingSessionResponse:
+        """Direct. A sampler on a base model (registered name or directory) or on a
+        checkpoint (`tinker://<run>/sampler_weights/<name>` or `.../weights/<name>`).
+        Exactly one of base_model / model_path (else UserError); unknown → NotFoundError
+        (unknown base model → UserError). Idempotent on (session_id, sampling_session_seq_id)."""
+
+    @abc.abstractmethod
+    def get_sampler(self, owner: str, sampling_session_id: str) -> types.GetSamplerResponse:
+        """Direct: {sampler_id, base_model, model_path?}."""
+
+    @abc.abstractmethod
+    def sample(
+        self,
+        owner: str,
+        sampling_session_id: str,
+        seq_id: int | None,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        *,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> Submission:
+        """Submit a sample (and `compute_logprobs`, which is a 1-token sample with
+        include_prompt_logprobs=True). Returns request_id and `sample_sequence_ids`
+        (num_samples strings); the future's SampleResponse has exactly that many
+        sequences, `sequence_id`s set to them. Bad prompt/params → failed, user."""
+
+    # ------------------------------------------------------------------ futures
+    @abc.abstractmethod
+    def retrieve(self, owner: str, request_id: str, timeout_s: float = 0.0) -> FutureState:
+        """State of a future, waiting up to `timeout_s` for it to finish (long-poll).
+        Unknown/foreign request_id → NotFoundError."""
+
+    @abc.abstractmethod
+    async def retrieve_async(self, owner: str, request_id: str, timeout_s: float = 0.0) -> FutureState:
+        """As `retrieve`, awaiting completion on the running event loop (no thread held)."""
+
+    def watch(self, owner: str, request_id: str) -> concurrent.futures.Future:
+        """A `concurrent.futures.Future` resolving to the final FutureState (used by the
+        in-process client). This default polls `retrieve` on a daemon thread; `Service`
+        overrides it with a callback (no thread, no polling)."""
+        self.retrieve(owner, request_id)  # unknown/foreign ids raise here, not in the thread
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def poll() -> None:
+            try:
+                while not (state := self.retrieve(owner, request_id, 25.0)).done:
+                    pass
+                fut.set_result(state)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(exc)
+
+        threading.Thread(target=poll, name=f"ember-watch-{request_id}", daemon=True).start()
+        return fut
+
+    # --------------------------------------------------------------------- REST
+    @abc.abstractmethod
+    def list_training_runs(self, owner: str, limit: int = 20, offset: int = 0) -> types.TrainingRunsResponse:
+        """The owner's runs, newest first; cursor {offset, limit, total_count}. Runs of
+        earlier server lifetimes are listed too (their `corrupted` stays False; they can be
+        recreated from their last checkpoint with load_weights(session_id=..., ...))."""
+
+    @abc.abstractmethod
+    def get_training_run(self, owner: str, run_id: str) -> types.TrainingRun: ...
+
+    @abc.abstractmethod
+    def list_checkpoints(self, owner: str, run_id: str) -> types.CheckpointsListResponse: ...
+
+    @abc.abstractmethod
+    def list_user_checkpoints(self, owner: str, limit: int = 100, offset: int = 0) -> types.CheckpointsListResponse: ...
+
+    @abc.abstractmethod
+    def delete_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> None:
+        """`checkpoint_id` as in REST paths: "weights/<name>" or "sampler_weights/<name>"."""
+
+    @abc.abstractmethod
+    def get_weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse: ...
+
+    @abc.abstractmethod
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        """The registered base models (trainable and sampleable)."""
+
+    # ---------------------------------------------------------------- lifecycle
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop executor threads (in-flight work is abandoned; after a restart those
+        futures answer category server) and close the database. Idempotent."""

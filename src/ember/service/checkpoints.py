@@ -1,0 +1,122 @@
+"""Checkpoint names, `tinker://` paths and the on-disk layout under the data directory.
+
+    tinker://<run_id>/weights/<name>          -> <data_dir>/checkpoints/<run_dir>/weights/<name>/
+        `engine.save_state` (DCP shards of the trainable tensors + Adam state + step)
+    tinker://<run_id>/sampler_weights/<name>  -> <data_dir>/checkpoints/<run_dir>/sampler_weights/<name>/
+        `engine.export_hf` (peft adapter safetensors for LoRA; HF safetensors for full FT)
+
+`<run_dir>` is the run id with every character outside [A-Za-z0-9_.-] replaced by "_"
+(run ids contain ':'); the database maps each tinker path to its directory, so the
+directory name never has to be parsed back.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ember.service.api import UserError
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+KIND_SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+SEGMENT_OF_KIND = {v: k for k, v in KIND_SEGMENTS.items()}
+
+
+def validate_name(name: object) -> str:
+    """A checkpoint name must stay inside its directory: no '/', '..', absolute paths or
+    odd characters (letters, digits, '_', '.', '-'; at most 128; not starting with '.' or '-')."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise UserError(
+            f"invalid checkpoint name {name!r}: use 1-128 characters from [A-Za-z0-9_.-], "
+            "starting with a letter, digit or '_', without '..' or '/'"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    run_id: str
+    kind: str  # "training" | "sampler"
+    name: str
+
+    @property
+    def uri(self) -> str:
+        return f"tinker://{self.run_id}/{SEGMENT_OF_KIND[self.kind]}/{self.name}"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """As in REST paths: "weights/<name>" / "sampler_weights/<name>"."""
+        return f"{SEGMENT_OF_KIND[self.kind]}/{self.name}"
+
+
+def parse_tinker_path(path: object) -> TinkerPath:
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        raise UserError(f"expected a tinker:// checkpoint path, got {path!r}")
+    parts = path[len("tinker://") :].split("/")
+    if len(parts) != 3 or not parts[0] or parts[1] not in KIND_SEGMENTS:
+        raise UserError(
+            f"invalid checkpoint path {path!r}: expected tinker://<run_id>/weights/<name> "
+            "or tinker://<run_id>/sampler_weights/<name>"
+        )
+    return TinkerPath(parts[0], KIND_SEGMENTS[parts[1]], validate_name(parts[2]))
+
+
+def run_dir_name(run_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", run_id)
+
+
+def checkpoint_dir(data_dir: Path, tp: TinkerPath) -> Path:
+    root = (data_dir / "checkpoints").resolve()
+    d = (root / run_dir_name(tp.run_id) / SEGMENT_OF_KIND[tp.kind] / tp.name).resolve()
+    if root not in d.parents:  # defence in depth; validate_name already forbids escapes
+        raise UserError(f"checkpoint path {tp.uri!r} escapes the data directory")
+    return d
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def remove_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- reading weights
+def read_state_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The trained tensors of a `save_state` directory, without building an engine.
+
+    Keys are the engine's adapter-independent names: for LoRA these equal PEFT's
+    saved-adapter names (`...q_proj.lora_A.weight`), for full FT the HF parameter names.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    state: dict[str, torch.Tensor] = {}
+    for fqn, md in meta.state_dict_metadata.items():
+        if fqn.startswith("model.") and isinstance(md, TensorStorageMetadata):
+            state[fqn[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load({"model": state}, checkpoint_id=str(path))
+    return state
+
+
+def read_sampler_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an `export_hf` directory (peft adapter or HF model safetensors)."""
+    import safetensors.torch
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"sampler checkpoint directory {str(path)!r} holds no safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(safetensors.torch.load_file(str(f)))
+    return out
+
+
+def iter_named(weights: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from weights.items()

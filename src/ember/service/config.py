@@ -1,0 +1,88 @@
+"""`ServiceConfig`: what the multi-tenant service needs besides its collaborators."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember.engine.config import EngineConfig
+
+
+def load_models_toml(path: str | os.PathLike) -> dict[str, str]:
+    """Read base-model registrations from TOML: either a `[models]` table or top-level
+    `name = "dir"` pairs. Relative directories are resolved against the file's folder."""
+    p = Path(path)
+    with p.open("rb") as f:
+        doc = tomllib.load(f)
+    table = doc.get("models", doc)
+    out: dict[str, str] = {}
+    for name, value in table.items():
+        if not isinstance(value, str):
+            raise ValueError(f"{p}: model {name!r} must map to a directory string, got {type(value).__name__}")
+        d = Path(value).expanduser()
+        out[name] = str(d if d.is_absolute() else (p.parent / d).resolve())
+    return out
+
+
+@dataclass
+class ServiceConfig:
+    """Configuration of one `Service`.
+
+    data_dir: root of checkpoints (`<data_dir>/checkpoints/...`) and, by default, the
+        SQLite database `<data_dir>/ember.db`.
+    models: base-model registry, name -> local directory (`--model NAME=DIR`). A local
+        directory path is also accepted as a base-model name without registration.
+    models_toml: optional TOML file with more registrations (merged; `models` wins).
+    database_url: any SQLAlchemy URL (e.g. postgresql+psycopg://...); None = SQLite file.
+    engine: EngineConfig given to every training engine.
+    sampler: the sampling layer's config object (None = its defaults).
+    seq_gap_timeout_s: how long a run waits for a missing seq_id before skipping it.
+    session_timeout_s: expire sessions without a heartbeat for this long (None = never).
+    retrieve_max_wait_s: cap on one `retrieve` wait (the server long-polls below the SDK's
+        45 s read timeout).
+    max_samplers_per_session: sampling sessions (weight versions) kept loaded per client
+        session; older ones are evicted (reloaded from disk on use if they have a path).
+    future_retention_s: finished futures (and their stored results) are deleted this long
+        after they finished (None = kept forever).
+    housekeeping_interval_s: how often session expiry, future pruning and checkpoint TTLs
+        (`save_state(ttl_seconds=...)`) are applied.
+    """
+
+    data_dir: str | os.PathLike
+    models: Mapping[str, str] = field(default_factory=dict)
+    models_toml: str | os.PathLike | None = None
+    database_url: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampler: Any = None
+    seq_gap_timeout_s: float = 5.0
+    session_timeout_s: float | None = None
+    retrieve_max_wait_s: float = 25.0
+    max_samplers_per_session: int = 32
+    future_retention_s: float | None = 7 * 24 * 3600.0
+    housekeeping_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser().resolve()
+        models = dict(load_models_toml(self.models_toml)) if self.models_toml else {}
+        models.update({str(k): str(v) for k, v in dict(self.models).items()})
+        self.models = models
+        if self.seq_gap_timeout_s <= 0:
+            raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
+        if self.session_timeout_s is not None and self.session_timeout_s <= 0:
+            raise ValueError(f"ServiceConfig.session_timeout_s must be > 0 or None, got {self.session_timeout_s}")
+        if self.max_samplers_per_session < 1:
+            raise ValueError(f"ServiceConfig.max_samplers_per_session must be >= 1, got {self.max_samplers_per_session}")
+        if self.future_retention_s is not None and self.future_retention_s <= 0:
+            raise ValueError(f"ServiceConfig.future_retention_s must be > 0 or None, got {self.future_retention_s}")
+        if self.housekeeping_interval_s <= 0:
+            raise ValueError(f"ServiceConfig.housekeeping_interval_s must be > 0, got {self.housekeeping_interval_s}")
+        if self.retrieve_max_wait_s < 0:
+            raise ValueError(f"ServiceConfig.retrieve_max_wait_s must be >= 0, got {self.retrieve_max_wait_s}")
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{Path(self.data_dir) / 'ember.db'}"

@@ -1,0 +1,289 @@
+"""`Service`: the `ServiceAPI` implementation, composed of small managers.
+
+    SessionManager  (sessions.py)  sessions, heartbeats, expiry
+    RunManager      (runs.py)      training runs, ordered ops on lanes, checkpoints
+    SamplerManager  (samplers.py)  sampling sessions (immutable weight versions), samples
+    FutureTable     (futures.py)   futures, persisted
+    rest.py                        REST listings
+    Store           (store.py)     SQLAlchemy persistence
+
+This class validates arguments, checks visibility (owner) and delegates; the training
+and sampling work happens in the managers' lanes and samplers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from tinker import types
+
+from ember.service import checkpoints as ckpt
+from ember.service import rest
+from ember.service.api import FutureState, NotFoundError, ServiceAPI, Submission, UserError
+from ember.service.config import ServiceConfig
+from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry
+from ember.service.futures import FutureTable
+from ember.service.runs import LiveRun, RunManager
+from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
+from ember.service.sessions import SessionManager
+from ember.service.store import CheckpointRow, Store
+
+log = logging.getLogger(__name__)
+
+RESTART_MESSAGE = (
+    "the server restarted while this request was in flight; its outcome is unknown. "
+    "Resubmit it (recreate the training run from its last checkpoint if needed)"
+)
+
+
+class Service(ServiceAPI):
+    """The multi-tenant service (see `ember.service.api` for the contract)."""
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        *,
+        engine_factory: EngineFactory | None = None,
+        sampler_factory: SamplerFactory | None = None,
+    ) -> None:
+        self.config = config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(config.resolved_database_url)
+        failed = self.store.fail_pending_futures(RESTART_MESSAGE)
+        unloaded = self.store.unload_active_runs()
+        if failed or unloaded:
+            log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
+        self.registry = ModelRegistry(config.models)
+        self.futures = FutureTable(self.store)
+        self.runs = RunManager(
+            self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
+            config.data_dir, config.seq_gap_timeout_s,
+        )
+        self.samplers = SamplerManager(
+            self.store, self.futures, self.registry, sampler_factory or LocalSamplerFactory(config.sampler),
+            config.max_samplers_per_session,
+        )
+        self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end)
+        self._closed = threading.Event()
+        self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
+        self._housekeeper.start()
+
+    def _housekeeping_loop(self) -> None:
+        interval = self.config.housekeeping_interval_s
+        if self.config.session_timeout_s is not None:
+            interval = min(interval, max(0.5, self.config.session_timeout_s / 4))
+        while not self._closed.wait(interval):
+            try:
+                self.housekeeping()
+            except Exception:  # noqa: BLE001 - housekeeping must survive a DB hiccup
+                log.exception("housekeeping failed")
+
+    def housekeeping(self) -> None:
+        """Expire silent sessions, delete old finished futures and checkpoints past their TTL."""
+        self.sessions.expire()
+        now = time.time()
+        if self.config.future_retention_s is not None:
+            self.store.prune_futures(now - self.config.future_retention_s)
+        for row in self.store.expired_checkpoints(now):
+            tp = ckpt.parse_tinker_path(row.tinker_path)
+            self.delete_checkpoint(row.owner, tp.run_id, tp.checkpoint_id)
+            log.info("checkpoint %s expired (ttl)", row.tinker_path)
+
+    def _on_session_end(self, session_id: str) -> None:
+        self.runs.unload_session(session_id)
+        self.samplers.drop_session(session_id)
+
+    # ------------------------------------------------------------------ sessions
+    def create_session(self, owner, *, tags: Sequence[str] = (), user_metadata: Mapping[str, Any] | None = None,
+                       project_id=None, display_name=None, sdk_version=None) -> types.CreateSessionResponse:
+        return self.sessions.create(owner, tags, user_metadata, project_id, display_name, sdk_version)
+
+    def heartbeat(self, owner, session_id) -> None:
+        self.sessions.heartbeat(owner, session_id)
+
+    def finish_session(self, owner, session_id, reason="success", detail=None) -> None:
+        if self.sessions.finish(owner, session_id, reason, detail):
+            self._on_session_end(session_id)
+
+    def expire_sessions(self) -> list[str]:
+        return self.sessions.expire()
+
+    def get_session(self, owner, session_id) -> types.GetSessionResponse:
+        return self.sessions.get(owner, session_id)
+
+    def list_sessions(self, owner, limit=20, offset=0) -> types.ListSessionsResponse:
+        return self.sessions.list(owner, limit, offset)
+
+    # ------------------------------------------------------------------ training runs
+    def _session_error(self, owner: str, session_id: str) -> str | None:
+        try:
+            self.sessions.require_active(owner, session_id)
+        except UserError as exc:
+            return str(exc)
+        return None
+
+    def create_model(self, owner, session_id, model_seq_id, base_model, lora_config, *,
+                     optimizer_config=None, user_metadata=None) -> Submission:
+        err = self._session_error(owner, session_id)
+        if err:
+            return self.runs.reject(owner, "CreateModel", err)
+        return self.runs.create_model(owner, session_id, model_seq_id, base_model, lora_config,
+                                      optimizer_config, user_metadata)
+
+    def get_info(self, owner, model_id) -> types.GetInfoResponse:
+        return self.runs.get_info(owner, model_id)
+
+    def load_weights(self, owner, path, optimizer, *, model_id=None, seq_id=None, session_id=None,
+                     model_seq_id=None, base_model=None, user_metadata=None) -> Submission:
+        by_model = model_id is not None
+        by_session = session_id is not None
+        if by_model == by_session:
+            return self.runs.reject(owner, "LoadWeights", "load_weights needs either model_id+seq_id or "
+                                    "session_id+model_seq_id (exactly one of the two)", model_id=model_id)
+        if by_session:
+            err = self._session_error(owner, session_id)
+            if err:
+                return self.runs.reject(owner, "LoadWeights", err)
+            return self.runs.create_from_checkpoint(owner, session_id, model_seq_id, path, bool(optimizer),
+                                                    base_model, user_metadata)
+        return self.runs.submit_op(owner, model_id, seq_id, "LoadWeights",
+                                   lambda run: self.runs.load_checkpoint(run, path, bool(optimizer)))
+
+    def forward_backward(self, owner, model_id, seq_id, data, loss_fn, loss_fn_config=None, *,
+                         forward_only=False) -> Submission:
+        data = list(data)
+        cfg = dict(loss_fn_config) if loss_fn_config else None
+
+        def op(run: LiveRun) -> types.ForwardBackwardOutput:
+            engine = run.require_engine()
+            if forward_only:
+                return engine.forward(data, loss_fn, cfg)
+            return engine.forward_backward(data, loss_fn, cfg)
+
+        return self.runs.submit_op(owner, model_id, seq_id, "Forward" if forward_only else "ForwardBackward", op)
+
+    def optim_step(self, owner, model_id, seq_id, adam_params: types.AdamParams) -> Submission:
+        def op(run: LiveRun) -> types.OptimStepResponse:
+            if not isinstance(adam_params, types.AdamParams):
+                raise UserError(f"optim_step needs AdamParams, got {type(adam_params).__name__}")
+            return types.OptimStepResponse(metrics=run.require_engine().optim_step(adam_params))
+
+        return self.runs.submit_op(owner, model_id, seq_id, "OptimStep", op)
+
+    def save_weights(self, owner, model_id, seq_id, path, *, overwrite=False, ttl_seconds=None,
+                     user_metadata=None) -> Submission:
+        def op(run: LiveRun) -> types.SaveWeightsResponse:
+            uri = self.runs.save_checkpoint(run, path, "training", overwrite, ttl_seconds, user_metadata)
+            return types.SaveWeightsResponse(path=uri)
+
+        return self.runs.submit_op(owner, model_id, seq_id, "SaveWeights", op)
+
+    def save_weights_for_sampler(self, owner, model_id, seq_id, path=None, *, sampling_session_seq_id=None,
+                                 kind: Literal["snapshot", "inflight"] = "snapshot", ttl_seconds=None,
+                                 user_metadata=None) -> Submission:
+        if (path is None) == (sampling_session_seq_id is None):
+            return self.runs.reject(owner, "SaveWeightsForSampler", "save_weights_for_sampler needs exactly one of "
+                                    "path (a name) and sampling_session_seq_id", model_id=model_id)
+        if path is not None:
+            def op(run: LiveRun):
+                uri = self.runs.save_checkpoint(run, path, "sampler", True, ttl_seconds, user_metadata)
+                return types.SaveWeightsForSamplerResponseInternal(path=uri)
+        else:
+            def op(run: LiveRun):
+                engine = run.require_engine()
+                sid = self.samplers.create_from_weights(
+                    run.owner, run.session_id, sampling_session_seq_id, run.spec.base, engine.named_weights(),
+                    run.spec.lora_config, run.run_id,
+                )
+                return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
+        if seq_id is None:  # unordered (not sent by SDK 0.38.0, which always numbers training calls)
+            seq_id = self._next_free_seq(owner, model_id)
+        return self.runs.submit_op(owner, model_id, seq_id, "SaveWeightsForSampler", op)
+
+    def _next_free_seq(self, owner: str, model_id: str) -> int | None:
+        try:
+            return self.runs.live(owner, model_id).seq.next_seq
+        except Exception:  # noqa: BLE001 - submit_op reports the unknown/unloaded run
+            return 0
+
+    # ------------------------------------------------------------------ sampling
+    def create_sampling_session(self, owner, session_id, sampling_session_seq_id, *, base_model=None,
+                                model_path=None) -> types.CreateSamplingSessionResponse:
+        self.sessions.require_active(owner, session_id)
+        sid = self.samplers.create(owner, session_id, sampling_session_seq_id, base_model, model_path)
+        return types.CreateSamplingSessionResponse(sampling_session_id=sid)
+
+    def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
+        return self.samplers.get(owner, sampling_session_id)
+
+    def sample(self, owner, sampling_session_id, seq_id, prompt, num_samples, sampling_params, *,
+               include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
+               prompt_logprobs_last_n=None) -> Submission:
+        kwargs = dict(
+            prompt=prompt, num_samples=num_samples, sampling_params=sampling_params,
+            include_prompt_logprobs=bool(include_prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
+        )
+        return self.samplers.sample(owner, sampling_session_id, seq_id, kwargs)
+
+    # ------------------------------------------------------------------ futures
+    def retrieve(self, owner, request_id, timeout_s=0.0) -> FutureState:
+        return self.futures.get(owner, request_id, min(float(timeout_s), self.config.retrieve_max_wait_s))
+
+    async def retrieve_async(self, owner, request_id, timeout_s=0.0) -> FutureState:
+        return await self.futures.get_async(owner, request_id, min(float(timeout_s), self.config.retrieve_max_wait_s))
+
+    def watch(self, owner: str, request_id: str) -> concurrent.futures.Future:
+        """A concurrent Future resolving to the final FutureState (used by the in-process client)."""
+        return self.futures.watch(owner, request_id)
+
+    # ------------------------------------------------------------------ REST
+    def list_training_runs(self, owner, limit=20, offset=0) -> types.TrainingRunsResponse:
+        return rest.list_training_runs(self.store, owner, limit, offset)
+
+    def get_training_run(self, owner, run_id) -> types.TrainingRun:
+        return rest.training_run(self.store, rest.run_row(self.store, owner, run_id))
+
+    def list_checkpoints(self, owner, run_id) -> types.CheckpointsListResponse:
+        return rest.list_checkpoints(self.store, owner, run_id)
+
+    def list_user_checkpoints(self, owner, limit=100, offset=0) -> types.CheckpointsListResponse:
+        return rest.list_user_checkpoints(self.store, owner, limit, offset)
+
+    def delete_checkpoint(self, owner, run_id, checkpoint_id) -> None:
+        if not isinstance(checkpoint_id, str) or checkpoint_id.count("/") != 1:
+            raise UserError(f"checkpoint_id must look like 'weights/<name>', got {checkpoint_id!r}")
+        row = rest.checkpoint_row(self.store, owner, f"tinker://{run_id}/{checkpoint_id}")
+        with self.store.write() as s:
+            obj = s.get(CheckpointRow, row.tinker_path)
+            if obj is None:
+                raise NotFoundError(f"unknown checkpoint {row.tinker_path!r}")
+            s.delete(obj)
+        ckpt.remove_dir(ckpt.checkpoint_dir(self.config.data_dir, ckpt.parse_tinker_path(row.tinker_path)))
+
+    def get_weights_info(self, owner, tinker_path) -> types.WeightsInfoResponse:
+        return rest.weights_info(self.store, owner, tinker_path)
+
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        return rest.capabilities(self.registry)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.runs.close()
+        self.samplers.close()
+        self.futures.fail_all_pending("the service was shut down before this request finished")
+        self.store.close()
+
+    def __enter__(self) -> "Service":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

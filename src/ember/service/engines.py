@@ -1,0 +1,181 @@
+"""Base-model registry and the engine factory seam.
+
+The service never constructs engines itself: it asks an `EngineFactory`. The default
+`LocalEngineFactory` builds in-process `TorchEngine`s — all LoRA runs of one base model
+as named adapters on one shared PeftModel (the base weights are held once), each full
+fine-tuning run on a private copy. A scale-out factory (e.g. one backed by
+`ember.workers.WorkerGroup`) implements the same four methods and returns engines that
+forward to remote workers; nothing in the service changes.
+
+Threading contract: `create` and `release` are called on the run's lane (see
+`ember.service.sequencer`), i.e. on the same thread as every op of runs sharing that
+lane's key, so a factory may mutate a shared model there without further locking.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinker import types
+
+from ember.engine.base import TrainingEngine
+from ember.engine.config import EngineConfig
+from ember.service.api import UserError
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """A base model as the user names it, and the local directory it is loaded from."""
+
+    name: str
+    directory: Path
+
+
+class ModelRegistry:
+    """name → local directory. A local model directory also works as a name."""
+
+    def __init__(self, models: Mapping[str, str]) -> None:
+        self._models = {name: Path(d).expanduser() for name, d in models.items()}
+
+    def resolve(self, name: str) -> BaseModel:
+        if not isinstance(name, str) or not name:
+            raise UserError(f"base_model must be a non-empty string, got {name!r}")
+        if name in self._models:
+            return BaseModel(name, self._models[name])
+        p = Path(name).expanduser()
+        if (p / "config.json").is_file():
+            return BaseModel(name, p.resolve())
+        known = ", ".join(sorted(self._models)) or "none registered"
+        raise UserError(
+            f"unknown base model {name!r}: register it with --model NAME=DIR (registered: {known}), "
+            "or pass the path of a local model directory"
+        )
+
+    def add_all(self, models: Mapping[str, str]) -> None:
+        """Register more names (a name already registered keeps its directory unless equal)."""
+        for name, d in models.items():
+            p = Path(d).expanduser()
+            if name in self._models and self._models[name].resolve() != p.resolve():
+                raise ValueError(f"base model {name!r} is already registered as {self._models[name]}, not {p}")
+            self._models[name] = p
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    run_id: str
+    base: BaseModel
+    lora_config: types.LoraConfig | None  # None = full fine-tuning
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_config is not None
+
+
+def adapter_name(run_id: str) -> str:
+    """A peft adapter name for a run (module-dict keys may not contain '.')."""
+    return "run_" + re.sub(r"[^A-Za-z0-9_]", "_", run_id)
+
+
+class EngineFactory(abc.ABC):
+    """Creates and releases training engines for the service."""
+
+    @abc.abstractmethod
+    def lane_key(self, spec: RunSpec) -> str:
+        """Runs with the same key share one execution lane (one thread, strictly serial)."""
+
+    @abc.abstractmethod
+    def create(self, spec: RunSpec) -> TrainingEngine:
+        """Build the run's engine (fresh adapter / fresh copy). Raises ValueError for bad
+        configs (→ user error). Called on the run's lane."""
+
+    @abc.abstractmethod
+    def release(self, spec: RunSpec, engine: TrainingEngine) -> None:
+        """Free the engine (delete the adapter / drop the copy). Called on the run's lane."""
+
+    def close(self) -> None:
+        """Free everything (service shutdown)."""
+
+
+class LocalEngineFactory(EngineFactory):
+    """In-process TorchEngines; LoRA adapters share one base model per directory."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._shared: dict[Path, object] = {}  # directory -> PreTrainedModel | PeftModel
+
+    def lane_key(self, spec: RunSpec) -> str:
+        return f"lora:{spec.base.directory}" if spec.is_lora else f"full:{spec.run_id}"
+
+    def create(self, spec: RunSpec) -> TrainingEngine:
+        from ember.engine import TorchEngine
+        from ember.models import add_lora_adapter, load_model
+
+        if not spec.is_lora:
+            return TorchEngine.from_pretrained(spec.base.directory, self.config, None, model_name=spec.base.name)
+        base = self._shared.get(spec.base.directory)
+        if base is None:
+            c = self.config
+            base = load_model(spec.base.directory, c.dtype, c.device, c.attn_implementation)
+        name = adapter_name(spec.run_id)
+        model = add_lora_adapter(base, name, spec.lora_config)
+        self._shared[spec.base.directory] = model
+        return TorchEngine(
+            model, self.config, model_name=spec.base.name, lora_config=spec.lora_config, adapter_name=name
+        )
+
+    def release(self, spec: RunSpec, engine: TrainingEngine) -> None:
+        if not spec.is_lora:
+            return
+        model = self._shared.get(spec.base.directory)
+        name = adapter_name(spec.run_id)
+        if model is None or name not in getattr(model, "peft_config", {}):
+            return
+        if len(model.peft_config) == 1:
+            # Last tenant gone: drop the whole model rather than leave peft without an adapter.
+            del self._shared[spec.base.directory]
+            return
+        from ember.models import remove_lora_adapter
+
+        remove_lora_adapter(model, name)
+
+    def close(self) -> None:
+        self._shared.clear()
+
+    def shared_model(self, spec: RunSpec):
+        """The shared (peft-wrapped) model of a LoRA base, for tests and memory accounting."""
+        return self._shared.get(spec.base.directory)
+
+
+class WorkerGroupEngineFactory(EngineFactory):
+    """Engines on an `ember.workers.WorkerGroup` (inline | process | ray runtimes).
+
+    Every run — LoRA or full — is one `GroupEngine` built on all ranks of the group with
+    `parallelism` (None = FSDP2 over every rank). The group executes one call at a time,
+    so all its runs share one lane. LoRA runs do not share base weights in this mode
+    (each builds its own model on the ranks); use `LocalEngineFactory` for many small
+    adapters on one base, this factory for models that need several devices.
+    """
+
+    def __init__(self, group, config: EngineConfig | None = None, parallelism=None) -> None:
+        self.group = group
+        self.config = config or EngineConfig()
+        self.parallelism = parallelism
+
+    def lane_key(self, spec: RunSpec) -> str:
+        return f"group:{id(self.group)}"
+
+    def create(self, spec: RunSpec) -> TrainingEngine:
+        from ember.workers.engine import EngineSpec, GroupEngine
+
+        engine_spec = EngineSpec(str(spec.base.directory), self.config, self.parallelism, spec.lora_config, spec.base.name)
+        return GroupEngine.create(self.group, adapter_name(spec.run_id), engine_spec)
+
+    def release(self, spec: RunSpec, engine: TrainingEngine) -> None:
+        engine.close()

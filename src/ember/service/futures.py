@@ -1,0 +1,212 @@
+"""Futures: request_id → pending | complete(result) | failed(error, category).
+
+Every future is a database row (written before its work is queued, updated with the
+pickled result before anyone is told), plus an in-memory entry while it is live so that
+waiters (`retrieve` long-polls, asyncio servers, the in-process client) are woken
+without polling. Finished entries stay in a bounded in-memory cache; older ones are
+read back from the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinker import types
+
+from ember.service.api import FutureState, NotFoundError, RequestType, Submission
+from ember.service.store import FutureRow, Store, dump_payload, load_payload
+
+log = logging.getLogger(__name__)
+
+User = types.RequestErrorCategory.User
+Server = types.RequestErrorCategory.Server
+
+
+@dataclass
+class _Entry:
+    owner: str
+    state: FutureState
+    event: threading.Event = field(default_factory=threading.Event)
+    callbacks: list[Callable[[FutureState], None]] = field(default_factory=list)
+    finishing: bool = False
+
+
+class FutureTable:
+    """Creates, finishes and serves futures. Thread-safe."""
+
+    def __init__(self, store: Store, cache_size: int = 4096) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._create_lock = threading.Lock()
+        self._live: dict[str, _Entry] = {}
+        self._done: OrderedDict[str, _Entry] = OrderedDict()
+        # dedup key -> (owner, submission): a bounded fast path; the database's unique key is the truth.
+        self._keys: OrderedDict[str, tuple[str, Submission]] = OrderedDict()
+        self._cache_size = cache_size
+
+    # ------------------------------------------------------------------ creation
+    def create(
+        self,
+        owner: str,
+        request_type: RequestType,
+        *,
+        model_id: str | None = None,
+        dedup_key: str | None = None,
+        num_sequences: int | None = None,
+    ) -> tuple[Submission, bool]:
+        """A new pending future, or the existing one for `dedup_key`. Returns (submission, created).
+
+        The row is committed before this returns: an accepted request survives a crash.
+        """
+        with self._create_lock:  # not self._lock: workers finishing futures must not wait on this insert
+            if dedup_key is not None:
+                known = self._keys.get(dedup_key)
+                if known is not None and known[0] == owner:
+                    return known[1], False
+            rid = f"req-{uuid.uuid4().hex}"
+            seq_ids = [f"{rid}:{i}" for i in range(num_sequences)] if num_sequences is not None else None
+            row = dict(request_id=rid, owner=owner, request_type=request_type, model_id=model_id, dedup_key=dedup_key,
+                       sample_sequence_ids=seq_ids, status="pending", created_at=time.time())
+            if not self._store.insert_future(row):  # the key exists from an earlier lifetime (or another owner)
+                existing = self._store.future_by_key(dedup_key)
+                if existing is not None and existing.owner == owner:
+                    sub = _submission(existing)
+                    self._keys[dedup_key] = (owner, sub)
+                    return sub, False
+                row["dedup_key"] = f"{dedup_key}#{uuid.uuid4().hex}"  # never alias another owner's key
+                self._store.insert_future(row)
+            sub = Submission(request_id=rid, model_id=model_id, sample_sequence_ids=seq_ids)
+            if dedup_key is not None:
+                self._keys[dedup_key] = (owner, sub)
+                while len(self._keys) > 16 * self._cache_size:
+                    self._keys.popitem(last=False)
+        state = FutureState(request_id=rid, request_type=request_type, status="pending", model_id=model_id)
+        with self._lock:
+            self._live[rid] = _Entry(owner=owner, state=state)
+        return sub, True
+
+    # ------------------------------------------------------------------ completion
+    def complete(self, request_id: str, result: Any) -> None:
+        try:
+            blob = dump_payload(result)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable result is our bug
+            log.exception("cannot serialise the result of %s", request_id)
+            self.fail(request_id, f"internal error: result not serialisable ({exc})", Server)
+            return
+        self._finish(request_id, "complete", result=result, payload=blob)
+
+    def fail(self, request_id: str, error: str, category: types.RequestErrorCategory) -> None:
+        self._finish(request_id, "failed", error=error, category=category)
+
+    def _finish(self, request_id: str, status: str, *, result=None, payload=None, error=None, category=None) -> None:
+        with self._lock:
+            entry = self._live.get(request_id)
+            if entry is None or entry.finishing:
+                log.debug("future %s already finished; %s ignored", request_id, status)
+                return
+            entry.finishing = True
+        # The row is committed before anyone can observe the result (survives a crash).
+        self._store.update(
+            FutureRow, request_id, status=status, payload=payload, error=error,
+            category=None if category is None else str(category), finished_at=time.time(),
+        )
+        s = entry.state
+        final = FutureState(
+            request_id=s.request_id, request_type=s.request_type, status=status, result=result,  # type: ignore[arg-type]
+            error=error, category=category, model_id=s.model_id,
+        )
+        with self._lock:
+            entry.state = final
+            self._live.pop(request_id, None)
+            self._done[request_id] = entry
+            while len(self._done) > self._cache_size:
+                self._done.popitem(last=False)
+            callbacks, entry.callbacks = entry.callbacks, []
+        entry.event.set()
+        for cb in callbacks:
+            try:
+                cb(final)
+            except Exception:  # noqa: BLE001 - a waiter's bug must not break the worker
+                log.exception("future callback failed for %s", request_id)
+
+    # ------------------------------------------------------------------ access
+    def _entry(self, owner: str, request_id: str) -> _Entry | None:
+        with self._lock:
+            entry = self._live.get(request_id) or self._done.get(request_id)
+        if entry is not None and entry.owner != owner:
+            raise NotFoundError(f"unknown request_id {request_id!r}")
+        return entry
+
+    def _from_db(self, owner: str, request_id: str) -> FutureState:
+        row = self._store.get(FutureRow, request_id)
+        if row is None or row.owner != owner:
+            raise NotFoundError(f"unknown request_id {request_id!r}")
+        return _state_from_row(row)
+
+    def get(self, owner: str, request_id: str, timeout_s: float = 0.0) -> FutureState:
+        entry = self._entry(owner, request_id)
+        if entry is None:
+            return self._from_db(owner, request_id)
+        if timeout_s > 0 and not entry.state.done:
+            entry.event.wait(timeout_s)
+        return entry.state
+
+    def watch(self, owner: str, request_id: str) -> concurrent.futures.Future:
+        """A concurrent Future that resolves with the final FutureState."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        entry = self._entry(owner, request_id)
+        if entry is None:
+            fut.set_result(self._from_db(owner, request_id))
+            return fut
+        with self._lock:
+            if not entry.state.done:
+                entry.callbacks.append(fut.set_result)
+                return fut
+        fut.set_result(entry.state)
+        return fut
+
+    async def get_async(self, owner: str, request_id: str, timeout_s: float = 0.0) -> FutureState:
+        cf = self.watch(owner, request_id)
+        if not cf.done() and timeout_s > 0:
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cf)), timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+        if cf.done():
+            return cf.result()
+        return self.get(owner, request_id, 0.0)
+
+    def pending_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._live)
+
+    def fail_all_pending(self, message: str) -> None:
+        """Shutdown: every future still pending fails (server), so no waiter hangs."""
+        for rid in self.pending_ids():
+            self.fail(rid, message, Server)
+
+
+def _submission(row: FutureRow) -> Submission:
+    return Submission(request_id=row.request_id, model_id=row.model_id, sample_sequence_ids=row.sample_sequence_ids)
+
+
+def _state_from_row(row: FutureRow) -> FutureState:
+    base = dict(request_id=row.request_id, request_type=row.request_type, model_id=row.model_id)
+    if row.status == "pending":
+        return FutureState(status="pending", **base)
+    if row.status == "failed":
+        return FutureState(status="failed", error=row.error, category=types.RequestErrorCategory(row.category), **base)
+    try:
+        result = load_payload(row.payload)
+    except Exception as exc:  # noqa: BLE001
+        return FutureState(status="failed", error=f"stored result cannot be read back: {exc}", category=Server, **base)
+    return FutureState(status="complete", result=result, **base)

@@ -1,0 +1,114 @@
+"""REST listings: database rows → tinker's REST types (pure translation + owner filters)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import func, select
+from tinker import types
+
+from ember.service import checkpoints as ckpt
+from ember.service.api import NotFoundError, UserError
+from ember.service.engines import ModelRegistry
+from ember.service.store import CheckpointRow, RunRow, Store
+
+
+def _dt(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+def checkpoint_type(row: CheckpointRow) -> types.Checkpoint:
+    tp = ckpt.parse_tinker_path(row.tinker_path)
+    return types.Checkpoint(
+        checkpoint_id=tp.checkpoint_id, checkpoint_type=row.kind, time=_dt(row.created_at),
+        tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=False,
+        user_metadata=row.user_metadata or None, expires_at=_dt(row.expires_at),
+    )
+
+
+def _last(store: Store, run_id: str, kind: str) -> types.Checkpoint | None:
+    rows = store.select_all(
+        select(CheckpointRow).where(CheckpointRow.run_id == run_id, CheckpointRow.kind == kind)
+        .order_by(CheckpointRow.created_at.desc()).limit(1)
+    )
+    return checkpoint_type(rows[0]) if rows else None
+
+
+def training_run(store: Store, row: RunRow) -> types.TrainingRun:
+    meta = {str(k): str(v) for k, v in (row.user_metadata or {}).items()} or None
+    return types.TrainingRun(
+        training_run_id=row.id, base_model=row.base_model, model_owner=row.owner, is_lora=row.is_lora,
+        corrupted=row.status == "failed", lora_rank=(row.lora_config or {}).get("rank") if row.is_lora else None,
+        last_request_time=_dt(row.last_request_time), last_checkpoint=_last(store, row.id, "training"),
+        last_sampler_checkpoint=_last(store, row.id, "sampler"), user_metadata=meta,
+    )
+
+
+def _page(limit: int, offset: int) -> tuple[int, int]:
+    if not isinstance(limit, int) or not isinstance(offset, int) or limit < 0 or offset < 0:
+        raise UserError(f"limit and offset must be integers >= 0, got limit={limit!r} offset={offset!r}")
+    return limit, offset
+
+
+def list_training_runs(store: Store, owner: str, limit: int, offset: int) -> types.TrainingRunsResponse:
+    limit, offset = _page(limit, offset)
+    total = store.select_all(select(func.count()).select_from(RunRow).where(RunRow.owner == owner))[0]
+    rows = store.select_all(
+        select(RunRow).where(RunRow.owner == owner).order_by(RunRow.created_at.desc(), RunRow.id)
+        .limit(limit).offset(offset)
+    )
+    return types.TrainingRunsResponse(
+        training_runs=[training_run(store, r) for r in rows],
+        cursor=types.Cursor(offset=offset, limit=limit, total_count=int(total)),
+    )
+
+
+def run_row(store: Store, owner: str, run_id: str) -> RunRow:
+    row = store.get(RunRow, run_id)
+    if row is None or row.owner != owner:
+        raise NotFoundError(f"unknown training run {run_id!r}")
+    return row
+
+
+def list_checkpoints(store: Store, owner: str, run_id: str) -> types.CheckpointsListResponse:
+    run_row(store, owner, run_id)
+    rows = store.select_all(
+        select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.created_at)
+    )
+    return types.CheckpointsListResponse(checkpoints=[checkpoint_type(r) for r in rows])
+
+
+def list_user_checkpoints(store: Store, owner: str, limit: int, offset: int) -> types.CheckpointsListResponse:
+    limit, offset = _page(limit, offset)
+    total = store.select_all(select(func.count()).select_from(CheckpointRow).where(CheckpointRow.owner == owner))[0]
+    rows = store.select_all(
+        select(CheckpointRow).where(CheckpointRow.owner == owner).order_by(CheckpointRow.created_at.desc())
+        .limit(limit).offset(offset)
+    )
+    return types.CheckpointsListResponse(
+        checkpoints=[checkpoint_type(r) for r in rows], cursor=types.Cursor(offset=offset, limit=limit, total_count=int(total))
+    )
+
+
+def checkpoint_row(store: Store, owner: str, tinker_path: str) -> CheckpointRow:
+    tp = ckpt.parse_tinker_path(tinker_path)
+    row = store.get(CheckpointRow, tp.uri)
+    if row is None or row.owner != owner:
+        raise NotFoundError(f"unknown checkpoint {tinker_path!r}")
+    return row
+
+
+def weights_info(store: Store, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
+    row = checkpoint_row(store, owner, tinker_path)
+    run = run_row(store, owner, row.run_id)
+    lora = run.lora_config or {}
+    return types.WeightsInfoResponse(
+        base_model=run.base_model, is_lora=run.is_lora, lora_rank=lora.get("rank"),
+        train_unembed=lora.get("train_unembed"), train_mlp=lora.get("train_mlp"), train_attn=lora.get("train_attn"),
+    )
+
+
+def capabilities(registry: ModelRegistry) -> types.GetServerCapabilitiesResponse:
+    return types.GetServerCapabilitiesResponse(
+        supported_models=[types.SupportedModel(model_name=n, trainable=True, sampleable=True) for n in registry.names()]
+    )

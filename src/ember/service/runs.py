@@ -1,0 +1,367 @@
+"""Training runs: creation (fresh or from a checkpoint), ordered ops, checkpoints.
+
+A live run is a `LiveRun`: its spec, its lane (shared by every LoRA run of one base
+model), its `RunSequencer` and, once created on the lane, its engine. Every op is
+executed on the lane by `execute`, which turns the outcome into a finished future:
+ValueError (bad input, with the engine's message) and NonFiniteGradientError are `user`
+failures; anything else is a `server` failure, logged with its traceback. A failing op
+never stops the lane or the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from tinker import types
+
+from ember.engine.base import NonFiniteGradientError, TrainingEngine
+from ember.service import checkpoints as ckpt
+from ember.service.api import NotFoundError, RequestType, Submission, UserError
+from ember.service.engines import BaseModel, EngineFactory, ModelRegistry, RunSpec
+from ember.service.futures import Server, User, FutureTable
+from ember.service.sequencer import Lane, RunSequencer
+from ember.service.store import CheckpointRow, RunRow, Store
+
+log = logging.getLogger(__name__)
+
+RESTARTED = (
+    "training run {run} is not loaded: the server restarted (or its session ended) since it was created. "
+    "Recreate it from its last checkpoint with create_training_client_from_state[_with_optimizer]"
+)
+
+
+class RunNotLoadedError(Exception):
+    """The run exists in the database but has no engine in this server lifetime."""
+
+
+@dataclass
+class LiveRun:
+    run_id: str
+    owner: str
+    session_id: str
+    spec: RunSpec
+    lane: Lane
+    seq: RunSequencer
+    engine: TrainingEngine | None = None
+    error: str | None = None  # why creation failed
+    touched: float = 0.0  # last time last_request_time was written
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def require_engine(self) -> TrainingEngine:
+        if self.engine is None:
+            raise UserError(f"training run {self.run_id} could not be created: {self.error or 'not ready'}")
+        return self.engine
+
+
+def classify(exc: BaseException) -> tuple[str, types.RequestErrorCategory]:
+    if isinstance(exc, NonFiniteGradientError):
+        return str(exc), User
+    if isinstance(exc, ValueError):  # includes UserError: bad input, the engine names datum/field
+        return str(exc), User
+    return f"internal error ({type(exc).__name__}): {exc}", Server
+
+
+def validate_lora(cfg: types.LoraConfig | None) -> None:
+    if cfg is None:
+        return
+    if not isinstance(cfg.rank, int) or cfg.rank < 1:
+        raise UserError(f"lora_config.rank must be an integer >= 1, got {cfg.rank!r}")
+    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
+        raise UserError("lora_config must train at least one of attn, mlp, unembed")
+
+
+def validate_optimizer(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    cfg = dict(cfg or {"type": "adamw"})
+    if cfg.get("type", "adamw") != "adamw":
+        raise UserError(f"optimizer {cfg.get('type')!r} is not supported by ember; use AdamW ({{'type': 'adamw'}})")
+    return {"type": "adamw"}
+
+
+def model_arch(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+class RunManager:
+    """Creates runs, queues their ops in seq_id order and executes them on lanes."""
+
+    def __init__(
+        self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: EngineFactory,
+        data_dir: Path, gap_timeout_s: float,
+    ) -> None:
+        self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
+        self.data_dir = data_dir
+        self.gap_timeout_s = gap_timeout_s
+        self._runs: dict[str, LiveRun] = {}
+        self._lanes: dict[str, Lane] = {}
+        self._lane_users: dict[str, int] = {}  # lane key -> runs (live or draining) that may still use it
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    def reject(self, owner: str, rtype: RequestType, error: str, category=User, model_id: str | None = None) -> Submission:
+        """Accept a request only to fail it (semantic errors are failed futures, not HTTP errors)."""
+        sub, _ = self.futures.create(owner, rtype, model_id=model_id)
+        self.futures.fail(sub.request_id, error, category)
+        return sub
+
+    def execute(self, request_id: str, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - every outcome must end the future
+            msg, cat = classify(exc)
+            if cat == Server:
+                log.exception("request %s failed", request_id)
+            self.futures.fail(request_id, msg, cat)
+        else:
+            self.futures.complete(request_id, result)
+
+    def _acquire_lane_locked(self, spec: RunSpec) -> Lane:
+        """The lane of `spec` (created on first use); counts the run as one of its users."""
+        key = self.factory.lane_key(spec)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = Lane(f"{len(self._lanes)}")
+        self._lane_users[key] = self._lane_users.get(key, 0) + 1
+        return lane
+
+    def live(self, owner: str, model_id: str) -> LiveRun:
+        with self._lock:
+            run = self._runs.get(model_id)
+        if run is not None and run.owner == owner:
+            return run
+        row = self.store.get(RunRow, model_id)
+        if row is None or row.owner != owner:
+            raise NotFoundError(f"unknown model_id {model_id!r}")
+        raise RunNotLoadedError(RESTARTED.format(run=model_id))
+
+    # ------------------------------------------------------------------ creation
+    def _register(self, owner: str, session_id: str, model_seq_id: int, spec: RunSpec, next_seq: int,
+                  optimizer: dict, user_metadata, created_from: str | None) -> LiveRun:
+        now = time.time()
+        self.store.add(
+            RunRow(
+                id=spec.run_id, owner=owner, session_id=session_id, model_seq_id=model_seq_id,
+                base_model=spec.base.name, is_lora=spec.is_lora,
+                lora_config=spec.lora_config.model_dump() if spec.lora_config else None,
+                optimizer_config=optimizer, user_metadata=dict(user_metadata or {}) or None,
+                created_from=created_from, status="active", created_at=now, last_request_time=now,
+            )
+        )
+        with self._lock:
+            lane = self._acquire_lane_locked(spec)
+            run = LiveRun(spec.run_id, owner, session_id, spec, lane,
+                          RunSequencer(spec.run_id, lane, self.gap_timeout_s, next_seq))
+            self._runs[spec.run_id] = run
+        return run
+
+    def _build_engine(self, run: LiveRun) -> None:
+        try:
+            run.engine = self.factory.create(run.spec)
+        except BaseException as exc:
+            run.error = classify(exc)[0]
+            self.store.update(RunRow, run.run_id, status="failed")
+            raise
+
+    def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str,
+                     lora_config: types.LoraConfig | None, optimizer_config, user_metadata) -> Submission:
+        run_id = f"{session_id}:train:{model_seq_id}"
+        sub, created = self.futures.create(owner, "CreateModel", model_id=run_id, dedup_key=f"create:{run_id}")
+        if not created:
+            return sub
+        try:
+            if not isinstance(model_seq_id, int) or model_seq_id < 0:
+                raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
+            validate_lora(lora_config)
+            optimizer = validate_optimizer(optimizer_config)
+            spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config)
+            if self.store.get(RunRow, run_id) is not None:
+                raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
+            run = self._register(owner, session_id, model_seq_id, spec, 1, optimizer, user_metadata, None)
+        except UserError as exc:
+            self.futures.fail(sub.request_id, str(exc), User)
+            return sub
+
+        def op() -> types.CreateModelResponse:
+            self._build_engine(run)
+            return types.CreateModelResponse(model_id=run_id)
+
+        run.lane.submit(lambda: self.execute(sub.request_id, op))
+        return sub
+
+    def _checkpoint(self, owner: str, path: str, kind: str | None = None) -> tuple[ckpt.TinkerPath, CheckpointRow]:
+        tp = ckpt.parse_tinker_path(path)
+        row = self.store.get(CheckpointRow, tp.uri)
+        if row is None or row.owner != owner:
+            raise UserError(f"checkpoint {path!r} not found (or not visible to this API key)")
+        if kind is not None and tp.kind != kind:
+            raise UserError(
+                f"checkpoint {path!r} holds sampler weights only; load training state from a "
+                "tinker://<run>/weights/<name> path (written by save_state)"
+            )
+        return tp, row
+
+    def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
+                               base_model: str | None, user_metadata) -> Submission:
+        run_id = f"{session_id}:train:{model_seq_id}"
+        sub, created = self.futures.create(owner, "LoadWeights", model_id=run_id, dedup_key=f"create:{run_id}")
+        if not created:
+            return sub
+        try:
+            if not isinstance(model_seq_id, int) or model_seq_id < 0:
+                raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
+            tp, crow = self._checkpoint(owner, path, "training")
+            src = self.store.get(RunRow, crow.run_id)
+            lora = types.LoraConfig(**src.lora_config) if src is not None and src.lora_config else None
+            base = self.registry.resolve(base_model or (src.base_model if src else ""))
+            if self.store.get(RunRow, run_id) is not None:
+                raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
+            run = self._register(owner, session_id, model_seq_id, RunSpec(run_id, base, lora), 0,
+                                 {"type": "adamw"}, user_metadata, tp.uri)
+        except UserError as exc:
+            self.futures.fail(sub.request_id, str(exc), User)
+            return sub
+
+        def op() -> types.LoadWeightsResponse:
+            self._build_engine(run)
+            run.engine.load_state(crow.directory, optimizer=optimizer)
+            return types.LoadWeightsResponse(path=tp.uri, model_id=run_id)
+
+        run.seq.offer(0, lambda: self.execute(sub.request_id, op), lambda r: self.futures.fail(sub.request_id, r, Server))
+        return sub
+
+    # ------------------------------------------------------------------ ordered ops
+    def submit_op(self, owner: str, model_id: str, seq_id: Any, rtype: RequestType,
+                  fn: Callable[[LiveRun], Any]) -> Submission:
+        """Queue `fn(run)` as request `seq_id` of `model_id` (idempotent on (model_id, seq_id))."""
+        if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
+            return self.reject(owner, rtype, f"seq_id must be an integer >= 0, got {seq_id!r}", model_id=model_id)
+        sub, created = self.futures.create(owner, rtype, model_id=model_id, dedup_key=f"op:{model_id}:{seq_id}")
+        if not created:
+            return sub
+        try:
+            run = self.live(owner, model_id)
+        except NotFoundError as exc:
+            self.futures.fail(sub.request_id, str(exc), User)
+            return sub
+        except RunNotLoadedError as exc:
+            self.futures.fail(sub.request_id, str(exc), Server)
+            return sub
+        self._touch(run)
+        rid = sub.request_id
+        run.seq.offer(seq_id, lambda: self.execute(rid, lambda: fn(run)), lambda r: self.futures.fail(rid, r, Server))
+        return sub
+
+    def _touch(self, run: LiveRun) -> None:
+        """Record the run's last request time (at most once a second: it is only for listings)."""
+        now = time.time()
+        if now - run.touched >= 1.0:
+            run.touched = now
+            self.store.update(RunRow, run.run_id, last_request_time=now)
+
+    # ------------------------------------------------------------------ checkpoint ops (run on the lane)
+    def save_checkpoint(self, run: LiveRun, name: Any, kind: str, overwrite: bool, ttl_seconds, user_metadata) -> str:
+        engine = run.require_engine()
+        tp = ckpt.TinkerPath(run.run_id, kind, ckpt.validate_name(name))
+        existing = self.store.get(CheckpointRow, tp.uri)
+        if existing is not None and not overwrite:
+            raise UserError(f"checkpoint {tp.uri} already exists; pass overwrite=True to replace it")
+        final = ckpt.checkpoint_dir(self.data_dir, tp)
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            engine.save_state(tmp, optimizer=True) if kind == "training" else engine.export_hf(tmp)
+            if final.exists():
+                ckpt.remove_dir(final)
+            os.replace(tmp, final)
+        finally:
+            ckpt.remove_dir(tmp)
+        now = time.time()
+        row = CheckpointRow(
+            tinker_path=tp.uri, run_id=run.run_id, owner=run.owner, kind=kind, name=tp.name, directory=str(final),
+            size_bytes=ckpt.dir_size(final), user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()} or None,
+            created_at=now, expires_at=now + ttl_seconds if ttl_seconds else None,
+        )
+        with self.store.write() as s:
+            s.merge(row)
+        return tp.uri
+
+    def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool) -> types.LoadWeightsResponse:
+        engine = run.require_engine()
+        tp, crow = self._checkpoint(run.owner, path, "training")
+        engine.load_state(crow.directory, optimizer=optimizer)
+        return types.LoadWeightsResponse(path=tp.uri, model_id=run.run_id)
+
+    # ------------------------------------------------------------------ info, unload
+    def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
+        row = self.store.get(RunRow, model_id)
+        if row is None or row.owner != owner:
+            raise NotFoundError(f"unknown model_id {model_id!r}")
+        try:
+            base: BaseModel | None = self.registry.resolve(row.base_model)
+        except UserError:
+            base = None
+        rank = (row.lora_config or {}).get("rank") if row.is_lora else None
+        return types.GetInfoResponse(
+            model_id=model_id,
+            model_data=types.ModelData(
+                arch=model_arch(base.directory) if base else None, model_name=row.base_model,
+                tokenizer_id=str(base.directory) if base else None,
+            ),
+            is_lora=row.is_lora, lora_rank=rank, model_name=row.base_model,
+        )
+
+    def unload_session(self, session_id: str) -> None:
+        """The session ended: its runs take no new requests, finish what is queued, then
+        release their engines (adapters are deleted from the shared model)."""
+        with self._lock:
+            runs = [r for r in self._runs.values() if r.session_id == session_id]
+            for r in runs:
+                del self._runs[r.run_id]
+        for run in runs:
+            self.store.update(RunRow, run.run_id, status="unloaded")
+            run.seq.drain(lambda run=run: self._release(run))
+
+    def _release(self, run: LiveRun) -> None:
+        """On the run's lane: free the engine; a lane no live run uses any more is closed."""
+        if run.engine is not None:
+            self.factory.release(run.spec, run.engine)
+            run.engine = None
+        key = self.factory.lane_key(run.spec)
+        with self._lock:
+            self._lane_users[key] -= 1
+            if self._lane_users[key] > 0:
+                return
+            del self._lane_users[key]
+            lane = self._lanes.pop(key, None)
+        if lane is not None:
+            lane.close(wait=False)  # lets this task finish; the thread then exits
+
+    def list_live(self) -> list[str]:
+        with self._lock:
+            return list(self._runs)
+
+    def close(self) -> None:
+        with self._lock:
+            runs, self._runs = list(self._runs.values()), {}
+            lanes, self._lanes, self._lane_users = list(self._lanes.values()), {}, {}
+        for run in runs:
+            run.seq.close("the server is shutting down")
+        for lane in lanes:
+            lane.close(wait=False)
+        self.factory.close()
+
+    def checkpoints_of_run(self, run_id: str) -> list[CheckpointRow]:
+        return self.store.select_all(
+            select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.created_at)
+        )

@@ -1,0 +1,250 @@
+"""Sampling sessions: immutable weight snapshots served by one sampler per base model.
+
+A sampling session pins a `WeightVersion` of its base model's sampler (contract 4): the
+base weights (version None), a checkpoint read from disk, or a snapshot of a training
+run's current weights taken on the run's lane. Sessions are rows in the database; a
+session made from a base model or a checkpoint path is re-created lazily after a
+restart, a snapshot session (`save_weights_and_get_sampling_client`) is not (its weights
+were never written to disk) and answers category `server`.
+
+Memory: each session keeps its version alive. At most `max_per_session` sessions per
+client session stay loaded; older ones are evicted (and reloaded on use when they have a
+model path).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy import select
+from tinker import types
+
+from ember.service import checkpoints as ckpt
+from ember.service.api import NotFoundError, Submission, UserError
+from ember.service.engines import BaseModel, ModelRegistry
+from ember.service.futures import FutureTable, Server, User
+from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
+
+log = logging.getLogger(__name__)
+
+
+class SamplerFactory(abc.ABC):
+    """Builds the sampling backend of one base model (seam for remote/vLLM samplers)."""
+
+    @abc.abstractmethod
+    def create(self, base: BaseModel) -> Any:
+        """A `ember.sampling.Sampler` serving `base`."""
+
+
+class LocalSamplerFactory(SamplerFactory):
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def create(self, base: BaseModel) -> Any:
+        from ember.sampling import SamplerConfig, TorchSampler
+
+        return TorchSampler.from_pretrained(base.directory, self.config or SamplerConfig())
+
+
+@dataclass
+class LiveSampler:
+    sampler_id: str
+    owner: str
+    session_id: str
+    base: BaseModel
+    version: Any  # WeightVersion | None (None = base weights)
+
+
+class SamplerManager:
+    def __init__(self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: SamplerFactory,
+                 max_per_session: int = 32) -> None:
+        self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
+        self.max_per_session = max_per_session
+        self._samplers: dict[Path, Any] = {}
+        self._live: dict[str, OrderedDict[str, LiveSampler]] = {}  # session_id -> sampler_id -> live
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ backends and versions
+    def backend(self, base: BaseModel) -> Any:
+        with self._lock:
+            sampler = self._samplers.get(base.directory)
+            if sampler is None:
+                sampler = self._samplers[base.directory] = self.factory.create(base)
+            return sampler
+
+    def _load(self, base: BaseModel, weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None):
+        return self.backend(base).load_weights(weights, lora)
+
+    def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
+        tp = ckpt.parse_tinker_path(path)
+        crow = self.store.get(CheckpointRow, tp.uri)
+        if crow is None or crow.owner != owner:
+            raise UserError(f"checkpoint {path!r} not found (or not visible to this API key)")
+        run = self.store.get(RunRow, crow.run_id)
+        if run is None:
+            raise UserError(f"checkpoint {path!r} has no training run record")
+        base = self.registry.resolve(run.base_model)
+        lora = types.LoraConfig(**run.lora_config) if run.lora_config else None
+        d = Path(crow.directory)
+        weights = ckpt.read_state_weights(d) if tp.kind == "training" else ckpt.read_sampler_weights(d)
+        return base, self._load(base, weights.items(), lora)
+
+    # ------------------------------------------------------------------ sessions
+    def _remember(self, live: LiveSampler) -> None:
+        with self._lock:
+            group = self._live.setdefault(live.session_id, OrderedDict())
+            group[live.sampler_id] = live
+            group.move_to_end(live.sampler_id)
+            while len(group) > self.max_per_session:
+                evicted, _ = group.popitem(last=False)
+                log.info("sampling session %s evicted (more than %d loaded)", evicted, self.max_per_session)
+
+    def _existing(self, session_id: str, seq: int | None) -> SamplerRow | None:
+        if seq is None:
+            return None
+        rows = self.store.select_all(
+            select(SamplerRow).where(SamplerRow.session_id == session_id, SamplerRow.sampling_session_seq_id == seq)
+        )
+        return rows[0] if rows else None
+
+    def _new_row(self, owner, session_id, seq, base: BaseModel, model_path, source_run_id) -> SamplerRow:
+        row = SamplerRow(
+            id=f"{session_id}:sample:{seq}" if seq is not None else f"{session_id}:sample:{uuid.uuid4().hex[:12]}",
+            owner=owner, session_id=session_id, sampling_session_seq_id=seq, base_model=base.name,
+            model_path=model_path, source_run_id=source_run_id, created_at=time.time(),
+        )
+        self.store.add(row)
+        return row
+
+    def create(self, owner: str, session_id: str, seq: int, base_model: str | None, model_path: str | None) -> str:
+        """Direct creation from a base model or a checkpoint path. Returns the sampler id."""
+        if (base_model is None) == (model_path is None):
+            raise UserError("create_sampling_session needs exactly one of base_model and model_path")
+        if not isinstance(seq, int) or seq < 0:
+            raise UserError(f"sampling_session_seq_id must be an integer >= 0, got {seq!r}")
+        row = self._existing(session_id, seq)
+        if row is not None:
+            if row.owner != owner:
+                raise NotFoundError(f"unknown session {session_id!r}")
+            return row.id
+        if model_path is not None:
+            base, version = self._version_from_checkpoint(owner, model_path)
+        else:
+            base, version = self.registry.resolve(base_model), None
+            self.backend(base)
+        row = self._new_row(owner, session_id, seq, base, model_path, None)
+        self._remember(LiveSampler(row.id, owner, session_id, base, version))
+        return row.id
+
+    def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,
+                            weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None,
+                            source_run_id: str) -> str:
+        """Snapshot a run's current weights (called on the run's lane)."""
+        row = self._existing(session_id, seq)
+        if row is not None and row.id in self._live.get(session_id, {}):
+            return row.id
+        version = self._load(base, weights, lora)
+        if row is None:
+            row = self._new_row(owner, session_id, seq, base, None, source_run_id)
+        self._remember(LiveSampler(row.id, owner, session_id, base, version))
+        return row.id
+
+    def row(self, owner: str, sampler_id: str) -> SamplerRow:
+        row = self.store.get(SamplerRow, sampler_id)
+        if row is None or row.owner != owner:
+            raise NotFoundError(f"unknown sampling session {sampler_id!r}")
+        return row
+
+    def _resolve(self, owner: str, sampler_id: str) -> LiveSampler:
+        row = self.row(owner, sampler_id)
+        with self._lock:
+            live = self._live.get(row.session_id, {}).get(sampler_id)
+        if live is not None:
+            return live
+        if row.model_path is None and row.source_run_id is not None:
+            raise RuntimeError(
+                f"sampling session {sampler_id} held an in-memory snapshot that is gone (server restarted or "
+                "session evicted); create a new sampling client"
+            )
+        if row.model_path is not None:
+            base, version = self._version_from_checkpoint(owner, row.model_path)
+        else:
+            base, version = self.registry.resolve(row.base_model), None
+        live = LiveSampler(row.id, owner, row.session_id, base, version)
+        self._remember(live)
+        return live
+
+    def get(self, owner: str, sampler_id: str) -> types.GetSamplerResponse:
+        row = self.row(owner, sampler_id)
+        return types.GetSamplerResponse(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, owner: str, sampler_id: str, seq_id: int | None, request_kwargs: dict[str, Any]) -> Submission:
+        num = request_kwargs.get("num_samples")
+        key = f"sample:{sampler_id}:{seq_id}" if seq_id is not None else None
+        n_ids = num if isinstance(num, int) and num >= 1 else 0
+        sub, created = self.futures.create(owner, "Sample", dedup_key=key, num_sequences=n_ids)
+        if not created:
+            return sub
+        try:
+            if n_ids == 0:
+                raise UserError(f"num_samples must be an integer >= 1, got {num!r}")
+            live = self._resolve(owner, sampler_id)
+        except (UserError, NotFoundError) as exc:
+            self.futures.fail(sub.request_id, str(exc), User)
+            return sub
+        except Exception as exc:  # noqa: BLE001
+            self.futures.fail(sub.request_id, str(exc), Server)
+            return sub
+        self._dispatch(sub, live, request_kwargs)
+        return sub
+
+    def _dispatch(self, sub: Submission, live: LiveSampler, kwargs: dict[str, Any]) -> None:
+        from ember.sampling.base import SamplingRequest
+
+        rid = sub.request_id
+        try:
+            request = SamplingRequest(version=live.version, sequence_ids=sub.sample_sequence_ids, **kwargs)
+            fut = self.backend(live.base).submit(request)
+        except ValueError as exc:
+            self.futures.fail(rid, str(exc), User)
+            return
+        except Exception as exc:  # noqa: BLE001
+            log.exception("sample %s could not be submitted", rid)
+            self.futures.fail(rid, f"internal error ({type(exc).__name__}): {exc}", Server)
+            return
+        fut.add_done_callback(lambda f: self._finish(rid, f))
+
+    def _finish(self, rid: str, fut) -> None:
+        exc = fut.exception()
+        if exc is None:
+            self.futures.complete(rid, fut.result())
+        elif isinstance(exc, ValueError):
+            self.futures.fail(rid, str(exc), User)
+        else:
+            log.error("sample %s failed: %r", rid, exc)
+            self.futures.fail(rid, f"internal error ({type(exc).__name__}): {exc}", Server)
+
+    def drop_session(self, session_id: str) -> None:
+        with self._lock:
+            self._live.pop(session_id, None)
+
+    def close(self) -> None:
+        with self._lock:
+            samplers, self._samplers = list(self._samplers.values()), {}
+            self._live.clear()
+        for s in samplers:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing a sampler failed")

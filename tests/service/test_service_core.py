@@ -1,0 +1,185 @@
+"""Service semantics with real engines: ordering, idempotency, errors, visibility, checkpoints."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tinker import types
+
+from ember.engine.testing import random_sft_datums, sft_datum
+from ember.service import NotFoundError, SessionGoneError, UserError
+
+from .conftest import new_run, result, wait
+
+User = types.RequestErrorCategory.User
+Server = types.RequestErrorCategory.Server
+VOCAB = 84
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+def _logprobs(out: types.ForwardBackwardOutput) -> list[torch.Tensor]:
+    return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
+
+
+def test_ops_run_in_seq_order_when_submitted_out_of_order(make_service):
+    svc = make_service()
+    _, mid = new_run(svc)
+    data = random_sft_datums(3, VOCAB, seed=1)
+    probe = random_sft_datums(2, VOCAB, seed=2)
+    # Arrival order 3, 2, 1: forward (3) must see the update of optim_step (2), which
+    # must see the gradient of forward_backward (1).
+    s3 = svc.forward_backward("alice", mid, 3, probe, "cross_entropy", forward_only=True)
+    s2 = svc.optim_step("alice", mid, 2, ADAM)
+    time.sleep(0.2)
+    assert svc.retrieve("alice", s2.request_id).status == "pending"
+    s1 = svc.forward_backward("alice", mid, 1, data, "cross_entropy")
+    before = result(svc, "alice", s1)
+    step = result(svc, "alice", s2)
+    after = result(svc, "alice", s3)
+    assert step.metrics["grad_norm:mean"] > 0  # the gradient of seq 1 was there
+    assert step.metrics["step:max"] == 1.0
+    s4 = svc.forward_backward("alice", mid, 4, data, "cross_entropy", forward_only=True)
+    # Loss on `data` went down after the step: seq 4 ran after seq 2.
+    assert result(svc, "alice", s4).metrics["loss:sum"] < before.metrics["loss:sum"]
+    assert after.metrics["loss:sum"] > 0
+
+
+def test_resubmission_of_the_same_seq_id_is_idempotent(make_service):
+    svc = make_service()
+    _, mid = new_run(svc)
+    data = random_sft_datums(2, VOCAB, seed=3)
+    a = svc.forward_backward("alice", mid, 1, data, "cross_entropy")
+    b = svc.forward_backward("alice", mid, 1, data, "cross_entropy")  # e.g. a retry after a timeout
+    assert a == b
+    s1 = svc.optim_step("alice", mid, 2, ADAM)
+    s2 = svc.optim_step("alice", mid, 2, ADAM)
+    assert s1.request_id == s2.request_id
+    assert result(svc, "alice", s1).metrics["step:max"] == 1.0
+    # Executed once: the next step is step 2, and it has no gradient left (norm 0).
+    nxt = result(svc, "alice", svc.optim_step("alice", mid, 3, ADAM))
+    assert nxt.metrics["step:max"] == 2.0 and nxt.metrics["grad_norm:mean"] == 0.0
+    sid = svc.get_info("alice", mid).model_id.split(":")[0]
+    c1 = svc.create_model("alice", sid, 0, "tiny", types.LoraConfig(rank=4))
+    assert wait(svc, "alice", c1).result.model_id == mid  # same creation future
+
+
+def test_gap_timeout_skips_a_missing_seq_id_and_a_late_one_fails(make_service):
+    svc = make_service(seq_gap_timeout_s=0.3)
+    _, mid = new_run(svc)
+    data = random_sft_datums(2, VOCAB, seed=4)
+    # seq 1 was "rejected at the HTTP layer" and never arrives.
+    s2 = svc.forward_backward("alice", mid, 2, data, "cross_entropy")
+    s3 = svc.optim_step("alice", mid, 3, ADAM)
+    assert result(svc, "alice", s3).metrics["grad_norm:mean"] > 0
+    assert wait(svc, "alice", s2).status == "complete"
+    late = wait(svc, "alice", svc.forward_backward("alice", mid, 1, data, "cross_entropy"))
+    assert late.status == "failed" and late.category == Server
+    assert "arrived after it was skipped" in late.error
+
+
+def test_bad_inputs_fail_with_user_category_and_the_service_keeps_serving(make_service):
+    svc = make_service()
+    sid, mid = new_run(svc)
+    good = random_sft_datums(2, VOCAB, seed=5)
+    oov = [good[0], sft_datum([1, 2, VOCAB + 7, 3])]
+    cases = [
+        svc.forward_backward("alice", mid, 1, good, "no_such_loss"),
+        svc.forward_backward("alice", mid, 2, oov, "cross_entropy"),
+        svc.forward_backward("alice", mid, 3, good, "ppo"),  # missing logprobs/advantages
+        svc.forward_backward("alice", "sess-nope:train:0", 1, good, "cross_entropy"),
+        svc.create_model("alice", sid, 1, "no-such-model", types.LoraConfig(rank=4)),
+        svc.create_model("alice", sid, 2, "tiny", types.LoraConfig(rank=0)),
+        svc.save_weights("alice", mid, 4, "../escape"),
+        svc.save_weights("alice", mid, 5, "/abs/path"),
+        svc.save_weights("alice", mid, 6, "a/b"),
+        svc.save_weights("alice", mid, 7, "bad name!"),
+        svc.load_weights("alice", "tinker://nope/weights/x", True, model_id=mid, seq_id=8),
+        svc.optim_step("alice", mid, -1, ADAM),
+    ]
+    states = [wait(svc, "alice", s) for s in cases]
+    for st in states:
+        assert st.status == "failed" and st.category == User, (st.request_type, st.error)
+    assert "no_such_loss" in states[0].error
+    assert "datum 1" in states[1].error  # the engine names the datum index
+    assert "no-such-model" in states[4].error
+    # Duplicate checkpoint name without overwrite → user; with overwrite → fine.
+    assert result(svc, "alice", svc.save_weights("alice", mid, 9, "ck"))
+    dup = wait(svc, "alice", svc.save_weights("alice", mid, 10, "ck"))
+    assert dup.category == User and "already exists" in dup.error
+    assert result(svc, "alice", svc.save_weights("alice", mid, 11, "ck", overwrite=True))
+    # Non-finite gradient: optim_step refuses it (user), weights untouched, then training goes on.
+    huge = [sft_datum([5, 6, 7, 8], [3e38, 3e38, 3e38])]
+    result(svc, "alice", svc.forward_backward("alice", mid, 12, huge, "cross_entropy"))
+    nf = wait(svc, "alice", svc.optim_step("alice", mid, 13, ADAM))
+    assert nf.category == User and "non-finite" in nf.error
+    out = result(svc, "alice", svc.forward_backward("alice", mid, 14, good, "cross_entropy"))
+    assert torch.isfinite(torch.tensor(out.metrics["loss:sum"]))
+    assert result(svc, "alice", svc.optim_step("alice", mid, 15, ADAM)).metrics["step:max"] == 1.0
+
+
+def test_visibility_is_by_owner(make_service):
+    svc = make_service()
+    sid, mid = new_run(svc, owner="alice")
+    path = result(svc, "alice", svc.save_weights("alice", mid, 1, "mine")).path
+    fb = svc.forward_backward("alice", mid, 2, random_sft_datums(1, VOCAB), "cross_entropy")
+    wait(svc, "alice", fb)
+    bob_sid = svc.create_session("bob").session_id
+    for call in (
+        lambda: svc.get_info("bob", mid),
+        lambda: svc.get_training_run("bob", mid),
+        lambda: svc.list_checkpoints("bob", mid),
+        lambda: svc.get_weights_info("bob", path),
+        lambda: svc.retrieve("bob", fb.request_id),
+        lambda: svc.get_session("bob", sid),
+        lambda: svc.heartbeat("bob", sid),
+    ):
+        with pytest.raises(NotFoundError):
+            call()
+    assert svc.list_training_runs("bob").training_runs == []
+    assert svc.list_user_checkpoints("bob").checkpoints == []
+    # Bob cannot train alice's run, load her checkpoint, or sample from it.
+    st = wait(svc, "bob", svc.optim_step("bob", mid, 3, ADAM))
+    assert st.category == User and "unknown model_id" in st.error
+    st = wait(svc, "bob", svc.load_weights("bob", path, True, session_id=bob_sid, model_seq_id=0))
+    assert st.category == User and "not found" in st.error
+    with pytest.raises(UserError):
+        svc.create_sampling_session("bob", bob_sid, 0, model_path=path)
+    # Alice sees all of it.
+    assert [r.training_run_id for r in svc.list_training_runs("alice").training_runs] == [mid]
+    assert svc.get_weights_info("alice", path).lora_rank == 4
+
+
+def test_sessions_heartbeat_finish_and_expiry(make_service):
+    svc = make_service(session_timeout_s=0.5)
+    sid, mid = new_run(svc)
+    svc.heartbeat("alice", sid)
+    assert svc.get_session("alice", sid).training_run_ids == [mid]
+    time.sleep(0.7)
+    assert sid in svc.expire_sessions()
+    with pytest.raises(SessionGoneError):
+        svc.heartbeat("alice", sid)
+    st = wait(svc, "alice", svc.optim_step("alice", mid, 1, ADAM))
+    assert st.category == Server and "not loaded" in st.error
+    sid2 = svc.create_session("alice").session_id
+    svc.finish_session("alice", sid2, "success")
+    with pytest.raises(SessionGoneError):
+        svc.heartbeat("alice", sid2)
+    assert svc.retrieve("alice", svc.create_model("alice", sid2, 0, "tiny", None).request_id, 5).category == User
+
+
+def test_housekeeping_prunes_old_futures_and_expired_checkpoints(make_service):
+    svc = make_service(future_retention_s=0.2)
+    _, mid = new_run(svc)
+    keep = result(svc, "alice", svc.save_weights("alice", mid, 1, "keep"))
+    short = result(svc, "alice", svc.save_weights("alice", mid, 2, "short", ttl_seconds=1))
+    fb = svc.forward_backward("alice", mid, 3, random_sft_datums(1, VOCAB), "cross_entropy")
+    wait(svc, "alice", fb)
+    time.sleep(1.1)
+    svc.futures._done.clear()  # drop the in-memory cache: only the database answers now
+    svc.housekeeping()
+    with pytest.raises(NotFoundError):
+        svc.retrieve("alice", fb.request_id)
+    paths = [c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints]
+    assert paths == [keep.path] and short.path not in paths

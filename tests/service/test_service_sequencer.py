@@ -1,0 +1,90 @@
+"""RunSequencer: seq_id order with out-of-order arrival, bounded gap wait, late arrivals."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from ember.service.sequencer import Lane, RunSequencer
+
+
+@pytest.fixture
+def lane():
+    lane = Lane("test")
+    yield lane
+    lane.close(wait=True)
+
+
+def _recorder():
+    done, lock, finished = [], threading.Lock(), threading.Event()
+
+    def op(tag, total):
+        def run():
+            with lock:
+                done.append(tag)
+                if len(done) == total:
+                    finished.set()
+        return run
+
+    return done, op, finished
+
+
+def test_out_of_order_arrival_executes_in_seq_order(lane):
+    seq = RunSequencer("run", lane, gap_timeout_s=10.0, next_seq=1)
+    done, op, finished = _recorder()
+    late = []
+    for s in (3, 5, 2, 4, 1):  # the SDK's parallel chunks send chunk 1 last
+        seq.offer(s, op(s, 5), late.append)
+    assert finished.wait(5)
+    assert done == [1, 2, 3, 4, 5]
+    assert late == [] and seq.skipped == [] and seq.next_seq == 6
+
+
+def test_missing_seq_id_is_skipped_after_the_gap_timeout(lane, caplog):
+    seq = RunSequencer("run", lane, gap_timeout_s=0.3, next_seq=1)
+    done, op, finished = _recorder()
+    late = []
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ember.service.sequencer"):
+        seq.offer(2, op(2, 2), late.append)  # seq 1 never arrives (rejected at HTTP level)
+        seq.offer(3, op(3, 2), late.append)
+        assert finished.wait(5)
+    waited = time.monotonic() - t0
+    assert done == [2, 3]
+    assert 0.25 <= waited < 3.0, waited
+    assert seq.skipped == [1]
+    assert any("never arrived" in r.getMessage() for r in caplog.records)
+    # The skipped seq_id arriving afterwards must not run; it is reported instead.
+    seq.offer(1, op("late", 99), late.append)
+    time.sleep(0.05)
+    assert done == [2, 3]
+    assert len(late) == 1 and "arrived after it was skipped" in late[0]
+
+
+def test_gap_timer_is_not_started_while_the_run_is_busy(lane):
+    """The wait for a gap counts from when the run is idle, not from arrival."""
+    seq = RunSequencer("run", lane, gap_timeout_s=0.2, next_seq=1)
+    release = threading.Event()
+    done, op, finished = _recorder()
+    seq.offer(1, lambda: (release.wait(5), done.append(1)), lambda r: None)
+    seq.offer(3, op(3, 3), lambda r: None)  # 2 is missing while 1 runs for 0.5 s
+    time.sleep(0.5)
+    seq.offer(2, op(2, 3), lambda r: None)  # arrives before 1 finished: not skipped
+    release.set()
+    assert finished.wait(5)
+    assert done == [1, 2, 3] and seq.skipped == []
+
+
+def test_duplicate_pending_seq_and_close(lane):
+    seq = RunSequencer("run", lane, gap_timeout_s=10.0, next_seq=1)
+    late = []
+    seq.offer(2, lambda: None, late.append)
+    seq.offer(2, lambda: None, late.append)
+    assert len(late) == 1 and "submitted twice" in late[0]
+    seq.close("shutting down")
+    assert late[-1] == "shutting down"
+    seq.offer(1, lambda: None, late.append)
+    assert "closed" in late[-1]
