@@ -18,19 +18,24 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """All subcommands are listed; only the `selected` one's module is imported, so a
+    problem in one subcommand can never break another (e.g. `ember serve`)."""
     parser = argparse.ArgumentParser(prog="ember", description="ember: self-hosted post-training engine")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(sp)
-        sp.set_defaults(_module=module)
+        if name == selected:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+            sp.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(selected if selected in SUBCOMMANDS else None).parse_args(argv)
     return int(args._module.run(args) or 0)
 
 

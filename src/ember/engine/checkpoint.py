@@ -114,7 +114,9 @@ def export_hf(engine: "TorchEngine", path: Path) -> None:
         if _rank() == 0:
             engine.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         return
-    adapter = {n: t.contiguous() for n, t in get_peft_model_state_dict(engine.model, adapter_name=engine.adapter_name, save_embedding_layers=False).items()}
+    state = get_peft_model_state_dict(engine.model, adapter_name=engine.adapter_name, save_embedding_layers=False)
+    # FSDP2/TP: every rank gathers each full tensor (a collective), rank 0 writes them.
+    adapter = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).contiguous() for n, t in state.items()}
     if _rank() == 0:
         safetensors.torch.save_file(adapter, str(path / "adapter_model.safetensors"))
         engine.model.peft_config[engine.adapter_name].save_pretrained(str(path))

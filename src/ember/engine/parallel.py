@@ -40,7 +40,7 @@ Order of application (as torchtitan): tensor parallel → activation checkpointi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -205,8 +205,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     _check_tp_divisibility(hf_model(model).config, tp_mesh.size())
+    # parallelize_module re-registers parameters; keep frozen ones frozen (LoRA base weights).
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, layer_tp_plan(layer))
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
 
 
 # ---------------------------------------------------------------------- FSDP2
@@ -299,6 +304,3 @@ class ParallelContext:
         t = torch.tensor(values, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
-
-    def summary(self) -> dict:
-        return {**asdict(self.config), "world_size": self.world_size}

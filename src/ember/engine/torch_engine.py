@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from peft import PeftModel, get_peft_model_state_dict
@@ -26,6 +27,9 @@ from ember.engine.batching import MicroBatch, build_micro_batch, plan_micro_batc
 from ember.engine.config import EngineConfig
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
+
+if TYPE_CHECKING:
+    from ember.engine.parallel import ParallelContext, ParallelismConfig
 
 DEFAULT_ADAPTER = "default"
 
@@ -51,7 +55,15 @@ def _validate_adam(p: types.AdamParams) -> None:
 
 
 class TorchEngine(TrainingEngine):
-    """One trainable model and its optimizer, single process (parallel layouts plug in below)."""
+    """One trainable model and its optimizer, in one process or as one rank of an SPMD group.
+
+    Parallel layouts (FSDP2 / HSDP / TP, `ember.engine.parallel`) plug in below the same
+    interface: pass `parallel` (a `ParallelContext`) with a model already parallelised by
+    `parallelize_model`, or use `from_pretrained(..., parallelism=...)`. Each data-parallel
+    rank then gets its own datums (the workers' `mesh` dispatch); ranks agree on validation
+    and on the number of micro-batches before any collective, and a rank with fewer
+    micro-batches runs zero-contribution padding passes, so the summed gradient is exact.
+    """
 
     def __init__(
         self,
@@ -61,8 +73,10 @@ class TorchEngine(TrainingEngine):
         model_name: str = "model",
         lora_config: types.LoraConfig | None = None,
         adapter_name: str = DEFAULT_ADAPTER,
+        parallel: "ParallelContext | None" = None,
     ) -> None:
         self.config = config or EngineConfig()
+        self.parallel = parallel
         self.model = model
         self.model_name = model_name
         self.lora_config = lora_config
@@ -83,13 +97,26 @@ class TorchEngine(TrainingEngine):
         config: EngineConfig | None = None,
         lora_config: types.LoraConfig | None = None,
         model_name: str | None = None,
+        parallelism: "ParallelismConfig | None" = None,
     ) -> "TorchEngine":
-        """Load a local HF checkpoint; wrap it with a fresh LoRA adapter when `lora_config` is given."""
+        """Load a local HF checkpoint; wrap it with a fresh LoRA adapter when `lora_config` is given.
+
+        With `parallelism` (world size > 1, torch.distributed initialised — see
+        `ember.workers`), build the DeviceMesh and lay the model out on it.
+        """
         config = config or EngineConfig()
         model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
         if lora_config is not None:
             model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config)
-        return cls(model, config, model_name=model_name or str(model_dir), lora_config=lora_config)
+        parallel = None
+        if parallelism is not None and parallelism.world_size > 1:
+            from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
+
+            mesh = build_mesh(parallelism, torch.device(config.device).type)
+            compute = resolve_dtype(config.autocast_dtype or config.dtype)
+            parallelize_model(model, mesh, parallelism, compute)
+            parallel = ParallelContext(parallelism, mesh)
+        return cls(model, config, model_name=model_name or str(model_dir), lora_config=lora_config, parallel=parallel)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -103,6 +130,17 @@ class TorchEngine(TrainingEngine):
     @property
     def hf_config(self):
         return self.model.config
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallel is not None and self.parallel.is_distributed
+
+    @property
+    def _autocast(self) -> str | None:
+        # Under FSDP2 on GPU the MixedPrecisionPolicy casts instead (see ember.engine.parallel).
+        if self.distributed and self.parallel.config.dp_size > 1 and self.device.type == "cuda":
+            return None
+        return self.config.autocast_dtype
 
     @property
     def _varlen_attention(self) -> bool:
@@ -142,29 +180,61 @@ class TorchEngine(TrainingEngine):
     # ------------------------------------------------------------------ forward / backward
     def _target_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         dev = self.device
-        amp = self.config.autocast_dtype
-        with torch.autocast(dev.type, dtype=resolve_dtype(amp) if amp else None, enabled=amp is not None):
-            out = self.model(
-                input_ids=mb.input_ids.to(dev),
-                position_ids=mb.position_ids.to(dev),
-                attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(dev),
-                use_cache=False,
-            )
-        logits = out.logits.flatten(0, 1).index_select(0, mb.valid_index.to(dev))  # (T, V)
+        mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
+        logits = self._logits(mb.input_ids.to(dev), mb.position_ids.to(dev), mask)
+        logits = logits.flatten(0, 1).index_select(0, mb.valid_index.to(dev))  # (T, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 even for bf16 models
         targets = mb.inputs["target_tokens"].to(dev)
         if targets.dim() == 1:
             return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
         return logp.gather(1, targets)
 
+    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        amp = self._autocast
+        with torch.autocast(self.device.type, dtype=resolve_dtype(amp) if amp else None, enabled=amp is not None):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+        return out.logits
+
+    def _prepare(self, datums: Sequence[types.Datum], spec) -> tuple[list, list[list[int]], int]:
+        """Validate and plan; under data parallelism all ranks agree on errors and pass count."""
+        vocab = int(self.hf_config.vocab_size)
+        if not self.distributed:
+            prepared = prepare_datums(datums, spec, vocab)
+            plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
+            return prepared, plan, len(plan)
+        error: ValueError | None = None
+        prepared, plan = [], []
+        try:  # a rank may get no datum at all (a batch smaller than the data-parallel degree)
+            prepared = prepare_datums(datums, spec, vocab) if len(datums) else []
+            plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
+        except ValueError as exc:
+            error = exc
+        failed, passes = self.parallel.max_over_ranks([int(error is not None), len(plan)])
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError("another data-parallel rank rejected its share of the batch (see that rank's error)")
+        if passes == 0:
+            raise ValueError("forward_backward needs at least one datum; got an empty list on every rank")
+        return prepared, plan, passes
+
+    def _padding_pass(self, backward: bool) -> None:
+        """A forward(+backward) that contributes exactly zero: keeps FSDP/TP collectives in step."""
+        ids = torch.full((1, 1), self._pad_id, dtype=torch.int64, device=self.device)
+        with torch.set_grad_enabled(backward):
+            logits = self._logits(ids, torch.zeros_like(ids), None)
+            if backward:
+                (logits.float().sum() * 0.0).backward()
+
     def _run(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: LossConfig | None, backward: bool):
         spec = get_loss(loss_fn)
         cfg = resolve_config(loss_fn, loss_fn_config)
-        prepared = prepare_datums(datums, spec, int(self.hf_config.vocab_size))
+        prepared, plan, passes = self._prepare(datums, spec)
         self._activate()
         outputs: list[dict[str, types.TensorData]] = [None] * len(prepared)  # type: ignore[list-item]
         total = 0.0
-        plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
+        for _ in range(passes - len(plan)):
+            self._padding_pass(backward)
         for group in plan:
             mb = build_micro_batch(
                 [prepared[i] for i in group], self.config.packing, self._pad_id, single_row=self._varlen_attention
@@ -204,8 +274,20 @@ class TorchEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ optimizer
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        norms = torch.stack([torch.linalg.vector_norm(_full_tensor(g).float()) for g in grads])
+        if self.distributed:  # per-shard norms reduced to the global norm; never gathers a gradient
+            norms = torch.stack([_full_tensor(torch.linalg.vector_norm(g.float())).to(self.device) for g in grads])
+        else:
+            norms = torch.stack([torch.linalg.vector_norm(_full_tensor(g).float()) for g in grads])
         return torch.linalg.vector_norm(norms)
+
+    def _clip(self, grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+        if not self.distributed:
+            torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+            return
+        # As torch.nn.utils.clip_grads_with_norm_, shard by shard (DTensors of different meshes).
+        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        for g in grads:
+            g.mul_(coef)
 
     def _first_non_finite(self) -> str:
         for name, p in self._named_trainable():
@@ -217,7 +299,8 @@ class TorchEngine(TrainingEngine):
         _validate_adam(adam_params)
         self._activate()
         grads = [p.grad for p in self._params if p.grad is not None]
-        norm = float(self._grad_norm(grads)) if grads else 0.0
+        norm_t = self._grad_norm(grads) if grads else torch.zeros(())
+        norm = float(norm_t)
         if not math.isfinite(norm):
             bad = self._first_non_finite()
             self.clear_gradients()
@@ -231,7 +314,7 @@ class TorchEngine(TrainingEngine):
                 eps=adam_params.eps, weight_decay=adam_params.weight_decay,
             )
         if grads and adam_params.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self._params, adam_params.grad_clip_norm)
+            self._clip(grads, adam_params.grad_clip_norm, norm_t)
         self.optimizer.step()
         self._step += 1
         self.clear_gradients()
@@ -281,7 +364,7 @@ class TorchEngine(TrainingEngine):
             is_lora=self.is_lora,
             lora_rank=self.lora_config.rank if self.is_lora else None,
             lora_config=self.lora_config.model_dump() if self.is_lora else None,
-            parallel={"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1},
+            parallel=self.parallel.info() if self.parallel else {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1},
             device=self.config.device,
             dtype=self.config.dtype,
             num_parameters=n_all,
@@ -299,7 +382,8 @@ class TorchEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ colocation
     def _move(self, device: torch.device) -> None:
-        if not self.is_lora:
+        if not self.is_lora or self.distributed:
+            # FSDP2's `_apply` re-registers its sharded parameters; assigning p.data would not.
             self.model.to(device)
         for p in self._params:
             p.data = p.data.to(device)

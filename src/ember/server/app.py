@@ -1,0 +1,47 @@
+"""The FastAPI app: `create_app(service, config)`.
+
+Routes only validate, translate and enqueue (no training logic): JSON bodies are parsed
+with the SDK's own request types (`ember.server.requests`), protobuf with
+`ember.server.wire`, and every call goes to the `ServiceAPI` with the caller's owner
+identity (from the API key). Service calls run in the thread pool; `retrieve_future`
+long-polls with `retrieve_async` on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import FastAPI
+
+from ember.server import routes_rest, routes_sampling, routes_session, routes_training
+from ember.server.config import ServerConfig
+from ember.server.errors import install_error_handlers
+from ember.server.middleware import BodyLimitMiddleware, PathPrefixMiddleware, RequestLogMiddleware
+from ember.service.api import ServiceAPI
+
+
+def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool = False) -> FastAPI:
+    """The HTTP app over `service`. `close_service=True` closes the service at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:
+            if close_service:
+                service.close()
+
+    app = FastAPI(title="ember", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.state.config = config
+    install_error_handlers(app)
+    for module in (routes_session, routes_training, routes_sampling, routes_rest):
+        app.include_router(module.router, prefix="/api/v1")
+
+    # add_middleware: the last added is the outermost.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.path_prefix:
+        app.add_middleware(PathPrefixMiddleware, prefix=config.path_prefix)
+    if config.request_log:
+        app.add_middleware(RequestLogMiddleware, path=config.request_log)
+    return app

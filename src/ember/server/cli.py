@@ -1,0 +1,175 @@
+"""`ember serve`: Tinker's HTTP protocol for the unmodified official `tinker` SDK.
+
+    ember serve --model Qwen/Qwen3-0.6B=/models/qwen3 --data-dir ./ember-data --api-key tml-secret
+
+Then, in the client: `tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-secret")`
+(or `TINKER_BASE_URL` / `TINKER_API_KEY`). Cheap to import: heavy imports live in `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+from typing import Any
+
+def engine_options() -> dict[str, type]:
+    """EngineConfig's fields and their CLI types, read from its source with `ast`.
+
+    Importing EngineConfig would pull torch into `ember --help`; reading the dataclass's
+    annotations keeps `--engine.NAME` in step with it without that cost.
+    """
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("ember.engine.config")
+    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineConfig")
+    kinds = {"int": int, "float": float, "bool": bool}
+    return {stmt.target.id: kinds.get(ast.unparse(stmt.annotation), str)
+            for stmt in cls.body if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--model", action="append", type=_key_value, default=[], metavar="NAME=DIR",
+                   help="register a base model (repeatable); a local directory also works as a name")
+    p.add_argument("--models-toml", help="TOML file with more NAME = \"DIR\" registrations")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 = pick a free one; the line "
+                   "'ember serve: listening on URL' on stdout says which)")
+    p.add_argument("--data-dir", default="./ember-data", help="checkpoints and the default SQLite database")
+    p.add_argument("--database-url", help="SQLAlchemy URL (default sqlite:///<data-dir>/ember.db)")
+    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable, 'tml-...')")
+    p.add_argument("--api-keys-file", help="file with one 'KEY [OWNER]' per line")
+    p.add_argument("--long-poll-s", type=float, default=20.0, help="retrieve_future hold time (< 35 s)")
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest accepted request body")
+    p.add_argument("--seq-gap-timeout-s", type=float, default=5.0, help="wait for a missing seq_id this long")
+    p.add_argument("--session-timeout-s", type=float, default=None, help="expire sessions without heartbeat")
+    p.add_argument("--path-prefix", default="", help="serve under /PREFIX/api/v1 (behind a proxy)")
+    p.add_argument("--client-config", action="append", type=_key_value, default=[], metavar="FLAG=JSON",
+                   help="override a flag of /api/v1/client/config, e.g. fwdbwd_max_chunk_len=256")
+    p.add_argument("--request-log", help="append one JSON line per HTTP request to this file")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    for name, kind in engine_options().items():
+        p.add_argument(f"--engine.{name}", dest=f"engine__{name}", default=None, metavar=kind.__name__.upper(),
+                       type=_PARSERS.get(kind, kind), help=f"EngineConfig.{name}")
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _optional_str(text: str) -> str | None:
+    return None if text.lower() in ("none", "null", "") else text
+
+
+_PARSERS: dict[type, Any] = {bool: _parse_bool, str: _optional_str}
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def server_config_from_args(args: argparse.Namespace):
+    from ember.server.config import ServerConfig, load_api_keys_file
+
+    keys = {k: _owner(k) for k in args.api_key}
+    if args.api_keys_file:
+        keys.update(load_api_keys_file(args.api_keys_file))
+    return ServerConfig(
+        host=args.host, port=args.port, api_keys=keys, long_poll_s=args.long_poll_s,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024), request_log=args.request_log,
+        path_prefix=args.path_prefix, client_config={k: _json_value(v) for k, v in args.client_config},
+    )
+
+
+def _owner(key: str) -> str:
+    from ember.server.config import key_identity
+
+    return key_identity(key)
+
+
+def service_config_from_args(args: argparse.Namespace):
+    from ember.engine.config import EngineConfig
+    from ember.service import ServiceConfig
+
+    engine_overrides = {k[len("engine__"):]: v for k, v in vars(args).items()
+                        if k.startswith("engine__") and v is not None}
+    return ServiceConfig(
+        data_dir=args.data_dir, models=dict(args.model), models_toml=args.models_toml,
+        database_url=args.database_url, engine=EngineConfig(**engine_overrides),
+        seq_gap_timeout_s=args.seq_gap_timeout_s, session_timeout_s=args.session_timeout_s,
+        retrieve_max_wait_s=args.long_poll_s,
+    )
+
+
+def build_app(args: argparse.Namespace):
+    """(app, server config) from parsed arguments; the service is closed at app shutdown."""
+    from ember.server.app import create_app
+    from ember.service import Service
+
+    server_config = server_config_from_args(args)
+    service = Service(service_config_from_args(args))
+    return create_app(service, server_config, close_service=True), server_config
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app, host: str, port: int, log_level: str = "info") -> int:
+    """Run `app` with uvicorn on host:port (0 = any free port), announcing the URL on stdout."""
+    import uvicorn
+
+    sock = bind_socket(host, port)
+    actual = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"ember serve: listening on http://{shown}:{actual}", flush=True)
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=5, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app, server_config = build_app(args)
+    except (ValueError, OSError) as exc:
+        print(f"ember serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(app, server_config.host, server_config.port, args.log_level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ember.server.cli ...` == `ember serve ...` (same arguments, same code)."""
+    parser = argparse.ArgumentParser(prog="ember serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

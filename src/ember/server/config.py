@@ -1,0 +1,127 @@
+"""`ServerConfig`: the HTTP layer's own settings (the service has `ServiceConfig`)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# What `/api/v1/client/config` answers (tinker-protocol.md §1.4, recommended column).
+# Every flag that would make the SDK call an endpoint we do not serve stays off.
+DEFAULT_CLIENT_CONFIG: dict[str, Any] = {
+    "pjwt_auth_enabled": False,
+    "credential_default_source": "api_key",
+    "use_pyqwest_transport": False,
+    "proto_compress_fwdbwd": False,
+    "parallel_fwdbwd_chunks": False,
+    "fwdbwd_max_chunk_len": 1024,
+    "fwdbwd_max_chunk_bytes_count": 5_000_000,
+    "sample_no_retries": False,
+    "sample_enable_stuck_detection": True,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
+DEFAULT_DYNAMIC_CONFIG: dict[str, Any] = {
+    "refresh_interval_sec": 300,
+    "sample_cancel_enabled": False,
+    "sample_cancel_max_batch_size": 64,
+}
+# The SDK's read timeout for one retrieve_future poll; a long-poll must end well before it.
+SDK_RETRIEVE_TIMEOUT_S = 45.0
+
+
+def key_identity(key: str) -> str:
+    """Stable, non-secret owner id for an API key (what the database stores)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def load_api_keys_file(path: str | os.PathLike) -> dict[str, str]:
+    """One key per line, optionally followed by an owner name: `tml-abc [alice]`.
+
+    `#` starts a comment. Without a name the owner is `key_identity(key)`.
+    """
+    keys: dict[str, str] = {}
+    for lineno, raw in enumerate(Path(path).read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) > 2:
+            raise ValueError(f"{path}:{lineno}: expected 'KEY [OWNER]', got {len(parts)} fields")
+        keys[parts[0]] = parts[1] if len(parts) == 2 else key_identity(parts[0])
+    return keys
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the HTTP server.
+
+    api_keys: accepted key -> owner identity. Empty means "any `tml-` key, each its own
+        tenant" and is only allowed on a loopback host.
+    long_poll_s: how long `retrieve_future` holds a pending future before `try_again`
+        (must stay well under the SDK's 45 s read timeout).
+    max_body_bytes: larger request bodies (also after zstd decompression) get HTTP 413.
+    request_log: optional JSONL file with one line per request (tests, debugging).
+    path_prefix: serve under `/<prefix>/api/v1/...` (for a reverse proxy); "" = root.
+    client_config / dynamic_config: overrides merged over the defaults above.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    long_poll_s: float = 20.0
+    max_body_bytes: int = 64 * 1024 * 1024
+    request_log: str | None = None
+    path_prefix: str = ""
+    client_config: Mapping[str, Any] = field(default_factory=dict)
+    dynamic_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.long_poll_s <= SDK_RETRIEVE_TIMEOUT_S - 10:
+            raise ValueError(
+                f"ServerConfig.long_poll_s must be in (0, {SDK_RETRIEVE_TIMEOUT_S - 10}] "
+                f"(the SDK gives up on a poll after {SDK_RETRIEVE_TIMEOUT_S} s), got {self.long_poll_s}"
+            )
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"ServerConfig.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for key in self.api_keys:
+            if not key.startswith("tml-"):
+                raise ValueError(f"API key {key[:6]}...: the tinker SDK only sends keys starting with 'tml-'")
+        if not self.api_keys and not is_loopback(self.host):
+            raise ValueError(f"refusing to serve on {self.host!r} without --api-key/--api-keys-file")
+        prefix = self.path_prefix.strip("/")
+        self.path_prefix = f"/{prefix}" if prefix else ""
+        self.client_config = {**DEFAULT_CLIENT_CONFIG, **dict(self.client_config)}
+        self.dynamic_config = {**DEFAULT_DYNAMIC_CONFIG, **dict(self.dynamic_config)}
+        from tinker import types  # here, not at import: `ember --help` stays fast
+
+        types.ClientConfigResponse.model_validate(self.client_config)
+        types.ClientDynamicConfigResponse.model_validate(self.dynamic_config)
+
+    def owner_for(self, key: str | None) -> str | None:
+        """Owner identity for a presented key, or None if the key is not accepted."""
+        if not key:
+            return None
+        if self.api_keys:
+            # compare every key in constant time rather than a dict lookup (no timing oracle)
+            found = None
+            for candidate, owner in self.api_keys.items():
+                if hmac.compare_digest(candidate.encode(), key.encode()):
+                    found = owner
+            return found
+        return key_identity(key) if key.startswith("tml-") else None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

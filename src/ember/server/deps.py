@@ -1,0 +1,67 @@
+"""What every route shares: the caller's owner (API key), the service, body parsing,
+request-log facts, and the two response shapes (futures and models)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+
+from ember.server.config import ServerConfig
+from ember.server.errors import AuthError, BadRequest
+from ember.server.middleware import LOG_STATE_KEY
+from ember.server.wire import to_json
+from ember.service.api import ServiceAPI, Submission
+
+
+def get_service(request: Request) -> ServiceAPI:
+    return request.app.state.service
+
+
+def get_config(request: Request) -> ServerConfig:
+    return request.app.state.config
+
+
+def get_owner(request: Request) -> str:
+    """The API key's identity; 401 (JSON body) for a missing or unknown key."""
+    key = request.headers.get("x-api-key")
+    owner = request.app.state.config.owner_for(key)
+    if owner is None:
+        raise AuthError("missing API key (X-API-Key header)" if not key else "invalid API key")
+    return owner
+
+
+Owner = Depends(get_owner)
+Service = Depends(get_service)
+
+
+async def read_json(request: Request) -> Any:
+    """The body as JSON; 400 with a JSON body when it is not JSON."""
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body: invalid JSON ({exc})") from exc
+
+
+def log_extra(request: Request, **facts: Any) -> None:
+    """Facts for the optional request log (decoded seq ids and the like)."""
+    request.scope.setdefault("state", {}).setdefault(LOG_STATE_KEY, {}).update(facts)
+
+
+def future_response(submission: Submission) -> JSONResponse:
+    """The wire's UntypedAPIFuture: string ids only, `None` fields omitted."""
+    body: dict[str, Any] = {"request_id": str(submission.request_id)}
+    if submission.model_id is not None:
+        body["model_id"] = str(submission.model_id)
+    if submission.sample_sequence_ids is not None:
+        body["sample_sequence_ids"] = [str(s) for s in submission.sample_sequence_ids]
+    return JSONResponse(body)
+
+
+def model_response(model: Any) -> JSONResponse:
+    return JSONResponse(to_json(model))

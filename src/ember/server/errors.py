@@ -1,0 +1,102 @@
+"""Every error answer is JSON `{"error": str, "category": "user"|"server", ...}`.
+
+The SDK turns an empty-body 400 into a retryable connection error and retries 408/409/
+429/5xx for minutes (tinker-protocol.md §3.3), so: malformed bodies are 400/422 with a
+body, unknown ids 404, finished sessions 410, and semantic errors are never HTTP errors
+at all — the service reports them through failed futures.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.server.middleware import BodyTooLarge
+from ember.server.wire import WireError
+from ember.service.api import NotFoundError, ServiceError, SessionGoneError, UserError
+
+logger = logging.getLogger(__name__)
+
+
+class AuthError(Exception):
+    """Missing or unknown API key (-> 401)."""
+
+
+class BadRequest(ValueError):
+    """A body that is not what the endpoint takes (-> 400), e.g. invalid JSON."""
+
+
+def error_response(status: int, message: str, category: str = "user", **extra) -> JSONResponse:
+    return JSONResponse({"error": message, "category": category, **extra}, status_code=status)
+
+
+def _validation_message(errors: list[dict]) -> str:
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')} (got {err.get('input')!r:.60})")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+def _service_status(exc: ServiceError) -> int:
+    if isinstance(exc, NotFoundError):
+        return 404
+    if isinstance(exc, SessionGoneError):
+        return 410
+    if isinstance(exc, UserError):
+        return 400
+    return 500
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(AuthError)
+    async def _auth(_: Request, exc: AuthError):
+        return error_response(401, str(exc))
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, exc: BodyTooLarge):
+        return error_response(413, str(exc))
+
+    @app.exception_handler(WireError)
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_: Request, exc: ValueError):
+        return error_response(400, str(exc))
+
+    @app.exception_handler(pydantic.ValidationError)
+    async def _invalid(_: Request, exc: pydantic.ValidationError):
+        errors = exc.errors(include_url=False)
+        return error_response(422, _validation_message(errors), detail=_jsonable(errors))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_params(_: Request, exc: RequestValidationError):
+        errors = list(exc.errors())
+        return error_response(422, _validation_message(errors), detail=_jsonable(errors))
+
+    @app.exception_handler(ServiceError)
+    async def _service(_: Request, exc: ServiceError):
+        status = _service_status(exc)
+        return error_response(status, str(exc), "server" if status >= 500 else "user")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return JSONResponse({"error": str(exc.detail), "category": "user"}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "server")
+
+
+def _jsonable(errors: list[dict]) -> list[dict]:
+    return [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
+            for e in errors]
+
+
+__all__ = ["AuthError", "BadRequest", "error_response", "install_error_handlers"]

@@ -1,0 +1,72 @@
+"""JSON request bodies: the SDK's own pydantic request types, validated leniently.
+
+The SDK's types forbid unknown fields (`StrictBase`), also in nested models (LoraConfig,
+chunks, SamplingParams...). A server must accept and ignore fields it does not know
+(tinker-protocol.md §8 item 13), so `parse` validates with `extra="ignore"` (pydantic
+>= 2.11 applies it to nested models too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, TypeVar
+
+import pydantic
+from pydantic import ConfigDict
+from tinker import types
+
+from ember.server.errors import BadRequest
+
+_LENIENT = ConfigDict(extra="ignore", protected_namespaces=())
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+def parse(model: type[M], data: Any) -> M:
+    """Validate `data` as `model`, ignoring unknown fields at every level.
+
+    Raises `BadRequest` (-> 400) for a non-object body and `pydantic.ValidationError`
+    (-> 422 with the details) for one that does not fit the model.
+    """
+    if not isinstance(data, dict):
+        raise BadRequest(f"body: expected a JSON object, got {type(data).__name__}")
+    return model.model_validate(data, extra="ignore")
+
+
+CreateSessionRequest = types.CreateSessionRequest
+SessionHeartbeatRequest = types.SessionHeartbeatRequest
+CreateModelRequest = types.CreateModelRequest
+GetInfoRequest = types.GetInfoRequest
+OptimStepRequest = types.OptimStepRequest
+SaveWeightsRequest = types.SaveWeightsRequest
+LoadWeightsRequest = types.LoadWeightsRequest
+SaveWeightsForSamplerRequest = types.SaveWeightsForSamplerRequest
+CreateSamplingSessionRequest = types.CreateSamplingSessionRequest
+SampleRequest = types.SampleRequest
+FutureRetrieveRequest = types.FutureRetrieveRequest
+
+
+class ClientConfigRequest(pydantic.BaseModel):
+    model_config = _LENIENT
+    sdk_version: Optional[str] = None
+
+
+class FinishSessionReason(pydantic.BaseModel):
+    model_config = _LENIENT
+    type: Literal["success", "errored", "interrupted"] = "success"
+
+
+class FinishSessionRequest(pydantic.BaseModel):
+    model_config = _LENIENT
+    reason: FinishSessionReason = FinishSessionReason()
+    detail: Optional[str] = None
+
+
+class WeightsInfoRequest(pydantic.BaseModel):
+    model_config = _LENIENT
+    tinker_path: str
+
+
+class TelemetryRequest(pydantic.BaseModel):
+    model_config = _LENIENT
+    events: list[dict[str, Any]] = []
+    session_id: Optional[str] = None

@@ -1,0 +1,57 @@
+"""RestClient endpoints: training runs, checkpoints, weights info, capabilities (§2.5).
+
+`access_scope` ("owned" | "accessible") is accepted; both mean the caller's own runs, as
+this server has no sharing between API keys. `project_id` filtering is not supported
+(the parameter is accepted and ignored).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from ember.server import requests as rq
+from ember.server.deps import Owner, Service, model_response, read_json
+
+router = APIRouter()
+Limit = Query(20, ge=1, le=1000)
+Offset = Query(0, ge=0)
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(owner: str = Owner, service=Service):
+    return model_response(await run_in_threadpool(service.get_server_capabilities))
+
+
+@router.get("/training_runs")
+async def list_training_runs(limit: int = Limit, offset: int = Offset, owner: str = Owner, service=Service):
+    return model_response(await run_in_threadpool(service.list_training_runs, owner, limit, offset))
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, owner: str = Owner, service=Service):
+    return model_response(await run_in_threadpool(service.get_training_run, owner, run_id))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_checkpoints(run_id: str, owner: str = Owner, service=Service):
+    return model_response(await run_in_threadpool(service.list_checkpoints, owner, run_id))
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(run_id: str, checkpoint_id: str, owner: str = Owner, service=Service):
+    await run_in_threadpool(service.delete_checkpoint, owner, run_id, checkpoint_id)
+    return JSONResponse({})
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(limit: int = Query(100, ge=1, le=10000), offset: int = Offset,
+                                owner: str = Owner, service=Service):
+    return model_response(await run_in_threadpool(service.list_user_checkpoints, owner, limit, offset))
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.WeightsInfoRequest, await read_json(request))
+    return model_response(await run_in_threadpool(service.get_weights_info, owner, req.tinker_path))

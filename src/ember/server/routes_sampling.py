@@ -1,0 +1,85 @@
+"""Sampling sessions, asample, and the futures poll (tinker-protocol.md §2.4, §3)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from tinker import types
+
+from ember.server import requests as rq
+from ember.server import wire
+from ember.server.deps import Owner, Service, future_response, get_config, log_extra, model_response, read_json
+from ember.server.errors import BadRequest
+from ember.service.api import FutureState
+
+router = APIRouter()
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.CreateSamplingSessionRequest, await read_json(request))
+    resp = await run_in_threadpool(
+        service.create_sampling_session, owner, req.session_id, req.sampling_session_seq_id,
+        base_model=req.base_model, model_path=req.model_path,
+    )
+    return model_response(resp)
+
+
+@router.get("/samplers/{sampling_session_id}")
+async def get_sampler(sampling_session_id: str, owner: str = Owner, service=Service):
+    return model_response(await run_in_threadpool(service.get_sampler, owner, sampling_session_id))
+
+
+def _check_sample_request(req: rq.SampleRequest) -> str:
+    if not req.sampling_session_id:
+        raise BadRequest("sampling_session_id: required (create one with /api/v1/create_sampling_session)")
+    if req.prompt_alt_tokens_k:
+        raise BadRequest(f"prompt_alt_tokens_k: not supported by this server, got {req.prompt_alt_tokens_k}")
+    if req.target_prompt_logprobs is not None:
+        raise BadRequest("target_prompt_logprobs: not supported by this server")
+    return req.sampling_session_id
+
+
+@router.post("/asample")
+async def asample(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.SampleRequest, await read_json(request))
+    session = _check_sample_request(req)
+    log_extra(request, sampling_session_id=session, seq_id=req.seq_id)
+    sub = await run_in_threadpool(
+        service.sample, owner, session, req.seq_id, req.prompt, req.num_samples, req.sampling_params,
+        include_prompt_logprobs=bool(req.prompt_logprobs), topk_prompt_logprobs=req.topk_prompt_logprobs,
+        topk_sample_logprobs=req.topk_sample_logprobs, prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+    )
+    return future_response(sub)
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.FutureRetrieveRequest, await read_json(request))
+    state = await service.retrieve_async(owner, req.request_id, timeout_s=get_config(request).long_poll_s)
+    log_extra(request, request_id=req.request_id, status=state.status, request_type=state.request_type)
+    if state.status == "pending":
+        return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": state.queue_state})
+    if state.status == "failed":
+        category = types.RequestErrorCategory(state.category or types.RequestErrorCategory.Unknown)
+        return JSONResponse({"error": state.error or "request failed", "category": category.value})
+    wants_proto = wire.PROTOBUF_CONTENT_TYPE in request.headers.get("accept", "")
+    return await run_in_threadpool(encode_result, state, wants_proto)
+
+
+def encode_result(state: FutureState, wants_proto: bool) -> Response:
+    """Protobuf for ForwardBackwardOutput / SampleResponse when the client accepts it
+    (SDK 0.38 requires it); JSON for everything else and for older JSON-only clients."""
+    result = state.result
+    if isinstance(result, types.ForwardBackwardOutput):
+        result = types.ForwardBackwardOutput(loss_fn_output_type=result.loss_fn_output_type,
+                                             loss_fn_outputs=result.loss_fn_outputs,
+                                             metrics=wire.sanitize_metrics(result.metrics))
+        if wants_proto:
+            return Response(wire.encode_forward_backward_output(result), media_type=wire.PROTOBUF_CONTENT_TYPE)
+    elif isinstance(result, types.SampleResponse) and wants_proto:
+        return Response(wire.encode_sample_response(result), media_type=wire.PROTOBUF_CONTENT_TYPE)
+    elif isinstance(result, types.OptimStepResponse) and result.metrics:
+        result = types.OptimStepResponse(metrics=wire.sanitize_metrics(result.metrics))
+    return JSONResponse(wire.to_json(result))

@@ -1,0 +1,109 @@
+"""Training runs: create_model, get_info, forward_backward (protobuf), optim_step,
+save/load weights, save_weights_for_sampler (tinker-protocol.md §2.2-2.3)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from tinker import types
+
+from ember.server import requests as rq
+from ember.server import wire
+from ember.server.deps import Owner, Service, future_response, get_config, log_extra, model_response, read_json
+from ember.server.errors import BadRequest
+
+router = APIRouter()
+
+
+@router.post("/create_model")
+async def create_model(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.CreateModelRequest, await read_json(request))
+    optimizer = req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None
+    sub = await run_in_threadpool(
+        service.create_model, owner, req.session_id, req.model_seq_id, req.base_model, req.lora_config,
+        optimizer_config=optimizer, user_metadata=req.user_metadata,
+    )
+    return future_response(sub)
+
+
+@router.post("/get_info")
+async def get_info(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.GetInfoRequest, await read_json(request))
+    return model_response(await run_in_threadpool(service.get_info, owner, req.model_id))
+
+
+async def _decode_forward_backward(request: Request) -> wire.ForwardBackwardCall:
+    content_type = request.headers.get("content-type", "")
+    if "protobuf" not in content_type:
+        raise BadRequest(
+            f"Content-Type: expected {wire.PROTOBUF_CONTENT_TYPE} (tinker_public.ForwardBackwardRequest), "
+            f"got {content_type or 'none'!r}"
+        )
+    body = await request.body()
+    limit = get_config(request).max_body_bytes
+    raw = wire.decompress_body(body, request.headers.get("content-encoding"), max_bytes=limit)
+    return await run_in_threadpool(wire.decode_forward_backward_request, raw)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, owner: str = Owner, service=Service):
+    call = await _decode_forward_backward(request)
+    log_extra(request, model_id=call.model_id, seq_id=call.seq_id, loss_fn=call.loss_fn,
+              forward_only=call.forward_only, num_datums=len(call.data), sparse_inputs=call.sparse_inputs)
+    sub = await run_in_threadpool(
+        service.forward_backward, owner, call.model_id, call.seq_id, call.data, call.loss_fn,
+        call.loss_fn_config, forward_only=call.forward_only,
+    )
+    return future_response(sub)
+
+
+def _require_seq_id(seq_id: int | None) -> int:
+    if seq_id is None:
+        raise BadRequest("seq_id: expected an integer >= 1, got none")
+    return seq_id
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.OptimStepRequest, await read_json(request))
+    if not isinstance(req.optim_params, types.AdamParams):
+        raise BadRequest(f"optimizer_params: only adam_params (AdamW) are supported, got {req.optim_params.type!r}")
+    log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
+    sub = await run_in_threadpool(service.optim_step, owner, req.model_id, _require_seq_id(req.seq_id),
+                                  req.optim_params)
+    return future_response(sub)
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.SaveWeightsRequest, await read_json(request))
+    if not req.path:
+        raise BadRequest("path: expected a checkpoint name, got none")
+    sub = await run_in_threadpool(
+        service.save_weights, owner, req.model_id, _require_seq_id(req.seq_id), req.path,
+        overwrite=req.overwrite, ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata,
+    )
+    return future_response(sub)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.LoadWeightsRequest, await read_json(request))
+    sub = await run_in_threadpool(
+        service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
+        session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
+        user_metadata=req.user_metadata,
+    )
+    return future_response(sub)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request, owner: str = Owner, service=Service):
+    req = rq.parse(rq.SaveWeightsForSamplerRequest, await read_json(request))
+    log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
+    sub = await run_in_threadpool(
+        service.save_weights_for_sampler, owner, req.model_id, req.seq_id, req.path,
+        sampling_session_seq_id=req.sampling_session_seq_id, kind=req.kind, ttl_seconds=req.ttl_seconds,
+        user_metadata=req.user_metadata,
+    )
+    return future_response(sub)

@@ -1,0 +1,185 @@
+"""Run `ember serve` as a real subprocess and read its request log (tests, benchmarks).
+
+    server = start_server(model_dir, workdir)        # random loopback port, temp data dir
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+    ...
+    server.requests("/api/v1/forward_backward")       # what the server received, in order
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+API_KEY = "tml-test"
+OTHER_KEY = "tml-other"
+MODEL_NAME = "tiny/qwen3"
+
+
+@dataclass
+class ServerProc:
+    proc: subprocess.Popen
+    base_url: str
+    port: int
+    data_dir: Path
+    log_path: Path
+    stderr_path: Path
+
+    def requests(self, path_suffix: str | None = None) -> list[dict]:
+        """Entries of the server's request log, in arrival order.
+
+        Each has `n` (arrival order), `t`/`t_end` (arrival/answer time), `method`, `path`,
+        `status`, chosen `headers`, `json` (the request body when it was a JSON object,
+        else {}), `response` (a JSON answer) and `extra` (what the route decoded, or {}).
+        """
+        if not self.log_path.exists():
+            return []
+        entries = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        for e in entries:
+            e["json"] = e["json"] if isinstance(e.get("json"), dict) else {}
+            e["extra"] = e.get("extra") or {}
+        entries.sort(key=lambda e: e["n"])
+        if path_suffix is not None:
+            entries = [e for e in entries if e["path"].endswith(path_suffix)]
+        return entries
+
+    def log_mark(self) -> float:
+        """A point in time; `requests_since(mark)` returns what arrived after it."""
+        time.sleep(0.01)
+        return time.time()
+
+    def requests_since(self, mark: float, path_suffix: str | None = None) -> list[dict]:
+        return [e for e in self.requests(path_suffix) if e["t"] >= mark]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def kill9(self) -> None:
+        self.proc.kill()  # SIGKILL
+        self.proc.wait(10)
+
+    def stderr_tail(self, n: int = 4000) -> str:
+        return self.stderr_path.read_text()[-n:] if self.stderr_path.exists() else ""
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_server(
+    model_dir: Path,
+    workdir: Path,
+    *,
+    port: int = 0,
+    extra_args: Sequence[str] = (),
+    script: Path | None = None,
+    data_dir: Path | None = None,
+    timeout: float = 180.0,
+    model_name: str = MODEL_NAME,
+) -> ServerProc:
+    """Start `ember serve` (or a wrapper script taking the same arguments) and wait for it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    data_dir = data_dir or workdir / "data"
+    log_path = workdir / "requests.jsonl"
+    stderr_path = workdir / f"stderr-{time.time_ns()}.txt"
+    launcher = [str(script)] if script else ["-m", "ember.cli", "serve"]  # the real `ember serve`
+    cmd = [
+        sys.executable, *launcher,
+        "--model", f"{model_name}={model_dir}",
+        "--data-dir", str(data_dir),
+        "--port", str(port),
+        "--api-key", API_KEY,
+        "--api-key", OTHER_KEY,
+        "--request-log", str(log_path),
+        "--log-level", "warning",
+        *extra_args,
+    ]
+    stderr = open(stderr_path, "w")  # noqa: SIM115 (owned by the child)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=server_env())
+    url = _wait_for_url(proc, timeout, stderr_path)
+    server = ServerProc(proc, url, int(url.rsplit(":", 1)[1]), data_dir, log_path, stderr_path)
+    _wait_healthy(server, timeout)
+    return server
+
+
+def _wait_for_url(proc: subprocess.Popen, timeout: float, stderr_path: Path) -> str:
+    found: list[str] = []
+
+    def reader() -> None:
+        for line in proc.stdout:  # keep draining so the child never blocks on a full pipe
+            if "listening on" in line and not found:
+                found.append(line.strip().rsplit(" ", 1)[1])
+
+    threading.Thread(target=reader, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ember serve exited with {proc.returncode}:\n{stderr_path.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"ember serve did not start in {timeout} s:\n{stderr_path.read_text()[-4000:]}")
+        time.sleep(0.1)
+    return found[0]
+
+
+def _wait_healthy(server: ServerProc, timeout: float) -> None:
+    """Any HTTP answer means uvicorn is serving (404 when the API sits under a prefix)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{server.base_url}/api/v1/healthz", timeout=5)
+            return
+        except httpx.HTTPError:
+            pass
+        if not server.alive():
+            raise RuntimeError(f"ember serve died:\n{server.stderr_tail()}")
+        time.sleep(0.2)
+    raise RuntimeError("ember serve never answered /api/v1/healthz")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2, message: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+
+
+def sft_datum(tokens: Sequence[int], weights: Sequence[float] | None = None):
+    """A next-token cross-entropy datum: input tokens[:-1], targets tokens[1:]."""
+    from tinker import types
+
+    inputs, targets = list(tokens[:-1]), list(tokens[1:])
+    w = list(weights) if weights is not None else [1.0] * len(targets)
+    return types.Datum(model_input=types.ModelInput.from_ints(inputs),
+                       loss_fn_inputs={"target_tokens": targets, "weights": w})
+
+
+def paths(entries: Sequence[dict], skip_background: bool = True) -> list[str]:
+    """`/api/v1/...` paths of log entries; heartbeats and telemetry left out by default."""
+    background = ("/session_heartbeat", "/telemetry")
+    out = [e["path"].split("/api/v1", 1)[-1] for e in entries]
+    return [p for p in out if not (skip_background and p.endswith(background))]

@@ -1,0 +1,392 @@
+"""Tinker wire formats <-> `tinker.types`: pure functions, no HTTP, no service.
+
+The schema is the SDK's own `tinker.proto.tinker_public_pb2` (tinker-protocol.md §4.3-4.6):
+
+* `ForwardBackwardRequest` (protobuf, optionally zstd) -> `ForwardBackwardCall` holding
+  `list[types.Datum]` with dense `TensorData` (sparse CSR is densified here, so nothing
+  below the server ever sees the wire's sparse layout).
+* `types.ForwardBackwardOutput` -> protobuf `ForwardBackwardOutput` (ArrayRecords of
+  BatchedTensors with byte offsets and `trailing_shape`).
+* `types.SampleResponse` -> protobuf `SampleResponse` (NaN for missing prompt logprobs,
+  top-k rows padded with the sentinel `(0, -99999.0)`).
+
+Malformed input raises `WireError` (a `ValueError`) naming the datum index and field, with
+expected vs got; the HTTP layer turns it into a 400 with a JSON body.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.types.topk_logprobs import TopkLogprobs
+
+PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
+TOPK_SENTINEL_TOKEN = 0
+TOPK_SENTINEL_LOGPROB = -99999.0
+
+_DTYPE_TO_NUMPY = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8")}
+_DTYPE_TO_PUBLIC = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64"}
+_PUBLIC_TO_DTYPE = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
+_STOP_REASON_TO_PROTO = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+class WireError(ValueError):
+    """A request body that cannot be decoded (-> HTTP 400 with a JSON body)."""
+
+
+@dataclass(frozen=True)
+class ForwardBackwardCall:
+    """A decoded `/api/v1/forward_backward` body."""
+
+    model_id: str
+    seq_id: int
+    data: list[types.Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str]
+    forward_only: bool
+    sparse_inputs: int = 0  # how many loss_fn_inputs arrived as sparse CSR (densified here)
+
+
+# ---------------------------------------------------------------------------------------
+# Requests: protobuf -> tinker types
+# ---------------------------------------------------------------------------------------
+
+
+def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+    """Undo `Content-Encoding: zstd` (the only request compression the SDK uses)."""
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding != "zstd":
+        raise WireError(f"Content-Encoding: expected 'zstd' or none, got {content_encoding!r}")
+    import zstandard
+
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        out = reader.read(max_bytes + 1)
+    except zstandard.ZstdError as exc:
+        raise WireError(f"body: invalid zstd stream ({exc})") from exc
+    if len(out) > max_bytes:
+        raise WireError(f"body: decompressed size exceeds the limit of {max_bytes} bytes")
+    return out
+
+
+def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
+    """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # google.protobuf.message.DecodeError and friends
+        raise WireError(f"body: not a valid tinker_public.ForwardBackwardRequest protobuf ({exc})") from exc
+    if not msg.model_id:
+        raise WireError("model_id: expected a non-empty string, got ''")
+    data = [_decode_datum(i, d) for i, d in enumerate(msg.data)]
+    return ForwardBackwardCall(
+        model_id=msg.model_id,
+        seq_id=int(msg.seq_id),
+        data=data,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=merge_loss_config(msg),
+        forward_only=bool(msg.forward_only),
+        sparse_inputs=sum(t.HasField("sparse_csr") for d in msg.data for t in d.loss_fn_inputs.values()),
+    )
+
+
+def merge_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
+    """`loss_fn_config_v2` wins where present; the legacy float map fills the rest."""
+    merged: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():
+        which = value.WhichOneof("value")
+        if which == "number":
+            merged[key] = float(value.number)
+        elif which == "text":
+            merged[key] = value.text
+        else:
+            raise WireError(f"loss_fn_config_v2[{key!r}]: expected a number or text value, got neither")
+    return merged
+
+
+def _decode_datum(index: int, msg: pb.Datum) -> types.Datum:
+    chunks = [_decode_chunk(index, j, c) for j, c in enumerate(msg.model_input)]
+    inputs = {name: decode_tensor(t, where=f"datum {index}: loss_fn_inputs[{name!r}]")
+              for name, t in msg.loss_fn_inputs.items()}
+    model_spans = [_decode_span(index, "model_input_spans", s) for s in msg.model_input_spans]
+    loss_spans = [_decode_span(index, "loss_fn_input_spans", s) for s in msg.loss_fn_input_spans]
+    if bool(model_spans) != bool(loss_spans):
+        raise WireError(f"datum {index}: model_input_spans and loss_fn_input_spans come as a pair")
+    return types.Datum(
+        model_input=types.ModelInput(chunks=chunks),
+        loss_fn_inputs=inputs,
+        model_input_spans=model_spans or None,
+        loss_fn_input_spans=loss_spans or None,
+    )
+
+
+def _decode_chunk(index: int, j: int, msg: pb.Chunk) -> Any:
+    where = f"datum {index}: model_input chunk {j}"
+    kind = msg.WhichOneof("chunk")
+    if kind == "encoded_text":
+        return types.EncodedTextChunk(tokens=decode_int32_tokens(msg.encoded_text.tokens, where=where))
+    if kind == "image":
+        fmt = msg.image.format
+        if fmt not in ("png", "jpeg"):
+            raise WireError(f"{where}: image format expected 'png' or 'jpeg', got {fmt!r}")
+        expected = msg.image.expected_tokens if msg.image.HasField("expected_tokens") else None
+        return types.ImageChunk(data=msg.image.data, format=fmt, expected_tokens=expected)
+    if kind == "dmel":
+        return types.DmelChunk(dmel=msg.dmel.dmel)
+    raise WireError(f"{where}: expected one of encoded_text/image/dmel, got an empty chunk")
+
+
+def _decode_span(index: int, field: str, msg: pb.ProvenanceSpan) -> Any:
+    kind = msg.WhichOneof("span")
+    if kind is None:
+        raise WireError(f"datum {index}: {field}: empty provenance span")
+    arm = getattr(msg, kind)
+    cls = types.PromptProvenanceSpan if kind == "prompt_tokens" else types.SampledProvenanceSpan
+    try:
+        return cls(sequence_id=arm.sequence_id, offset=int(arm.offset), length=int(arm.length))
+    except ValueError as exc:
+        raise WireError(f"datum {index}: {field}: {exc}") from exc
+
+
+def decode_int32_tokens(raw: bytes, *, where: str = "tokens") -> list[int]:
+    """Little-endian int32 token ids (the SDK's `encoded_text.tokens`)."""
+    if len(raw) % 4:
+        raise WireError(f"{where}: token bytes must be a multiple of 4 (int32), got {len(raw)} bytes")
+    tokens = np.frombuffer(raw, dtype="<i4")
+    if tokens.size and int(tokens.min()) < 0:
+        raise WireError(f"{where}: token ids must be >= 0, got {int(tokens.min())}")
+    return tokens.astype(np.int64).tolist()
+
+
+def decode_tensor(msg: pb.Tensor, *, where: str) -> types.TensorData:
+    """Dense `TensorData` (float32 or int64) from a proto `Tensor`, dense or sparse CSR."""
+    np_dtype = _DTYPE_TO_NUMPY.get(msg.dtype)
+    if np_dtype is None:
+        got = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else str(msg.dtype)
+        raise WireError(f"{where}: dtype expected DTYPE_FLOAT32 or DTYPE_INT64, got {got}")
+    shape = [int(s) for s in msg.shape]
+    if any(s < 0 for s in shape):
+        raise WireError(f"{where}: shape entries must be >= 0, got {shape}")
+    kind = msg.WhichOneof("encoding")
+    if kind == "sparse_csr":
+        arr = _densify_csr(msg.sparse_csr, np_dtype, shape, where)
+    else:
+        arr = _frombuffer(msg.dense if kind == "dense" else b"", np_dtype, where, "dense")
+        if shape:
+            if math.prod(shape) != arr.size:
+                raise WireError(f"{where}: shape {shape} needs {math.prod(shape)} values, got {arr.size}")
+            arr = arr.reshape(shape)
+        else:
+            shape = [arr.size]
+    if np_dtype.kind == "f" and not np.all(np.isfinite(arr)):
+        raise WireError(f"{where}: values must be finite, got NaN or inf")
+    return types.TensorData(data=arr.copy(), dtype=_DTYPE_TO_PUBLIC[msg.dtype], shape=shape)
+
+
+def _frombuffer(raw: bytes, np_dtype: np.dtype, where: str, part: str) -> np.ndarray:
+    if len(raw) % np_dtype.itemsize:
+        raise WireError(
+            f"{where}: {part} bytes must be a multiple of {np_dtype.itemsize} ({np_dtype.name}), "
+            f"got {len(raw)} bytes"
+        )
+    return np.frombuffer(raw, dtype=np_dtype)
+
+
+def _densify_csr(csr: pb.SparseCsr, np_dtype: np.dtype, shape: list[int], where: str) -> np.ndarray:
+    if len(shape) != 2:
+        raise WireError(f"{where}: sparse CSR needs a 2-D shape, got {shape}")
+    rows, cols = shape
+    values = _frombuffer(csr.values, np_dtype, where, "sparse_csr.values")
+    crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), where, "sparse_csr.crow_indices")
+    col = _frombuffer(csr.col_indices, np.dtype("<i8"), where, "sparse_csr.col_indices")
+    if crow.size != rows + 1:
+        raise WireError(f"{where}: sparse_csr.crow_indices needs {rows + 1} entries, got {crow.size}")
+    if crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != values.size:
+        raise WireError(f"{where}: sparse_csr.crow_indices must rise from 0 to nnz={values.size}")
+    if col.size != values.size:
+        raise WireError(f"{where}: sparse_csr.col_indices needs {values.size} entries, got {col.size}")
+    if col.size and (int(col.min()) < 0 or int(col.max()) >= cols):
+        raise WireError(f"{where}: sparse_csr.col_indices must lie in [0, {cols}), got {col.min()}..{col.max()}")
+    dense = np.zeros((rows, cols), dtype=np_dtype)
+    row_of_value = np.repeat(np.arange(rows), np.diff(crow))
+    dense[row_of_value, col] = values
+    return dense
+
+
+# ---------------------------------------------------------------------------------------
+# Results: tinker types -> protobuf
+# ---------------------------------------------------------------------------------------
+
+
+def encode_tensor(td: types.TensorData) -> pb.Tensor:
+    """Dense proto `Tensor` (float32 or int64) from a `TensorData`."""
+    dtype = _PUBLIC_TO_DTYPE[td.dtype]
+    arr = np.ascontiguousarray(td.to_numpy(), dtype=_DTYPE_TO_NUMPY[dtype])
+    return pb.Tensor(dense=arr.tobytes(), dtype=dtype, shape=list(arr.shape))
+
+
+def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:
+    """Protobuf `ForwardBackwardOutput`; one ArrayRecord per run of same-shaped datums."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
+    for key, value in out.metrics.items():
+        msg.metrics[key] = float(value)
+    arrays = [{name: np.asarray(td.to_numpy()) for name, td in datum.items()} for datum in out.loss_fn_outputs]
+    for start, stop in _same_layout_runs(arrays):
+        msg.loss_fn_outputs.append(_array_record(arrays[start:stop]))
+    return msg.SerializeToString()
+
+
+def _layout(datum: Mapping[str, np.ndarray]) -> tuple:
+    return tuple(sorted((name, arr.dtype.kind, arr.shape[1:]) for name, arr in datum.items()))
+
+
+def _same_layout_runs(arrays: Sequence[Mapping[str, np.ndarray]]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(arrays) + 1):
+        if i == len(arrays) or _layout(arrays[i]) != _layout(arrays[start]):
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _array_record(datums: Sequence[Mapping[str, np.ndarray]]) -> pb.ArrayRecord:
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(datums))
+    for name in datums[0]:
+        parts = [np.atleast_1d(d[name]) for d in datums]
+        is_float = parts[0].dtype.kind == "f"
+        np_dtype = np.dtype("<f4") if is_float else np.dtype("<i8")
+        blobs = [np.ascontiguousarray(p, dtype=np_dtype).tobytes() for p in parts]
+        offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype("<i8")
+        record.fields[name].CopyFrom(
+            pb.BatchedTensor(
+                data=b"".join(blobs),
+                offsets=offsets.tobytes(),
+                dtype=pb.DTYPE_FLOAT32 if is_float else pb.DTYPE_INT64,
+                trailing_shape=list(parts[0].shape[1:]),
+            )
+        )
+    return record
+
+
+def encode_sample_response(resp: types.SampleResponse) -> bytes:
+    """Protobuf `SampleResponse` (sequence ids are stamped by the client, not sent)."""
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=int(resp.prompt_cache_hit_tokens or 0))
+    for seq in resp.sequences:
+        msg.sequences.append(_encode_sequence(seq))
+    if resp.prompt_logprobs is not None:
+        values = [math.nan if v is None else float(v) for v in resp.prompt_logprobs]
+        msg.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    topk_prompt = _topk_rows(resp.topk_prompt_logprobs_np, resp.topk_prompt_logprobs)
+    if topk_prompt is not None:
+        msg.topk_prompt_logprobs.CopyFrom(topk_prompt)
+    if resp.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(encode_tensor(resp.target_prompt_logprobs))
+    if resp.prompt_alt_tokens is not None:
+        msg.prompt_alt_tokens.tokens.CopyFrom(encode_tensor(resp.prompt_alt_tokens.tokens))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(encode_tensor(resp.prompt_alt_tokens.logprobs))
+    return msg.SerializeToString()
+
+
+def _encode_sequence(seq: types.SampledSequence) -> pb.SampledSequence:
+    if seq.stop_reason not in _STOP_REASON_TO_PROTO:
+        raise ValueError(f"stop_reason: expected 'stop' or 'length', got {seq.stop_reason!r}")
+    out = pb.SampledSequence(
+        stop_reason=_STOP_REASON_TO_PROTO[seq.stop_reason],
+        tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+    )
+    if seq.logprobs is not None:
+        out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+    topk = _topk_rows(seq.topk_logprobs_np, seq.topk_logprobs)
+    if topk is not None:
+        out.topk_sampled_logprobs.CopyFrom(topk)
+    return out
+
+
+def _topk_rows(
+    dense: TopkLogprobs | None, rows: Sequence[Sequence[tuple[int, float]] | None] | None
+) -> pb.TopkLogprobs | None:
+    """Dense N x K matrices, empty cells and `None` rows filled with the sentinel."""
+    if dense is not None:
+        ids, lps = np.asarray(dense.token_ids, dtype="<i4"), np.asarray(dense.logprobs, dtype="<f4")
+    elif rows is not None:
+        k = max((len(r) for r in rows if r), default=0)
+        ids = np.full((len(rows), k), TOPK_SENTINEL_TOKEN, dtype="<i4")
+        lps = np.full((len(rows), k), TOPK_SENTINEL_LOGPROB, dtype="<f4")
+        for i, row in enumerate(rows):
+            for j, (tok, lp) in enumerate(row or ()):
+                ids[i, j], lps[i, j] = tok, lp
+    else:
+        return None
+    if ids.ndim != 2 or ids.shape != lps.shape:
+        raise ValueError(f"top-k logprobs: expected two equal (N, K) matrices, got {ids.shape} and {lps.shape}")
+    return pb.TopkLogprobs(
+        token_ids=np.ascontiguousarray(ids).tobytes(),
+        logprobs=np.ascontiguousarray(lps).tobytes(),
+        k=ids.shape[1],
+        length=ids.shape[0],
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# JSON results (everything except ForwardBackward/Forward/Sample, and old JSON-only SDKs)
+# ---------------------------------------------------------------------------------------
+
+
+def metric_key(key: str) -> str:
+    """A metric name the SDK can merge: exactly one colon (`name:reduction`).
+
+    The SDK does `name, reduction = key.split(":")` on every forward_backward metric, so a
+    bad key would crash the client. Extra colons become `_`; a bare name becomes `name:sum`
+    only if it is "loss" (the one metric the SDK itself reads), else `name:mean`.
+    """
+    if key.count(":") == 1 and not key.startswith(":") and not key.endswith(":"):
+        return key
+    name, _, reduction = key.rpartition(":")
+    if not name or not reduction:
+        base = key.replace(":", "_").strip("_") or "metric"
+        return f"{base}:sum" if base == "loss" else f"{base}:mean"
+    return f"{name.replace(':', '_')}:{reduction}"
+
+
+def sanitize_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    return {metric_key(str(k)): float(v) for k, v in metrics.items()}
+
+
+def to_json(value: Any) -> Any:
+    """JSON-able form of a result: pydantic models with `exclude_none`, SDK dataclasses."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, types.SampleResponse):
+        return {
+            "sequences": [
+                {"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": s.logprobs,
+                 "topk_logprobs": s.topk_logprobs}
+                for s in value.sequences
+            ],
+            "prompt_logprobs": value.prompt_logprobs,
+            "topk_prompt_logprobs": value.topk_prompt_logprobs,
+            "type": "sample",
+        }
+    if isinstance(value, types.TensorData):
+        return {"data": value.to_numpy().ravel().tolist(), "dtype": value.dtype,
+                "shape": list(value.to_numpy().shape)}
+    if isinstance(value, types.ForwardBackwardOutput):
+        return {
+            "loss_fn_output_type": value.loss_fn_output_type,
+            "loss_fn_outputs": [{k: to_json(v) for k, v in d.items()} for d in value.loss_fn_outputs],
+            "metrics": {k: float(v) for k, v in value.metrics.items()},
+        }
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value

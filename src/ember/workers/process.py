@@ -1,0 +1,254 @@
+"""`process` runtime: N local processes joined by torch.distributed (gloo on CPU, NCCL on GPU).
+
+Ranks are started through multiprocessing's *forkserver*: the server imports torch,
+transformers and ember once (`preload`), then every rank is a cheap fork of that clean,
+single-threaded process (a plain fork of the caller would inherit its threads; a spawn
+would pay the imports again per rank). They rendezvous on `tcp://127.0.0.1:<free port>`.
+
+Each rank talks to the caller over its own pipe (pickled `Request`/`Reply` bytes).
+Liveness without heartbeats that could be missed: the caller waits on the pipes *and* the
+processes' sentinels at once, so a rank that dies (even `kill -9` mid-collective) is seen
+within milliseconds and raises `WorkerDiedError`; a call that outlives its timeout raises
+`WorkerTimeoutError`. Either way the surviving ranks are killed (they may be blocked in a
+collective that can never complete). In the other direction each rank runs a watchdog
+thread that exits the rank when the caller's process is gone, so no orphan survives a
+crashed caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+from typing import Any
+
+from ember.workers.runtime import (
+    RankContext,
+    Reply,
+    Request,
+    Runtime,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+    free_port,
+    init_rank_process,
+)
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "ember.workers.worker", "ember.engine.torch_engine")
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watchdog(caller_pid: int, period_s: float = 1.0) -> None:
+    def loop() -> None:
+        while _pid_alive(caller_pid):
+            time.sleep(period_s)
+        os._exit(3)  # the caller is gone: never leave an orphan rank behind
+
+    threading.Thread(target=loop, name="ember-watchdog", daemon=True).start()
+
+
+def _serve(conn, worker) -> None:
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            req: Request = pickle.loads(data)
+        except Exception as exc:  # an unimportable factory, for instance
+            conn.send_bytes(_dumps(Reply.failure(worker.ctx.rank, exc)))
+            continue
+        if req.op == "exit":
+            return
+        reply = worker.handle(req)
+        try:
+            payload = _dumps(reply)
+        except Exception as exc:
+            payload = _dumps(Reply.failure(worker.ctx.rank, TypeError(f"result cannot be pickled: {exc}")))
+        conn.send_bytes(payload)
+
+
+def _child_main(conn, ctx: RankContext, addr: str, port: int, threads: int, pg_timeout_s: float, caller_pid: int):
+    _watchdog(caller_pid)
+    try:
+        init_rank_process(ctx, addr, port, threads, pg_timeout_s)
+        from ember.workers.worker import RankWorker
+
+        worker = RankWorker(ctx)
+    except BaseException as exc:  # noqa: BLE001
+        conn.send_bytes(_dumps(Reply.failure(ctx.rank, exc)))
+        return
+    conn.send_bytes(_dumps(Reply(rank=ctx.rank, ok=True, value="ready")))
+    try:
+        _serve(conn, worker)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "is unresponsive"
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class ProcessRuntime(Runtime):
+    name = "process"
+
+    def __init__(
+        self,
+        world_size: int = 1,
+        device: str = "cpu",
+        *,
+        torch_threads: int = 1,
+        start_timeout_s: float = 300.0,
+        pg_timeout_s: float = 300.0,
+        start_method: str = "forkserver",
+        preload: tuple[str, ...] = DEFAULT_PRELOAD,
+        failure_grace_s: float = 30.0,
+    ) -> None:
+        super().__init__(world_size, device)
+        self.torch_threads = torch_threads
+        self.start_timeout_s = start_timeout_s
+        self.pg_timeout_s = pg_timeout_s
+        self.start_method = start_method
+        self.preload = preload
+        self.failure_grace_s = failure_grace_s
+        self._procs: list[multiprocessing.Process] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        last: Exception | None = None
+        for _ in range(2):  # a second try covers a rendezvous port taken in between
+            try:
+                self._launch(free_port())
+                return
+            except WorkerError as exc:
+                last = exc
+                self.shutdown()
+                self._broken = None
+        raise WorkerError(f"could not start {self.world_size} ranks: {last}") from last
+
+    def _launch(self, port: int) -> None:
+        mp = multiprocessing.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            mp.set_forkserver_preload(list(self.preload))
+        for rank in range(self.world_size):
+            ctx = RankContext(rank, self.world_size, rank, self.device_type, self.backend)
+            parent, child = mp.Pipe(duplex=True)
+            args = (child, ctx, "127.0.0.1", port, self.torch_threads, self.pg_timeout_s, os.getpid())
+            proc = mp.Process(target=_child_main, args=args, name=f"ember-rank{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        replies = self._collect(time.monotonic() + self.start_timeout_s, "start")
+        failed = [r for r in replies if not r.ok]
+        if failed:
+            raise WorkerError(f"rank {failed[0].rank} failed to start: {failed[0].error}\n{failed[0].traceback}")
+
+    def shutdown(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(_dumps(Request(op="exit")))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def _kill_all(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5.0)
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self._procs]
+
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._procs]
+
+    # ------------------------------------------------------------------ calls
+    def execute(self, requests: list[Request], timeout_s: float) -> list[Reply]:
+        if self._broken:
+            raise WorkerError(f"this worker group is broken ({self._broken}); build a new one")
+        if not self._procs:
+            raise WorkerError("the process runtime is not started (or was shut down)")
+        payloads = [_dumps(req) for req in requests]  # all or none: a rank alone would block in a collective
+        for rank, (conn, payload) in enumerate(zip(self._conns, payloads)):
+            try:
+                conn.send_bytes(payload)
+            except (BrokenPipeError, ConnectionError, OSError):
+                self._fail(WorkerDiedError, f"rank {rank} {_exit_reason(self._procs[rank].exitcode)}")
+        return self._collect(time.monotonic() + timeout_s, f"call {requests[0].op}:{requests[0].method or ''}")
+
+    def _abandon(self, replies: dict[int, Reply], pending: list[int]) -> list[Reply]:
+        """A rank failed and the others are stuck (in a collective): stop them all."""
+        first = next(r for r in replies.values() if not r.ok)
+        self._broken = f"rank {first.rank} failed ({type(first.error).__name__}) while ranks {pending} were blocked"
+        self._kill_all()
+        stuck = Reply(rank=pending[0], ok=False, error=WorkerError(self._broken))
+        return [replies.get(r, stuck) for r in range(self.world_size)]
+
+    def _fail(self, kind: type[WorkerError], message: str):
+        self._broken = message
+        self._kill_all()
+        raise kind(message)
+
+    def _collect(self, deadline: float, what: str) -> list[Reply]:
+        pending = dict(enumerate(self._conns))
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        replies: dict[int, Reply] = {}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if any(not r.ok for r in replies.values()):
+                    return self._abandon(replies, sorted(pending))
+                self._fail(WorkerTimeoutError, f"{what}: ranks {sorted(pending)} gave no reply in time; group stopped")
+            ready = multiprocessing.connection.wait([*pending.values(), *sentinels], timeout=remaining)
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        replies[rank] = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        continue  # the sentinel below tells why
+                    del pending[rank]
+                    if not replies[rank].ok:  # the others may wait forever in a collective
+                        deadline = min(deadline, time.monotonic() + self.failure_grace_s)
+            for sentinel, rank in sentinels.items():
+                if sentinel in ready:
+                    self._procs[rank].join(timeout=1.0)
+                    code = self._procs[rank].exitcode
+                    self._fail(WorkerDiedError, f"{what}: rank {rank} (pid {self._procs[rank].pid}) {_exit_reason(code)}")
+        return [replies[r] for r in range(self.world_size)]

@@ -1,0 +1,92 @@
+"""ParallelismConfig validation, TP plans and single-process pieces of ember.engine.parallel
+(no process group needed; the multi-rank behaviour is in test_engine_parallel.py)."""
+
+import pytest
+import torch
+from tinker import types
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from ember.engine import EngineConfig, TorchEngine
+from ember.engine.parallel import (
+    ParallelismConfig,
+    _check_tp_divisibility,
+    build_mesh,
+    decoder_layers,
+    layer_tp_plan,
+    parallelize_model,
+)
+from ember.engine.testing import random_sft_datums
+from ember.models import add_lora_adapter, load_model
+from ember.workers import testing as wt
+
+
+@pytest.mark.parametrize("field", ["dp_replicate", "dp_shard", "tp"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_config_rejects_bad_degrees_naming_the_field(field, bad):
+    with pytest.raises(ValueError, match=rf"ParallelismConfig\.{field} must be an integer >= 1, got"):
+        ParallelismConfig(**{field: bad})
+
+
+def test_config_layout_arithmetic():
+    p = ParallelismConfig(dp_replicate=2, dp_shard=3, tp=2)
+    assert (p.world_size, p.dp_size) == (12, 6)
+    assert [p.dp_rank(r) for r in range(12)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert p.as_dict() == {"world_size": 12, "dp_replicate": 2, "dp_shard": 3, "tp": 2}
+    assert ParallelismConfig.for_world(4) == ParallelismConfig(dp_shard=4)
+    with pytest.raises(ValueError, match="outside the world"):
+        p.dp_rank(12)
+    with pytest.raises(ValueError, match="cpu_offload needs FSDP2"):
+        ParallelismConfig(tp=2, cpu_offload=True)
+
+
+def test_build_mesh_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        build_mesh(ParallelismConfig(dp_shard=2))
+
+
+def test_tp_divisibility_and_family_checks(tiny_model_dir):
+    cfg = load_model(tiny_model_dir).config  # 4 heads, 2 kv heads, intermediate 128
+    _check_tp_divisibility(cfg, 2)
+    with pytest.raises(ValueError, match=r"tp=4 must divide config.num_key_value_heads=2"):
+        _check_tp_divisibility(cfg, 4)
+    cfg.model_type = "gpt2"
+    with pytest.raises(ValueError, match="tensor parallelism supports"):
+        _check_tp_divisibility(cfg, 2)
+
+
+def test_layer_tp_plan_plain_and_lora(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    plan = layer_tp_plan(decoder_layers(model)[0])
+    col = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
+    assert {k for k, v in plan.items() if isinstance(v, ColwiseParallel)} == col
+    assert {k for k, v in plan.items() if isinstance(v, RowwiseParallel)} == {"self_attn.o_proj", "mlp.down_proj"}
+    assert {k for k, v in plan.items() if isinstance(v, SequenceParallel)} == {"self_attn.q_norm", "self_attn.k_norm"}
+
+    peft = add_lora_adapter(model, "t", types.LoraConfig(rank=2))
+    plan = layer_tp_plan(decoder_layers(peft)[0])
+    assert isinstance(plan["self_attn.q_proj.base_layer"], ColwiseParallel)
+    assert isinstance(plan["self_attn.q_proj.lora_B.t"], ColwiseParallel)  # A stays replicated
+    assert isinstance(plan["self_attn.o_proj.base_layer"], RowwiseParallel)
+    assert isinstance(plan["self_attn.o_proj.lora_A.t"], RowwiseParallel)  # B stays replicated
+    assert "self_attn.q_proj.lora_A.t" not in plan and "self_attn.o_proj.lora_B.t" not in plan
+
+
+def test_parallelize_model_validates_mesh(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    assert parallelize_model(model, None, ParallelismConfig()) is model
+    with pytest.raises(ValueError, match="needs a DeviceMesh"):
+        parallelize_model(model, None, ParallelismConfig(tp=2))
+
+
+def test_activation_checkpointing_keeps_names_and_gradients(tiny_model_dir):
+    """The composable checkpoint adds no wrapper module: same names, same gradient."""
+    datums = random_sft_datums(4, vocab=84, seed=3)
+    plain = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig())
+    model = parallelize_model(load_model(tiny_model_dir), None, ParallelismConfig(activation_checkpointing=True))
+    ac = TorchEngine(model, EngineConfig())
+    a, b = plain.forward_backward(datums, "cross_entropy"), ac.forward_backward(datums, "cross_entropy")
+    assert a.metrics == b.metrics
+    ga, gb = wt.full_grads(plain), wt.full_grads(ac)
+    assert list(ga) == list(gb)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-6, atol=1e-7)

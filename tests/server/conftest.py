@@ -1,0 +1,23 @@
+"""Fixtures for the server tests: one shared `ember serve` subprocess (session scope).
+
+The fault-injection server (tests/server/fault_server.py) and the restart test start
+their own servers with `ember.server.testing.start_server`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ember.server.testing import ServerProc, start_server
+
+
+@pytest.fixture(scope="session")
+def ember_server(tiny_model_dir, tmp_path_factory) -> Iterator[ServerProc]:
+    """The shared plain `ember serve` (keys tml-test and tml-other, request log on)."""
+    server = start_server(Path(tiny_model_dir), tmp_path_factory.mktemp("ember-serve"), extra_args=["--max-body-mb", "4"])
+    yield server
+    server.stop()
+    assert server.proc.returncode in (0, -15), server.stderr_tail()

@@ -1,0 +1,109 @@
+"""ServerConfig, API keys, `ember serve` argument parsing, metric-key sanitising."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from ember.server import cli
+from ember.server.config import (
+    DEFAULT_CLIENT_CONFIG,
+    ServerConfig,
+    is_loopback,
+    key_identity,
+    load_api_keys_file,
+)
+from ember.server.wire import metric_key, sanitize_metrics
+
+
+def test_long_poll_must_stay_under_the_sdk_timeout():
+    assert ServerConfig().long_poll_s == 20.0
+    with pytest.raises(ValueError, match="long_poll_s"):
+        ServerConfig(long_poll_s=40)
+    with pytest.raises(ValueError, match="long_poll_s"):
+        ServerConfig(long_poll_s=0)
+
+
+def test_keys_loopback_and_owners():
+    with pytest.raises(ValueError, match="refusing to serve on '0.0.0.0'"):
+        ServerConfig(host="0.0.0.0")
+    with pytest.raises(ValueError, match="tml-"):
+        ServerConfig(api_keys={"sk-abc": "x"})
+    open_cfg = ServerConfig()  # loopback, no keys: any tml- key is its own tenant
+    assert open_cfg.owner_for("tml-a") == key_identity("tml-a") != open_cfg.owner_for("tml-b")
+    assert open_cfg.owner_for("sk-a") is None and open_cfg.owner_for(None) is None
+    cfg = ServerConfig(host="0.0.0.0", api_keys={"tml-a": "alice", "tml-b": "bob"})
+    assert (cfg.owner_for("tml-a"), cfg.owner_for("tml-b"), cfg.owner_for("tml-c")) == ("alice", "bob", None)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    assert "tml-a" not in key_identity("tml-a")  # the stored identity does not reveal the key
+
+
+def test_api_keys_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# comment\ntml-one alice\n\ntml-two   # no owner\n")
+    assert load_api_keys_file(path) == {"tml-one": "alice", "tml-two": key_identity("tml-two")}
+    path.write_text("tml-x a b\n")
+    with pytest.raises(ValueError, match=r"keys:1: expected 'KEY \[OWNER\]'"):
+        load_api_keys_file(path)
+
+
+def test_client_config_defaults_keep_flag_endpoints_off():
+    cfg = ServerConfig(client_config={"fwdbwd_max_chunk_len": 8})
+    assert cfg.client_config["fwdbwd_max_chunk_len"] == 8
+    for flag in ("pjwt_auth_enabled", "sample_use_retrieve_futures", "custom_loss_server_side",
+                 "sample_join_sampling_session", "proto_compress_fwdbwd"):
+        assert cfg.client_config[flag] is False
+    with pytest.raises(ValueError):
+        ServerConfig(client_config={"fwdbwd_max_chunk_len": "many"})
+    assert set(DEFAULT_CLIENT_CONFIG) <= set(cfg.client_config)
+
+
+def test_engine_options_match_engine_config():
+    from ember.engine.config import EngineConfig
+
+    options = cli.engine_options()
+    assert list(options) == [f.name for f in dataclasses.fields(EngineConfig)]
+    for f in dataclasses.fields(EngineConfig):
+        if f.default is not None:
+            assert options[f.name] is type(f.default), f.name
+
+
+def test_serve_arguments(tmp_path):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    keys = tmp_path / "keys"
+    keys.write_text("tml-file carol\n")
+    args = parser.parse_args([
+        "--model", "org/m=/models/m", "--model", "b=/x", "--api-key", "tml-1", "--api-keys-file", str(keys),
+        "--client-config", "fwdbwd_max_chunk_len=8", "--client-config", "parallel_fwdbwd_chunks=true",
+        "--engine.micro_batch_tokens", "128", "--engine.packing", "false", "--data-dir", str(tmp_path / "d"),
+        "--seq-gap-timeout-s", "2.5", "--path-prefix", "p/",
+    ])
+    server = cli.server_config_from_args(args)
+    assert server.api_keys == {"tml-1": key_identity("tml-1"), "tml-file": "carol"}
+    assert server.client_config["fwdbwd_max_chunk_len"] == 8 and server.client_config["parallel_fwdbwd_chunks"] is True
+    assert server.path_prefix == "/p" and server.host == "127.0.0.1"
+    service = cli.service_config_from_args(args)
+    assert service.models == {"org/m": "/models/m", "b": "/x"}
+    assert (service.engine.micro_batch_tokens, service.engine.packing, service.seq_gap_timeout_s) == (128, False, 2.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "no-equals-sign"])
+
+
+def test_serve_is_the_ember_subcommand():
+    from ember import cli as dispatcher
+
+    args = dispatcher.build_parser().parse_args(["serve", "--model", "a=/b", "--port", "0"])
+    assert args._module is cli and args.model == [("a", "/b")] and args.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("key, want", [
+    ("loss:sum", "loss:sum"), ("loss", "loss:sum"), ("grad_norm", "grad_norm:mean"),
+    ("a:b:c", "a_b:c"), (":x", "x:mean"), ("x:", "x:mean"),
+])
+def test_metric_keys_get_exactly_one_colon(key, want):
+    assert metric_key(key) == want
+    assert sanitize_metrics({key: 1}) == {want: 1.0}
