@@ -1,0 +1,207 @@
+"""TorchSampler throughput and weight-sync cost, each against a baseline in the same run.
+
+(a) generate: 64 prompts (8-32 tokens) x 128 new tokens, sampling at temperature 1,
+    no early stop, both sides returning per-token logprobs. TorchSampler (64 slots) vs
+    transformers `generate(do_sample=True, output_logits=True)` on the same model
+    (left-padded batch; logprobs = log_softmax(logits) at the chosen tokens).
+    generate_ratio = sampler tokens/s / generate tokens/s (target >= 1.5).
+(b) mixed: 192 requests whose max_tokens are log-uniform in [8, 256] (many short, a few
+    long, as RL completions are), 32 slots. Continuous batching (all submitted at once)
+    vs static batching (the same sampler fed fixed batches of 32 that each wait for
+    their longest member). mixed_ratio = static time / continuous time (target >= 2).
+(c) sync: full fine-tuning weight sync of a ~50M-parameter model,
+    `sampler.load_weights(engine.named_weights(), copy=False)` (named_weights already
+    hands over fresh copies) vs a plain `clone()` of the same tensors.
+    sync_ratio = sync time / plain-copy time (1.0 = no overhead over the copy itself).
+(d) the demo's GRPO sampling step: 16 prompts x 8 completions of <= 5 tokens on a tiny
+    (~0.5M-parameter) model; ms per step (printed, not in the last line).
+
+Ratios are computed from process CPU time (`time.process_time`) with 1 torch thread
+(`--threads`): on an idle machine that equals wall time, and on a shared one it does not
+depend on what the other tenants do (wall times are printed too). With more than one
+thread, use `--clock wall`. Last line: `generate_ratio=<a> mixed_ratio=<b> sync_ratio=<c>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from _common import build_model
+from tinker import types
+
+from ember.models import load_model
+from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
+
+
+CLOCK = {"fn": time.process_time}
+
+
+@contextmanager
+def _timer(out: list, wall: list | None = None):
+    """Append the elapsed benchmark-clock seconds (and wall seconds) of the block."""
+    c0, w0 = CLOCK["fn"](), time.perf_counter()
+    yield
+    out.append(CLOCK["fn"]() - c0)
+    if wall is not None:
+        wall.append(time.perf_counter() - w0)
+
+
+def _prompts(n: int, rng: np.random.Generator, low: int = 8, high: int = 32) -> list[list[int]]:
+    return [rng.integers(6, 84, size=int(rng.integers(low, high + 1))).tolist() for _ in range(n)]
+
+
+def _requests(prompts, max_tokens, seed0=0, n=1):
+    return [
+        SamplingRequest(prompt=types.ModelInput.from_ints(p), num_samples=n,
+                        sampling_params=types.SamplingParams(max_tokens=int(m), seed=seed0 + i, stop=[]))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+
+
+def _check(results) -> int:
+    tokens = 0
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+        tokens += sum(len(s.tokens) for s in r.sequences)
+    return tokens
+
+
+def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> int:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=pad_id,
+        )
+        new = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(2, new[..., None]).squeeze(-1)
+    assert logprobs.shape == new.shape == (len(prompts), new_tokens)
+    return new.numel()
+
+
+def bench_generate(model_dir: str, repeats: int) -> float:
+    rng = np.random.default_rng(0)
+    prompts = _prompts(64, rng)
+    model = load_model(model_dir).eval()
+    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=64, max_len=256))
+    reqs = _requests(prompts, [128] * 64)
+    ours, theirs, wall_ours, wall_theirs = [], [], [], []
+    _check(sampler.sample_many(reqs[:4]))  # warm-up
+    _hf_generate(model, prompts[:4], 4, 0)
+    for _ in range(repeats):  # interleaved, so machine noise hits both alike
+        with _timer(ours, wall_ours):
+            n_ours = _check(sampler.sample_many(reqs))
+        with _timer(theirs, wall_theirs):
+            n_hf = _hf_generate(model, prompts, 128, 0)
+    sampler.close()
+    assert n_ours == n_hf == 64 * 128
+    a, b = n_ours / float(np.median(ours)), n_hf / float(np.median(theirs))
+    wa, wb = n_ours / float(np.median(wall_ours)), n_hf / float(np.median(wall_theirs))
+    print(f"(a) 64 prompts x 128 tokens: TorchSampler {a:,.0f} tok/s, HF generate {b:,.0f} tok/s, ratio {a / b:.2f} "
+          f"(wall: {wa:,.0f} vs {wb:,.0f} tok/s, ratio {wa / wb:.2f})")
+    return a / b
+
+
+def bench_mixed(model_dir: str, repeats: int, slots: int = 32, n: int = 192) -> float:
+    rng = np.random.default_rng(1)
+    prompts = _prompts(n, rng)
+    max_tokens = np.exp(rng.uniform(np.log(8), np.log(256), size=n)).astype(int)
+    reqs = _requests(prompts, max_tokens)
+    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=slots, max_len=320))
+    _check(sampler.sample_many(reqs[:4]))
+    cont, static, wall_c, wall_s = [], [], [], []
+    for _ in range(repeats):  # interleaved
+        with _timer(cont, wall_c):
+            total = _check(sampler.sample_many(reqs))
+        with _timer(static, wall_s):
+            for i in range(0, n, slots):
+                _check(sampler.sample_many(reqs[i:i + slots]))
+    continuous, static = float(np.median(cont)), float(np.median(static))
+    sampler.close()
+    print(f"(b) {n} requests, max_tokens log-uniform 8..256 (mean {max_tokens.mean():.0f}), {slots} slots, "
+          f"{total} tokens: continuous {continuous:.2f}s, static {static:.2f}s, ratio {static / continuous:.2f} "
+          f"(wall: {np.median(wall_c):.2f}s vs {np.median(wall_s):.2f}s; median of {repeats})")
+    return static / continuous
+
+
+def bench_sync(repeats: int) -> float:
+    from ember.engine import EngineConfig, TorchEngine
+
+    model_dir = build_model(hidden=768, layers=10, heads=12, kv_heads=4)
+    engine = TorchEngine.from_pretrained(model_dir, EngineConfig())
+    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=4))
+    params = sum(p.numel() for p in engine.model.parameters())
+    state = engine.model.state_dict()
+    syncs, copies, copy_true = [], [], []
+    for _ in range(repeats):
+        with _timer(syncs):
+            version = sampler.load_weights(engine.named_weights(), copy=False)
+        del version
+        with _timer(copies):
+            plain = [t.detach().clone() for t in state.values()]
+        del plain
+        with _timer(copy_true):
+            version = sampler.load_weights(state, copy=True)
+        del version
+    s, c, ct = (float(np.median(x)) for x in (syncs, copies, copy_true))
+    print(f"(c) sync of {params / 1e6:.1f}M params ({params * 4 / 2**20:.0f} MiB): engine.named_weights -> "
+          f"load_weights {s * 1e3:.0f} ms, plain clone {c * 1e3:.0f} ms, ratio {s / c:.2f}; "
+          f"load_weights(state_dict, copy=True) {ct * 1e3:.0f} ms ({ct / c:.2f}x)")
+    sampler.close()
+    return s / c
+
+
+def bench_demo_step(repeats: int) -> None:
+    model_dir = build_model(hidden=128, layers=2, heads=4, kv_heads=2)
+    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=128, max_len=64))
+    params = sum(p.numel() for p in sampler.model.parameters())
+    rng = np.random.default_rng(2)
+    prompts = _prompts(16, rng, 10, 20)
+    reqs = [
+        SamplingRequest(prompt=types.ModelInput.from_ints(p), num_samples=8,
+                        sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    _check(sampler.sample_many(reqs))
+    times, wall = [], []
+    for _ in range(repeats):
+        with _timer(times, wall):
+            _check(sampler.sample_many(reqs))
+    sampler.close()
+    print(f"(d) GRPO sampling step, {params / 1e6:.2f}M params, 16 prompts x 8 samples x <=5 tokens: "
+          f"{np.median(times) * 1e3:.1f} ms/step (wall {np.median(wall) * 1e3:.1f} ms; median of {repeats})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    CLOCK["fn"] = time.process_time if args.clock == "cpu" else time.perf_counter
+    model_dir = build_model(hidden=256, layers=4, heads=8, kv_heads=4)
+    n_params = sum(p.numel() for p in load_model(model_dir).parameters())
+    print(f"model for (a)/(b): Qwen3 hidden 256, 4 layers, {n_params / 1e6:.1f}M params; "
+          f"torch threads {args.threads}, clock {args.clock}")
+    bench_demo_step(20)
+    a = bench_generate(model_dir, args.repeats)
+    b = bench_mixed(model_dir, max(1, args.repeats - 1))
+    c = bench_sync(args.repeats)
+    print(f"generate_ratio={a:.2f} mixed_ratio={b:.2f} sync_ratio={c:.2f}")
+
+
+if __name__ == "__main__":
+    main()

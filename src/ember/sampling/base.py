@@ -1,0 +1,223 @@
+"""The `Sampler` interface: what the service asks of a sampling backend.
+
+A sampler serves one base model. Weights reach it as *versions*: `load_weights` turns
+an engine's `named_weights()` into an immutable `WeightVersion` (DESIGN.md contract 4),
+and every request names the version it samples from (`None` = the base model's own
+weights). A handle pinned to version v samples from v forever, however many newer
+versions appear; a version's memory is released when nothing references it any more.
+
+Requests and responses are the `tinker` SDK's types (`types.ModelInput`,
+`types.SamplingParams`, `types.SampleResponse`), so the service passes them through
+from the wire. The semantics are Tinker's (tinker-protocol.md §4.6, §4.7):
+
+* `max_tokens`: the most tokens to generate; unset → the backend's documented default
+  (`SamplerConfig.default_max_tokens`, 128 for TorchSampler). A sequence that reaches it
+  ends with `stop_reason="length"`.
+* `temperature` (0 → greedy argmax), `top_k` (-1 = off, else >= 1; applied first),
+  `top_p` in (0, 1] (nucleus of the top-k-renormalised distribution).
+* `seed`: same seed + same weights + same request → the same tokens, whatever else is in
+  the batch (randomness is a pure function of (seed, sample index, step), never a global
+  RNG). Sample i of a request differs from sample j. No seed → fresh OS entropy.
+* `stop`: `None` → stop at the tokenizer's EOS; `[]` → no stop at all, not even EOS
+  (generate to max_tokens); a string or list of strings → stop as soon as the decoded
+  completion contains one of them (EOS still stops); a list of ints → stop token ids
+  (EOS still stops). The token that ended the sequence is included in `tokens` (for a
+  string: every token up to and including the one that completed it) and
+  `stop_reason="stop"`.
+* `logprobs` of each sampled token, from the model's raw distribution (softmax of the
+  logits, before temperature/top-k/top-p), which is what the trainer's `forward`
+  computes (contract 5). `logprobs_mode="processed"` returns the logprobs of the
+  distribution actually sampled from instead (for exact importance weights).
+* `include_prompt_logprobs`: `prompt_logprobs[0]` is None (NaN in `prompt_logprobs_np`),
+  then logp(prompt[i] | prompt[:i]); `topk_prompt_logprobs=k`: k (token, logprob) pairs
+  per prompt position (None at position 0); `topk_sample_logprobs=k` fills each
+  sequence's `topk_logprobs`; `prompt_logprobs_last_n=n` scores only the last n prompt
+  positions (earlier entries None).
+
+Backends. `TorchSampler` (torch_sampler.py) runs the same Hugging Face model classes as
+the trainer with its own KV cache and continuous batching. A vLLM or SGLang backend
+would sit behind the same interface without changing any caller:
+
+* `submit` would translate a `SamplingRequest` into the engine's request
+  (`vllm.SamplingParams(n=num_samples, temperature, top_k, top_p, seed, max_tokens,
+  stop / stop_token_ids / ignore_eos=(stop == []), logprobs=k, prompt_logprobs=k)`,
+  `include_stop_str_in_output=True`) submitted to its async engine, and resolve the
+  returned `Future` from the engine's output stream, converting the outputs to
+  `types.SampleResponse` (the engine's continuous batching replaces ours);
+  `logprobs_mode` maps onto the engine's raw/processed logprob option.
+* `load_weights` would push the tensors into the engine (vLLM's weight-update
+  collective RPC for full fine-tuning; a LoRA adapter registered under a fresh adapter
+  id for LoRA) and return a `WeightVersion` subclass carrying that adapter id / weight
+  tag; immutability then means "adapter ids are never reused" and, for full fine-tuning,
+  keeping one engine replica per live version (or draining old ones before switching).
+* `close` would shut the engine down.
+
+The conformance tests of tests/sampling (contract 5, seeds, stops, versions, bad input)
+are written against this interface and are what a new backend must pass.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from tinker import types
+
+LogprobsMode = Literal["raw", "processed"]
+
+_version_ids = itertools.count(1)
+
+
+class WeightVersion:
+    """Handle to one immutable set of sampling weights of one sampler.
+
+    Hold it for as long as samples must come from these weights; drop it and the
+    backend may free the memory (backends keep only weak references). Version ids
+    increase with every `load_weights` of the process.
+    """
+
+    def __init__(self, sampler_id: int, is_lora: bool, lora_rank: int | None = None) -> None:
+        self.version_id = next(_version_ids)
+        self.sampler_id = sampler_id
+        self.is_lora = is_lora
+        self.lora_rank = lora_rank
+
+    def __repr__(self) -> str:
+        kind = f"lora r={self.lora_rank}" if self.is_lora else "full"
+        return f"{type(self).__name__}(id={self.version_id}, {kind})"
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One sampling request: `num_samples` completions of `prompt` from `version`.
+
+    Fields mirror tinker's `SampleRequest` (`prompt_logprobs` is called
+    `include_prompt_logprobs` here, as in `SamplingClient.sample`). `sequence_ids`
+    optionally names the returned sequences (the service passes the
+    `sample_sequence_ids` it handed to the SDK); by default they are generated.
+    """
+
+    prompt: types.ModelInput
+    num_samples: int = 1
+    sampling_params: types.SamplingParams = field(default_factory=types.SamplingParams)
+    version: WeightVersion | None = None
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    logprobs_mode: LogprobsMode | None = None  # None → the sampler's configured default
+    sequence_ids: Sequence[str] | None = None
+
+
+class Sampler(abc.ABC):
+    """A sampling backend for one base model (see the module docstring for semantics)."""
+
+    # ------------------------------------------------------------------ abstract
+    @abc.abstractmethod
+    def submit(self, request: SamplingRequest) -> Future:
+        """Queue a request; the Future resolves to a `types.SampleResponse`.
+
+        A bad request (ValueError naming the field, expected vs got) fails its own
+        Future only; all other requests keep being served. Never blocks on the work.
+        """
+
+    @abc.abstractmethod
+    def load_weights(
+        self,
+        named_weights: Iterable[tuple[str, torch.Tensor]],
+        lora_config: types.LoraConfig | None = None,
+        *,
+        copy: bool = True,
+    ) -> WeightVersion:
+        """Make a new immutable version from (name, tensor) pairs.
+
+        `lora_config=None`: full fine-tuning — every parameter of the base model, in HF
+        names (`model.layers.0.self_attn.q_proj.weight`). With a LoraConfig: adapter
+        weights only, in PEFT saved-adapter names
+        (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), scaled by
+        `ember.models.LORA_ALPHA / rank`; the base weights are shared by all versions.
+        `copy=False` lets the version keep the given tensors when they are already on the
+        sampler's device and dtype (the caller promises never to modify them, as
+        `TrainingEngine.named_weights()` does).
+        """
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts (rows of its embedding)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving: pending requests fail with RuntimeError; resources are released."""
+
+    # ------------------------------------------------------------------ conveniences
+    def sample(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int = 1,
+        sampling_params: types.SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+        *,
+        version: WeightVersion | None = None,
+        logprobs_mode: LogprobsMode | None = None,
+        timeout: float | None = None,
+    ) -> types.SampleResponse:
+        """Blocking `submit(...).result()`; positional arguments as `SamplingClient.sample`'s."""
+        request = SamplingRequest(
+            prompt=prompt,
+            num_samples=num_samples,
+            sampling_params=sampling_params or types.SamplingParams(),
+            version=version,
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+            logprobs_mode=logprobs_mode,
+        )
+        return self.submit(request).result(timeout)
+
+    def sample_many(
+        self, requests: Sequence[SamplingRequest], timeout: float | None = None
+    ) -> list[types.SampleResponse | Exception]:
+        """Submit all requests at once (they are batched together); a failed request's
+        entry is its exception, the others still complete."""
+        futures = [self.submit(r) for r in requests]
+        results: list[types.SampleResponse | Exception] = []
+        for fut in futures:
+            try:
+                results.append(fut.result(timeout))
+            except Exception as exc:  # noqa: BLE001 - returned to the caller by design
+                results.append(exc)
+        return results
+
+    def compute_logprobs(
+        self,
+        prompt: types.ModelInput,
+        version: WeightVersion | None = None,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> list[float | None]:
+        """logp(prompt[i] | prompt[:i]) for every position; None at position 0.
+
+        As in the SDK, a one-token sample at temperature 1 with prompt logprobs on.
+        """
+        params = types.SamplingParams(max_tokens=1, temperature=1.0, top_k=-1, top_p=1.0)
+        response = self.sample(
+            prompt, 1, params, include_prompt_logprobs=True, prompt_logprobs_last_n=prompt_logprobs_last_n,
+            version=version,
+        )
+        assert response.prompt_logprobs is not None
+        return response.prompt_logprobs
+
+    def __enter__(self) -> "Sampler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

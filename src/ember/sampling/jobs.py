@@ -1,0 +1,116 @@
+"""A request in flight (`Job`) and the pure functions that turn its results into
+tinker's `SampleResponse`."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tinker import types
+from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
+
+from ember.sampling import rng
+from ember.sampling.params import ResolvedRequest
+from ember.sampling.weights import TorchWeightVersion
+
+
+@dataclass(eq=False)
+class Job:
+    spec: ResolvedRequest
+    future: Future
+    version: TorchWeightVersion | None
+    keys: np.ndarray = field(init=False)  # one RNG key per sample
+    next_sample: int = 0  # samples [0, next_sample) have a slot (or are done)
+    done: int = 0
+    prefilled: bool = False
+    last_logits: torch.Tensor | None = None  # [V] logits after the prompt: first token of every sample
+    prefix: list | None = None  # snapshot of the prompt's KV for samples placed later
+    prompt_logprobs: np.ndarray | None = None
+    prompt_topk: TopkLogprobs | None = None
+    sequences: list = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = rng.sample_keys(self.spec.seed, self.spec.num_samples)
+        self.sequences = [None] * self.spec.num_samples
+
+    @property
+    def remaining(self) -> int:
+        return self.spec.num_samples - self.next_sample
+
+    @property
+    def group(self) -> int:
+        """Forward group: 0 = the base module (with LoRA hooks); else the full version's id."""
+        v = self.version
+        return v.version_id if v is not None and not v.is_lora else 0
+
+    @property
+    def lora_id(self) -> int:
+        v = self.version
+        return v.version_id if v is not None and v.is_lora else 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.spec.include_prompt_logprobs or self.spec.topk_prompt_logprobs > 0
+
+    def finish_sample(self, sample: int, seq: types.SampledSequence) -> bool:
+        """Store one finished sequence; True when the whole request is done."""
+        self.sequences[sample] = seq
+        self.done += 1
+        return self.done == self.spec.num_samples
+
+    def response(self) -> types.SampleResponse:
+        return types.SampleResponse(
+            sequences=list(self.sequences),
+            prompt_logprobs_np=self.prompt_logprobs if self.spec.include_prompt_logprobs else None,
+            topk_prompt_logprobs_np=self.prompt_topk,
+        )
+
+
+def topk_matrix(rows: list[tuple[np.ndarray, np.ndarray] | None], k: int) -> TopkLogprobs:
+    """Dense (len, k) matrices; missing rows and cells hold the SDK's sentinel (0, -99999).
+
+    Tokens of probability 0 (-inf: outside a processed distribution's support) are left out.
+    """
+    ids = np.zeros((len(rows), k), np.int32)
+    lps = np.full((len(rows), k), MASK_LOGPROB, np.float32)
+    for i, row in enumerate(rows):
+        if row is not None:
+            keep = np.isfinite(row[1][:k])
+            n = int(keep.sum())
+            ids[i, :n], lps[i, :n] = row[0][:k][keep], row[1][:k][keep]
+    return TopkLogprobs(token_ids=ids, logprobs=lps)
+
+
+def prompt_scores(
+    logits: torch.Tensor, prompt: tuple[int, ...], spec: ResolvedRequest
+) -> tuple[np.ndarray, TopkLogprobs | None]:
+    """Prompt logprobs (NaN where not scored) and top-k rows from the prompt's logits [P, V]."""
+    p = len(prompt)
+    first = 1 if spec.prompt_logprobs_last_n is None else p - spec.prompt_logprobs_last_n
+    logp = torch.log_softmax(logits[first - 1 : p - 1].float(), dim=-1)
+    targets = torch.tensor(prompt[first:], device=logp.device)
+    scored = logp.gather(1, targets[:, None]).squeeze(1).cpu().numpy()
+    out = np.full(p, np.nan, np.float32)
+    out[first:] = scored
+    topk = None
+    if spec.topk_prompt_logprobs > 0:
+        k = min(spec.topk_prompt_logprobs, logp.shape[-1])
+        vals, ids = torch.topk(logp, k, dim=-1)
+        ids_np, vals_np = ids.cpu().numpy(), vals.cpu().numpy()
+        rows = [None] * first + [(ids_np[i], vals_np[i]) for i in range(p - first)]
+        topk = topk_matrix(rows, spec.topk_prompt_logprobs)
+    return out, topk
+
+
+def sampled_sequence(
+    tokens: np.ndarray, logprobs: np.ndarray, topk_rows: list | None, k: int, stop: bool, sequence_id: str
+) -> types.SampledSequence:
+    return types.SampledSequence(
+        stop_reason="stop" if stop else "length",
+        sequence_id=sequence_id,
+        tokens_np=tokens.astype(np.int32, copy=True),
+        logprobs_np=logprobs.astype(np.float32, copy=True),
+        topk_logprobs_np=topk_matrix(topk_rows, k) if k > 0 else None,
+    )

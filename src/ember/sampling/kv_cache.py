@@ -1,0 +1,156 @@
+"""A slot-based KV cache handed to Hugging Face models as `past_key_values`.
+
+transformers' documented extension point is the `Cache` class and its per-layer
+`CacheLayerMixin`; attention modules call `past_key_values.update(k, v, layer_idx)` and
+attend over whatever it returns. `SlotCache` gives every sequence a fixed slot
+(`[num_slots, kv_heads, capacity, head_dim]` per layer) and is told, before each forward,
+where the new keys go (`plan_prefill` / `plan_decode`). The model receives explicit
+`position_ids` (one row per sequence) and a 4-D boolean attention mask, which
+`create_causal_mask` passes through unchanged, so each row attends only to its own
+valid cache entries — no transformers code is patched.
+
+Two kinds of forward:
+
+* prefill: rows are prompts left-padded to a common length T, starting from empty slots.
+  The new keys are written to the slots (pad columns are skipped) and returned as they
+  are: attention runs over the T new positions only.
+* decode: one new token per row. Row r writes position `pos[r]` of slot `slots[r]` and
+  attends over positions `[0, kv_len)` of that slot (the mask hides the stale tail).
+  When the rows are slots 0..n-1 in order, the read is a view (no copy).
+
+The cache grows its capacity on demand (doubling, up to `max_len`), so memory follows
+the longest live sequence rather than the configured maximum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass
+class _Plan:
+    prefill: bool
+    slots: torch.Tensor | slice  # [B] slot of each row, or slice(0, B) for slots 0..B-1
+    positions: torch.Tensor  # prefill: [M] positions of the valid tokens; decode: [B]
+    valid: torch.Tensor | None = None  # prefill: [B, T] which columns are real tokens
+    write_slots: torch.Tensor | None = None  # prefill: [M] slot of each valid token
+    kv_len: int = 0  # decode: positions attended
+
+
+class _SlotLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, store: "SlotCache", layer_idx: int) -> None:
+        super().__init__()
+        self.store = store
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        s = self.store
+        shape = (s.num_slots, key_states.shape[1], s.capacity, key_states.shape[-1])
+        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(
+            (*shape[:3], value_states.shape[-1]), dtype=value_states.dtype, device=value_states.device
+        )
+        self.is_initialized = True
+
+    def grow(self, capacity: int) -> None:
+        if not self.is_initialized or self.keys.shape[2] >= capacity:
+            return
+        old = self.keys.shape[2]
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            new = t.new_zeros((t.shape[0], t.shape[1], capacity, t.shape[3]))
+            new[:, :, :old] = t
+            setattr(self, name, new)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        plan = self.store.plan
+        if plan is None:
+            raise RuntimeError("SlotCache used without a plan (call plan_prefill / plan_decode first)")
+        if plan.prefill:
+            k_new = key_states.transpose(1, 2)[plan.valid]  # [M, kv_heads, head_dim]
+            v_new = value_states.transpose(1, 2)[plan.valid]
+            self.keys[plan.write_slots, :, plan.positions] = k_new
+            self.values[plan.write_slots, :, plan.positions] = v_new
+            return key_states, value_states
+        rows = plan.slots
+        idx = torch.arange(rows.stop, device=key_states.device) if isinstance(rows, slice) else rows
+        self.keys[idx, :, plan.positions] = key_states[:, :, 0]
+        self.values[idx, :, plan.positions] = value_states[:, :, 0]
+        keys = self.keys[:, :, : plan.kv_len]
+        values = self.values[:, :, : plan.kv_len]
+        if isinstance(rows, slice):
+            return keys[rows], values[rows]
+        return keys.index_select(0, rows), values.index_select(0, rows)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        plan = self.store.plan
+        return (plan.kv_len if plan is not None and not plan.prefill else query_length), 0
+
+    def get_seq_length(self) -> int:
+        return 0  # per-row lengths live in the sampler; models get explicit position_ids
+
+    def get_max_length(self) -> int:
+        return self.store.max_len
+
+
+class SlotCache(Cache):
+    """Fixed slots of KV storage for up to `num_slots` sequences of up to `max_len` tokens."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, initial_capacity: int = 256) -> None:
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.capacity = min(max_len, initial_capacity)
+        self.plan: _Plan | None = None
+        super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
+
+    # ---------------------------------------------------------------- capacity
+    def ensure_capacity(self, length: int) -> None:
+        if length > self.max_len:
+            raise ValueError(f"sequence of {length} positions exceeds the cache's max_len {self.max_len}")
+        if length <= self.capacity:
+            return
+        self.capacity = min(self.max_len, max(length, 2 * self.capacity))
+        for layer in self.layers:
+            layer.grow(self.capacity)
+
+    # ---------------------------------------------------------------- plans
+    def plan_prefill(self, slots: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Rows = prompts left-padded to T columns; `valid` [B, T] marks real tokens."""
+        self.ensure_capacity(valid.shape[1])
+        write_slots = slots[:, None].expand_as(valid)[valid]
+        self.plan = _Plan(
+            prefill=True, slots=slots, positions=position_ids[valid], valid=valid, write_slots=write_slots
+        )
+
+    def plan_decode(self, slots: torch.Tensor | slice, positions: torch.Tensor, kv_len: int) -> None:
+        """One token per row, written at `positions[r]` of slot `slots[r]`; rows attend [0, kv_len)."""
+        self.ensure_capacity(kv_len)
+        self.plan = _Plan(prefill=False, slots=slots, positions=positions, kv_len=kv_len)
+
+    def clear_plan(self) -> None:
+        self.plan = None
+
+    # ---------------------------------------------------------------- prefix sharing
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy positions [0, length) of slot src[i] into slot dst[i] (n samples, one prefill)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys[dst, :, :length] = layer.keys[src, :, :length]
+                layer.values[dst, :, :length] = layer.values[src, :, :length]
+
+    def snapshot_prefix(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of a slot's first `length` positions, to seed slots that free up later."""
+        return [(layer.keys[slot, :, :length].clone(), layer.values[slot, :, :length].clone()) for layer in self.layers]
+
+    def restore_prefix(self, snapshot: list[tuple[torch.Tensor, torch.Tensor]], dst_slots: torch.Tensor) -> None:
+        for layer, (k, v) in zip(self.layers, snapshot):
+            length = k.shape[1]
+            layer.keys[dst_slots, :, :length] = k
+            layer.values[dst_slots, :, :length] = v

@@ -1,0 +1,307 @@
+"""Continuous batching over KV-cache slots.
+
+One `step()` = admit waiting samples into free slots (prefilling new prompts, one
+prefill per prompt however many samples it has), then one decode forward for every
+active slot. A sequence that finishes frees its slot at once, and the next step fills it
+with a waiting sample — requests of any length share the batch without waiting for the
+longest one. Only the sampler's worker thread calls into a Scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+from ember.sampling import jobs as J
+from ember.sampling import rng
+from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
+from ember.sampling.runner import ModelRunner, decode_mask, prefill_inputs
+from ember.sampling.slots import Placement, SlotTable
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, slots: SlotTable, device: torch.device, max_prefill_tokens: int,
+                 decode_text=None) -> None:
+        self.runner = runner
+        self.slots = slots
+        self.device = device
+        self.max_prefill_tokens = max_prefill_tokens
+        self.decode_text = decode_text  # token ids -> str, for stop strings
+        self.waiting: deque[J.Job] = deque()
+        self.admitting: list[J.Job] = []  # jobs between leaving `waiting` and holding slots
+        self.stats = {"prefill_forwards": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0,
+                      "sequences": 0}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or bool(self.slots.active.any())
+
+    def step(self) -> None:
+        self.admit()
+        if self.slots.active.any():
+            self.decode()
+
+    def in_flight(self) -> list[J.Job]:
+        """Jobs holding a slot or being admitted (those to fail if a forward raises)."""
+        jobs = [j for j in self.slots.job if j is not None] + self.admitting
+        return list({id(j): j for j in jobs}.values())
+
+    def reset(self) -> None:
+        """Forget every slot (after a failed forward; their jobs have been failed)."""
+        for s in np.flatnonzero(self.slots.active):
+            self.slots.release(int(s))
+        self.admitting = []
+
+    # ================================================================ admission
+    def admit(self) -> None:
+        free = list(self.slots.free_slots())
+        placements: list[Placement] = []
+        to_prefill: list[tuple[J.Job, int]] = []
+        while self.waiting and free:
+            job = self.waiting[0]
+            if job.future.cancelled() and job.next_sample == 0:
+                self.waiting.popleft()
+                continue
+            take = min(job.remaining, len(free))
+            first = job.next_sample
+            new = [Placement(job, first + i, free.pop(0)) for i in range(take)]
+            job.next_sample += take
+            if not job.prefilled:
+                to_prefill.append((job, new[0].slot))
+            placements += new
+            if job.remaining == 0:
+                self.waiting.popleft()
+            self.admitting.append(job)
+        if not placements:
+            return
+        for batch in self._prefill_batches(to_prefill):
+            self._prefill(batch)
+        self._seed_slots(placements)
+        self.admitting = []
+        self._first_tokens(placements)
+
+    def _prefill_batches(self, items: list[tuple[J.Job, int]]) -> list[list[tuple[J.Job, int]]]:
+        """Group by forward group (and whether full-prompt logits are needed), then chunk so
+        rows x longest prompt stays within the budget."""
+        batches: list[list[tuple[J.Job, int]]] = []
+        key = lambda job: (job.group, job.wants_prompt_logprobs)  # noqa: E731
+        for group in dict.fromkeys(key(j) for j, _ in items):
+            current: list[tuple[J.Job, int]] = []
+            longest = 0
+            for item in (it for it in items if key(it[0]) == group):
+                n = len(item[0].spec.prompt)
+                if current and (len(current) + 1) * max(longest, n) > self.max_prefill_tokens:
+                    batches.append(current)
+                    current, longest = [], 0
+                current.append(item)
+                longest = max(longest, n)
+            batches.append(current)
+        return batches
+
+    def _prefill(self, batch: list[tuple[J.Job, int]]) -> None:
+        prompts = [j.spec.prompt for j, _ in batch]
+        slots = torch.tensor([s for _, s in batch], device=self.device)
+        ids, pos, valid, mask = prefill_inputs(prompts, self.device)
+        full = batch[0][0].version if batch[0][0].group else None
+        lora = self._lora_rows([j.version if j.lora_id else None for j, _ in batch])
+        keep_all = batch[0][0].wants_prompt_logprobs  # batches never mix (see _prefill_batches)
+        self.runner.cache.plan_prefill(slots, valid, pos)
+        logits = self.runner.forward(ids, pos, mask, 0 if keep_all else 1, full=full, lora=lora)
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_prompts"] += len(batch)
+        for b, (job, _) in enumerate(batch):
+            job.last_logits = logits[b, -1].clone()  # not a view: the batch's logits are freed
+            job.prefilled = True
+            if job.wants_prompt_logprobs:
+                p = len(job.spec.prompt)
+                job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits[b, -p:], job.spec.prompt, job.spec)
+
+    def _lora_rows(self, versions: list) -> list[tuple[torch.Tensor | None, object]]:
+        """[(batch rows, version)] for the LoRA versions among `versions` (None = base row)."""
+        ids = [v.version_id if v is not None else 0 for v in versions]
+        distinct = {i: v for i, v in zip(ids, versions) if i}
+        if len(distinct) == 1 and all(ids):
+            return [(None, next(iter(distinct.values())))]
+        arr = np.asarray(ids)
+        return [(torch.as_tensor(np.flatnonzero(arr == i), device=self.device), v) for i, v in distinct.items()]
+
+    def _seed_slots(self, placements: list[Placement]) -> None:
+        """Give every placed sample its prompt's KV: copied from the slot just prefilled
+        (one gather/scatter per layer for all jobs), or from a snapshot for samples
+        placed after their prompt's prefill step."""
+        by_job: dict[int, list[Placement]] = {}
+        for p in placements:
+            by_job.setdefault(id(p.job), []).append(p)
+        cache = self.runner.cache
+        src: list[int] = []
+        dst: list[int] = []
+        length = 0
+        for group in by_job.values():
+            job, n = group[0].job, len(group[0].job.spec.prompt)
+            if job.prefix is not None:
+                cache.restore_prefix(job.prefix, torch.tensor([p.slot for p in group], device=self.device))
+            else:
+                src += [group[0].slot] * (len(group) - 1)
+                dst += [p.slot for p in group[1:]]
+                length = max(length, n) if len(group) > 1 else length
+            if job.remaining > 0 and job.prefix is None:
+                job.prefix = cache.snapshot_prefix(group[0].slot, n)
+            elif job.remaining == 0:
+                job.prefix = None
+        if dst:
+            # Positions past a prompt's end are copied too; they are overwritten before use.
+            as_t = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
+            cache.copy_slots(as_t(src), as_t(dst), length)
+        for group in by_job.values():
+            job = group[0].job
+            slots = np.array([p.slot for p in group])
+            self.slots.occupy(slots, job, np.array([p.sample for p in group]), job.group, job.lora_id)
+
+    def _first_tokens(self, placements: list[Placement]) -> None:
+        """Each placed sample's first token, drawn from its prompt's last logits."""
+        live = [p for p in placements if p.job.spec.max_tokens > 0]
+        for p in placements:
+            if p.job.spec.max_tokens == 0:
+                self._finish(p.slot, stop=False)
+        if live:
+            logits = torch.stack([p.job.last_logits for p in live])
+            self._sample_and_record(logits, np.array([p.slot for p in live]))
+        for p in placements:
+            if p.job.remaining == 0:
+                p.job.last_logits = None  # every sample has its first token
+
+    # ================================================================ decode
+    def decode(self) -> None:
+        s = self.slots
+        hi = s.high()
+        act = np.flatnonzero(s.active[:hi])
+        kv_len = int(s.pos[act].max()) + 1
+        groups = np.unique(s.group[act])
+        if len(groups) == 1:
+            logits = self._decode_forward(slice(0, hi), np.arange(hi), kv_len, int(groups[0]))
+        else:
+            logits = None
+            for g in groups:
+                rows = act[s.group[act] == g]
+                part = self._decode_forward(torch.as_tensor(rows, device=self.device), rows, kv_len, int(g))
+                if logits is None:
+                    logits = part.new_zeros((hi, part.shape[-1]))
+                logits[torch.as_tensor(rows, device=self.device)] = part
+        s.pos[act] += 1
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(act)
+        self._sample_and_record(logits, act, hi)
+
+    def _decode_forward(self, slot_rows, rows: np.ndarray, kv_len: int, group: int) -> torch.Tensor:
+        """Logits [len(rows), V] of one decode forward over the given slots."""
+        s = self.slots
+        positions = torch.as_tensor(s.pos[rows], device=self.device)
+        ids = torch.as_tensor(s.last_tok[rows], device=self.device)[:, None]
+        active = s.active[rows]
+        full = s.job[rows[active][0]].version if group else None
+        lora = self._decode_lora(rows, active)
+        self.runner.cache.plan_decode(slot_rows, positions, kv_len)
+        logits = self.runner.forward(ids, positions[:, None], decode_mask(positions, kv_len), 1, full=full, lora=lora)
+        return logits[:, -1]
+
+    def _decode_lora(self, rows: np.ndarray, active: np.ndarray) -> list:
+        """LoRA hook plan for decode rows: one adapter for all rows in the common case."""
+        s = self.slots
+        ids = np.where(active, s.lora[rows], 0)
+        live = ids[active]
+        if not live.any():
+            return []
+
+        def version(i):
+            return s.job[rows[int(np.argmax(ids == i))]].version
+
+        if live[0] and (live == live[0]).all():
+            return [(None, version(live[0]))]  # idle rows take the delta too; their output is unused
+        return [(torch.as_tensor(np.flatnonzero(ids == i), device=self.device), version(i))
+                for i in np.unique(live[live > 0])]
+
+    # ================================================================ sampling + bookkeeping
+    def _params(self, index) -> RowParams:
+        """Sampling parameters of the slots `index` (a slice or an array of slots)."""
+        s, d = self.slots, self.device
+        greedy = s.greedy[index]
+        filt = (s.top_k[index] < s.vocab_size) | (s.top_p[index] < 1.0)
+        return RowParams(
+            temperature=torch.as_tensor(s.temperature[index], device=d),
+            top_k=torch.as_tensor(s.top_k[index], device=d),
+            top_p=torch.as_tensor(s.top_p[index], device=d),
+            greedy=torch.as_tensor(greedy, device=d),
+            all_greedy=bool(greedy.all()),
+            any_filter=bool((filt & ~greedy).any()),
+        )
+
+    def _sample_and_record(self, logits: torch.Tensor, rows: np.ndarray, hi: int | None = None) -> None:
+        """Draw one token for each of `rows` (logits are per row, or per slot 0..hi-1 if hi)."""
+        s = self.slots
+        if hi is None:  # logits row i belongs to slot rows[i]: gather the slot state by rows
+            params = self._params(rows)
+            keys, steps, sel = s.keys[rows], s.n_gen[rows], np.arange(len(rows))
+        else:
+            params = self._params(slice(0, hi))
+            keys, steps, sel = s.keys[:hi], s.n_gen[:hi], rows
+        u = torch.as_tensor(rng.uniforms(keys, steps), device=self.device)
+        draw = draw_tokens(logits, params, u)
+        processed = torch.as_tensor(s.processed[rows], device=self.device)
+        sel_t = torch.as_tensor(sel, device=self.device)
+        tok = draw.tokens[sel_t]
+        raw_lp = draw.raw_logprobs[sel_t].gather(1, tok[:, None]).squeeze(1)
+        lp = torch.where(processed, draw.processed_logprob[sel_t], raw_lp)
+        tok_np = tok.cpu().numpy()
+        s.record(rows, tok_np, lp.cpu().numpy())
+        if (s.topk[rows] > 0).any():
+            self._record_topk(logits, draw.raw_logprobs, params, rows, sel)
+        self._check_finished(rows, tok_np)
+
+    def _record_topk(self, logits, raw, params: RowParams, rows: np.ndarray, sel: np.ndarray) -> None:
+        s = self.slots
+        want = s.topk[rows] > 0
+        sel_t = torch.as_tensor(sel[want], device=self.device)
+        k = int(s.topk[rows][want].max())
+        mats = raw[sel_t]
+        if s.processed[rows][want].any():
+            proc = processed_logprobs(logits[sel_t], _subset(params, sel_t))
+            mats = torch.where(torch.as_tensor(s.processed[rows][want], device=self.device)[:, None], proc, mats)
+        ids, vals = top_logprobs(mats, k)
+        ids_np, vals_np = ids.cpu().numpy(), vals.cpu().numpy()
+        for i, r in enumerate(rows[want]):
+            s.out_topk[r].append((ids_np[i], vals_np[i]))
+
+    def _check_finished(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        s = self.slots
+        stop = s.stop_token_hit(rows, tokens)
+        for i in np.flatnonzero(s.stop_str[rows] & ~stop):
+            stop[i] = self._stop_string_hit(int(rows[i]))
+        done = stop | (s.n_gen[rows] >= s.max_new[rows])
+        for i in np.flatnonzero(done):
+            self._finish(int(rows[i]), bool(stop[i]))
+
+    def _stop_string_hit(self, slot: int) -> bool:
+        s = self.slots
+        text = self.decode_text(s.out_tok[slot, : s.n_gen[slot]].tolist())
+        return any(stop in text for stop in s.job[slot].spec.stop_strings)
+
+    def _finish(self, slot: int, stop: bool) -> None:
+        s = self.slots
+        job, sample, n = s.job[slot], int(s.sample[slot]), int(s.n_gen[slot])
+        spec = job.spec
+        seq = J.sampled_sequence(
+            s.out_tok[slot, :n], s.out_lp[slot, :n], s.out_topk[slot], spec.topk_sample_logprobs, stop,
+            spec.sequence_ids[sample],
+        )
+        s.release(slot)
+        self.stats["sequences"] += 1
+        if job.finish_sample(sample, seq):
+            job.last_logits = None
+            if not job.future.done():
+                job.future.set_result(job.response())
+
+
+def _subset(p: RowParams, idx: torch.Tensor) -> RowParams:
+    return RowParams(p.temperature[idx], p.top_k[idx], p.top_p[idx], p.greedy[idx], p.all_greedy, p.any_filter)

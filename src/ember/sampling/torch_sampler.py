@@ -1,0 +1,216 @@
+"""`TorchSampler`: the Hugging Face model classes the trainer uses, with a slot KV cache,
+continuous batching and versioned weights.
+
+    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig())
+    v1 = sampler.load_weights(engine.named_weights(), lora_config=engine.lora_config)
+    response = sampler.sample(types.ModelInput.from_ints(prompt), 4,
+                              types.SamplingParams(max_tokens=32, temperature=0.7, seed=1), version=v1)
+
+Requests are queued by `submit` (any thread) and served by one worker thread, started
+when work arrives and gone again when there is none (nothing to shut down in tests).
+Every forward runs on that thread, so the KV cache, the LoRA hooks and the module never
+see two forwards at once; `load_weights` only builds new tensors and may run anywhere.
+
+Done-callbacks of the returned futures run on that worker thread: keep them short.
+
+Numerics: in fp32 on CPU the sampler's logprobs match a plain full forward (and the
+engine's `forward`) to ~1e-6 (tests assert 1e-4). In bf16 on GPU, batched decode with a
+KV cache and the trainer's packed forward round differently (bf16 keeps 8 mantissa
+bits): per-token differences of order 1e-2 are expected; tests/sampling/test_sampling_gpu.py
+bounds them at 0.15 against an fp32 CPU reference (fp32 on CUDA: 1e-3). Where exact
+importance weights matter, take the trainer's logprobs, or sample in fp32.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+
+import torch
+from tinker import types
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ember.models import load_model, load_tokenizer
+from ember.models.loading import resolve_dtype
+from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
+from ember.sampling.config import SamplerConfig
+from ember.sampling.jobs import Job
+from ember.sampling.kv_cache import SlotCache
+from ember.sampling.params import resolve_request
+from ember.sampling.runner import ModelRunner
+from ember.sampling.scheduler import Scheduler
+from ember.sampling.slots import SlotTable
+from ember.sampling.weights import TorchWeightVersion, build_full_version, build_lora_version, parameter_aliases
+
+log = logging.getLogger(__name__)
+_sampler_ids = itertools.count(1)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    """EOS ids: the tokenizer's, else the generation config's, else the model config's."""
+    candidates = [
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+    ]
+    for c in candidates:
+        if c is not None:
+            return tuple(c) if isinstance(c, (list, tuple)) else (int(c),)
+    return ()
+
+
+def _check_supported(model: PreTrainedModel) -> None:
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"TorchSampler supports full-attention decoders only; this model has layer types {sorted(set(layer_types))}"
+        )
+
+
+class TorchSampler(Sampler):
+    """Sampler over a Hugging Face causal LM (see module docstring).
+
+    The sampler owns `model`: it is moved to `config.device`/`config.dtype`, put in eval
+    mode with gradients off, and given forward hooks for LoRA; do not hand it a module a
+    TrainingEngine trains. `eos_token_ids` overrides the EOS taken from the tokenizer
+    (else the model's generation config) for `stop=None`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        config: SamplerConfig | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> None:
+        self.config = config or SamplerConfig()
+        _check_supported(model)
+        self.device = torch.device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
+        self.max_len = min(self.config.max_len, int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+        self._vocab = int(model.get_input_embeddings().num_embeddings)
+        self._id = next(_sampler_ids)
+        self._names = parameter_aliases(self.model)
+        cache = SlotCache(model.config.num_hidden_layers, self.config.max_slots, self.max_len)
+        runner = ModelRunner(self.model, cache, self.config.attn_implementation)
+        slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+        self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens, decode)
+        self._versions: weakref.WeakSet[WeightVersion] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._incoming: list[Job] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None) -> "TorchSampler":
+        """Load the model and its tokenizer from a local directory (as the engine does)."""
+        config = config or SamplerConfig()
+        model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
+        try:
+            tokenizer = load_tokenizer(model_dir)
+        except (OSError, ValueError):
+            tokenizer = None  # stop strings then need a tokenizer; stop token ids still work
+        return cls(model, tokenizer, config)
+
+    # ------------------------------------------------------------------ Sampler API
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters since construction: prefill forwards and prompts, decode steps and rows, sequences."""
+        return dict(self._scheduler.stats)
+
+    def live_versions(self) -> int:
+        """Versions of this sampler still referenced somewhere."""
+        return len(self._versions)
+
+    def load_weights(
+        self,
+        named_weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        lora_config: types.LoraConfig | None = None,
+        *,
+        copy: bool = True,
+    ) -> TorchWeightVersion:
+        items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
+        if lora_config is None:
+            version = build_full_version(self._id, items, self._names, self.device, self.dtype, copy)
+        else:
+            version = build_lora_version(self._id, self.model, items, lora_config, self.device, self.dtype, copy)
+        self._versions.add(version)
+        return version
+
+    def submit(self, request: SamplingRequest) -> Future:
+        future: Future = Future()
+        try:
+            job = self._make_job(request, future)
+        except ValueError as exc:
+            future.set_exception(exc)
+            return future
+        with self._lock:
+            if self._closed:
+                future.set_exception(RuntimeError("the sampler is closed"))
+                return future
+            self._incoming.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=f"ember-sampler-{self._id}", daemon=True)
+                self._thread.start()
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    # ------------------------------------------------------------------ internals
+    def _make_job(self, request: SamplingRequest, future: Future) -> Job:
+        if not isinstance(request, SamplingRequest):
+            raise ValueError(f"submit: expected a SamplingRequest, got {type(request).__name__}")
+        version = request.version
+        if version is not None and (not isinstance(version, TorchWeightVersion) or version.sampler_id != self._id):
+            raise ValueError(f"sample request: version: {version!r} was not loaded into this sampler")
+        spec = resolve_request(
+            request, vocab_size=self._vocab, eos_token_ids=self.eos_token_ids, max_len=self.max_len,
+            default_max_tokens=self.config.default_max_tokens, default_logprobs_mode=self.config.logprobs_mode,
+            can_decode=self.tokenizer is not None,
+        )
+        return Job(spec, future, version)
+
+    def _work(self) -> None:
+        sched = self._scheduler
+        while True:
+            with self._lock:
+                sched.waiting.extend(self._incoming)
+                self._incoming.clear()
+                if self._closed or not sched.busy:
+                    if self._closed:
+                        self._fail(list(sched.waiting) + sched.in_flight(), RuntimeError("the sampler was closed"))
+                    self._thread = None
+                    return
+            try:
+                with torch.inference_mode():
+                    sched.step()
+            except Exception as exc:  # noqa: BLE001 - a fault fails the requests it touched, not the sampler
+                log.exception("sampler step failed; failing %d in-flight request(s)", len(sched.in_flight()))
+                self._fail(sched.in_flight(), RuntimeError(f"sampling failed: {exc!r}"))
+
+    def _fail(self, jobs: list[Job], exc: Exception) -> None:
+        sched = self._scheduler
+        dead = {id(j) for j in jobs}
+        sched.waiting = type(sched.waiting)(j for j in sched.waiting if id(j) not in dead)
+        sched.reset()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(exc)

@@ -1,0 +1,212 @@
+"""Weight versions of a TorchSampler: full fine-tuning sets and LoRA adapters.
+
+One base `nn.Module` serves every version:
+
+* a full fine-tuning version is a complete set of parameter tensors, swapped in for one
+  forward with `torch.func.functional_call` (the module itself is never modified);
+* a LoRA version is only its adapter matrices; `LoraHooks` adds
+  `scale * B(A(x))` to the output of each adapted Linear through a forward hook (a
+  documented PyTorch extension point), for the batch rows that sample from that
+  version. Rows of different adapters (and base rows) share one forward.
+
+Versions are immutable: tensors are copied in at `load_weights` and never written to.
+The sampler keeps no strong reference to a version, so dropping the last handle frees
+its memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tinker import types
+from torch import nn
+
+from ember.models import LORA_ALPHA
+from ember.sampling.base import WeightVersion
+
+_LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scale: float
+
+
+class TorchWeightVersion(WeightVersion):
+    """Full fine-tuning parameters (`params`) or LoRA deltas per module name (`lora`)."""
+
+    def __init__(
+        self,
+        sampler_id: int,
+        params: dict[str, torch.Tensor] | None = None,
+        lora: dict[str, LoraDelta] | None = None,
+        lora_rank: int | None = None,
+    ) -> None:
+        super().__init__(sampler_id, is_lora=lora is not None, lora_rank=lora_rank)
+        self.params = params
+        self.lora = lora
+
+    def nbytes(self) -> int:
+        tensors = list(self.params.values()) if self.params else []
+        for d in (self.lora or {}).values():
+            tensors += [d.a, d.b]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _place(t: torch.Tensor, device: torch.device, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_floating_point():
+        return t.to(device=device, copy=copy)
+    return t.to(device=device, dtype=dtype, copy=copy)
+
+
+def parameter_aliases(model: nn.Module) -> tuple[dict[str, str], dict[str, torch.Size], frozenset[str]]:
+    """Map every state_dict name (tied aliases included) to a canonical name; canonical
+    shapes; and the canonical names a full version must provide (every parameter)."""
+    canonical: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    shapes: dict[str, torch.Size] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(p), name)
+        alias[name] = first
+        shapes[first] = p.shape
+    required = frozenset(shapes)
+    persistent = set(model.state_dict())
+    for name, b in model.named_buffers():
+        if name in persistent:
+            alias[name] = name
+            shapes[name] = b.shape
+    return alias, shapes, required
+
+
+def build_full_version(
+    sampler_id: int,
+    named_weights: Iterable[tuple[str, torch.Tensor]],
+    names: tuple[dict[str, str], dict[str, torch.Size], frozenset[str]],
+    device: torch.device,
+    dtype: torch.dtype,
+    copy: bool,
+) -> TorchWeightVersion:
+    aliases, shapes, required = names
+    params: dict[str, torch.Tensor] = {}
+    for name, t in named_weights:
+        key = aliases.get(name)
+        if key is None:
+            hint = " (this looks like a LoRA adapter weight: pass lora_config)" if ".lora_" in name else ""
+            raise ValueError(f"load_weights: unknown weight name {name!r} for this base model{hint}")
+        if tuple(t.shape) != tuple(shapes[key]):
+            raise ValueError(f"load_weights: {name!r}: expected shape {tuple(shapes[key])}, got {tuple(t.shape)}")
+        if key not in params:  # tied aliases carry the same values; keep one tensor
+            params[key] = _place(t, device, dtype, copy)
+    missing = sorted(required - params.keys())
+    if missing:
+        raise ValueError(
+            f"load_weights: a full fine-tuning version needs every parameter of the base model; "
+            f"missing {len(missing)} (first: {missing[0]!r})"
+        )
+    return TorchWeightVersion(sampler_id, params=params)
+
+
+def _lora_pairs(named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in named_weights:
+        m = _LORA_NAME.match(name)
+        if m is None:
+            raise ValueError(
+                f"load_weights: {name!r} is not a LoRA adapter weight "
+                "(expected PEFT saved-adapter names like 'base_model.model.<module>.lora_A.weight')"
+            )
+        pairs.setdefault(m["module"], {})[m["ab"]] = t
+    return pairs
+
+
+def build_lora_version(
+    sampler_id: int,
+    model: nn.Module,
+    named_weights: Iterable[tuple[str, torch.Tensor]],
+    lora_config: types.LoraConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    copy: bool,
+) -> TorchWeightVersion:
+    rank = lora_config.rank
+    if rank < 1:
+        raise ValueError(f"load_weights: LoraConfig.rank must be >= 1, got {rank}")
+    deltas: dict[str, LoraDelta] = {}
+    for module_name, ab in _lora_pairs(named_weights).items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"load_weights: adapter of {module_name!r} has lora_{''.join(ab)} but not both A and B")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            raise ValueError(f"load_weights: the base model has no module {module_name!r}") from None
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"load_weights: {module_name!r} is a {type(module).__name__}, LoRA needs an nn.Linear")
+        a, b = ab["A"], ab["B"]
+        want_a, want_b = (rank, module.in_features), (module.out_features, rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ValueError(
+                f"load_weights: adapter of {module_name!r}: expected lora_A {want_a} and lora_B {want_b} "
+                f"(rank {rank}), got {tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        a, b = _place(a, device, dtype, copy), _place(b, device, dtype, copy)
+        deltas[module_name] = LoraDelta(a, b, LORA_ALPHA / rank)
+    if not deltas:
+        raise ValueError("load_weights: a LoRA version needs at least one adapter weight, got none")
+    return TorchWeightVersion(sampler_id, lora=deltas, lora_rank=rank)
+
+
+class LoraHooks:
+    """Adds LoRA deltas to Linear outputs for chosen batch rows during one forward.
+
+    `plan` maps a module name to [(rows, delta)], rows being a LongTensor of batch rows
+    or None for every row. Hooks are registered lazily, on the thread that runs the
+    forwards, and stay (they do nothing without a plan).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.plan: dict[str, list[tuple[torch.Tensor | None, LoraDelta]]] = {}
+        self._hooked: set[str] = set()
+
+    def set_plan(self, plan: dict[str, list[tuple[torch.Tensor | None, LoraDelta]]]) -> None:
+        for name in plan:
+            if name not in self._hooked:
+                module = self.model.get_submodule(name)
+                module.register_forward_hook(self._make_hook(name))
+                self._hooked.add(name)
+        self.plan = plan
+
+    def clear(self) -> None:
+        self.plan = {}
+
+    def _make_hook(self, name: str):
+        def hook(module, args, output):
+            entries = self.plan.get(name)
+            if not entries:
+                return None
+            x = args[0]
+            for rows, d in entries:
+                if rows is None:
+                    # Same expression as peft's Linear: result + lora_B(lora_A(x)) * scaling.
+                    output = output + F.linear(F.linear(x, d.a), d.b) * d.scale
+                else:
+                    output = output.index_add(0, rows, F.linear(F.linear(x[rows], d.a), d.b) * d.scale)
+            return output
+
+        return hook
+
+
+def lora_plan(row_versions: list[tuple[torch.Tensor | None, TorchWeightVersion]]) -> dict:
+    """Hook plan for a forward whose rows sample from the given LoRA versions."""
+    plan: dict[str, list[tuple[torch.Tensor | None, LoraDelta]]] = {}
+    for rows, version in row_versions:
+        for module_name, delta in (version.lora or {}).items():
+            plan.setdefault(module_name, []).append((rows, delta))
+    return plan

@@ -1,0 +1,48 @@
+"""CUDA path (fp32 and bf16): same semantics, logprobs within the documented bounds of a
+fp32 CPU full forward. Skipped on machines without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
+
+from .conftest import full_logprobs, params, prompt
+
+PROMPTS = [[5, 6, 7, 8, 9], [12, 13], [20, 21, 22]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 0.15)])
+def test_cuda_logprobs_within_bounds(dtype, tol, tiny_model_dir, ref_model):
+    cfg = SamplerConfig(device="cuda", dtype=dtype, max_slots=8)
+    with TorchSampler.from_pretrained(tiny_model_dir, cfg) as s:
+        assert s.model.device.type == "cuda"
+        requests = [
+            SamplingRequest(prompt=prompt(p), num_samples=2, include_prompt_logprobs=True,
+                            sampling_params=params(max_tokens=8, seed=i, stop=[]))
+            for i, p in enumerate(PROMPTS)
+        ]
+        results = s.sample_many(requests, timeout=120)
+        again = s.sample_many(requests, timeout=120)
+    for p, resp, resp2 in zip(PROMPTS, results, again):
+        assert [q.tokens for q in resp.sequences] == [q.tokens for q in resp2.sequences]  # seeds on CUDA
+        for seq in resp.sequences:
+            assert len(seq.tokens) == 8
+            ref = full_logprobs(ref_model, p + seq.tokens).numpy()
+            got = np.concatenate([resp.prompt_logprobs_np[1:], seq.logprobs_np])
+            assert np.abs(got - ref).max() < tol
+
+
+@pytest.mark.gpu
+def test_cuda_weight_versions(tiny_model_dir):
+    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(device="cuda", max_slots=4)) as s:
+        state = {k: v.cpu() * 1.01 for k, v in s.model.state_dict().items()}
+        v = s.load_weights(state)
+        assert next(iter(v.params.values())).device.type == "cuda"
+        a = s.sample(prompt([5, 6]), 2, params(max_tokens=4, seed=1, stop=[]), version=v)
+        b = s.sample(prompt([5, 6]), 2, params(max_tokens=4, seed=1, stop=[]), version=v)
+        assert [q.tokens for q in a.sequences] == [q.tokens for q in b.sequences]
+        assert torch.cuda.is_available()

@@ -1,0 +1,80 @@
+"""The Sampler ABC is enforced; faults fail only the requests they touch; the worker
+thread exists only while there is work; close() refuses further work."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from tinker import types
+
+from ember.sampling import Sampler, SamplerConfig, SamplingRequest, TorchSampler
+from ember.sampling.weights import TorchWeightVersion
+
+from .conftest import params, prompt
+
+
+def test_sampler_abc_is_enforced():
+    with pytest.raises(TypeError, match="abstract"):
+        Sampler()
+
+    class Partial(Sampler):
+        def submit(self, request):  # the other abstract methods are missing
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="load_weights"):
+        Partial()
+
+
+def _worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ember-sampler-")]
+
+
+def test_fault_fails_in_flight_requests_only(tiny_model_dir):
+    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4)) as s:
+        # A version that passed no validation (built by hand): its forward raises.
+        broken = TorchWeightVersion(s._id, params={"lm_head.weight": torch.zeros(84, 63)})
+        bad = s.submit(SamplingRequest(prompt=prompt([5, 6]), version=broken, sampling_params=params(max_tokens=3)))
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            bad.result(timeout=60)
+        ok = s.sample(prompt([5, 6]), 2, params(max_tokens=3, stop=[]), timeout=60)
+        assert [len(q.tokens) for q in ok.sequences] == [3, 3]
+
+
+def test_worker_thread_only_while_busy_and_close(tiny_model_dir):
+    s = TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4))
+    before = len(_worker_threads())
+    futures = [s.submit(SamplingRequest(prompt=prompt([5 + i]), sampling_params=params(max_tokens=20, stop=[])))
+               for i in range(6)]
+    assert all(isinstance(f.result(timeout=60), types.SampleResponse) for f in futures)
+    deadline = time.time() + 10
+    while len(_worker_threads()) > before and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(_worker_threads()) == before  # idle: no thread left behind
+    s.close()
+    refused = s.submit(SamplingRequest(prompt=prompt([5])))
+    with pytest.raises(RuntimeError, match="closed"):
+        refused.result(timeout=5)
+
+
+def test_concurrent_callers_and_sequence_ids(sampler):
+    def request(i):
+        return SamplingRequest(prompt=prompt([5 + i, 6]), num_samples=2, sequence_ids=[f"r{i}-a", f"r{i}-b"],
+                               sampling_params=params(max_tokens=6, seed=i, stop=[]))
+
+    sequential = [sampler.submit(request(i)).result(timeout=60) for i in range(8)]
+    results: dict[int, types.SampleResponse] = {}
+
+    def caller(i):
+        results[i] = sampler.sample(prompt([5 + i, 6]), 2, params(max_tokens=6, seed=i, stop=[]), timeout=60)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, resp in enumerate(sequential):
+        assert [s.sequence_id for s in resp.sequences] == [f"r{i}-a", f"r{i}-b"]
+        assert [s.tokens for s in results[i].sequences] == [s.tokens for s in resp.sequences]
