@@ -96,7 +96,7 @@ def test_serve_arguments(tmp_path):
 def test_serve_is_the_ember_subcommand():
     from ember import cli as dispatcher
 
-    args = dispatcher.build_parser().parse_args(["serve", "--model", "a=/b", "--port", "0"])
+    args = dispatcher.build_parser("serve").parse_args(["serve", "--model", "a=/b", "--port", "0"])
     assert args._module is cli and args.model == [("a", "/b")] and args.host == "127.0.0.1"
 
 
