@@ -12,6 +12,12 @@ Services are shared per database within a process: two ServiceClients on the sam
 directory (or database URL) talk to one `ember.service.Service` — which is also what
 happens over HTTP, where many clients share one server. The shared service is closed
 when its last client closes (or at interpreter exit).
+
+Scale out (the in-process twin of `ember serve --workers.* --parallel.*`): pass
+`workers=`, a `ember.service.config.WorkersConfig` or a dict of its fields, and every
+training run becomes one engine on a worker group the service owns (closed with it):
+
+    sc = ember.ServiceClient(models={...}, workers={"runtime": "process", "world_size": 2})
 """
 
 from __future__ import annotations
@@ -33,26 +39,40 @@ from ember.client.rest import RestClient
 from ember.client.sampling import SamplingClient
 from ember.client.training import TrainingClient
 from ember.service.api import ServiceAPI
-from ember.service.config import ServiceConfig
+from ember.service.config import ServiceConfig, WorkersConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DATA_DIR = "~/.ember"
 LOCAL_OWNER = "local"
 
-_shared: dict[str, list] = {}  # database url -> [Service, refcount]
+_shared: dict[str, list] = {}  # database url -> [Service, refcount, WorkersConfig]
 _shared_lock = threading.Lock()
 
 
-def _acquire_service(config: ServiceConfig):
+def _new_service(config: ServiceConfig, workers: WorkersConfig):
     from ember.service.core import Service
+    from ember.service.engines import engine_factory_for
 
+    factory = engine_factory_for(workers, config.engine)
+    try:
+        return Service(config, engine_factory=factory)
+    except BaseException:
+        factory.close()  # never leave a started worker group behind
+        raise
+
+
+def _acquire_service(config: ServiceConfig, workers: WorkersConfig | None = None):
+    workers = workers or WorkersConfig()
     url = config.resolved_database_url
     with _shared_lock:
         entry = _shared.get(url)
         if entry is None:
-            entry = _shared[url] = [Service(config), 0]
+            entry = _shared[url] = [_new_service(config, workers), 0, workers]
         else:
+            if entry[2] != workers:
+                raise ValueError(f"the service for {url} already runs with workers={entry[2]}; close its "
+                                 f"clients first or use another data_dir to run with workers={workers}")
             entry[0].registry.add_all(config.models)
         entry[1] += 1
         return entry[0], url
@@ -74,7 +94,7 @@ def _close_all() -> None:
     with _shared_lock:
         entries = list(_shared.values())
         _shared.clear()
-    for service, _ in entries:
+    for service, *_ in entries:
         service.close()
 
 
@@ -87,6 +107,9 @@ class ServiceClient:
     config: a full `ServiceConfig` (then `models`/`data_dir` must be None).
     service: use this service object instead (shared, not closed by this client).
     owner: identity of this client in the service (visibility of runs and checkpoints).
+    workers: where training engines run — `WorkersConfig` or a dict of its fields, e.g.
+        {"runtime": "process", "world_size": 2, "tp": 2}; None = in process (runtime
+        "local"). Clients sharing a service must agree on it.
     The SDK's connection arguments (`base_url`, `api_key`, `project_id`, ...) are accepted
     and ignored, so constructor calls keep working.
     """
@@ -99,6 +122,7 @@ class ServiceClient:
         *,
         service: ServiceAPI | None = None,
         owner: str = LOCAL_OWNER,
+        workers: WorkersConfig | dict[str, Any] | None = None,
         user_metadata: dict[str, str] | None = None,
         project_id: str | None = None,
         display_name: str | None = None,
@@ -109,12 +133,20 @@ class ServiceClient:
         self._owner = owner
         self._user_metadata, self._project_id, self._display_name = user_metadata, project_id, display_name
         self._shared_url: str | None = None
+        if isinstance(workers, dict):
+            try:
+                workers = WorkersConfig(**workers)
+            except TypeError as exc:  # an unknown key
+                raise ValueError(f"workers: {exc}; known: runtime, world_size, ray_address, dp_replicate, "
+                                 "dp_shard, tp, call_timeout_s") from exc
         if service is not None:
+            if workers is not None:
+                raise ValueError("pass either service or workers, not both (the service has its engines)")
             self._service = service
         else:
             data_dir = data_dir or os.environ.get("EMBER_DATA_DIR") or DEFAULT_DATA_DIR
             config = config or ServiceConfig(data_dir=data_dir, models=models or {})
-            self._service, self._shared_url = _acquire_service(config)
+            self._service, self._shared_url = _acquire_service(config, workers)
         self._session_id: str | None = None
         self._lock = threading.Lock()
         self._model_seq = 0

@@ -4,6 +4,11 @@
 
 Then, in the client: `tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-secret")`
 (or `TINKER_BASE_URL` / `TINKER_API_KEY`). Cheap to import: heavy imports live in `run`.
+
+Scale out: `--workers.runtime process --workers.world_size 2` runs every training run as
+one engine on a worker group of 2 local ranks (FSDP2 over both unless `--parallel.*`
+says otherwise); `--workers.runtime ray [--workers.ray_address ADDR]` does the same on
+Ray actors. The group is shut down when the server stops.
 """
 
 from __future__ import annotations
@@ -63,6 +68,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, kind in engine_options().items():
         p.add_argument(f"--engine.{name}", dest=f"engine__{name}", default=None, metavar=kind.__name__.upper(),
                        type=_PARSERS.get(kind, kind), help=f"EngineConfig.{name}")
+    add_worker_arguments(p)
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """`--workers.*` / `--parallel.*`: where training engines run (ember.service.config.WorkersConfig)."""
+    w = p.add_argument_group("scale-out", "run every training engine on a worker group (default: in process)")
+    w.add_argument("--workers.runtime", dest="workers__runtime", default="local",
+                   choices=["local", "inline", "process", "ray"],
+                   help="local = in-process engines, LoRA adapters share one base model (default); "
+                        "inline | process | ray = one SPMD engine per run on a worker group")
+    w.add_argument("--workers.world_size", dest="workers__world_size", type=int, default=1, metavar="N",
+                   help="ranks in the worker group (process: local processes; ray: actors)")
+    w.add_argument("--workers.ray_address", dest="workers__ray_address", default=None, metavar="ADDR",
+                   help="join this Ray cluster ('auto', 'ray://host:10001'); default: start a local Ray")
+    w.add_argument("--workers.call_timeout_s", dest="workers__call_timeout_s", type=float, default=600.0,
+                   metavar="S", help="a group call running longer stops the group (hung rank)")
+    for dim, what in (("dp_replicate", "replicas (HSDP / DDP-style)"), ("dp_shard", "FSDP2 degree (default: "
+                      "the ranks left over, i.e. FSDP2 over all ranks)"), ("tp", "tensor-parallel degree")):
+        w.add_argument(f"--parallel.{dim}", dest=f"parallel__{dim}", type=int, default=None, metavar="N",
+                       help=f"ParallelismConfig.{dim}: {what}")
 
 
 def _parse_bool(text: str) -> bool:
@@ -120,13 +145,33 @@ def service_config_from_args(args: argparse.Namespace):
     )
 
 
+def workers_config_from_args(args: argparse.Namespace):
+    from ember.service.config import WorkersConfig
+
+    return WorkersConfig(
+        runtime=getattr(args, "workers__runtime", "local"), world_size=getattr(args, "workers__world_size", 1),
+        ray_address=getattr(args, "workers__ray_address", None),
+        call_timeout_s=getattr(args, "workers__call_timeout_s", 600.0),
+        **{dim: getattr(args, f"parallel__{dim}", None) for dim in ("dp_replicate", "dp_shard", "tp")},
+    )
+
+
 def build_app(args: argparse.Namespace):
-    """(app, server config) from parsed arguments; the service is closed at app shutdown."""
+    """(app, server config) from parsed arguments; the service (and its worker group, if
+    any) is closed at app shutdown."""
     from ember.server.app import create_app
     from ember.service import Service
+    from ember.service.engines import engine_factory_for
 
+    workers = workers_config_from_args(args)  # first: a bad layout fails before anything starts
     server_config = server_config_from_args(args)
-    service = Service(service_config_from_args(args))
+    service_config = service_config_from_args(args)
+    factory = engine_factory_for(workers, service_config.engine)
+    try:
+        service = Service(service_config, engine_factory=factory)
+    except BaseException:
+        factory.close()  # never leave a started worker group behind
+        raise
     return create_app(service, server_config, close_service=True), server_config
 
 
@@ -156,12 +201,17 @@ def serve(app, host: str, port: int, log_level: str = "info") -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ember.workers import WorkerError
+
     try:
         app, server_config = build_app(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, WorkerError) as exc:
         print(f"ember serve: {exc}", file=sys.stderr)
         return 2
-    return serve(app, server_config.host, server_config.port, args.log_level)
+    try:
+        return serve(app, server_config.host, server_config.port, args.log_level)
+    finally:
+        app.state.service.close()  # idempotent; covers a uvicorn that never ran its lifespan
 
 
 def main(argv: list[str] | None = None) -> int:

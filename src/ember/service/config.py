@@ -86,3 +86,75 @@ class ServiceConfig:
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{Path(self.data_dir) / 'ember.db'}"
+
+
+WORKER_RUNTIMES = ("local", "inline", "process", "ray")
+
+
+@dataclass
+class WorkersConfig:
+    """Where the service's training engines run (`ember serve --workers.* --parallel.*`).
+
+    runtime: "local" (default) = in-process TorchEngines, LoRA adapters sharing one base
+        model (`LocalEngineFactory`); "inline" | "process" | "ray" = every training run is
+        one SPMD engine on all ranks of one `ember.workers.WorkerGroup`
+        (`WorkerGroupEngineFactory`).
+    world_size: ranks of the group (local/inline: exactly 1).
+    ray_address: runtime "ray" only: join this cluster ("auto", "ray://host:10001");
+        None starts a local Ray instance.
+    dp_replicate / dp_shard / tp: the `ParallelismConfig` of every engine. Unset dims
+        default to 1, except dp_shard, which takes the ranks left over, so the default
+        is FSDP2 over all ranks. The product must equal world_size.
+    call_timeout_s: a group call that takes longer breaks the group (a hung rank).
+
+    Samplers stay in the service's process and receive the engines' weights (gathered
+    on rank 0) when a sampling client is made from a training run.
+    """
+
+    runtime: str = "local"
+    world_size: int = 1
+    ray_address: str | None = None
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp: int | None = None
+    call_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.runtime not in WORKER_RUNTIMES:
+            raise ValueError(f"workers.runtime must be one of {', '.join(WORKER_RUNTIMES)}, got {self.runtime!r}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"workers.world_size must be an integer >= 1, got {self.world_size!r}")
+        if self.runtime in ("local", "inline") and self.world_size != 1:
+            raise ValueError(f"workers.runtime {self.runtime!r} has exactly one rank, got workers.world_size="
+                             f"{self.world_size}; use --workers.runtime process or ray for more")
+        if self.ray_address is not None and self.runtime != "ray":
+            raise ValueError(f"workers.ray_address is only used with workers.runtime 'ray', not {self.runtime!r}")
+        if self.runtime == "local" and self.parallel_dims_given:
+            raise ValueError("parallel dims (--parallel.*) need a worker group: set workers.runtime to "
+                             "inline, process or ray")
+        if self.call_timeout_s <= 0:
+            raise ValueError(f"workers.call_timeout_s must be > 0, got {self.call_timeout_s}")
+        self.parallel_dims()  # validates the layout against world_size
+
+    @property
+    def parallel_dims_given(self) -> bool:
+        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.tp))
+
+    def parallel_dims(self) -> dict[str, int]:
+        """{dp_replicate, dp_shard, tp} with the defaults filled in; ValueError if they
+        do not multiply to world_size."""
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
+        rep, tp = self.dp_replicate or 1, self.tp or 1
+        shard = self.dp_shard
+        if shard is None:
+            if self.world_size % (rep * tp):
+                raise ValueError(f"parallel.dp_replicate={rep} x parallel.tp={tp} does not divide "
+                                 f"workers.world_size={self.world_size}")
+            shard = self.world_size // (rep * tp)
+        if rep * shard * tp != self.world_size:
+            raise ValueError(f"parallel.dp_replicate={rep} x parallel.dp_shard={shard} x parallel.tp={tp} = "
+                             f"{rep * shard * tp} ranks, but workers.world_size={self.world_size}")
+        return {"dp_replicate": rep, "dp_shard": shard, "tp": tp}

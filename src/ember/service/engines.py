@@ -163,10 +163,12 @@ class WorkerGroupEngineFactory(EngineFactory):
     adapters on one base, this factory for models that need several devices.
     """
 
-    def __init__(self, group, config: EngineConfig | None = None, parallelism=None) -> None:
+    def __init__(self, group, config: EngineConfig | None = None, parallelism=None, *,
+                 owns_group: bool = False) -> None:
         self.group = group
         self.config = config or EngineConfig()
         self.parallelism = parallelism
+        self.owns_group = owns_group  # True: close() shuts the group down (see `engine_factory_for`)
 
     def lane_key(self, spec: RunSpec) -> str:
         return f"group:{id(self.group)}"
@@ -179,3 +181,30 @@ class WorkerGroupEngineFactory(EngineFactory):
 
     def release(self, spec: RunSpec, engine: TrainingEngine) -> None:
         engine.close()
+
+    def close(self) -> None:
+        if self.owns_group:
+            self.group.shutdown()
+
+
+def engine_factory_for(workers, config: EngineConfig | None = None) -> EngineFactory:
+    """The engine factory a `WorkersConfig` asks for.
+
+    runtime "local" → `LocalEngineFactory(config)`. Otherwise a new `WorkerGroup` of
+    `workers.world_size` ranks (on CUDA when `config.device` is) and a
+    `WorkerGroupEngineFactory` that owns it: `Service.close()` → `factory.close()` shuts
+    the ranks down. Raises ValueError for layouts the group cannot run and
+    `ember.workers.WorkerError` when the ranks fail to start.
+    """
+    config = config or EngineConfig()
+    if workers.runtime == "local":
+        return LocalEngineFactory(config)
+    from ember.engine.parallel import ParallelismConfig
+    from ember.workers import WorkerGroup
+
+    parallelism = ParallelismConfig(**workers.parallel_dims())
+    device = "cuda" if config.device.startswith("cuda") else "cpu"
+    kwargs = {"address": workers.ray_address} if workers.runtime == "ray" else {}
+    group = WorkerGroup.create(workers.runtime, workers.world_size, device=device,
+                               call_timeout_s=workers.call_timeout_s, **kwargs)
+    return WorkerGroupEngineFactory(group, config, parallelism, owns_group=True)
