@@ -7,6 +7,8 @@ engine/hand-written (target >= 0.95). Last line: `ratio=<x>`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from _common import build_model, time_interleaved
 from tinker import types
@@ -20,6 +22,9 @@ ADAM = types.AdamParams(learning_rate=1e-4)
 
 
 def main() -> None:
+    # One intra-op thread: on a shared 2-core machine, thread scheduling noise would swamp
+    # the difference being measured (pass EMBER_BENCH_THREADS to change).
+    torch.set_num_threads(int(os.environ.get("EMBER_BENCH_THREADS", "1")))
     torch.manual_seed(0)
     model_dir = build_model()
     tokens = torch.randint(0, 80, (BATCH, SEQ + 1))

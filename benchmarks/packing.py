@@ -7,6 +7,8 @@ per datum, right-padded). Last line: `ratio=<packed tokens/s ÷ padded tokens/s>
 
 from __future__ import annotations
 
+import os
+
 import torch
 from _common import build_model, time_interleaved
 
@@ -17,6 +19,9 @@ N_DATUMS = 32
 
 
 def main() -> None:
+    # One intra-op thread: on a shared 2-core machine, thread scheduling noise would swamp
+    # the difference being measured (pass EMBER_BENCH_THREADS to change).
+    torch.set_num_threads(int(os.environ.get("EMBER_BENCH_THREADS", "1")))
     g = torch.Generator().manual_seed(0)
     model_dir = build_model()
     lengths = torch.randint(16, 513, (N_DATUMS,), generator=g).tolist()

@@ -78,3 +78,19 @@ def test_concurrent_callers_and_sequence_ids(sampler):
     for i, resp in enumerate(sequential):
         assert [s.sequence_id for s in resp.sequences] == [f"r{i}-a", f"r{i}-b"]
         assert [s.tokens for s in results[i].sequences] == [s.tokens for s in resp.sequences]
+
+
+def test_sample_many_starts_all_requests_in_one_batch(tiny_model_dir):
+    # submit_many enqueues every request before the worker looks: one prefill forward for
+    # all prompts and aligned decoding (max_tokens decode steps in all, not more); a bad
+    # request among them fails alone.
+    reqs = [SamplingRequest(prompt=prompt([5 + i] * (1 + i)), num_samples=2,
+                            sampling_params=params(max_tokens=6, seed=i, stop=[])) for i in range(6)]
+    bad = SamplingRequest(prompt=prompt([5]), sampling_params=params(max_tokens=-1))
+    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16)) as s:
+        out = s.sample_many(reqs[:3] + [bad] + reqs[3:], timeout=60)
+        stats = s.stats
+    assert isinstance(out[3], ValueError) and "max_tokens" in str(out[3])
+    assert all(len(seq.tokens) == 6 for r in out[:3] + out[4:] for seq in r.sequences)
+    assert stats["prefill_forwards"] == 1 and stats["prefill_prompts"] == 6
+    assert stats["decode_steps"] == 5

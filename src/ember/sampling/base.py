@@ -156,6 +156,11 @@ class Sampler(abc.ABC):
         """Stop serving: pending requests fail with RuntimeError; resources are released."""
 
     # ------------------------------------------------------------------ conveniences
+    def submit_many(self, requests: Sequence[SamplingRequest]) -> list[Future]:
+        """`submit` each request; a backend may enqueue them together, so that requests
+        handed over at once start in the same batch (one prefill, aligned decoding)."""
+        return [self.submit(r) for r in requests]
+
     def sample(
         self,
         prompt: types.ModelInput,
@@ -189,7 +194,7 @@ class Sampler(abc.ABC):
     ) -> list[types.SampleResponse | Exception]:
         """Submit all requests at once (they are batched together); a failed request's
         entry is its exception, the others still complete."""
-        futures = [self.submit(r) for r in requests]
+        futures = self.submit_many(requests)
         results: list[types.SampleResponse | Exception] = []
         for fut in futures:
             try:

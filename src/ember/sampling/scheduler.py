@@ -32,7 +32,7 @@ class Scheduler:
         self.waiting: deque[J.Job] = deque()
         self.admitting: list[J.Job] = []  # jobs between leaving `waiting` and holding slots
         self.stats = {"prefill_forwards": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0,
-                      "sequences": 0}
+                      "sequences": 0, "moves": 0}
 
     @property
     def busy(self) -> bool:
@@ -174,6 +174,7 @@ class Scheduler:
 
     # ================================================================ decode
     def decode(self) -> None:
+        self._compact()
         s = self.slots
         hi = s.high()
         act = np.flatnonzero(s.active[:hi])
@@ -193,6 +194,23 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(act)
         self._sample_and_record(logits, act, hi)
+
+    def _compact(self) -> None:
+        """Move the highest active sequences into the free slots below them, so the decode
+        rows are exactly slots 0..n-1: no forward work for finished sequences (when no
+        waiting sample refilled their slot) and the KV read stays a view. Each move copies
+        one sequence's KV once; it happens only as the batch drains."""
+        s = self.slots
+        act = np.flatnonzero(s.active)
+        movers = act[act >= act.size]
+        if not movers.size:
+            return
+        holes = np.flatnonzero(~s.active[: act.size])
+        length = int(s.pos[movers].max())
+        as_t = lambda xs: torch.as_tensor(xs, device=self.device)  # noqa: E731
+        self.runner.cache.copy_slots(as_t(movers), as_t(holes), length)
+        s.move(movers, holes)
+        self.stats["moves"] += int(movers.size)
 
     def _decode_forward(self, slot_rows, rows: np.ndarray, kv_len: int, group: int) -> torch.Tensor:
         """Logits [len(rows), V] of one decode forward over the given slots."""

@@ -85,6 +85,16 @@ class SlotTable:
         self.stop_ids[s] = -1
         self.stop_ids[s, : len(ids)] = ids
 
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Move the sequences of slots `src` to the free slots `dst` (all per-slot state;
+        the caller moves their KV), and free `src`."""
+        for value in vars(self).values():
+            if isinstance(value, np.ndarray) and value.shape[:1] == (self.num_slots,):
+                value[dst] = value[src]
+        for a, b in zip(src.tolist(), dst.tolist()):
+            self.job[b], self.out_topk[b] = self.job[a], self.out_topk[a]
+            self.release(a)
+
     def release(self, s: int) -> None:
         self.job[s] = None
         self.active[s] = False

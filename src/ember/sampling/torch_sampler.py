@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -128,7 +128,8 @@ class TorchSampler(Sampler):
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters since construction: prefill forwards and prompts, decode steps and rows, sequences."""
+        """Counters since construction: prefill forwards and prompts, decode steps and rows, sequences,
+        and sequences moved to a lower slot as the batch drained (compaction)."""
         return dict(self._scheduler.stats)
 
     def live_versions(self) -> int:
@@ -151,21 +152,30 @@ class TorchSampler(Sampler):
         return version
 
     def submit(self, request: SamplingRequest) -> Future:
-        future: Future = Future()
-        try:
-            job = self._make_job(request, future)
-        except ValueError as exc:
-            future.set_exception(exc)
-            return future
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[SamplingRequest]) -> list[Future]:
+        """Queue all requests under one lock, so the worker admits them in the same step
+        (not the first while the caller is still submitting the rest)."""
+        futures: list[Future] = []
+        jobs: list[Job] = []
+        for request in requests:
+            future: Future = Future()
+            futures.append(future)
+            try:
+                jobs.append(self._make_job(request, future))
+            except ValueError as exc:
+                future.set_exception(exc)
         with self._lock:
             if self._closed:
-                future.set_exception(RuntimeError("the sampler is closed"))
-                return future
-            self._incoming.append(job)
-            if self._thread is None:
+                for job in jobs:
+                    job.future.set_exception(RuntimeError("the sampler is closed"))
+                return futures
+            self._incoming.extend(jobs)
+            if jobs and self._thread is None:
                 self._thread = threading.Thread(target=self._work, name=f"ember-sampler-{self._id}", daemon=True)
                 self._thread.start()
-        return future
+        return futures
 
     def close(self) -> None:
         with self._lock:
