@@ -339,10 +339,12 @@ class RunManager:
             run.engine = None
         key = self.factory.lane_key(run.spec)
         with self._lock:
-            self._lane_users[key] -= 1
-            if self._lane_users[key] > 0:
+            # The service may have closed meanwhile (close() forgets every lane): nothing to do.
+            users = self._lane_users.get(key, 0) - 1
+            if users > 0:
+                self._lane_users[key] = users
                 return
-            del self._lane_users[key]
+            self._lane_users.pop(key, None)
             lane = self._lanes.pop(key, None)
         if lane is not None:
             lane.close(wait=False)  # lets this task finish; the thread then exits
