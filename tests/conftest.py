@@ -11,7 +11,9 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the suite starts servers and worker processes beside pytest, and
+# oversubscribed threads slow tiny-model ops by orders of magnitude on a 2-core machine.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,158 @@
+"""Pure pieces of the recipes: datum alignment, advantages, LR schedules, data loading, the task."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ember.models import load_tokenizer
+from ember.recipes.common import learning_rate_at, rl_datum, sft_datum
+from ember.recipes.digit_sum import DigitSumEnv, DigitSumTask, digit_sum
+from ember.recipes.env import Problem
+from ember.recipes.grpo import GRPOConfig, Rollout, group_advantages, minibatch_datums
+from ember.recipes.sft import batch_datums, load_jsonl
+
+
+def test_sft_datum_alignment():
+    d = sft_datum([1, 2, 3], [4, 5], weight=0.5)
+    assert d.model_input.to_ints() == [1, 2, 3, 4]
+    assert d.loss_fn_inputs["target_tokens"].data == [2, 3, 4, 5]
+    assert d.loss_fn_inputs["weights"].data == [0.0, 0.0, 0.5, 0.5]  # prompt targets weighted 0
+    with pytest.raises(ValueError, match="at least one completion token"):
+        sft_datum([1], [])
+
+
+def test_rl_datum_alignment():
+    d = rl_datum([1, 2], [7, 8, 9], [-0.1, -0.2, -0.3], advantage=0.25)
+    assert d.model_input.to_ints() == [1, 2, 7, 8]
+    assert d.loss_fn_inputs["target_tokens"].data == [2, 7, 8, 9]
+    assert d.loss_fn_inputs["logprobs"].data == pytest.approx([0.0, -0.1, -0.2, -0.3])
+    assert d.loss_fn_inputs["advantages"].data == [0.0, 0.25, 0.25, 0.25]
+    with pytest.raises(ValueError, match="2 sampler logprobs for 3 completion tokens"):
+        rl_datum([1], [7, 8, 9], [0.0, 0.0], 1.0)
+
+
+def test_sft_batch_weights_make_a_token_mean():
+    datums = batch_datums([([1, 2], [3, 4, 5]), ([1], [6])])
+    weights = [w for d in datums for w in d.loss_fn_inputs["weights"].data]
+    assert sum(weights) == pytest.approx(1.0)
+    assert sorted(set(weights)) == [0.0, 0.25]
+
+
+def test_group_advantages():
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], std_normalize=False) == [0.5, -0.5, -0.5, 0.5]
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0], std_normalize=True)
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert group_advantages([1.0, 1.0], std_normalize=True) == [0.0, 0.0]
+
+
+def test_minibatch_datums_scale_by_sequences_and_skip_constant_groups():
+    p = Problem(tokens=(1, 2), text="x")
+    varied = [Rollout(p, [3, 4], [-1.0, -1.0], r) for r in (1.0, 0.0)]
+    constant = [Rollout(p, [3], [-1.0], 1.0) for _ in range(2)]
+    datums = minibatch_datums([varied, constant], std_normalize=False)
+    assert len(datums) == 2  # the constant group carries no signal and is not sent
+    # A = +-0.5, divided by the 4 sequences of the mini-batch
+    assert [d.loss_fn_inputs["advantages"].data[-1] for d in datums] == [0.125, -0.125]
+
+
+def test_learning_rate_schedules():
+    assert learning_rate_at(5, 10, 1.0, "constant") == 1.0
+    assert learning_rate_at(0, 11, 1.0, "cosine") == pytest.approx(1.0)
+    assert learning_rate_at(5, 11, 1.0, "cosine") == pytest.approx(0.5)
+    assert learning_rate_at(10, 11, 1.0, "cosine") == pytest.approx(0.0, abs=1e-12)
+    assert learning_rate_at(10, 11, 1.0, "linear", min_ratio=0.1) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="unknown lr schedule 'step'"):
+        learning_rate_at(1, 10, 1.0, "step")
+
+
+def test_grpo_config_validation():
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        GRPOConfig(group_size=0)
+    with pytest.raises(ValueError, match="clip_low <= 1 <= clip_high"):
+        GRPOConfig(clip_low=1.5)
+    with pytest.raises(ValueError, match=r"minibatches \(5\) > prompts_per_step \(4\)"):
+        GRPOConfig(prompts_per_step=4, minibatches=5)
+
+
+def test_digit_sum_task_and_env(digit_model_dir):
+    task = DigitSumTask(load_tokenizer(digit_model_dir))
+    tok = task.tokenizer
+    assert tok.decode(task.prompt_tokens(40913)) == "Sum the digits of 40913:"
+    assert task.answer_tokens(40913) == tok.encode(" 17", add_special_tokens=False) + [tok.eos_token_id]
+    assert digit_sum(40913) == 17
+    held = task.numbers(50, seed=1)
+    labelled = task.numbers(50, seed=2, exclude=held)
+    assert len(set(held)) == 50 and not set(held) & set(labelled)
+    assert all(100 <= n <= 99999 for n in held + labelled)
+    env = DigitSumEnv(task, exclude=held)
+    problems = env.sample_problems(200, random.Random(0))
+    assert not {p.reference for p in problems} & set(held)
+    p = task.problem(40913)
+    assert env.reward(p, task.answer_tokens(40913)) == 1.0
+    assert env.reward(p, task.answer_tokens(40913)[:-1]) == 0.0  # no EOS: not an exact match
+    assert env.reward(p, task.answer_tokens(40914)) == 0.0
+
+
+def test_load_jsonl_formats_and_errors(digit_model_dir, tmp_path):
+    tok = load_tokenizer(digit_model_dir)
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {"prompt": "Sum the digits of 12:", "completion": " 3"},
+        {"text": "Sum the digits"},
+        {"messages": [{"role": "user", "content": "Sum the digits of 12:"}, {"role": "assistant", "content": " 3"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (p0, c0), (p1, c1), (p2, c2) = load_jsonl(path, tok)
+    assert tok.decode(p0) == "Sum the digits of 12:" and c0 == tok.encode(" 3") + [tok.eos_token_id]
+    assert len(p1) == 1 and tok.decode(p1 + c1) == "Sum the digits"
+    assert tok.decode(p2).endswith("<|assistant|>") and tok.decode(c2) == " 3<|eos|>"
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps(rows[0]) + "\n")
+    assert load_jsonl(short, tok, max_length=len(p0) + 1)[0][1] == c0[:1]  # truncated completion
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "completion": "y"}\n{"answer": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a 'messages', 'prompt'\+'completion' or 'text'"):
+        load_jsonl(bad, tok)
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+        load_jsonl(bad, tok)
+    with pytest.raises(FileNotFoundError, match="SFT data file not found"):
+        load_jsonl(tmp_path / "missing.jsonl", tok)
+
+
+def test_phase_progress_shows_window_averages_and_keeps_sparse_metrics():
+    import io
+
+    from rich.console import Console
+
+    from ember.recipes.progress import PhaseProgress
+
+    out = io.StringIO()
+    with PhaseProgress(Console(file=out, width=100), live=False, window=2, every=2) as progress:
+        hook = progress.phase("GRPO", 4, {"r": "reward", "acc": "held-out acc"})
+        hook(0, {"r": 0.0})
+        hook(1, {"r": 1.0, "acc": 0.25})
+        hook(2, {"r": 0.5})
+        hook(3, {"r": 0.5})
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("GRPO")]
+    assert lines == ["GRPO 2/4  reward 0.500  held-out acc 0.250", "GRPO 4/4  reward 0.500  held-out acc 0.250"]
+
+
+def test_plot_series_and_moving_average(tmp_path):
+    from ember.metrics import JsonlSink
+    from ember.recipes.plotting import moving_average, plot_demo, series
+
+    assert moving_average([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    for step in range(3):
+        sink.write(step, {"grpo/reward": 0.1 * step, **({"grpo/heldout_acc": 0.5} if step == 2 else {})})
+        sink.write(step, {"sft/loss": 1.0 / (step + 1)})
+    sink.close()
+    from ember.metrics import read_jsonl
+
+    assert series(read_jsonl(tmp_path / "m.jsonl"), "grpo/heldout_acc") == ([2], [0.5])
+    png = plot_demo(tmp_path / "m.jsonl", tmp_path / "p.png", {"sft_accuracy": 0.2})
+    assert png.read_bytes()[:4] == b"\x89PNG"
