@@ -13,12 +13,14 @@ from ember.metrics import read_jsonl
 from ember.recipes.demo import QUICK, DemoSettings, add_arguments, settings_from_args
 
 # A fast variant of the demo (about 20 s of training): numbers of 1-2 digits, 40 labels, and
-# GRPO on the remaining unlabelled numbers at a higher constant LR. Calibrated on 3 seeds:
-# the mean reward of the last 15 GRPO steps exceeded that of the first 15 by +0.04..+0.14
-# (+0.10 for seed 0, the one used here); the assertion asks for +0.03.
+# GRPO on the remaining unlabelled numbers at a higher constant LR, one step off-policy as
+# the demo's default. Calibrated on 3 seeds (the same run for seeds 0, 1, 2): the
+# mean reward of the last 15 GRPO steps exceeded that of the first 15 by +0.029..+0.098
+# (+0.087 for seed 0, the one used here; strictly on-policy it was +0.04..+0.14, +0.10 for
+# seed 0); the assertion asks for +0.03.
 FAST = dict(seed=0, min_digits=1, max_digits=2, labels=40, heldout=19, sft_steps=80, sft_batch=32,
             grpo_steps=60, prompts_per_step=8, grpo_lr=5e-4, grpo_schedule="constant", eval_every=30,
-            control_steps=5)
+            max_tokens=5, control_steps=5)
 
 
 def test_demo_arguments_map_to_settings():

@@ -11,9 +11,10 @@ from ember.models import load_model
 from ember.sampling import SamplerConfig, TorchSampler
 
 
-@pytest.fixture(scope="session")
-def sampler(tiny_model_dir):
-    s = TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16, max_len=256))
+@pytest.fixture(scope="session", params=["direct", "transformers"])
+def sampler(tiny_model_dir, request):
+    """Every test that takes it runs on both forward implementations (SamplerConfig.forward)."""
+    s = TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16, max_len=256, forward=request.param))
     yield s
     s.close()
 

@@ -18,6 +18,7 @@ from tinker import types
 StepHook = Callable[[int, dict[str, float]], None]  # (step, that step's reduced metrics)
 Evaluator = Callable[[Any, int], dict[str, float]]  # (sampling client, steps done) -> metrics
 Schedule = Literal["constant", "linear", "cosine"]
+SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 
 
 def _check_sequence(prompt: Sequence[int], completion: Sequence[int]) -> None:

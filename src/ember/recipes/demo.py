@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -43,11 +44,13 @@ class DemoSettings:
     grpo_lr: float = 2e-4
     grpo_schedule: str = "cosine"
     grpo_beta2: float = 0.95
-    max_tokens: int = 5
+    max_tokens: int = -1  # -1: the longest answer + EOS for the char tokenizer (" 45" + EOS = 4)
     temperature: float = 1.0
     loss_fn: str = "importance_sampling"
     minibatches: int = 1  # optimizer steps per GRPO batch
-    max_staleness: int = 0  # 1: sample the next batch while this one trains (one step off-policy)
+    # 1: sample the next batch while this one trains (one step off-policy, corrected by the
+    # importance-sampling loss): 497 s instead of 574 s for seed 0, accuracy as on-policy.
+    max_staleness: int = 1
     # The SFT-only control continues from the warm-up checkpoint with GRPO's optimization
     # budget: as many optimizer steps, as many prompts per step, the same LR and schedule,
     # but labelled examples from the same fixed set instead of sampled, verified completions.
@@ -59,6 +62,12 @@ class DemoSettings:
     num_layers: int = 2
 
     def __post_init__(self) -> None:
+        if self.grpo_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"--grpo-schedule must be constant, linear or cosine, got {self.grpo_schedule!r}")
+        if self.loss_fn not in ("importance_sampling", "ppo"):
+            raise ValueError(f"--loss-fn must be importance_sampling or ppo, got {self.loss_fn!r}")
+        if self.max_tokens < 0:
+            self.max_tokens = len(str(9 * self.max_digits)) + 2
         if self.control_steps < 0:
             self.control_steps = self.grpo_steps * self.minibatches
         if self.control_batch < 0:
@@ -80,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a short run (about 2 minutes) to check the setup; too short for the full effect")
     parser.add_argument("--model", default=None, help="a local HF checkpoint instead of the tiny random model")
     parser.add_argument("--run-dir", default=None, help="output directory (default runs/demo-<timestamp>)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores, max 2)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op CPU threads (default 1: the trainer and the sampler already run on "
+                             "separate threads, and the tiny model's ops are too small to split)")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of live bars")
     parser.add_argument("--no-control", action="store_true", help="skip the SFT-only control")
     for f in fields(DemoSettings):
@@ -103,7 +114,11 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as e:
+        print(f"ember demo: {e}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     _configure_threads(args.threads)
     from ember.recipes.demo_run import run_demo
@@ -116,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
 def _configure_threads(threads: int | None) -> None:
     import torch
 
-    n = threads or max(1, min(2, os.cpu_count() or 1))
-    torch.set_num_threads(n)
+    # Measured on 2 cores (seed 0, defaults): 1 thread 574 s, 2 threads ~20% slower overall
+    # (the sampler thread and the trainer thread oversubscribe the cores).
+    torch.set_num_threads(threads or 1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
 

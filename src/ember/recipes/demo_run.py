@@ -163,6 +163,7 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
 
 
 def _close(service_client) -> None:

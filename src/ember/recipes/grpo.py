@@ -12,9 +12,11 @@ carries A_i / S, S = sequences in the mini-batch: the loss is the mean over sequ
 the per-sequence summed objective, and the LR does not depend on P*G. Groups whose rewards
 are all equal have zero advantage: they are counted in S but not sent.
 
-Off-policy: with `max_staleness = k > 0` the next batch is sampled, while this one
-trains, from a snapshot at most k steps old (the losses correct with the sampler's
-logprobs); `staleness` is recorded per step. k = 0 is strictly on-policy.
+Off-policy: with `max_staleness = k > 0` the next batch is sampled from a snapshot of
+the weights this batch trains from, while it trains (sampling and training overlap, on
+separate threads or machines); that batch is then one step stale, which the losses
+correct with the sampler's logprobs. One batch is in flight, so the staleness is 1 for
+any k >= 1; `staleness` is recorded per step. k = 0 is strictly on-policy.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Literal
 from tinker import types
 
 from ember.metrics import MetricsConfig, get_logger, record_metric, span
-from ember.recipes.common import ClientConfig, Evaluator, Schedule, StepHook, learning_rate_at, rl_datum
+from ember.recipes.common import SCHEDULES, ClientConfig, Evaluator, Schedule, StepHook, learning_rate_at, rl_datum
 from ember.recipes.env import Environment, Problem
 
 
@@ -68,6 +70,10 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.minibatches ({self.minibatches}) > prompts_per_step ({self.prompts_per_step})")
         if self.max_staleness < 0 or self.eval_every < 0 or self.temperature < 0:
             raise ValueError("GRPOConfig: max_staleness, eval_every and temperature must be >= 0")
+        if self.loss_fn not in ("importance_sampling", "ppo"):
+            raise ValueError(f"GRPOConfig.loss_fn must be 'importance_sampling' or 'ppo', got {self.loss_fn!r}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"GRPOConfig.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.clip_low <= 1 <= self.clip_high:
             raise ValueError(f"GRPOConfig: need 0 <= clip_low <= 1 <= clip_high, got {self.clip_low}, {self.clip_high}")
 
@@ -186,9 +192,11 @@ def train_grpo(
             with span("sample"):
                 groups = collect_groups(env, problems, futures)
             pending = None
-            if step + 1 < cfg.steps and step + 1 - sampler[1] <= cfg.max_staleness:
+            if cfg.max_staleness > 0 and step + 1 < cfg.steps:
+                if sampler[1] != step:
+                    sampler = snapshot(step)  # the weights this batch trains from
                 with span("sample"):
-                    pending = submit(sampler)  # sampled while this batch trains
+                    pending = submit(sampler)  # the next batch, sampled while this one trains
             lr = learning_rate_at(step, cfg.steps, cfg.learning_rate, cfg.lr_schedule)
             with span("train"):
                 train_on_batch(training_client, groups, cfg, lr)

@@ -35,11 +35,15 @@ def plot_demo(metrics_path: str | os.PathLike, out_path: str | os.PathLike, summ
 
     rows = read_jsonl(metrics_path)
     fig, (ax_sft, ax_rl) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, label in (("sft/loss", "SFT warm-up"), ("control/loss", "SFT-only control (extra steps)")):
-        steps, values = series(rows, key)
-        if steps:
-            ax_sft.plot(steps, values, label=label)
-    ax_sft.set(title="SFT on the labelled set", xlabel="optimizer step", ylabel="token-mean NLL", yscale="log")
+    warmup_steps, warmup_loss = series(rows, "sft/loss")
+    control_steps, control_loss = series(rows, "control/loss")
+    offset = warmup_steps[-1] + 1 if warmup_steps else 0  # the control continues from the warm-up
+    if warmup_steps:
+        ax_sft.plot(warmup_steps, warmup_loss, label="SFT warm-up")
+    if control_steps:
+        ax_sft.plot([offset + s for s in control_steps], control_loss, label="SFT-only control (continued)")
+    ax_sft.set(title="SFT on the fixed labelled set", xlabel="optimizer step", ylabel="token-mean NLL",
+               yscale="log")
     ax_sft.legend()
 
     steps, reward = series(rows, "grpo/reward")
@@ -55,7 +59,7 @@ def plot_demo(metrics_path: str | os.PathLike, out_path: str | os.PathLike, summ
         ax_rl.axhline(summary["sft_accuracy"], color="black", linestyle=":", label="after SFT warm-up")
     ax_rl.set(title="RL from a verifier on unlabelled prompts", xlabel="step (GRPO / control SFT)",
               ylabel="exact match", ylim=(0, 1))
-    ax_rl.legend(loc="lower right", fontsize=8)
+    ax_rl.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     out = Path(out_path)
     fig.savefig(out, dpi=110)

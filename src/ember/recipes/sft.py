@@ -26,7 +26,7 @@ from pathlib import Path
 from tinker import types
 
 from ember.metrics import MetricsConfig, get_logger, record_metric, span
-from ember.recipes.common import ClientConfig, Evaluator, Schedule, StepHook, learning_rate_at, sft_datum
+from ember.recipes.common import SCHEDULES, ClientConfig, Evaluator, Schedule, StepHook, learning_rate_at, sft_datum
 
 Example = tuple[list[int], list[int]]  # (prompt tokens, completion tokens)
 
@@ -53,6 +53,8 @@ class SFTConfig:
                 raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.learning_rate > 0:
             raise ValueError(f"SFTConfig.learning_rate must be > 0, got {self.learning_rate}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"SFTConfig.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
 
 
 def example_from_record(record: dict, tokenizer, max_length: int, where: str) -> Example:

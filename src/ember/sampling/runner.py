@@ -1,9 +1,15 @@
 """Run the Hugging Face model for one prefill or decode forward over slot-cache rows.
 
-The model is called exactly as transformers documents it: `input_ids`, explicit
-`position_ids`, a prepared 4-D attention mask (passed through by `create_causal_mask`),
-`past_key_values=SlotCache`, `logits_to_keep`. Weight versions enter only from the
-outside: `torch.func.functional_call` for full fine-tuning sets, forward hooks for LoRA.
+Two ways to compute the same forward (`SamplerConfig.forward`):
+
+* "transformers": the model is called exactly as transformers documents it:
+  `input_ids`, explicit `position_ids`, a prepared 4-D attention mask (passed through by
+  `create_causal_mask`), `past_key_values=SlotCache`, `logits_to_keep`. Weight versions
+  enter only from the outside: `torch.func.functional_call` for full fine-tuning sets,
+  forward hooks for LoRA.
+* "direct" (`ember.sampling.decoder`): the same function with plain tensor ops for
+  Llama-family models, which removes the per-call overhead that dominates small decode
+  batches. "auto" (the default) uses it when the architecture is supported.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.sampling.decoder import DirectDecoder, unsupported_reason
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.weights import LoraHooks, TorchWeightVersion, lora_plan
 
@@ -45,11 +52,12 @@ def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
 class ModelRunner:
     """Owns the model, its slot cache and LoRA hooks; one forward at a time (one thread)."""
 
-    def __init__(self, model: nn.Module, cache: SlotCache, attn_implementation: str) -> None:
+    def __init__(self, model: nn.Module, cache: SlotCache, attn_implementation: str, forward: str = "auto") -> None:
         self.model = model
         self.cache = cache
         self.hooks = LoraHooks(model)
         self.additive_mask = attn_implementation == "eager"
+        self.direct = _direct_decoder(model, forward)
 
     def _mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not self.additive_mask:
@@ -69,6 +77,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [B, T', V] for a forward whose cache plan is already set."""
         dtype = next(self.model.parameters()).dtype
+        if self.direct is not None:
+            try:
+                return self.direct.forward(input_ids, position_ids, self._mask(mask, dtype), self.cache,
+                                           logits_to_keep, params=full.params if full is not None else None,
+                                           lora=lora_plan(list(lora)))
+            finally:
+                self.cache.clear_plan()
         kwargs = dict(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -87,3 +102,14 @@ class ModelRunner:
             self.hooks.clear()
             self.cache.clear_plan()
         return out.logits
+
+
+def _direct_decoder(model: nn.Module, forward: str) -> DirectDecoder | None:
+    if forward == "transformers":
+        return None
+    reason = unsupported_reason(model)
+    if reason is None:
+        return DirectDecoder(model)
+    if forward == "direct":
+        raise ValueError(f"SamplerConfig.forward='direct' is not available for this model: {reason}")
+    return None

@@ -100,7 +100,7 @@ class TorchSampler(Sampler):
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)
         cache = SlotCache(model.config.num_hidden_layers, self.config.max_slots, self.max_len)
-        runner = ModelRunner(self.model, cache, self.config.attn_implementation)
+        runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
         self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens, decode)

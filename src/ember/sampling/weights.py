@@ -191,16 +191,20 @@ class LoraHooks:
             entries = self.plan.get(name)
             if not entries:
                 return None
-            x = args[0]
-            for rows, d in entries:
-                if rows is None:
-                    # Same expression as peft's Linear: result + lora_B(lora_A(x)) * scaling.
-                    output = output + F.linear(F.linear(x, d.a), d.b) * d.scale
-                else:
-                    output = output.index_add(0, rows, F.linear(F.linear(x[rows], d.a), d.b) * d.scale)
-            return output
+            return add_lora(output, args[0], entries)
 
         return hook
+
+
+def add_lora(output: torch.Tensor, x: torch.Tensor, entries: list[tuple[torch.Tensor | None, LoraDelta]]):
+    """`output` of a Linear on `x` plus each delta, on its rows (None = every row)."""
+    for rows, d in entries:
+        if rows is None:
+            # Same expression as peft's Linear: result + lora_B(lora_A(x)) * scaling.
+            output = output + F.linear(F.linear(x, d.a), d.b) * d.scale
+        else:
+            output = output.index_add(0, rows, F.linear(F.linear(x[rows], d.a), d.b) * d.scale)
+    return output
 
 
 def lora_plan(row_versions: list[tuple[torch.Tensor | None, TorchWeightVersion]]) -> dict:

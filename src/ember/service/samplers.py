@@ -72,6 +72,7 @@ class SamplerManager:
         self.max_per_session = max_per_session
         self._samplers: dict[Path, Any] = {}
         self._live: dict[str, OrderedDict[str, LiveSampler]] = {}  # session_id -> sampler_id -> live
+        self._by_id: dict[str, LiveSampler] = {}  # sampler_id -> live, for every loaded session
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ backends and versions
@@ -105,8 +106,10 @@ class SamplerManager:
             group = self._live.setdefault(live.session_id, OrderedDict())
             group[live.sampler_id] = live
             group.move_to_end(live.sampler_id)
+            self._by_id[live.sampler_id] = live
             while len(group) > self.max_per_session:
                 evicted, _ = group.popitem(last=False)
+                self._by_id.pop(evicted, None)
                 log.info("sampling session %s evicted (more than %d loaded)", evicted, self.max_per_session)
 
     def _existing(self, session_id: str, seq: int | None) -> SamplerRow | None:
@@ -166,6 +169,10 @@ class SamplerManager:
         return row
 
     def _resolve(self, owner: str, sampler_id: str) -> LiveSampler:
+        with self._lock:  # a loaded session needs no database read (its row is immutable)
+            live = self._by_id.get(sampler_id)
+        if live is not None and live.owner == owner:
+            return live
         row = self.row(owner, sampler_id)
         with self._lock:
             live = self._live.get(row.session_id, {}).get(sampler_id)
@@ -237,12 +244,14 @@ class SamplerManager:
 
     def drop_session(self, session_id: str) -> None:
         with self._lock:
-            self._live.pop(session_id, None)
+            for sampler_id in self._live.pop(session_id, {}):
+                self._by_id.pop(sampler_id, None)
 
     def close(self) -> None:
         with self._lock:
             samplers, self._samplers = list(self._samplers.values()), {}
             self._live.clear()
+            self._by_id.clear()
         for s in samplers:
             try:
                 s.close()

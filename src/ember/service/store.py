@@ -27,6 +27,7 @@ from sqlalchemy import (
     JSON, BigInteger, Boolean, Float, Integer, LargeBinary, String, Text, create_engine, delete, event, insert, select,
     update,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -163,10 +164,16 @@ class Store:
         with self.read() as s:
             return s.get(cls, key)
 
+    @contextmanager
+    def write_core(self) -> Iterator[Connection]:
+        """A Core transaction (no ORM unit of work): ~4x cheaper for single statements."""
+        with self._write_lock, self.engine.begin() as conn:
+            yield conn
+
     def update(self, cls: type, key: Any, **values: Any) -> None:
         pk = cls.__mapper__.primary_key[0]
-        with self.write() as s:
-            s.execute(update(cls).where(pk == key).values(**values))
+        with self.write_core() as conn:
+            conn.execute(update(cls).where(pk == key).values(**values))
 
     def select_all(self, stmt) -> list:
         with self.read() as s:
@@ -176,8 +183,8 @@ class Store:
         """Insert a future row (Core insert: cheaper than the ORM unit of work). False if
         its dedup_key is taken."""
         try:
-            with self.write() as s:
-                s.execute(insert(FutureRow).values(**values))
+            with self.write_core() as conn:
+                conn.execute(insert(FutureRow).values(**values))
             return True
         except IntegrityError:
             return False

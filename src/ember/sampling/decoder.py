@@ -1,0 +1,165 @@
+"""A direct decode forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3).
+
+Sampling runs one forward per generated token over a few dozen rows; for small and
+medium models on CPU most of that forward's time is Python overhead in the general
+transformers call path (output capturing, mask preparation, attention dispatch, keyword
+plumbing), not arithmetic. `DirectDecoder` computes the same function from the same
+parameters with plain tensor ops: embedding, per layer RMSNorm -> q/k/v (+ q/k norm for
+Qwen3) -> rotary (the model's own rotary module) -> `SlotCache` update -> SDPA -> o_proj,
+RMSNorm -> gated MLP (the config's activation), final norm, lm_head.
+
+It reads weights from the model, or from a full fine-tuning version's tensors, and adds
+LoRA deltas itself (the same expression as the forward hooks), so versions behave
+exactly as in the transformers path. The model is not modified. Architectures outside
+the list, or configurations it does not reproduce (sliding windows, non-gated MLPs),
+use the transformers forward (`unsupported_reason` says why). Agreement with the
+transformers forward is tested (tests/sampling/test_sampling_decoder.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from ember.sampling.kv_cache import SlotCache
+from ember.sampling.weights import LoraDelta, add_lora
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LoraPlan = dict[str, list[tuple[torch.Tensor | None, LoraDelta]]]
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """None when `DirectDecoder` reproduces this model's forward, else why not."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {cfg.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or getattr(cfg, "sliding_window", None) and (
+        cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
+    ):
+        return "sliding-window attention"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(model, "lm_head") or not hasattr(inner, "rotary_emb"):
+        return "not a <Model>ForCausalLM with .model.layers, .model.rotary_emb and .lm_head"
+    mlp = layers[0].mlp
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "the MLP is not gated (gate_proj/up_proj/down_proj)"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    return None
+
+
+class DirectDecoder:
+    """Computes `model(input_ids, position_ids, mask, past_key_values=cache).logits`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"DirectDecoder: {reason}")
+        cfg = model.config
+        self.model = model
+        attn = model.model.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.kv_groups = attn.num_key_value_groups
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.eps = cfg.rms_norm_eps
+        self.act = ACT2FN[cfg.hidden_act]
+        self.num_layers = len(model.model.layers)
+        # Every name (tied aliases too) -> the model's tensor, and -> the canonical name a
+        # full fine-tuning version keys its tensors by (see weights.parameter_aliases).
+        self.base = dict(model.named_parameters(remove_duplicate=False))
+        first: dict[int, str] = {}
+        self.canonical = {n: first.setdefault(id(t), n) for n, t in self.base.items()}
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: SlotCache,
+        logits_to_keep: int,
+        params: dict[str, torch.Tensor] | None = None,
+        lora: LoraPlan | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T', V] (T' = T if logits_to_keep == 0 else logits_to_keep)."""
+        w = _Weights(self.base, self.canonical, params or {}, lora or {})
+        h = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        cos, sin = self.model.model.rotary_emb(h, position_ids)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            a = self._attention(self._norm(h, w[p + "input_layernorm.weight"]), p + "self_attn.", i, cos, sin, mask,
+                                cache, w)
+            h = h + a
+            x = self._norm(h, w[p + "post_attention_layernorm.weight"])
+            m = p + "mlp."
+            h = h + w.linear(self.act(w.linear(x, m + "gate_proj")) * w.linear(x, m + "up_proj"), m + "down_proj")
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return w.linear(self._norm(h, w["model.norm.weight"]), "lm_head")
+
+    def _attention(self, x, prefix, layer, cos, sin, mask, cache, w) -> torch.Tensor:
+        b, t, _ = x.shape
+        shape = (b, t, -1, self.head_dim)
+        q = w.linear(x, prefix + "q_proj").view(shape)
+        k = w.linear(x, prefix + "k_proj").view(shape)
+        v = w.linear(x, prefix + "v_proj").view(shape).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self._norm(q, w[prefix + "q_norm.weight"]), self._norm(k, w[prefix + "k_norm.weight"])
+        q, k = _rotary(q.transpose(1, 2), cos, sin), _rotary(k.transpose(1, 2), cos, sin)
+        k, v = cache.layers[layer].update(k, v, layer)
+        o = self._sdpa(q, k, v, mask)
+        return w.linear(o.transpose(1, 2).reshape(b, t, -1), prefix + "o_proj")
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, heads, t, d = q.shape
+        g = self.kv_groups
+        if t == 1:
+            # Decode: the g query heads sharing a KV head become g query positions of it
+            # (one mask row for all of them), so no KV head is copied; two batched matmuls
+            # and a softmax beat SDPA's blocked CPU kernel at a single query position.
+            scores = torch.matmul(q.view(b, heads // g, g, d), k.transpose(-1, -2)) * self.scaling
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(probs, v).reshape(b, heads, 1, d)
+        if g > 1:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm exactly as Llama/Qwen compute it (fp32 statistics, weight after the cast back)."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x.to(dtype)
+
+
+class _Weights:
+    """Parameter lookup for one forward: a version's tensor if it has one, else the model's."""
+
+    def __init__(self, base: dict[str, torch.Tensor], canonical: dict[str, str], params: dict[str, torch.Tensor],
+                 lora: LoraPlan) -> None:
+        self.base, self.canonical, self.params, self.lora = base, canonical, params, lora
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if not self.params:
+            return self.base[name]
+        return self.params[self.canonical[name]]
+
+    def linear(self, x: torch.Tensor, module: str) -> torch.Tensor:
+        bias_name = module + ".bias"
+        bias = self[bias_name] if bias_name in self.base else None
+        out = F.linear(x, self[module + ".weight"], bias)
+        entries = self.lora.get(module)
+        return add_lora(out, x, entries) if entries else out
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
