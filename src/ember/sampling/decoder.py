@@ -65,6 +65,7 @@ class DirectDecoder:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.kv_groups = attn.num_key_value_groups
+        self.kv_heads = cfg.num_key_value_heads
         self.qk_norm = hasattr(attn, "q_norm")
         self.eps = cfg.rms_norm_eps
         self.act = ACT2FN[cfg.hidden_act]
@@ -89,12 +90,12 @@ class DirectDecoder:
         """Logits [B, T', V] (T' = T if logits_to_keep == 0 else logits_to_keep)."""
         w = _Weights(self.base, self.canonical, params or {}, lora or {})
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])
-        cos, sin = self.model.model.rotary_emb(h, position_ids)
+        rope = _Rope(*self.model.model.rotary_emb(h, position_ids))
+        bias = self._decode_bias(mask, h.dtype) if input_ids.shape[1] == 1 else None
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            a = self._attention(self._norm(h, w[p + "input_layernorm.weight"]), p + "self_attn.", i, cos, sin, mask,
-                                cache, w)
-            h = h + a
+            x = self._norm(h, w[p + "input_layernorm.weight"])
+            h = h + self._attention(x, p + "self_attn.", i, rope, mask, bias, cache, w)
             x = self._norm(h, w[p + "post_attention_layernorm.weight"])
             m = p + "mlp."
             h = h + w.linear(self.act(w.linear(x, m + "gate_proj")) * w.linear(x, m + "up_proj"), m + "down_proj")
@@ -102,7 +103,7 @@ class DirectDecoder:
             h = h[:, -logits_to_keep:]
         return w.linear(self._norm(h, w["model.norm.weight"]), "lm_head")
 
-    def _attention(self, x, prefix, layer, cos, sin, mask, cache, w) -> torch.Tensor:
+    def _attention(self, x, prefix, layer, rope: "_Rope", mask, bias, cache, w) -> torch.Tensor:
         b, t, _ = x.shape
         shape = (b, t, -1, self.head_dim)
         q = w.linear(x, prefix + "q_proj").view(shape)
@@ -110,25 +111,33 @@ class DirectDecoder:
         v = w.linear(x, prefix + "v_proj").view(shape).transpose(1, 2)
         if self.qk_norm:
             q, k = self._norm(q, w[prefix + "q_norm.weight"]), self._norm(k, w[prefix + "k_norm.weight"])
-        q, k = _rotary(q.transpose(1, 2), cos, sin), _rotary(k.transpose(1, 2), cos, sin)
+        q, k = rope(q.transpose(1, 2)), rope(k.transpose(1, 2))
         k, v = cache.layers[layer].update(k, v, layer)
-        o = self._sdpa(q, k, v, mask)
+        o = self._decode_attention(q, k, v, bias) if bias is not None else self._sdpa(q, k, v, mask)
         return w.linear(o.transpose(1, 2).reshape(b, t, -1), prefix + "o_proj")
 
+    def _decode_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The decode mask [B, 1, 1, kv] as an additive bias [B * kv_heads, 1, kv] (once per forward)."""
+        if mask.dtype == torch.bool:
+            zero = torch.zeros((), dtype=dtype, device=mask.device)
+            mask = torch.where(mask, zero, torch.finfo(dtype).min)
+        b, kv = mask.shape[0], mask.shape[-1]
+        return mask.expand(b, self.kv_heads, 1, kv).reshape(b * self.kv_heads, 1, kv)
+
+    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
+        """One query position: the g query heads sharing a KV head become g query rows of it,
+        so no KV head is copied, and two batched matmuls beat SDPA's blocked CPU kernel at
+        this shape."""
+        b, heads, _, d = q.shape
+        rows = b * self.kv_heads
+        k3, v3 = k.reshape(rows, -1, d), v.reshape(rows, -1, d)
+        scores = torch.bmm(q.reshape(rows, -1, d), k3.transpose(1, 2)).mul_(self.scaling).add_(bias)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, v3).view(b, heads, 1, d)
+
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, heads, t, d = q.shape
-        g = self.kv_groups
-        if t == 1:
-            # Decode: the g query heads sharing a KV head become g query positions of it
-            # (one mask row for all of them), so no KV head is copied; two batched matmuls
-            # and a softmax beat SDPA's blocked CPU kernel at a single query position.
-            scores = torch.matmul(q.view(b, heads // g, g, d), k.transpose(-1, -2)) * self.scaling
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            return torch.matmul(probs, v).reshape(b, heads, 1, d)
-        if g > 1:
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                              enable_gqa=self.kv_groups > 1)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm exactly as Llama/Qwen compute it (fp32 statistics, weight after the cast back)."""
@@ -158,8 +167,16 @@ class _Weights:
         return add_lora(out, x, entries) if entries else out
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
+class _Rope:
+    """Rotary embedding with the per-forward parts computed once for all layers:
+    x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, d/2) * [-sin1, sin2]
+    (the same products: negating a factor negates the product exactly)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        half = cos.shape[-1] // 2
+        self.half = half
+        self.cos = cos.unsqueeze(1)
+        self.sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cos + x.roll(self.half, dims=-1) * self.sin
