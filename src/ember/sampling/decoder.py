@@ -91,7 +91,10 @@ class DirectDecoder:
         w = _Weights(self.base, self.canonical, params or {}, lora or {})
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])
         rope = _Rope(*self.model.model.rotary_emb(h, position_ids))
-        bias = self._decode_bias(mask, h.dtype) if input_ids.shape[1] == 1 else None
+        # Decode on CPU in fp32: folded-GQA batched matmuls (faster than SDPA's CPU kernel
+        # there). Elsewhere SDPA, whose GPU kernels keep the scores in fp32 for bf16 models.
+        bmm_decode = input_ids.shape[1] == 1 and h.device.type == "cpu" and h.dtype == torch.float32
+        bias = self._decode_bias(mask, h.dtype) if bmm_decode else None
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             x = self._norm(h, w[p + "input_layernorm.weight"])
