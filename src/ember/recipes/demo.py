@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="output directory (default runs/demo-<timestamp>)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op CPU threads (default 1: the trainer and the sampler already run on "
-                             "separate threads, and the tiny model's ops are too small to split)")
+                             "separate threads; 2 is ~10%% faster on an idle 2-core machine, much slower on a busy one)")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of live bars")
     parser.add_argument("--no-control", action="store_true", help="skip the SFT-only control")
     for f in fields(DemoSettings):
@@ -131,8 +131,10 @@ def run(args: argparse.Namespace) -> int:
 def _configure_threads(threads: int | None) -> None:
     import torch
 
-    # Measured on 2 cores (seed 0, defaults): 1 thread 574 s, 2 threads ~20% slower overall
-    # (the sampler thread and the trainer thread oversubscribe the cores).
+    # One thread by default. Seed 0 on an idle 2-core machine: 425-497 s with 1 thread,
+    # 405 s with 2; but with other work on the cores, 2 threads per op on top of the
+    # trainer and sampler threads oversubscribe badly (the fast demo test took 352 s
+    # with 2 threads vs 29 s with 1 on a loaded machine).
     torch.set_num_threads(threads or 1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
