@@ -19,6 +19,7 @@ StepHook = Callable[[int, dict[str, float]], None]  # (step, that step's reduced
 Evaluator = Callable[[Any, int], dict[str, float]]  # (sampling client, steps done) -> metrics
 Schedule = Literal["constant", "linear", "cosine"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+RL_LOSSES: tuple[str, ...] = ("importance_sampling", "ppo")  # the losses the GRPO recipe can use
 
 
 def _check_sequence(prompt: Sequence[int], completion: Sequence[int]) -> None:

@@ -62,10 +62,12 @@ class DemoSettings:
     num_layers: int = 2
 
     def __post_init__(self) -> None:
-        if self.grpo_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"--grpo-schedule must be constant, linear or cosine, got {self.grpo_schedule!r}")
-        if self.loss_fn not in ("importance_sampling", "ppo"):
-            raise ValueError(f"--loss-fn must be importance_sampling or ppo, got {self.loss_fn!r}")
+        from ember.recipes.common import RL_LOSSES, SCHEDULES
+
+        if self.grpo_schedule not in SCHEDULES:
+            raise ValueError(f"--grpo-schedule must be one of {', '.join(SCHEDULES)}, got {self.grpo_schedule!r}")
+        if self.loss_fn not in RL_LOSSES:
+            raise ValueError(f"--loss-fn must be one of {', '.join(RL_LOSSES)}, got {self.loss_fn!r}")
         if self.max_tokens < 0:
             self.max_tokens = len(str(9 * self.max_digits)) + 2
         if self.control_steps < 0:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from tinker import types
 
 from ember.metrics import MetricsConfig, get_logger, record_metric, span
-from ember.recipes.common import SCHEDULES, ClientConfig, Evaluator, Schedule, StepHook, learning_rate_at, rl_datum
+from ember.recipes.common import RL_LOSSES, SCHEDULES, ClientConfig, Evaluator, Schedule, StepHook, learning_rate_at, rl_datum
 from ember.recipes.env import Environment, Problem
 
 
@@ -70,8 +70,8 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.minibatches ({self.minibatches}) > prompts_per_step ({self.prompts_per_step})")
         if self.max_staleness < 0 or self.eval_every < 0 or self.temperature < 0:
             raise ValueError("GRPOConfig: max_staleness, eval_every and temperature must be >= 0")
-        if self.loss_fn not in ("importance_sampling", "ppo"):
-            raise ValueError(f"GRPOConfig.loss_fn must be 'importance_sampling' or 'ppo', got {self.loss_fn!r}")
+        if self.loss_fn not in RL_LOSSES:
+            raise ValueError(f"GRPOConfig.loss_fn must be one of {RL_LOSSES}, got {self.loss_fn!r}")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"GRPOConfig.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.clip_low <= 1 <= self.clip_high:

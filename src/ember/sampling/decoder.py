@@ -121,9 +121,7 @@ class DirectDecoder:
 
     def _decode_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The decode mask [B, 1, 1, kv] as an additive bias [B * kv_heads, 1, kv] (once per forward)."""
-        if mask.dtype == torch.bool:
-            zero = torch.zeros((), dtype=dtype, device=mask.device)
-            mask = torch.where(mask, zero, torch.finfo(dtype).min)
+        mask = additive_mask(mask, dtype)
         b, kv = mask.shape[0], mask.shape[-1]
         return mask.expand(b, self.kv_heads, 1, kv).reshape(b * self.kv_heads, 1, kv)
 
@@ -148,6 +146,14 @@ class DirectDecoder:
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x.to(dtype)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as 0 / dtype-min; an additive one unchanged."""
+    if mask.dtype != torch.bool:
+        return mask
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.finfo(dtype).min)
 
 
 class _Weights:

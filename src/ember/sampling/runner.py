@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.sampling.decoder import DirectDecoder, unsupported_reason
+from ember.sampling.decoder import DirectDecoder, additive_mask, unsupported_reason
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.weights import LoraHooks, TorchWeightVersion, lora_plan
 
@@ -60,10 +60,7 @@ class ModelRunner:
         self.direct = _direct_decoder(model, forward)
 
     def _mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not self.additive_mask:
-            return mask
-        zero = torch.zeros((), dtype=dtype, device=mask.device)
-        return torch.where(mask, zero, torch.finfo(dtype).min)
+        return additive_mask(mask, dtype) if self.additive_mask else mask
 
     @torch.inference_mode()
     def forward(
