@@ -101,7 +101,8 @@ class DirectDecoder:
             h = h + self._attention(x, p + "self_attn.", i, rope, mask, bias, cache, w)
             x = self._norm(h, w[p + "post_attention_layernorm.weight"])
             m = p + "mlp."
-            h = h + w.linear(self.act(w.linear(x, m + "gate_proj")) * w.linear(x, m + "up_proj"), m + "down_proj")
+            gate = self.act(w.linear(x, m + "gate_proj"))
+            h = h.add_(w.linear(gate.mul_(w.linear(x, m + "up_proj")), m + "down_proj"))  # h is this forward's own
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return w.linear(self._norm(h, w["model.norm.weight"]), "lm_head")
@@ -141,7 +142,10 @@ class DirectDecoder:
                                               enable_gqa=self.kv_groups > 1)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm exactly as Llama/Qwen compute it (fp32 statistics, weight after the cast back)."""
+        """RMSNorm exactly as Llama/Qwen compute it (fp32 statistics, weight after the cast back;
+        the in-place steps only touch tensors made here)."""
+        if x.dtype == torch.float32:
+            return (x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

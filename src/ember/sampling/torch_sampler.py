@@ -41,6 +41,7 @@ from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import Job
 from ember.sampling.kv_cache import SlotCache
+from ember.sampling.layout import column_major_linears
 from ember.sampling.params import resolve_request
 from ember.sampling.runner import ModelRunner
 from ember.sampling.scheduler import Scheduler
@@ -76,8 +77,9 @@ class TorchSampler(Sampler):
     """Sampler over a Hugging Face causal LM (see module docstring).
 
     The sampler owns `model`: it is moved to `config.device`/`config.dtype`, put in eval
-    mode with gradients off, and given forward hooks for LoRA; do not hand it a module a
-    TrainingEngine trains. `eos_token_ids` overrides the EOS taken from the tokenizer
+    mode with gradients off, given forward hooks for LoRA and, on CPU, its Linear weights
+    are stored column-major (same values; `ember.sampling.layout`); do not hand it a
+    module a TrainingEngine trains. `eos_token_ids` overrides the EOS taken from the tokenizer
     (else the model's generation config) for `stop=None`.
     """
 
@@ -93,6 +95,8 @@ class TorchSampler(Sampler):
         self.device = torch.device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        if self.device.type == "cpu":
+            column_major_linears(self.model)  # same values, faster decode matmuls (see layout.py)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
         self.max_len = min(self.config.max_len, int(getattr(model.config, "max_position_embeddings", 1 << 30)))
