@@ -6,8 +6,11 @@
     (left-padded batch; logprobs = log_softmax(logits) at the chosen tokens), on two
     models: the demo's shape (0.3M parameters, where per-step overhead dominates) and a
     2.4M-parameter Qwen3 (where on CPU both sides spend most of the time in the same
-    matmuls). generate_ratio (last line) = sampler tokens/s / generate tokens/s on the
-    larger model (target >= 1.5).
+    matmuls and the memory-bound attention over the cache). generate_ratio (last line) =
+    sampler tokens/s / generate tokens/s on the larger model (target >= 1.5). The
+    sampler's own CPU optimisations are part of what is measured (its direct decode
+    forward; Linear weights stored column-major, see ember/sampling/layout.py); the
+    baseline model is loaded as transformers loads it.
 (b) mixed: 192 requests whose max_tokens are log-uniform in [8, 256] (many short, a few
     long, as RL completions are), 32 slots. Continuous batching (all submitted at once)
     vs static batching (the same sampler fed fixed batches of 32, each of which runs
