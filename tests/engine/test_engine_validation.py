@@ -56,3 +56,48 @@ def test_engine_keeps_working_after_errors(engine):
 def test_unknown_config_key(engine):
     with pytest.raises(ValueError, match="clip_low"):
         engine.forward([GOOD], "cross_entropy", {"clip_low": 0.5})
+
+
+def _rl(tokens, advantages=None, logprobs=None):
+    n = len(tokens)
+    return _datum(tokens, target_tokens=torch.tensor(tokens[1:] + [1]),
+                  logprobs=torch.zeros(n) if logprobs is None else logprobs,
+                  advantages=torch.ones(n) if advantages is None else advantages)
+
+
+BATCH_CASES = [  # (bad datum index, the bad datum, expected message)
+    (5, lambda: _datum([1, 2, -3], target_tokens=torch.tensor([2, 3, 4]), logprobs=torch.zeros(3),
+                         advantages=torch.ones(3)), r"^datum 5: model_input token -3 at position 2 is outside"),
+    (7, lambda: _datum([1, 2, 3], target_tokens=torch.tensor([2, 84, 4]), logprobs=torch.zeros(3),
+                         advantages=torch.ones(3)),
+     r"^datum 7: loss_fn_inputs\['target_tokens'\] has token id 84 at position 1, outside \[0, vocab_size=84\)"),
+    (3, lambda: _rl([1, 2, 3], advantages=torch.tensor([0.0, float("nan"), 1.0])),
+     r"^datum 3: loss_fn_inputs\['advantages'\] has a non-finite value nan at position 1"),
+    (9, lambda: _rl([4, 5], logprobs=torch.tensor([0.0, float("-inf")])),
+     r"^datum 9: loss_fn_inputs\['logprobs'\] has a non-finite value -inf at position 1"),
+]
+
+
+@pytest.mark.parametrize("bad,make,match", BATCH_CASES, ids=["ids", "targets", "advantages", "logprobs"])
+def test_value_errors_in_a_large_request_name_the_first_bad_datum(engine, bad, make, match):
+    """The value scans run over the whole request at once; the error is still the bad
+    datum's own, and a later bad datum does not mask an earlier one."""
+    datums = [_rl([1 + i % 7, 2, 3]) for i in range(12)]
+    datums[bad] = make()
+    datums[11] = _rl([1, 2, 3], advantages=torch.tensor([float("inf"), 0.0, 0.0]))  # also bad, but later
+    with pytest.raises(ValueError, match=match):
+        engine.forward_backward(datums, "importance_sampling")
+    assert engine.status().accumulated_micro_batches == 0
+
+
+def test_optional_weights_on_some_datums_are_scanned(engine):
+    datums = [sft_datum([1, 2, 3, 4]) for _ in range(4)]
+    datums.insert(2, _datum([1, 2, 3], target_tokens=torch.tensor([2, 3, 4]),
+                            weights=torch.tensor([1.0, float("nan"), 1.0])))
+    datums.append(_datum([1, 2], target_tokens=torch.tensor([2, 3])))  # no weights: ones
+    with pytest.raises(ValueError, match=r"^datum 2: loss_fn_inputs\['weights'\] has a non-finite value nan"):
+        engine.forward_backward(datums, "cross_entropy")
+    del datums[2]
+    engine.forward_backward(datums, "cross_entropy")  # the clean rest trains
+    assert engine.status().accumulated_micro_batches > 0
+    engine.clear_gradients()

@@ -257,3 +257,32 @@ def test_float64_overflowing_float32_is_non_finite():
 def test_unknown_loss_name():
     with raises("unknown loss_fn 'sft'"):
         validate_datum_inputs("sft", 0, N, ce_inputs(), V)
+
+
+# ---------------------------------------------------------------- one scan over many datums
+def test_first_bad_datum_finds_the_earliest_bad_value_across_fields():
+    from ember.losses.validation import first_bad_datum
+
+    clean = [validate_datum_inputs("importance_sampling", i, n, rl_inputs(n), V, scan_values=False)
+             for i, n in enumerate([3, 1, 5, 2, 4])]
+    assert first_bad_datum(clean, V) is None
+    bad = [dict(d) for d in clean]
+    bad[4]["target_tokens"] = torch.tensor([0, 1, 2, V, 3])  # out of vocabulary, datum 4
+    bad[2]["advantages"] = torch.tensor([0.0, 0.0, 0.0, 0.0, float("nan")])  # last value of datum 2
+    assert first_bad_datum(bad, V) == 2
+    bad[1]["logprobs"] = torch.tensor([float("inf")])  # a one-token datum
+    assert first_bad_datum(bad, V) == 1
+    only_some = [{"target_tokens": torch.tensor([1])}, {"target_tokens": torch.tensor([1]),
+                                                       "weights": torch.tensor([float("nan")])}]
+    assert first_bad_datum(only_some, V) == 1
+
+
+def test_scan_values_false_skips_only_the_value_checks():
+    inputs = rl_inputs(advantages=torch.full((N,), float("nan")), target_tokens=torch.full((N,), V))
+    out = validate_datum_inputs("importance_sampling", 0, N, inputs, V, scan_values=False)
+    assert out["advantages"].dtype == torch.float32
+    with raises("datum 0: loss_fn_inputs['target_tokens'] has token id 84 at position 0"):
+        validate_datum_inputs("importance_sampling", 0, N, inputs, V)
+    with raises("datum 0: loss_fn_inputs['logprobs'] has shape (7,), expected (8,)"):
+        validate_datum_inputs("importance_sampling", 0, N, rl_inputs(logprobs=torch.zeros(N - 1)), V,
+                              scan_values=False)

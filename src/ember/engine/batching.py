@@ -22,6 +22,7 @@ import torch
 from tinker import types
 
 from ember.losses import LossSpec, validate_datum_inputs
+from ember.losses.validation import first_bad_datum
 
 _DTYPES = {"int64": torch.int64, "float32": torch.float32}
 
@@ -53,7 +54,7 @@ class MicroBatch:
         return sum(self.lengths)
 
 
-def _model_input_ids(index: int, datum: types.Datum, vocab_size: int) -> torch.Tensor:
+def _model_input_ids(index: int, datum: types.Datum, vocab_size: int, scan: bool = True) -> torch.Tensor:
     for j, chunk in enumerate(datum.model_input.chunks):
         if not isinstance(chunk, types.EncodedTextChunk):
             raise ValueError(
@@ -63,14 +64,18 @@ def _model_input_ids(index: int, datum: types.Datum, vocab_size: int) -> torch.T
     ids = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
     if ids.numel() == 0:
         raise ValueError(f"datum {index}: model_input is empty; at least one token is required")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
+    bad = _out_of_vocab(ids, vocab_size) if scan else None
+    if bad is not None and bad.any():
         pos = int(bad.nonzero()[0, 0])
         raise ValueError(
             f"datum {index}: model_input token {int(ids[pos])} at position {pos} is outside the "
             f"vocabulary [0, {vocab_size})"
         )
     return ids
+
+
+def _out_of_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return (ids < 0) | (ids >= vocab_size)
 
 
 def _loss_input_tensors(index: int, datum: types.Datum) -> dict[str, torch.Tensor]:
@@ -91,18 +96,42 @@ def _loss_input_tensors(index: int, datum: types.Datum) -> dict[str, torch.Tenso
 def prepare_datums(
     datums: Sequence[types.Datum], spec: LossSpec, vocab_size: int
 ) -> list[PreparedDatum]:
-    """Validate every datum before any compute (so a bad datum never leaves half a gradient)."""
+    """Validate every datum before any compute (so a bad datum never leaves half a gradient).
+
+    Keys, shapes and dtypes are checked datum by datum; the value scans (token ids in the
+    vocabulary, finite floats) run once per field over the whole request, and the first
+    datum they flag is re-validated in full for its error message."""
     if len(datums) == 0:
         raise ValueError("forward_backward needs at least one datum; got an empty list")
     prepared = []
     for i, datum in enumerate(datums):
-        ids = _model_input_ids(i, datum, vocab_size)
-        inputs = validate_datum_inputs(spec.name, i, int(ids.shape[0]), _loss_input_tensors(i, datum), vocab_size)
+        ids = _model_input_ids(i, datum, vocab_size, scan=False)
+        inputs = validate_datum_inputs(spec.name, i, int(ids.shape[0]), _loss_input_tensors(i, datum), vocab_size,
+                                       scan_values=False)
         prepared.append(PreparedDatum(index=i, input_ids=ids, inputs=inputs))
+    _scan_values(datums, prepared, spec, vocab_size)
     ranks = {p.inputs["target_tokens"].dim() for p in prepared}
     if len(ranks) > 1:
         raise ValueError("all datums of one request must have target_tokens of the same rank ((N,) or (N, K))")
     return prepared
+
+
+def _scan_values(datums: Sequence[types.Datum], prepared: list[PreparedDatum], spec: LossSpec,
+                 vocab_size: int) -> None:
+    """Raise the per-datum error of the first datum with a bad value, if any."""
+    bad_ids = _out_of_vocab(torch.cat([p.input_ids for p in prepared]), vocab_size)
+    first = None
+    if bool(bad_ids.any()):
+        ends = torch.tensor([p.num_tokens for p in prepared]).cumsum(0)
+        first = int(torch.searchsorted(ends, bad_ids.nonzero()[0, 0], right=True))
+    bad_input = first_bad_datum([p.inputs for p in prepared], vocab_size)
+    if bad_input is not None:
+        first = bad_input if first is None else min(first, bad_input)
+    if first is not None:
+        ids = _model_input_ids(first, datums[first], vocab_size)
+        validate_datum_inputs(spec.name, first, int(ids.shape[0]), _loss_input_tensors(first, datums[first]),
+                              vocab_size)
+        raise AssertionError(f"datum {first}: the batched value scan and the per-datum checks disagree")
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:

@@ -11,7 +11,7 @@ Every error is a ``ValueError`` that names the datum index and the field, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ def _as_dense(where: str, key: str, value: object) -> torch.Tensor:
 
 
 def _check_target_tokens(
-    spec: LossSpec, where: str, n_tokens: int, tokens: torch.Tensor, vocab_size: int
+    spec: LossSpec, where: str, n_tokens: int, tokens: torch.Tensor, vocab_size: int, scan: bool = True
 ) -> torch.Tensor:
     field = f"{where}: loss_fn_inputs['target_tokens']"
     allowed = "(N,) or (N, K)" if spec.supports_top_k else "(N,)"
@@ -78,8 +78,8 @@ def _check_target_tokens(
         )
     if tokens.dtype != torch.int64:
         raise ValueError(f"{field} has dtype {_dtype(tokens)}, expected int64")
-    bad = (tokens < 0) | (tokens >= vocab_size)
-    if bool(bad.any()):
+    bad = _bad_values("target_tokens", tokens, vocab_size) if scan else None
+    if bad is not None and bool(bad.any()):
         position = _first_bad(bad)
         value = int(tokens[bad][0])
         raise ValueError(
@@ -90,7 +90,7 @@ def _check_target_tokens(
 
 
 def _check_float(
-    where: str, key: str, value: torch.Tensor, expected: torch.Size, note: str
+    where: str, key: str, value: torch.Tensor, expected: torch.Size, note: str, scan: bool = True
 ) -> torch.Tensor:
     field = f"{where}: loss_fn_inputs[{key!r}]"
     if not value.is_floating_point():
@@ -100,12 +100,37 @@ def _check_float(
             f"{field} has shape {_shape(value.shape)}, expected {_shape(expected)} ({note})"
         )
     value = value.to(torch.float32).contiguous()
-    bad = ~torch.isfinite(value)
-    if bool(bad.any()):
+    bad = _bad_values(key, value, 0) if scan else None
+    if bad is not None and bool(bad.any()):
         raise ValueError(
             f"{field} has a non-finite value {float(value[bad][0])} at position {_first_bad(bad)}"
         )
     return value
+
+
+def _bad_values(key: str, value: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mask of the values a validated field may not hold: token ids outside the
+    vocabulary for ``target_tokens``, non-finite numbers for the float fields."""
+    if key == "target_tokens":
+        return (value < 0) | (value >= vocab_size)
+    return ~torch.isfinite(value)
+
+
+def first_bad_datum(datums: Sequence[Mapping[str, torch.Tensor]], vocab_size: int) -> int | None:
+    """The value checks of `validate_datum_inputs` over many validated datums at once (one
+    scan per field instead of one per datum and field): the index of the first datum
+    holding a bad value, or None. Re-validate that datum with ``scan_values=True`` for
+    its error."""
+    first = None
+    for key in {k for d in datums for k in d}:
+        owners = [i for i, d in enumerate(datums) if key in d]
+        parts = [datums[i][key].reshape(-1) for i in owners]
+        bad = _bad_values(key, torch.cat(parts), vocab_size)
+        if bool(bad.any()):
+            ends = torch.tensor([p.numel() for p in parts]).cumsum(0)
+            at = owners[int(torch.searchsorted(ends, bad.nonzero()[0, 0], right=True))]
+            first = at if first is None else min(first, at)
+    return first
 
 
 def validate_datum_inputs(
@@ -114,12 +139,16 @@ def validate_datum_inputs(
     n_tokens: int,
     inputs: Mapping[str, torch.Tensor],
     vocab_size: int,
+    *,
+    scan_values: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Check one datum's ``loss_fn_inputs`` (dense torch tensors) for loss ``name``.
 
     ``n_tokens`` is the datum's ``model_input`` length. Returns a new dict: target_tokens
     int64; float inputs as contiguous float32; ``cross_entropy`` without ``weights`` gets
     all-ones weights (tinker-protocol.md §5 recommends ones; skyrl-tx does the same).
+    ``scan_values=False`` checks keys, shapes and dtypes only, leaving the token-range and
+    finiteness scans to one `first_bad_datum` call over a whole request.
     """
     spec = get_loss(name)
     where = f"datum {datum_index}"
@@ -127,14 +156,14 @@ def validate_datum_inputs(
         raise ValueError(f"{where}: model_input is empty (length {n_tokens}); need >= 1 token")
     _check_keys(spec, where, inputs)
     dense = {key: _as_dense(where, key, value) for key, value in inputs.items()}
-    tokens = _check_target_tokens(spec, where, n_tokens, dense.pop("target_tokens"), vocab_size)
+    tokens = _check_target_tokens(spec, where, n_tokens, dense.pop("target_tokens"), vocab_size, scan_values)
     out = {"target_tokens": tokens}
     for key, value in dense.items():
         if key == "weights":
             expected, note = tokens.shape, "same as target_tokens"
         else:
             expected, note = torch.Size([n_tokens]), "N = model_input length"
-        out[key] = _check_float(where, key, value, expected, note)
+        out[key] = _check_float(where, key, value, expected, note, scan_values)
     if "weights" in spec.optional_inputs and "weights" not in out:
         out["weights"] = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
     return out
