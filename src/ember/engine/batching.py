@@ -64,7 +64,7 @@ def _model_input_ids(index: int, datum: types.Datum, vocab_size: int, scan: bool
     ids = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
     if ids.numel() == 0:
         raise ValueError(f"datum {index}: model_input is empty; at least one token is required")
-    bad = _out_of_vocab(ids, vocab_size) if scan else None
+    bad = ((ids < 0) | (ids >= vocab_size)) if scan else None
     if bad is not None and bad.any():
         pos = int(bad.nonzero()[0, 0])
         raise ValueError(
@@ -72,10 +72,6 @@ def _model_input_ids(index: int, datum: types.Datum, vocab_size: int, scan: bool
             f"vocabulary [0, {vocab_size})"
         )
     return ids
-
-
-def _out_of_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return (ids < 0) | (ids >= vocab_size)
 
 
 def _loss_input_tensors(index: int, datum: types.Datum) -> dict[str, torch.Tensor]:
@@ -119,14 +115,7 @@ def prepare_datums(
 def _scan_values(datums: Sequence[types.Datum], prepared: list[PreparedDatum], spec: LossSpec,
                  vocab_size: int) -> None:
     """Raise the per-datum error of the first datum with a bad value, if any."""
-    bad_ids = _out_of_vocab(torch.cat([p.input_ids for p in prepared]), vocab_size)
-    first = None
-    if bool(bad_ids.any()):
-        ends = torch.tensor([p.num_tokens for p in prepared]).cumsum(0)
-        first = int(torch.searchsorted(ends, bad_ids.nonzero()[0, 0], right=True))
-    bad_input = first_bad_datum([p.inputs for p in prepared], vocab_size)
-    if bad_input is not None:
-        first = bad_input if first is None else min(first, bad_input)
+    first = first_bad_datum([{**p.inputs, "model_input": p.input_ids} for p in prepared], vocab_size)
     if first is not None:
         ids = _model_input_ids(first, datums[first], vocab_size)
         validate_datum_inputs(spec.name, first, int(ids.shape[0]), _loss_input_tensors(first, datums[first]),

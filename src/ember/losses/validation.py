@@ -108,10 +108,13 @@ def _check_float(
     return value
 
 
+TOKEN_FIELDS = ("target_tokens", "model_input")  # fields of token ids; every other field is float
+
+
 def _bad_values(key: str, value: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Mask of the values a validated field may not hold: token ids outside the
-    vocabulary for ``target_tokens``, non-finite numbers for the float fields."""
-    if key == "target_tokens":
+    vocabulary (`TOKEN_FIELDS`), non-finite numbers (the float fields)."""
+    if key in TOKEN_FIELDS:
         return (value < 0) | (value >= vocab_size)
     return ~torch.isfinite(value)
 
@@ -120,7 +123,7 @@ def first_bad_datum(datums: Sequence[Mapping[str, torch.Tensor]], vocab_size: in
     """The value checks of `validate_datum_inputs` over many validated datums at once (one
     scan per field instead of one per datum and field): the index of the first datum
     holding a bad value, or None. Re-validate that datum with ``scan_values=True`` for
-    its error."""
+    its error. A datum may also carry its ``model_input`` ids under that key."""
     first = None
     for key in {k for d in datums for k in d}:
         owners = [i for i, d in enumerate(datums) if key in d]
