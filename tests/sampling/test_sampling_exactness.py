@@ -68,11 +68,22 @@ def test_topk_sample_logprobs(sampler, ref_model):
         assert np.allclose([lp for _, lp in row], vals[i].numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_greedy_equals_argmax_decode(family, tiny_model_dir, tiny_llama_dir):
-    model_dir = tiny_model_dir if family == "qwen3" else tiny_llama_dir
-    ref = load_model(model_dir).eval()
-    with TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=4)) as s:
+def test_greedy_equals_argmax_decode(sampler, ref_model):
+    requests = [
+        SamplingRequest(prompt=prompt(p), num_samples=2, sampling_params=params(max_tokens=10, temperature=0.0, stop=[]))
+        for p in PROMPTS
+    ]
+    for p, resp in zip(PROMPTS, sampler.sample_many(requests, timeout=60)):
+        want = greedy_reference(ref_model, p, 10)
+        assert [seq.tokens for seq in resp.sequences] == [want, want]
+    # temperature -> 0 (tiny but positive) behaves greedily too.
+    tiny_t = sampler.sample(prompt(PROMPTS[0]), 1, params(max_tokens=10, temperature=1e-6, seed=1, stop=[]))
+    assert tiny_t.sequences[0].tokens == greedy_reference(ref_model, PROMPTS[0], 10)
+
+
+def test_greedy_equals_argmax_decode_llama(tiny_llama_dir):
+    ref = load_model(tiny_llama_dir).eval()
+    with TorchSampler.from_pretrained(tiny_llama_dir, SamplerConfig(max_slots=4)) as s:
         requests = [
             SamplingRequest(prompt=prompt(p), num_samples=2,
                             sampling_params=params(max_tokens=10, temperature=0.0, stop=[]))
@@ -81,9 +92,6 @@ def test_greedy_equals_argmax_decode(family, tiny_model_dir, tiny_llama_dir):
         for p, resp in zip(PROMPTS, s.sample_many(requests, timeout=60)):
             want = greedy_reference(ref, p, 10)
             assert [seq.tokens for seq in resp.sequences] == [want, want]
-        # temperature -> 0 (tiny but positive) behaves greedily too.
-        tiny_t = s.sample(prompt(PROMPTS[0]), 1, params(max_tokens=10, temperature=1e-6, seed=1, stop=[]))
-        assert tiny_t.sequences[0].tokens == greedy_reference(ref, PROMPTS[0], 10)
 
 
 def test_eager_attention_backend_matches(tiny_model_dir, ref_model):

@@ -1,6 +1,7 @@
 """Weight sync from a TorchEngine: contract 5 (sampler logprobs == engine forward
 logprobs) for full fine-tuning and LoRA after several optimizer steps, immutable
-snapshots (contract 4), release of old versions, mixed versions in one batch."""
+snapshots (contract 4), release of old versions, mixed versions in one batch — on every
+sampler backend."""
 
 from __future__ import annotations
 
@@ -22,6 +23,34 @@ PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14], [30, 31]]
 ADAM = types.AdamParams(learning_rate=2e-2)
 
 
+@pytest.fixture(params=["torch", "vllm"])
+def versioned(request, tiny_model_dir):
+    """A sampler of each backend (vLLM: the session's engine, whose start-up is too slow
+    to repeat per test)."""
+    if request.param == "vllm":
+        yield request.getfixturevalue("vllm_sampler")
+        return
+    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16)) as s:
+        yield s
+
+
+def _storage_gone(version):
+    """A check that a version's storage was freed: its tensors (TorchSampler) or its
+    files (VLLMSampler)."""
+    if hasattr(version, "params"):
+        ref = weakref.ref(next(iter(version.params.values())))
+        return lambda: ref() is None
+    path = version.path
+    assert path.exists()
+    return lambda: not path.exists()
+
+
+def _version_bytes(version) -> int:
+    if hasattr(version, "nbytes"):
+        return version.nbytes()
+    return sum(f.stat().st_size for f in version.path.iterdir())
+
+
 def _train(engine: TorchEngine, steps: int, seed: int) -> None:
     for k in range(steps):
         engine.forward_backward(random_sft_datums(4, 84, seed=seed + k), "cross_entropy")
@@ -29,87 +58,102 @@ def _train(engine: TorchEngine, steps: int, seed: int) -> None:
 
 
 def _requests(version, n=2, max_tokens=8):
+    # No prompt logprobs here: a vLLM sampler hands those requests to its torch scorer,
+    # and these must exercise the backend's own generation.
     return [
-        SamplingRequest(prompt=prompt(p), num_samples=n, version=version, include_prompt_logprobs=True,
+        SamplingRequest(prompt=prompt(p), num_samples=n, version=version,
                         sampling_params=params(max_tokens=max_tokens, seed=10 + i, stop=[]))
         for i, p in enumerate(PROMPTS)
     ]
 
 
-def _assert_matches_engine(engine: TorchEngine, responses) -> float:
-    """Engine `forward` logprobs of prompt+completion == the sampler's, abs 1e-4."""
-    datums, expected = [], []
+def _assert_matches_engine(engine: TorchEngine, responses, sampler=None, version=None) -> float:
+    """Engine `forward` logprobs == the sampler's, abs 1e-4: of every sampled token, and
+    (given the sampler) of each prompt through `compute_logprobs`."""
+    datums, cuts, expected = [], [], []
     for p, resp in zip(PROMPTS, responses):
         assert isinstance(resp, types.SampleResponse), resp
         for seq in resp.sequences:
             datums.append(sft_datum(p + seq.tokens))
-            expected.append(np.concatenate([resp.prompt_logprobs_np[1:], seq.logprobs_np]))
+            cuts.append(len(p) - 1)
+            expected.append(np.asarray(seq.logprobs_np))
     out = engine.forward(datums, "cross_entropy")
     worst = 0.0
-    for got, want in zip(out.loss_fn_outputs, expected):
-        worst = max(worst, float(np.abs(got["logprobs"].to_numpy() - want).max()))
+    for got, cut, want in zip(out.loss_fn_outputs, cuts, expected):
+        worst = max(worst, float(np.abs(got["logprobs"].to_numpy()[cut:] - want).max()))
+    if sampler is not None:
+        prompt_out = engine.forward([sft_datum(p) for p in PROMPTS], "cross_entropy").loss_fn_outputs
+        for p, got in zip(PROMPTS, prompt_out):
+            scored = np.asarray(sampler.compute_logprobs(prompt(p), version=version)[1:], np.float32)
+            worst = max(worst, float(np.abs(got["logprobs"].to_numpy() - scored).max()))
     assert worst < 1e-4, worst
     return worst
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_contract5_after_optim_steps_and_syncs(lora, tiny_model_dir):
+def test_contract5_after_optim_steps_and_syncs(lora, tiny_model_dir, versioned):
     lora_config = types.LoraConfig(rank=4, seed=3) if lora else None
     engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), lora_config=lora_config)
-    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=8)) as sampler:
-        base = sampler.sample_many(_requests(None), timeout=60)
-        history = []
-        for sync in range(3):
-            _train(engine, 2, seed=100 * sync)
-            version = sampler.load_weights(engine.named_weights(), lora_config=lora_config)
-            assert version.is_lora is lora
-            responses = sampler.sample_many(_requests(version), timeout=60)
-            _assert_matches_engine(engine, responses)
-            history.append((version, responses))
-        # Training changed the model the sampler sees (the check above is not vacuous).
-        assert not np.allclose(base[0].prompt_logprobs_np[1:], history[-1][1][0].prompt_logprobs_np[1:], atol=1e-3)
-        # Contract 4: every older version still samples exactly what it sampled before.
-        for version, responses in history:
-            again = sampler.sample_many(_requests(version), timeout=60)
-            for a, b in zip(responses, again):
-                assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
-                assert np.allclose(a.prompt_logprobs_np[1:], b.prompt_logprobs_np[1:], atol=1e-6)
+    sampler = versioned
+    base = sampler.sample_many(_requests(None), timeout=60)
+    history = []
+    for sync in range(3):
+        _train(engine, 2, seed=100 * sync)
+        version = sampler.load_weights(engine.named_weights(), lora_config=lora_config)
+        assert version.is_lora is lora
+        responses = sampler.sample_many(_requests(version), timeout=60)
+        _assert_matches_engine(engine, responses, sampler, version)
+        history.append((version, responses))
+    # Training changed the model the sampler sees (the check above is not vacuous).
+    assert [s.tokens for s in base[0].sequences] != [s.tokens for s in history[-1][1][0].sequences]
+    before = sampler.compute_logprobs(prompt(PROMPTS[0]))[1:]
+    after = sampler.compute_logprobs(prompt(PROMPTS[0]), version=history[-1][0])[1:]
+    assert not np.allclose(before, after, atol=1e-3)
+    # Contract 4: every older version still samples exactly what it sampled before.
+    for version, responses in history:
+        again = sampler.sample_many(_requests(version), timeout=60)
+        for a, b in zip(responses, again):
+            assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+            for x, y in zip(a.sequences, b.sequences):
+                assert np.allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
-def test_old_versions_are_released(tiny_model_dir):
+def test_old_versions_are_released(tiny_model_dir, versioned):
     engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig())
-    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4)) as sampler:
-        v1 = sampler.load_weights(engine.named_weights())
-        sampler.sample_many(_requests(v1, max_tokens=3), timeout=60)
-        _train(engine, 1, seed=5)
-        v2 = sampler.load_weights(engine.named_weights())
-        assert sampler.live_versions() == 2
-        ref_version = weakref.ref(v1)
-        ref_tensor = weakref.ref(next(iter(v1.params.values())))
-        del v1
-        gc.collect()
-        assert ref_version() is None and ref_tensor() is None
-        assert sampler.live_versions() == 1
-        assert sampler.sample(prompt([5, 6]), 1, params(max_tokens=2), version=v2).sequences[0].tokens
+    sampler = versioned
+    gc.collect()
+    before = sampler.live_versions()
+    v1 = sampler.load_weights(engine.named_weights())
+    sampler.sample_many(_requests(v1, max_tokens=3), timeout=60)
+    _train(engine, 1, seed=5)
+    v2 = sampler.load_weights(engine.named_weights())
+    assert sampler.live_versions() == before + 2
+    ref_version = weakref.ref(v1)
+    gone = _storage_gone(v1)
+    del v1
+    gc.collect()
+    assert ref_version() is None and gone()
+    assert sampler.live_versions() == before + 1
+    assert sampler.sample(prompt([5, 6]), 1, params(max_tokens=2), version=v2).sequences[0].tokens
 
 
-def test_lora_shares_base_and_mixes_versions_in_one_batch(tiny_model_dir):
+def test_lora_shares_base_and_mixes_versions_in_one_batch(tiny_model_dir, versioned):
     cfg = types.LoraConfig(rank=2, seed=1, train_unembed=False)
     engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), lora_config=cfg)
     full = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig())
     _train(engine, 2, seed=1)
     _train(full, 1, seed=2)
-    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16)) as sampler:
-        base_bytes = sum(p.numel() * p.element_size() for p in sampler.model.parameters())
-        la = sampler.load_weights(engine.named_weights(), lora_config=cfg)
-        _train(engine, 1, seed=9)
-        lb = sampler.load_weights(engine.named_weights(), lora_config=cfg)
-        fv = sampler.load_weights(full.named_weights())
-        assert la.nbytes() < base_bytes / 5  # adapters only, the base is shared
-        versions = [None, la, lb, fv]
-        reqs = [r for v in versions for r in _requests(v, n=2, max_tokens=6)]
-        mixed = sampler.sample_many(reqs, timeout=60)
-        alone = [sampler.sample_many(_requests(v, n=2, max_tokens=6), timeout=60) for v in versions]
+    sampler = versioned
+    base_bytes = (tiny_model_dir / "model.safetensors").stat().st_size
+    la = sampler.load_weights(engine.named_weights(), lora_config=cfg)
+    _train(engine, 1, seed=9)
+    lb = sampler.load_weights(engine.named_weights(), lora_config=cfg)
+    fv = sampler.load_weights(full.named_weights())
+    assert _version_bytes(la) < base_bytes / 5  # adapters only, the base is shared
+    versions = [None, la, lb, fv]
+    reqs = [r for v in versions for r in _requests(v, n=2, max_tokens=6)]
+    mixed = sampler.sample_many(reqs, timeout=60)
+    alone = [sampler.sample_many(_requests(v, n=2, max_tokens=6), timeout=60) for v in versions]
     flat_alone = [r for group in alone for r in group]
     for m, a in zip(mixed, flat_alone):
         assert [s.tokens for s in m.sequences] == [s.tokens for s in a.sequences]
@@ -119,8 +163,8 @@ def test_lora_shares_base_and_mixes_versions_in_one_batch(tiny_model_dir):
     _assert_matches_engine(full, mixed[9:12])
 
 
-def test_load_weights_rejects_bad_names_and_shapes(sampler):
-    sd = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+def test_load_weights_rejects_bad_names_and_shapes(sampler, ref_model):
+    sd = {k: v.clone() for k, v in ref_model.state_dict().items()}
     with pytest.raises(ValueError, match="unknown weight name 'model.nope'"):
         sampler.load_weights({**sd, "model.nope": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"missing 1 .*lm_head.weight"):

@@ -3,7 +3,8 @@ Tinker's sampling semantics, versioned weights). See `ember.sampling.base` for t
 semantics every backend implements."""
 
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
-from ember.sampling.config import DEFAULT_MAX_TOKENS, SamplerConfig
+from ember.sampling.config import DEFAULT_MAX_TOKENS, SamplerConfig, resolve_sampler_config
+from ember.sampling.registry import SAMPLER_BACKENDS, create_sampler
 
 
 def __getattr__(name: str):
@@ -12,6 +13,10 @@ def __getattr__(name: str):
         from ember.sampling.torch_sampler import TorchSampler
 
         return TorchSampler
+    if name == "VLLMSampler":
+        from ember.sampling.vllm_sampler import VLLMSampler
+
+        return VLLMSampler
     if name == "TorchWeightVersion":
         from ember.sampling.weights import TorchWeightVersion
 
@@ -21,10 +26,14 @@ def __getattr__(name: str):
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "SAMPLER_BACKENDS",
     "Sampler",
     "SamplerConfig",
     "SamplingRequest",
     "TorchSampler",
     "TorchWeightVersion",
+    "VLLMSampler",
     "WeightVersion",
+    "create_sampler",
+    "resolve_sampler_config",
 ]

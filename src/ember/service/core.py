@@ -65,7 +65,8 @@ class Service(ServiceAPI):
             config.data_dir, config.seq_gap_timeout_s,
         )
         self.samplers = SamplerManager(
-            self.store, self.futures, self.registry, sampler_factory or LocalSamplerFactory(config.sampler),
+            self.store, self.futures, self.registry,
+            sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
             config.max_samplers_per_session,
         )
         self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end)

@@ -15,6 +15,7 @@ model path).
 from __future__ import annotations
 
 import abc
+import json
 import logging
 import threading
 import time
@@ -47,13 +48,41 @@ class SamplerFactory(abc.ABC):
 
 
 class LocalSamplerFactory(SamplerFactory):
-    def __init__(self, config: Any = None) -> None:
+    """Samplers in this process, of the backend `SamplerConfig.backend` names (registry).
+
+    Settings left to follow the trainer are filled in per base model: device and dtype
+    from the training engine's config, max_len from the model's max_position_embeddings
+    (`ember.sampling.resolve_sampler_config`). Backends that keep versions on disk (vLLM)
+    write them under `scratch_dir`.
+    """
+
+    def __init__(self, config: Any = None, engine_config: Any = None, scratch_dir: Path | None = None) -> None:
         self.config = config
+        self.engine_config = engine_config
+        self.scratch_dir = scratch_dir
+
+    def resolved_config(self, base: BaseModel):
+        from ember.engine.config import EngineConfig
+        from ember.sampling import resolve_sampler_config
+
+        engine = self.engine_config or EngineConfig()
+        device = "cuda" if engine.device.startswith("cuda") else engine.device
+        return resolve_sampler_config(self.config, device=device, dtype=engine.dtype,
+                                      max_position_embeddings=_max_positions(base.directory))
 
     def create(self, base: BaseModel) -> Any:
-        from ember.sampling import SamplerConfig, TorchSampler
+        from ember.sampling import create_sampler
 
-        return TorchSampler.from_pretrained(base.directory, self.config or SamplerConfig())
+        return create_sampler(base.directory, self.resolved_config(base), scratch_dir=self.scratch_dir)
+
+
+def _max_positions(model_dir: Path) -> int | None:
+    """`max_position_embeddings` from the model's config.json (None when absent or unreadable)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and value > 1 else None
 
 
 @dataclass

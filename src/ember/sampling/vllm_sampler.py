@@ -1,0 +1,412 @@
+"""`VLLMSampler`: the `Sampler` interface over vLLM's V1 engine (`AsyncLLM`).
+
+    sampler = VLLMSampler.from_pretrained(model_dir, SamplerConfig(backend="vllm"))
+    v1 = sampler.load_weights(engine.named_weights(), lora_config=engine.lora_config)
+    response = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=32, seed=1), version=v1)
+
+Requests from any thread are handed to one asyncio event loop (a daemon thread) that
+drives the engine; vLLM batches them continuously with its own scheduler and reuses
+shared prompt prefixes (prefix caching; `prompt_cache_hit_tokens`). The engine core runs
+in a separate process; it is started in the background on construction and rebuilt on
+the next request if it dies (in-flight requests then fail with RuntimeError, which the
+service reports as category `server`).
+
+Semantics are the interface's (ember.sampling.base). How they map onto vLLM:
+* `num_samples` → `n`; `seed` → vLLM's per-request seed (sample i uses seed + i), so the
+  tokens do not depend on batch neighbours; `stop` strings / token ids / None (EOS) /
+  [] (`ignore_eos`), with the stop string's tokens included (`include_stop_str_in_output`).
+* Logprobs are vLLM's `raw_logprobs` (softmax of the logits, Tinker's semantics) or, with
+  `SamplerConfig.logprobs_mode="processed"`, `processed_logprobs`. vLLM fixes the mode per
+  engine, so a request asking for the other mode is refused (field `logprobs_mode`).
+* `topk_sample_logprobs` ≤ `SamplerConfig.max_logprobs` (vLLM's `max_logprobs`);
+  `temperature` ≤ 2 (vLLM's range; hotter is refused); a temperature below 1e-5 is greedy
+  (its limit; vLLM would overflow), and greedy `num_samples` > 1 are one argmax path
+  returned n times (vLLM refuses n > 1 for greedy requests).
+* Prompt logprobs (`include_prompt_logprobs`, `topk_prompt_logprobs`,
+  `prompt_logprobs_last_n`, `compute_logprobs`) are computed by a TorchSampler over the
+  same model and versions in this process ("the scorer", created on first use): vLLM 0.32
+  computes prompt logprobs with the per-sequence LoRA mapping, so with LoRA enabled it
+  drops the lm_head adapter's delta on GPU and fails on CPU (vllm-project/vllm#51594,
+  #29955). The scorer gives exactly the trainer's numbers (contract 5); it costs a second
+  copy of the base weights on `SamplerConfig.device` once used.
+
+Weight versions (`vllm_versions.py`): a LoRA version is a peft adapter on disk served as a
+LoRA request with a never-reused id, removed from the engine and disk when the version is
+dropped; up to `max_loras` adapters share a batch. A full fine-tuning version is a
+safetensors file; the engine holds one full set at a time, so requests pinned to
+different sets take turns (`WeightGate`: drain the running set, load the next with the
+vLLM's in-place `reload_weights` in the engine process, reset the prefix cache, resume). A swap
+costs one read of the version's file plus the drain; benchmarks/sampling.py measures it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import tempfile
+import threading
+import uuid
+import weakref
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import torch
+from tinker import types
+
+from ember.models.loading import resolve_dtype
+from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
+from ember.sampling.config import SamplerConfig
+from ember.sampling.jobs import sampled_sequence
+from ember.sampling.params import ResolvedRequest, resolve_request
+from ember.sampling.vllm_versions import (
+    BASE_KEY, VLLMWeightVersion, meta_model, remove_version_files, write_full_version, write_lora_version,
+)
+from ember.sampling.weight_gate import WeightGate
+
+log = logging.getLogger(__name__)
+_sampler_ids = itertools.count(1)
+_SEED_SPAN = 1 << 62  # vLLM seeds are int64 and sample i uses seed + i
+MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling
+GREEDY_BELOW = 1e-5  # vLLM's own epsilon: logits / T overflow below it; the limit is the argmax
+
+
+def is_greedy(spec: ResolvedRequest) -> bool:
+    return spec.temperature < GREEDY_BELOW
+
+
+def needs_scorer(spec: ResolvedRequest) -> bool:
+    return spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0
+
+
+class VLLMSampler(Sampler):
+    """Sampler over vLLM's AsyncLLM (see the module docstring)."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
+                 scratch_dir: str | os.PathLike | None = None) -> None:
+        import vllm  # noqa: F401 - fail here, with the install hint, not in the loop thread
+
+        self.config = config or SamplerConfig(backend="vllm")
+        self.model_dir = Path(model_dir)
+        self.dtype = resolve_dtype(self.config.resolved_dtype)
+        self._id = next(_sampler_ids)
+        self._meta = meta_model(self.model_dir)
+        self._vocab = int(self._meta.get_input_embeddings().num_embeddings)
+        self.max_len = self._max_len()
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.eos_token_ids = _eos_ids(self._meta, self.tokenizer)
+        self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="ember-vllm-")) / f"sampler-{uuid.uuid4().hex[:8]}"
+        self._scratch.mkdir(parents=True)
+        self._versions: weakref.WeakSet[WeightVersion] = weakref.WeakSet()
+        self._scorer = None
+        self._scorer_lock = threading.Lock()
+        self._llm = None
+        self._gate = WeightGate(BASE_KEY)
+        self.engine_starts = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"ember-vllm-{self._id}", daemon=True)
+        self._thread.start()
+        self._start_lock = asyncio.Lock()
+        self._closed = False
+        self._call(self._ensure_engine())  # start in the background; requests wait for it
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
+                        scratch_dir: str | os.PathLike | None = None) -> "VLLMSampler":
+        return cls(model_dir, config, scratch_dir)
+
+    def _max_len(self) -> int:
+        positions = int(getattr(self._meta.config, "max_position_embeddings", 0) or 0) or None
+        wanted = self.config.max_len or positions or 2048
+        return min(wanted, positions) if positions else wanted
+
+    # ------------------------------------------------------------------ Sampler API
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def live_versions(self) -> int:
+        return len(self._versions)
+
+    def load_weights(self, named_weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     lora_config: types.LoraConfig | None = None, *, copy: bool = True) -> VLLMWeightVersion:
+        items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
+        if lora_config is None:
+            version = write_full_version(self._id, self._meta, items, self.dtype, self._scratch)
+        else:
+            version = write_lora_version(self._id, self._meta, items, lora_config, self.dtype,
+                                         self.config.max_lora_rank, self._scratch)
+        weakref.finalize(version, _release, weakref.ref(self), version.path, version.lora_id)
+        self._versions.add(version)
+        return version
+
+    def submit(self, request: SamplingRequest) -> Future:
+        try:
+            spec, version = self._resolve(request)
+        except ValueError as exc:
+            future: Future = Future()
+            future.set_exception(exc)
+            return future
+        if needs_scorer(spec):
+            return self._score(request, version)
+        return self._call(self._serve(spec, version))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._shutdown()).result(timeout=60)
+        except Exception:  # noqa: BLE001 - closing anyway
+            log.exception("vLLM engine shutdown failed")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if self._scorer is not None:
+            self._scorer.close()
+        remove_version_files(self._scratch)
+
+    # ------------------------------------------------------------------ requests
+    def _resolve(self, request: SamplingRequest) -> tuple[ResolvedRequest, VLLMWeightVersion | None]:
+        if self._closed:
+            raise RuntimeError("the sampler is closed")
+        if not isinstance(request, SamplingRequest):
+            raise ValueError(f"submit: expected a SamplingRequest, got {type(request).__name__}")
+        version = request.version
+        if version is not None and (not isinstance(version, VLLMWeightVersion) or version.sampler_id != self._id):
+            raise ValueError(f"sample request: version: {version!r} was not loaded into this sampler")
+        spec = resolve_request(
+            request, vocab_size=self._vocab, eos_token_ids=self.eos_token_ids, max_len=self.max_len,
+            default_max_tokens=self.config.default_max_tokens, default_logprobs_mode=self.config.logprobs_mode,
+            can_decode=self.tokenizer is not None,
+        )
+        if spec.logprobs_mode != self.config.logprobs_mode and not needs_scorer(spec):
+            raise ValueError(f"sample request: logprobs_mode: expected {self.config.logprobs_mode!r} (a vLLM engine "
+                             f"computes one kind, set by SamplerConfig.logprobs_mode), got {spec.logprobs_mode!r}")
+        if spec.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"sample request: sampling_params.temperature: expected a number in [0, {MAX_TEMPERATURE}] "
+                             f"(vLLM's range), got {spec.temperature}")
+        if spec.topk_sample_logprobs > self.config.max_logprobs:
+            raise ValueError(f"sample request: topk_sample_logprobs: expected at most {self.config.max_logprobs} "
+                             f"(SamplerConfig.max_logprobs), got {spec.topk_sample_logprobs}")
+        return spec, version
+
+    def _call(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _serve(self, spec: ResolvedRequest, version: VLLMWeightVersion | None) -> types.SampleResponse:
+        if spec.max_tokens == 0:
+            return _empty_response(spec)
+        llm = await self._ensure_engine()
+        key = version.weights_key if version is not None else BASE_KEY
+        async with self._gate.hold(key, lambda k: self._swap(llm, k, version)):
+            final = None
+            async for final in llm.generate(_prompt(spec), _params(spec), uuid.uuid4().hex,
+                                            lora_request=_lora_request(version)):
+                pass
+        return _response(final, spec)
+
+    def _score(self, request: SamplingRequest, version: VLLMWeightVersion | None) -> Future:
+        scorer = self._scorer_sampler()
+        scorer_version = None
+        if version is not None:
+            with self._scorer_lock:
+                if version.scorer_version is None:
+                    version.scorer_version = scorer.load_weights(version.named_tensors(), version.lora_config)
+                scorer_version = version.scorer_version
+        return scorer.submit(_with_version(request, scorer_version))
+
+    def _scorer_sampler(self):
+        with self._scorer_lock:
+            if self._scorer is None:
+                from dataclasses import replace
+
+                from ember.sampling.torch_sampler import TorchSampler
+
+                cfg = replace(self.config, backend="torch", max_slots=min(self.config.max_slots, 16))
+                self._scorer = TorchSampler.from_pretrained(self.model_dir, cfg)
+            return self._scorer
+
+    # ------------------------------------------------------------------ engine
+    async def _ensure_engine(self):
+        async with self._start_lock:
+            if self._llm is not None and not self._llm.errored:
+                return self._llm
+            if self._closed:
+                raise RuntimeError("the sampler is closed")
+            if self._llm is not None:
+                log.error("vLLM engine died (%s); starting a new one", self._llm.dead_error)
+                await asyncio.get_running_loop().run_in_executor(None, self._llm.shutdown)
+                self._llm = None
+            start = asyncio.get_running_loop().run_in_executor(None, self._start_engine)
+            self._llm = await asyncio.wait_for(start, self.config.engine_start_timeout_s)
+            self.engine_starts += 1
+            self._gate.reset(BASE_KEY)
+            return self._llm
+
+    def _start_engine(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self.config.resolved_device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gb))))
+        args = AsyncEngineArgs(**engine_kwargs(self.model_dir, self.config, self.max_len))
+        return AsyncLLM.from_engine_args(args)
+
+    async def _swap(self, llm, key: str, version: VLLMWeightVersion | None) -> None:
+        path = self.model_dir if key == BASE_KEY else version.path
+        # vLLM's in-place reload (the model's own load_weights, LoRA wrappers and fused layouts included)
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        await llm.reset_prefix_cache()  # cached KV was computed with the previous weights
+
+    async def _remove_lora(self, lora_id: int) -> None:
+        if self._llm is not None and not self._llm.errored:
+            await self._llm.remove_lora(lora_id)
+
+    async def _shutdown(self) -> None:
+        async with self._start_lock:
+            if self._llm is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self._llm.shutdown)
+                self._llm = None
+
+    def engine_pids(self) -> list[int]:
+        """Process ids of the running engine core (for fault-injection tests)."""
+        import psutil
+
+        me = psutil.Process()
+        return [p.pid for p in me.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or
+                p.name().startswith("VLLM") or "EngineCore" in p.name()]
+
+    # ------------------------------------------------------------------ colocation (CUDA)
+    def sleep(self) -> None:
+        """Release the engine's GPU memory (weights and KV cache) until `wake_up`; CUDA + colocate only."""
+        if self.config.colocate and self._llm is not None:
+            self._call(self._llm.sleep(level=1)).result()
+
+    def wake_up(self) -> None:
+        if self.config.colocate and self._llm is not None:
+            self._call(self._llm.wake_up()).result()
+
+
+def engine_kwargs(model_dir: Path, config: SamplerConfig, max_len: int) -> dict:
+    """`AsyncEngineArgs` for a SamplerConfig (CPU and CUDA)."""
+    on_cpu = config.resolved_device == "cpu"
+    return dict(
+        model=str(model_dir), tokenizer=str(model_dir), dtype=config.resolved_dtype, max_model_len=max_len,
+        max_num_seqs=config.max_slots, max_num_batched_tokens=max(config.max_prefill_tokens, max_len),
+        enable_lora=True, max_loras=config.max_loras, max_lora_rank=_vllm_rank(config.max_lora_rank),
+        max_cpu_loras=config.max_cpu_loras or config.max_loras,
+        logprobs_mode="raw_logprobs" if config.logprobs_mode == "raw" else "processed_logprobs",
+        max_logprobs=config.max_logprobs, enable_prefix_caching=config.enable_prefix_caching,
+        enforce_eager=config.enforce_eager, seed=0,
+        enable_sleep_mode=config.colocate and not on_cpu,
+        **({} if on_cpu else {"gpu_memory_utilization": config.gpu_memory_utilization}),
+    )
+
+
+def _vllm_rank(rank: int) -> int:
+    """vLLM accepts a fixed set of max_lora_rank values; the smallest one >= rank."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if allowed >= rank:
+            return allowed
+    return rank
+
+
+def _release(sampler_ref, path: Path, lora_id: int | None) -> None:
+    """Finalizer of a version: forget its adapter in the engine and delete its files."""
+    sampler = sampler_ref()
+    if lora_id is not None and sampler is not None and not sampler._closed:
+        try:
+            sampler._call(sampler._remove_lora(lora_id))
+        except RuntimeError:  # the loop is gone (interpreter exit)
+            pass
+    remove_version_files(path)
+
+
+def _load_tokenizer(model_dir: Path):
+    from ember.models import load_tokenizer
+
+    try:
+        return load_tokenizer(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    for c in (getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        if c is not None:
+            return tuple(c) if isinstance(c, (list, tuple)) else (int(c),)
+    return ()
+
+
+def _with_version(request: SamplingRequest, version) -> SamplingRequest:
+    from dataclasses import replace
+
+    return replace(request, version=version)
+
+
+def _prompt(spec: ResolvedRequest):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(spec.prompt))
+
+
+def _params(spec: ResolvedRequest):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    no_stop = spec.request.sampling_params.stop is not None and not spec.stop_token_ids and not spec.stop_strings
+    return SamplingParams(
+        n=1 if is_greedy(spec) else spec.num_samples, max_tokens=spec.max_tokens,
+        temperature=0.0 if is_greedy(spec) else spec.temperature,
+        top_k=0 if spec.top_k == -1 else spec.top_k, top_p=spec.top_p, seed=spec.seed % _SEED_SPAN,
+        stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
+        ignore_eos=no_stop, include_stop_str_in_output=True, logprobs=spec.topk_sample_logprobs,
+        skip_special_tokens=True, output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _lora_request(version: VLLMWeightVersion | None):
+    if version is None or not version.is_lora:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=f"ember-{version.lora_id}", lora_int_id=version.lora_id,
+                       lora_path=str(version.path))
+
+
+def _topk_row(entry, k: int) -> tuple[np.ndarray, np.ndarray]:
+    ranked = sorted((lp.rank, tok, lp.logprob) for tok, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+    return np.array([t for _, t, _ in ranked], np.int64), np.array([v for *_, v in ranked], np.float32)
+
+
+def _sequence(completion, spec: ResolvedRequest, sequence_id: str) -> types.SampledSequence:
+    tokens = np.asarray(list(completion.token_ids), np.int64)
+    entries = completion.logprobs or []
+    logprobs = np.array([entries[i][int(t)].logprob for i, t in enumerate(tokens)], np.float32)
+    k = spec.topk_sample_logprobs
+    rows = [_topk_row(entries[i], k) for i in range(len(tokens))] if k > 0 else None
+    return sampled_sequence(tokens, logprobs, rows, k, completion.finish_reason == "stop", sequence_id)
+
+
+def _response(final, spec: ResolvedRequest) -> types.SampleResponse:
+    if final is None:
+        raise RuntimeError("the vLLM engine returned no output for the request")
+    completions = sorted(final.outputs, key=lambda c: c.index)
+    if is_greedy(spec):  # vLLM refuses n > 1 for greedy decoding; the n samples are the same argmax path
+        completions = completions[:1] * spec.num_samples
+    return types.SampleResponse(
+        sequences=[_sequence(c, spec, spec.sequence_ids[i]) for i, c in enumerate(completions)],
+        prompt_cache_hit_tokens=int(final.num_cached_tokens or 0),
+    )
+
+
+def _empty_response(spec: ResolvedRequest) -> types.SampleResponse:
+    empty = np.zeros(0, np.int64)
+    k = spec.topk_sample_logprobs
+    return types.SampleResponse(sequences=[
+        sampled_sequence(empty, np.zeros(0, np.float32), [] if k else None, k, False, sid)
+        for sid in spec.sequence_ids
+    ])

@@ -1,0 +1,122 @@
+"""Weight versions of a VLLMSampler, written where vLLM can read them.
+
+* A LoRA version is a peft adapter directory (`adapter_config.json` +
+  `adapter_model.safetensors`) under the sampler's scratch directory, served by vLLM as a
+  `LoRARequest` whose integer id is never reused in the process (contract 4: a handle
+  pinned to an adapter id always means those tensors).
+* A full fine-tuning version is a directory with one safetensors file of every parameter
+  (HF names), loaded into the engine in place when a request pinned to it runs (see
+  `WeightGate`).
+
+Names and shapes are checked against the base model built on the meta device (no
+memory), with the same checks as TorchSampler's versions, before anything is written.
+The files are deleted when the version is garbage-collected (`weakref.finalize`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tinker import types
+from torch import nn
+
+from ember.models import LORA_ALPHA
+from ember.sampling.base import WeightVersion
+from ember.sampling.weights import _LORA_NAME, build_full_version, build_lora_version, parameter_aliases
+
+_lora_ids = itertools.count(1)  # vLLM adapter ids: unique in the process, never reused
+BASE_KEY = "base"  # the engine holds the base model's own weights (LoRA versions run on them)
+
+
+class VLLMWeightVersion(WeightVersion):
+    """A version on disk: `path` is the adapter directory (LoRA) or the weights directory (full)."""
+
+    def __init__(self, sampler_id: int, path: Path, lora_config: types.LoraConfig | None) -> None:
+        super().__init__(sampler_id, is_lora=lora_config is not None,
+                         lora_rank=lora_config.rank if lora_config else None)
+        self.path = path
+        self.lora_config = lora_config
+        self.lora_id = next(_lora_ids) if lora_config else None
+        self.scorer_version: WeightVersion | None = None  # the same weights in the torch scorer
+
+    @property
+    def weights_key(self) -> str:
+        """Which base weights the engine must hold to serve this version."""
+        return BASE_KEY if self.is_lora else f"full-{self.version_id}"
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(self.path / ("adapter_model.safetensors" if self.is_lora else "model.safetensors"))
+
+
+def meta_model(model_dir: str | Path) -> nn.Module:
+    """The base model's module tree on the meta device: names, shapes, tied aliases; no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = t.detach()
+    t = t.to(dtype=dtype) if t.is_floating_point() else t
+    return t.to("cpu").contiguous()
+
+
+def write_lora_version(
+    sampler_id: int, model: nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]],
+    lora_config: types.LoraConfig, dtype: torch.dtype, max_rank: int, scratch: Path,
+) -> VLLMWeightVersion:
+    if lora_config.rank > max_rank:
+        raise ValueError(f"load_weights: LoRA rank {lora_config.rank} exceeds the vLLM sampler's max_lora_rank "
+                         f"{max_rank} (raise SamplerConfig.max_lora_rank)")
+    items = list(named_weights)
+    checked = build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)
+    tensors = {}
+    for name, t in items:
+        m = _LORA_NAME.match(name)
+        tensors[f"base_model.model.{m['module']}.lora_{m['ab']}.weight"] = _cpu(t, dtype)
+    version = VLLMWeightVersion(sampler_id, Path(), lora_config)
+    version.path = scratch / f"lora-{version.lora_id}"
+    version.path.mkdir(parents=True)
+    save_file(tensors, str(version.path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_config.rank, "lora_alpha": LORA_ALPHA,
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in checked.lora}),
+    }
+    (version.path / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return version
+
+
+def write_full_version(
+    sampler_id: int, model: nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype, scratch: Path,
+) -> VLLMWeightVersion:
+    items = list(named_weights)
+    names = parameter_aliases(model)
+    checked = build_full_version(sampler_id, items, names, torch.device("meta"), dtype, False)
+    aliases = names[0]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        key = aliases[name]
+        if key in checked.params and key not in tensors:  # tied aliases: one copy
+            tensors[key] = _cpu(t, dtype)
+    version = VLLMWeightVersion(sampler_id, Path(), None)
+    version.path = scratch / f"full-{version.version_id}"
+    version.path.mkdir(parents=True)
+    save_file(tensors, str(version.path / "model.safetensors"))
+    return version
+
+
+def remove_version_files(path: Path) -> None:
+    """Delete a version's files (called when the version is garbage-collected)."""
+    shutil.rmtree(path, ignore_errors=True)
