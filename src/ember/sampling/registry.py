@@ -32,6 +32,15 @@ def sampler_class(name: str) -> type:
     return getattr(module, class_name)
 
 
+def backend_missing(name: str) -> str | None:
+    """Why backend `name` cannot be used in this environment, or None when it can."""
+    try:
+        sampler_class(name)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def create_sampler(model_dir: str | os.PathLike, config: SamplerConfig, scratch_dir: str | os.PathLike | None = None):
     """A `Sampler` of backend `config.backend` serving the model in `model_dir`."""
     return sampler_class(config.backend).from_pretrained(model_dir, config, scratch_dir=scratch_dir)

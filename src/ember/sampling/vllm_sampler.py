@@ -42,6 +42,7 @@ costs one read of the version's file plus the drain; benchmarks/sampling.py meas
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -55,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import vllm  # noqa: F401 - imported here so the registry reports a missing vLLM with its install hint
 from tinker import types
 
 from ember.models.loading import resolve_dtype
@@ -87,8 +89,6 @@ class VLLMSampler(Sampler):
 
     def __init__(self, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
                  scratch_dir: str | os.PathLike | None = None) -> None:
-        import vllm  # noqa: F401 - fail here, with the install hint, not in the loop thread
-
         self.config = config or SamplerConfig(backend="vllm")
         self.model_dir = Path(model_dir)
         self.dtype = resolve_dtype(self.config.resolved_dtype)
@@ -105,6 +105,7 @@ class VLLMSampler(Sampler):
         self._scorer_lock = threading.Lock()
         self._llm = None
         self._gate = WeightGate(BASE_KEY)
+        self._asleep = False  # colocate: the engine released the GPU for the trainer
         self.engine_starts = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"ember-vllm-{self._id}", daemon=True)
@@ -164,6 +165,9 @@ class VLLMSampler(Sampler):
             log.exception("vLLM engine shutdown failed")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        gc.collect()  # collect the engine client now, not at interpreter exit (its __del__ then fails)
         if self._scorer is not None:
             self._scorer.close()
         remove_version_files(self._scratch)
@@ -200,6 +204,8 @@ class VLLMSampler(Sampler):
         if spec.max_tokens == 0:
             return _empty_response(spec)
         llm = await self._ensure_engine()
+        if self._asleep:
+            await self._wake(llm)
         key = version.weights_key if version is not None else BASE_KEY
         async with self._gate.hold(key, lambda k: self._swap(llm, k, version)):
             final = None
@@ -243,6 +249,7 @@ class VLLMSampler(Sampler):
             start = asyncio.get_running_loop().run_in_executor(None, self._start_engine)
             self._llm = await asyncio.wait_for(start, self.config.engine_start_timeout_s)
             self.engine_starts += 1
+            self._asleep = False
             self._gate.reset(BASE_KEY)
             return self._llm
 
@@ -281,13 +288,23 @@ class VLLMSampler(Sampler):
 
     # ------------------------------------------------------------------ colocation (CUDA)
     def sleep(self) -> None:
-        """Release the engine's GPU memory (weights and KV cache) until `wake_up`; CUDA + colocate only."""
-        if self.config.colocate and self._llm is not None:
-            self._call(self._llm.sleep(level=1)).result()
+        """Give the GPU to the trainer: wait for running requests, then release the engine's
+        weights (offloaded to host memory) and KV cache (vLLM sleep mode, level 1). The next
+        request wakes it. Does nothing unless `SamplerConfig.colocate` (CUDA only)."""
+        if self.config.colocate and not self._closed:
+            self._call(self._sleep()).result()
 
-    def wake_up(self) -> None:
-        if self.config.colocate and self._llm is not None:
-            self._call(self._llm.wake_up()).result()
+    async def _sleep(self) -> None:
+        async with self._start_lock:
+            if self._llm is not None and not self._llm.errored and not self._asleep:
+                await self._llm.sleep(level=1, mode="wait")
+                self._asleep = True
+
+    async def _wake(self, llm) -> None:
+        async with self._start_lock:
+            if self._asleep:
+                await llm.wake_up()
+                self._asleep = False
 
 
 def engine_kwargs(model_dir: Path, config: SamplerConfig, max_len: int) -> dict:

@@ -69,10 +69,28 @@ class Service(ServiceAPI):
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
             config.max_samplers_per_session,
         )
+        if config.sampler is not None and getattr(config.sampler, "colocate", False):
+            self._colocate()
         self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end)
         self._closed = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
         self._housekeeper.start()
+
+    def _colocate(self) -> None:
+        """Trainer and sampler share a GPU: samplers sleep while a run's op executes (on the
+        run's lane), the engine is onloaded for it and offloaded after, so the sampler has
+        the memory when it wakes for the next sample. Costs a host<->GPU copy of the
+        trainer's state per op; for CUDA (the CPU has nothing to share)."""
+        def before(run) -> None:
+            self.samplers.sleep_all()
+            if run.engine is not None:
+                run.engine.onload()
+
+        def after(run) -> None:
+            if run.engine is not None:
+                run.engine.offload()
+
+        self.runs.before_op, self.runs.after_op = before, after
 
     def _housekeeping_loop(self) -> None:
         interval = self.config.housekeeping_interval_s

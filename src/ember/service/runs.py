@@ -108,6 +108,10 @@ class RunManager:
         self._lanes: dict[str, Lane] = {}
         self._lane_users: dict[str, int] = {}  # lane key -> runs (live or draining) that may still use it
         self._lock = threading.Lock()
+        # Colocation (SamplerConfig.colocate): called on the run's lane around every op, so
+        # the samplers sleep and the engine is on its device while it trains, offloaded after.
+        self.before_op: Callable[[LiveRun], None] | None = None
+        self.after_op: Callable[[LiveRun], None] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def reject(self, owner: str, rtype: RequestType, error: str, category=User, model_id: str | None = None) -> Submission:
@@ -260,8 +264,18 @@ class RunManager:
             return sub
         self._touch(run)
         rid = sub.request_id
-        run.seq.offer(seq_id, lambda: self.execute(rid, lambda: fn(run)), lambda r: self.futures.fail(rid, r, Server))
+        run.seq.offer(seq_id, lambda: self.execute(rid, lambda: self._run_op(run, fn)),
+                      lambda r: self.futures.fail(rid, r, Server))
         return sub
+
+    def _run_op(self, run: LiveRun, fn: Callable[[LiveRun], Any]) -> Any:
+        if self.before_op is not None:
+            self.before_op(run)
+        try:
+            return fn(run)
+        finally:
+            if self.after_op is not None:
+                self.after_op(run)
 
     def _touch(self, run: LiveRun) -> None:
         """Record the run's last request time (at most once a second: it is only for listings)."""

@@ -271,6 +271,16 @@ class SamplerManager:
             log.error("sample %s failed: %r", rid, exc)
             self.futures.fail(rid, f"internal error ({type(exc).__name__}): {exc}", Server)
 
+    def sleep_all(self) -> None:
+        """Colocation: every sampler that shares the trainer's GPU releases it (backends
+        without a sleep mode ignore this); each wakes on its next request."""
+        with self._lock:
+            samplers = list(self._samplers.values())
+        for sampler in samplers:
+            sleep = getattr(sampler, "sleep", None)
+            if sleep is not None:
+                sleep()
+
     def drop_session(self, session_id: str) -> None:
         with self._lock:
             for sampler_id in self._live.pop(session_id, {}):
