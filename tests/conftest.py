@@ -27,11 +27,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A tiny Qwen3 (hidden 64, 2 layers, head_dim 32: the smallest head vLLM's CPU
-    attention supports) with a char tokenizer, on disk."""
+    """A tiny Qwen3 (hidden 64, 2 layers, head_dim 16) with a char tokenizer, on disk."""
     from ember.models.testing import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", seed=0, head_dim=32)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -39,4 +38,13 @@ def tiny_llama_dir(tmp_path_factory):
     """A tiny Llama with the same shape as `tiny_model_dir`."""
     from ember.models.testing import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), family="llama", seed=1, head_dim=32)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), family="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model_dir(tmp_path_factory):
+    """`tiny_model_dir`'s shape with head_dim 32, the smallest head vLLM's CPU attention
+    supports: the model every sampler backend is tested on."""
+    from ember.models.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-hd32"), family="qwen3", seed=0, head_dim=32)

@@ -16,6 +16,12 @@ from ember.sampling import SamplerConfig, TorchSampler
 from ember.sampling.registry import backend_missing
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_vllm_model_dir):
+    """The sampling tests run every backend on one model: vLLM's CPU attention needs head_dim >= 32."""
+    return tiny_vllm_model_dir
+
+
 BACKENDS = ["direct", "transformers", "vllm"]  # TorchSampler's two forwards, then vLLM
 
 

@@ -22,8 +22,8 @@ PROMPT = [5, 17, 30, 42, 8, 61]
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_model_dir, tmp_path_factory):
-    server = start_server(Path(tiny_model_dir), tmp_path_factory.mktemp("ember-serve-vllm"), extra_args=VLLM_ARGS)
+def vllm_server(tiny_vllm_model_dir, tmp_path_factory):
+    server = start_server(Path(tiny_vllm_model_dir), tmp_path_factory.mktemp("ember-serve-vllm"), extra_args=VLLM_ARGS)
     yield server
     server.stop(timeout=60)
     assert server.proc.returncode in (0, -15), server.stderr_tail()
