@@ -34,23 +34,16 @@ from the wire. The semantics are Tinker's (tinker-protocol.md §4.6, §4.7):
   sequence's `topk_logprobs`; `prompt_logprobs_last_n=n` scores only the last n prompt
   positions (earlier entries None).
 
-Backends. `TorchSampler` (torch_sampler.py) runs the same Hugging Face model classes as
-the trainer with its own KV cache and continuous batching. A vLLM or SGLang backend
-would sit behind the same interface without changing any caller:
+Backends (chosen by name: `ember.sampling.registry.SAMPLER_BACKENDS`, `SamplerConfig.backend`):
 
-* `submit` would translate a `SamplingRequest` into the engine's request
-  (`vllm.SamplingParams(n=num_samples, temperature, top_k, top_p, seed, max_tokens,
-  stop / stop_token_ids / ignore_eos=(stop == []), logprobs=k, prompt_logprobs=k)`,
-  `include_stop_str_in_output=True`) submitted to its async engine, and resolve the
-  returned `Future` from the engine's output stream, converting the outputs to
-  `types.SampleResponse` (the engine's continuous batching replaces ours);
-  `logprobs_mode` maps onto the engine's raw/processed logprob option.
-* `load_weights` would push the tensors into the engine (vLLM's weight-update
-  collective RPC for full fine-tuning; a LoRA adapter registered under a fresh adapter
-  id for LoRA) and return a `WeightVersion` subclass carrying that adapter id / weight
-  tag; immutability then means "adapter ids are never reused" and, for full fine-tuning,
-  keeping one engine replica per live version (or draining old ones before switching).
-* `close` would shut the engine down.
+* `TorchSampler` (torch_sampler.py) runs the same Hugging Face model classes as the
+  trainer with its own KV cache and continuous batching.
+* `VLLMSampler` (vllm_sampler.py) drives vLLM's V1 engine: `submit` becomes
+  `vllm.SamplingParams(n, temperature, top_k, top_p, seed, max_tokens, stop /
+  stop_token_ids / ignore_eos=(stop == []), logprobs=k, include_stop_str_in_output)` on
+  `AsyncLLM`; LoRA versions are adapters with never-reused ids, full versions are loaded
+  in place when their requests run; its module docstring lists where vLLM refuses.
+* An SGLang backend would be one more file and one registry line.
 
 The conformance tests of tests/sampling (contract 5, seeds, stops, versions, bad input)
 are written against this interface and are what a new backend must pass.

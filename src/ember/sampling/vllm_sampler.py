@@ -203,16 +203,26 @@ class VLLMSampler(Sampler):
     async def _serve(self, spec: ResolvedRequest, version: VLLMWeightVersion | None) -> types.SampleResponse:
         if spec.max_tokens == 0:
             return _empty_response(spec)
+        try:
+            return _response(await self._generate(spec, version), spec)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine fault: category server, without its frames
+            error = RuntimeError(f"sampling failed in the vLLM engine ({type(exc).__name__}: {exc})")
+        # raised here, outside the handler, so the failed request keeps no reference to a dead engine
+        raise error
+
+    async def _generate(self, spec: ResolvedRequest, version: VLLMWeightVersion | None):
         llm = await self._ensure_engine()
         if self._asleep:
             await self._wake(llm)
         key = version.weights_key if version is not None else BASE_KEY
+        final = None
         async with self._gate.hold(key, lambda k: self._swap(llm, k, version)):
-            final = None
             async for final in llm.generate(_prompt(spec), _params(spec), uuid.uuid4().hex,
                                             lora_request=_lora_request(version)):
                 pass
-        return _response(final, spec)
+        return final
 
     def _score(self, request: SamplingRequest, version: VLLMWeightVersion | None) -> Future:
         scorer = self._scorer_sampler()
