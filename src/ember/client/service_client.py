@@ -73,6 +73,10 @@ def _acquire_service(config: ServiceConfig, workers: WorkersConfig | None = None
             if entry[2] != workers:
                 raise ValueError(f"the service for {url} already runs with workers={entry[2]}; close its "
                                  f"clients first or use another data_dir to run with workers={workers}")
+            running = entry[0].config.sampler
+            if config.sampler is not None and config.sampler != running:
+                raise ValueError(f"the service for {url} already runs with sampler={running}; close its clients "
+                                 f"first or use another data_dir to run with sampler={config.sampler}")
             entry[0].registry.add_all(config.models)
         entry[1] += 1
         return entry[0], url
@@ -98,6 +102,16 @@ def _close_all() -> None:
         service.close()
 
 
+def _sampler_config(sampler: Any):
+    """A SamplerConfig from one, a dict of its fields (unknown keys named), or None."""
+    if sampler is None or not isinstance(sampler, dict):
+        return sampler
+    from ember.config import from_dict
+    from ember.sampling.config import SamplerConfig
+
+    return from_dict(SamplerConfig, sampler, prefix="sampler.")
+
+
 class ServiceClient:
     """In-process counterpart of `tinker.ServiceClient`.
 
@@ -110,6 +124,9 @@ class ServiceClient:
     workers: where training engines run — `WorkersConfig` or a dict of its fields, e.g.
         {"runtime": "process", "world_size": 2, "tp": 2}; None = in process (runtime
         "local"). Clients sharing a service must agree on it.
+    sampler: the samplers' settings — `ember.sampling.SamplerConfig` or a dict of its
+        fields, e.g. {"backend": "vllm", "max_len": 4096}; None = defaults (TorchSampler
+        on the engine's device and dtype).
     The SDK's connection arguments (`base_url`, `api_key`, `project_id`, ...) are accepted
     and ignored, so constructor calls keep working.
     """
@@ -123,6 +140,7 @@ class ServiceClient:
         service: ServiceAPI | None = None,
         owner: str = LOCAL_OWNER,
         workers: WorkersConfig | dict[str, Any] | None = None,
+        sampler: Any = None,
         user_metadata: dict[str, str] | None = None,
         project_id: str | None = None,
         display_name: str | None = None,
@@ -145,7 +163,10 @@ class ServiceClient:
             self._service = service
         else:
             data_dir = data_dir or os.environ.get("EMBER_DATA_DIR") or DEFAULT_DATA_DIR
-            config = config or ServiceConfig(data_dir=data_dir, models=models or {})
+            if sampler is not None and config is not None:
+                raise ValueError("pass the sampler settings inside config (ServiceConfig.sampler), not both")
+            config = config or ServiceConfig(data_dir=data_dir, models=models or {},
+                                             sampler=_sampler_config(sampler))
             self._service, self._shared_url = _acquire_service(config, workers)
         self._session_id: str | None = None
         self._lock = threading.Lock()

@@ -69,6 +69,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument(f"--engine.{name}", dest=f"engine__{name}", default=None, metavar=kind.__name__.upper(),
                        type=_PARSERS.get(kind, kind), help=f"EngineConfig.{name}")
     add_worker_arguments(p)
+    add_sampler_arguments(p)
+
+
+def sampler_fields() -> dict[str, str]:
+    """SamplerConfig's fields and their types as written (for `--help`)."""
+    import dataclasses
+    import typing
+
+    from ember.sampling.config import SamplerConfig
+
+    hints = typing.get_type_hints(SamplerConfig)
+    return {f.name: str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            for f in dataclasses.fields(SamplerConfig)}
+
+
+def add_sampler_arguments(p: argparse.ArgumentParser) -> None:
+    """`--sampler.NAME VALUE` for every SamplerConfig field (ember.sampling.config; its
+    docstring says what each does). Values are parsed by `ember.config` for the field's type."""
+    from ember.sampling.config import SamplerConfig
+
+    g = p.add_argument_group("sampling", "the sampler of every base model (SamplerConfig; unset device, dtype "
+                             "and max_len follow the engine and the model)")
+    defaults = SamplerConfig()
+    for name, kind in sampler_fields().items():
+        g.add_argument(f"--sampler.{name}", dest=f"sampler__{name}", default=None, metavar=kind.upper(),
+                       help=f"default {getattr(defaults, name)!r}")
+
+
+def sampler_config_from_args(args: argparse.Namespace):
+    """The SamplerConfig the `--sampler.*` flags describe; ConfigError (a ValueError naming
+    the key) for a bad value."""
+    from ember.config import load_config
+    from ember.sampling.config import SamplerConfig
+
+    overrides = []
+    for key, value in vars(args).items():
+        if key.startswith("sampler__") and value is not None:
+            overrides += [f"--{key[len('sampler__'):]}", value]
+    try:
+        config = load_config(SamplerConfig, None, overrides)
+    except ValueError as exc:
+        raise ValueError(f"--sampler: {exc}") from None
+    from ember.sampling.registry import backend_missing
+
+    reason = backend_missing(config.backend)  # fail at start-up, not at the first sample
+    if reason:
+        raise ValueError(f"--sampler.backend: {reason}")
+    return config
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -140,6 +188,7 @@ def service_config_from_args(args: argparse.Namespace):
     return ServiceConfig(
         data_dir=args.data_dir, models=dict(args.model), models_toml=args.models_toml,
         database_url=args.database_url, engine=EngineConfig(**engine_overrides),
+        sampler=sampler_config_from_args(args),
         seq_gap_timeout_s=args.seq_gap_timeout_s, session_timeout_s=args.session_timeout_s,
         retrieve_max_wait_s=args.long_poll_s,
     )
