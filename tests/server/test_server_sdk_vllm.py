@@ -85,3 +85,35 @@ def test_base_model_sampling_and_stop_strings(vllm_server):
     assert cut.stop_reason == "stop" and stop in tok.decode(cut.tokens, skip_special_tokens=True)
     assert cut.tokens == greedy[: len(cut.tokens)]
     sc.close("success").result(timeout=30)
+
+
+def _engine_pids(server) -> list[int]:
+    import psutil
+
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    return [p.pid for p in children if p.name().startswith("VLLM")]
+
+
+def test_engine_killed_mid_request_fails_with_server_category_and_is_rebuilt(vllm_server):
+    import os
+    import signal
+    import threading
+
+    sc = tinker.ServiceClient(base_url=vllm_server.base_url, api_key=API_KEY)
+    sampler = sc.create_sampling_client(base_model=MODEL_NAME)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    assert sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences
+    pids = _engine_pids(vllm_server)
+    assert pids, "no vLLM engine process under the server"
+    pending = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=240, stop=[], seed=1))
+    threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in pids]).start()
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        pending.result()
+    assert failed.value.category == types.RequestErrorCategory.Server
+    # the server keeps serving: training needs no sampler, and the next sample starts a new engine
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+    tc.forward_backward([sft_datum(PROMPT)], "cross_entropy").result()
+    again = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3, stop=[], seed=2)).result()
+    assert [len(s.tokens) for s in again.sequences] == [3, 3]
+    assert set(_engine_pids(vllm_server)).isdisjoint(pids)
+    sc.close("success").result(timeout=30)
