@@ -28,6 +28,18 @@ Ratios are computed from process CPU time (`time.process_time`) with 1 torch thr
 (`--threads`): on an idle machine that equals wall time, and on a shared one it does not
 depend on what the other tenants do (wall times are printed too). With more than one
 thread, use `--clock wall`. Last line: `generate_ratio=<a> mixed_ratio=<b> sync_ratio=<c>`.
+
+`--backend vllm` compares VLLMSampler with TorchSampler and HF `generate` in one run, on the
+2.4M-parameter model (head_dim 32, which vLLM's CPU attention needs), in WALL time (vLLM's
+engine core is another process with its own threads, so process CPU time would miss it):
+(v1) the uniform workload of (a), (v2) the mixed workload of (b) with continuous batching
+on both samplers, (v3) LoRA sync: `load_weights` of a rank-8 adapter plus the first request
+on it, minus the same request on an adapter already in use (new adapter visible to the
+next request), (v4) full fine-tuning swap: a request pinned to a new full version right
+after requests on the base, minus the same request on the loaded base (drain + in-place
+reload + prefix-cache reset). Last line: `backend=vllm vllm_vs_torch=<x>
+vllm_vs_generate=<y> lora_sync_s=<z> full_swap_s=<w>` (x, y: tokens/s ratios on (v1)).
+On a 2-core CPU with tiny models everything is overhead-bound: vLLM may lose there.
 """
 
 from __future__ import annotations
@@ -196,8 +208,87 @@ def bench_demo_step(repeats: int) -> None:
           f"{np.median(times) * 1e3:.1f} ms/step (wall {np.median(wall) * 1e3:.1f} ms; median of {repeats})")
 
 
+def _wall_tokens_per_s(fn, repeats: int) -> float:
+    times, tokens = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tokens = fn()
+        times.append(time.perf_counter() - t0)
+    return tokens / float(np.median(times))
+
+
+def _lora_weights(model_dir: str, rank: int = 8):
+    from ember.engine import EngineConfig, TorchEngine
+
+    cfg = types.LoraConfig(rank=rank, seed=1)
+    engine = TorchEngine.from_pretrained(model_dir, EngineConfig(), lora_config=cfg)
+    weights = {k: (v + 0.01 * torch.randn_like(v)) for k, v in engine.named_weights()}  # a non-zero adapter
+    return weights, cfg
+
+
+def _latency(sampler, version, prompt) -> float:
+    t0 = time.perf_counter()
+    sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=8, seed=1, stop=[]),
+                   version=version)
+    return time.perf_counter() - t0
+
+
+def bench_vllm_versions(sampler, model_dir: str) -> tuple[float, float]:
+    """(v3) LoRA sync and (v4) full fine-tuning swap, in seconds."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    weights, cfg = _lora_weights(model_dir)
+    old = sampler.load_weights(weights.items(), lora_config=cfg)
+    _latency(sampler, old, prompt)
+    steady = min(_latency(sampler, old, prompt) for _ in range(3))
+    t0 = time.perf_counter()
+    new = sampler.load_weights(weights.items(), lora_config=cfg)
+    load_s = time.perf_counter() - t0
+    first = _latency(sampler, new, prompt)
+    lora_sync = load_s + first - steady
+    full = load_model(model_dir).state_dict()
+    version = sampler.load_weights({k: v + 0.001 for k, v in full.items()}.items())
+    base = min(_latency(sampler, None, prompt) for _ in range(3))
+    swap = _latency(sampler, version, prompt) - base
+    print(f"(v3) LoRA rank 8: load_weights {load_s * 1e3:.0f} ms + first request {first * 1e3:.0f} ms vs "
+          f"{steady * 1e3:.0f} ms on a loaded adapter: sync {lora_sync:.3f} s")
+    print(f"(v4) full version swap: {swap:.3f} s over a {base * 1e3:.0f} ms request on the loaded base")
+    return lora_sync, swap
+
+
+def bench_vllm(model_dir: str, repeats: int) -> str:
+    from ember.sampling import VLLMSampler
+
+    rng = np.random.default_rng(0)
+    prompts = _prompts(64, rng)
+    reqs = _requests(prompts, [128] * 64)
+    model = load_model(model_dir).eval()
+    vllm = VLLMSampler.from_pretrained(model_dir, SamplerConfig(backend="vllm", max_slots=64, max_len=320))
+    torch_s = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=64, max_len=320))
+    for s in (vllm, torch_s):
+        _check(s.sample_many(reqs[:4], timeout=600))  # warm-up (vLLM: waits for the engine to start)
+    rates = {
+        "vllm": _wall_tokens_per_s(lambda: _check(vllm.sample_many(reqs)), repeats),
+        "torch": _wall_tokens_per_s(lambda: _check(torch_s.sample_many(reqs)), repeats),
+        "generate": _wall_tokens_per_s(lambda: _hf_generate(model, prompts, 128, 0), repeats),
+    }
+    print("(v1) 64 prompts x 128 tokens, wall tok/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()))
+    mixed_rng = np.random.default_rng(1)
+    mixed_prompts = _prompts(192, mixed_rng)
+    mixed = _requests(mixed_prompts, np.exp(mixed_rng.uniform(np.log(8), np.log(256), size=192)).astype(int))
+    mixed_rates = {name: _wall_tokens_per_s(lambda s=s: _check(s.sample_many(mixed)), max(1, repeats - 1))
+                   for name, s in (("vllm", vllm), ("torch", torch_s))}
+    print("(v2) 192 mixed-length requests, wall tok/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in mixed_rates.items()))
+    torch_s.close()
+    lora_sync, swap = bench_vllm_versions(vllm, model_dir)
+    vllm.close()
+    return (f"backend=vllm vllm_vs_torch={rates['vllm'] / rates['torch']:.2f} "
+            f"vllm_vs_generate={rates['vllm'] / rates['generate']:.2f} lora_sync_s={lora_sync:.3f} full_swap_s={swap:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=["torch", "vllm"], default="torch",
+                    help="vllm: compare VLLMSampler with TorchSampler and HF generate (wall time)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
@@ -205,6 +296,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     CLOCK["fn"] = time.process_time if args.clock == "cpu" else time.perf_counter
     model_dir = build_model(hidden=256, layers=4, heads=8, kv_heads=4)
+    if args.backend == "vllm":
+        print("wall time; torch threads in this process:", args.threads, "(vLLM's engine process uses its own)")
+        print(bench_vllm(model_dir, args.repeats))
+        return
     n_params = sum(p.numel() for p in load_model(model_dir).parameters())
     print(f"model for (a)/(b): Qwen3 hidden 256, 4 layers, {n_params / 1e6:.1f}M params; "
           f"torch threads {args.threads}, clock {args.clock}")

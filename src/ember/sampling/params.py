@@ -44,6 +44,26 @@ class ResolvedRequest:
         return self.temperature == 0.0
 
 
+def eos_token_ids(model_config, generation_config=None, tokenizer=None) -> tuple[int, ...]:
+    """EOS ids: the tokenizer's, else the generation config's, else the model config's."""
+    candidates = [
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(generation_config, "eos_token_id", None),
+        getattr(model_config, "eos_token_id", None),
+    ]
+    for c in candidates:
+        if c is not None:
+            return tuple(c) if isinstance(c, (list, tuple)) else (int(c),)
+    return ()
+
+
+def effective_max_len(wanted: int | None, model_config) -> int:
+    """SamplerConfig.max_len, at most the model's max_position_embeddings (which it defaults to)."""
+    positions = int(getattr(model_config, "max_position_embeddings", 0) or 0) or None
+    chosen = wanted or positions or 2048
+    return min(chosen, positions) if positions else chosen
+
+
 def _fail(field: str, expected: str, got) -> ValueError:
     return ValueError(f"sample request: {field}: expected {expected}, got {got!r}")
 

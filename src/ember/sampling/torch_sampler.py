@@ -42,7 +42,8 @@ from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import Job
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.layout import column_major_linears
-from ember.sampling.params import resolve_request
+from ember.sampling.params import effective_max_len, resolve_request
+from ember.sampling.params import eos_token_ids as eos_token_ids_of
 from ember.sampling.runner import ModelRunner
 from ember.sampling.scheduler import Scheduler
 from ember.sampling.slots import SlotTable
@@ -52,32 +53,12 @@ log = logging.getLogger(__name__)
 _sampler_ids = itertools.count(1)
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
-    """EOS ids: the tokenizer's, else the generation config's, else the model config's."""
-    candidates = [
-        getattr(tokenizer, "eos_token_id", None),
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-        getattr(model.config, "eos_token_id", None),
-    ]
-    for c in candidates:
-        if c is not None:
-            return tuple(c) if isinstance(c, (list, tuple)) else (int(c),)
-    return ()
-
-
 def _check_supported(model: PreTrainedModel) -> None:
     layer_types = getattr(model.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(
             f"TorchSampler supports full-attention decoders only; this model has layer types {sorted(set(layer_types))}"
         )
-
-
-def _max_len(config: SamplerConfig, model: PreTrainedModel) -> int:
-    """config.max_len, at most the model's max_position_embeddings (which it defaults to)."""
-    positions = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
-    wanted = config.max_len or positions or 2048
-    return min(wanted, positions) if positions else wanted
 
 
 class TorchSampler(Sampler):
@@ -105,8 +86,9 @@ class TorchSampler(Sampler):
         if self.device.type == "cpu":
             column_major_linears(self.model)  # same values, faster decode matmuls (see layout.py)
         self.tokenizer = tokenizer
-        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
-        self.max_len = _max_len(self.config, model)
+        self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None else
+                              eos_token_ids_of(model.config, getattr(model, "generation_config", None), tokenizer))
+        self.max_len = effective_max_len(self.config.max_len, model.config)
         self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)

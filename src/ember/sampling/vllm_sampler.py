@@ -63,7 +63,7 @@ from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import sampled_sequence
-from ember.sampling.params import ResolvedRequest, resolve_request
+from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
 from ember.sampling.vllm_versions import (
     BASE_KEY, VLLMWeightVersion, meta_model, remove_version_files, write_full_version, write_lora_version,
 )
@@ -95,9 +95,9 @@ class VLLMSampler(Sampler):
         self._id = next(_sampler_ids)
         self._meta = meta_model(self.model_dir)
         self._vocab = int(self._meta.get_input_embeddings().num_embeddings)
-        self.max_len = self._max_len()
+        self.max_len = effective_max_len(self.config.max_len, self._meta.config)
         self.tokenizer = _load_tokenizer(self.model_dir)
-        self.eos_token_ids = _eos_ids(self._meta, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self._meta.config, _generation_config(self.model_dir), self.tokenizer)
         self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="ember-vllm-")) / f"sampler-{uuid.uuid4().hex[:8]}"
         self._scratch.mkdir(parents=True)
         self._versions: weakref.WeakSet[WeightVersion] = weakref.WeakSet()
@@ -118,11 +118,6 @@ class VLLMSampler(Sampler):
     def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
                         scratch_dir: str | os.PathLike | None = None) -> "VLLMSampler":
         return cls(model_dir, config, scratch_dir)
-
-    def _max_len(self) -> int:
-        positions = int(getattr(self._meta.config, "max_position_embeddings", 0) or 0) or None
-        wanted = self.config.max_len or positions or 2048
-        return min(wanted, positions) if positions else wanted
 
     # ------------------------------------------------------------------ Sampler API
     @property
@@ -361,11 +356,13 @@ def _load_tokenizer(model_dir: Path):
         return None
 
 
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    for c in (getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
-        if c is not None:
-            return tuple(c) if isinstance(c, (list, tuple)) else (int(c),)
-    return ()
+def _generation_config(model_dir: Path):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return None
 
 
 def _with_version(request: SamplingRequest, version) -> SamplingRequest:
