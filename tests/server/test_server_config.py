@@ -63,12 +63,16 @@ def test_client_config_defaults_keep_flag_endpoints_off():
 
 def test_engine_options_match_engine_config():
     from ember.engine.config import EngineConfig
+    from ember.server.serve_config import field_types
 
-    options = cli.engine_options()
+    options = field_types(EngineConfig)
     assert list(options) == [f.name for f in dataclasses.fields(EngineConfig)]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
     for f in dataclasses.fields(EngineConfig):
         if f.default is not None:
-            assert options[f.name] is type(f.default), f.name
+            assert type(f.default).__name__ in options[f.name], f.name
+        assert f"--engine.{f.name}" in parser.format_help(), f.name
 
 
 def test_serve_arguments(tmp_path):

@@ -12,7 +12,8 @@ from tinker import types
 
 import ember
 from ember.sampling.config import SamplerConfig
-from ember.server.cli import add_arguments, sampler_fields, service_config_from_args
+from ember.server.cli import add_arguments, service_config_from_args
+from ember.server.serve_config import field_types
 
 
 def _parse(argv):
@@ -21,10 +22,17 @@ def _parse(argv):
     return parser.parse_args(argv)
 
 
+def _help() -> str:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.format_help()
+
+
 def test_every_sampler_field_is_a_flag_and_reaches_the_service_config(tmp_path):
     import dataclasses
 
-    assert set(sampler_fields()) == {f.name for f in dataclasses.fields(SamplerConfig)}
+    assert set(field_types(SamplerConfig)) == {f.name for f in dataclasses.fields(SamplerConfig)}
+    assert all(f"--sampler.{name}" in _help() for name in field_types(SamplerConfig))
     args = _parse(["--model", f"a={tmp_path}", "--data-dir", str(tmp_path), "--sampler.max_len", "4096",
                    "--sampler.backend", "torch", "--sampler.enable_prefix_caching", "false",
                    "--sampler.device", "none", "--sampler.kv_cache_gb", "2"])

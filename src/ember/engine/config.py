@@ -26,6 +26,8 @@ class EngineConfig:
         position_ids); False pads each micro-batch to its longest sequence.
     attn_implementation: transformers attention backend ("sdpa", "eager", "flash_attention_2").
     seed: seeds dropout-free training RNG (kept in checkpoints for exact resume).
+    backend: the engine implementation, by name from `ember.engine.registry.ENGINE_BACKENDS`
+        ("torch": TorchEngine).
     """
 
     micro_batch_tokens: int = 8192
@@ -35,8 +37,13 @@ class EngineConfig:
     packing: bool = True
     attn_implementation: str = "sdpa"
     seed: int = 0
+    backend: str = "torch"
 
     def __post_init__(self) -> None:
+        from ember.engine.registry import ENGINE_BACKENDS
+
+        if self.backend not in ENGINE_BACKENDS:
+            raise ValueError(f"EngineConfig.backend {self.backend!r} is unknown; known: {', '.join(ENGINE_BACKENDS)}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"EngineConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         resolve_dtype(self.dtype)

@@ -20,23 +20,6 @@ import socket
 import sys
 from typing import Any
 
-def engine_options() -> dict[str, type]:
-    """EngineConfig's fields and their CLI types, read from its source with `ast`.
-
-    Importing EngineConfig would pull torch into `ember --help`; reading the dataclass's
-    annotations keeps `--engine.NAME` in step with it without that cost.
-    """
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec("ember.engine.config")
-    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineConfig")
-    kinds = {"int": int, "float": float, "bool": bool}
-    return {stmt.target.id: kinds.get(ast.unparse(stmt.annotation), str)
-            for stmt in cls.body if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
-
-
 def _key_value(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name or not value:
@@ -45,7 +28,11 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ember.server.serve_config import add_component_flags
+
     p = parser
+    p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (examples/serve.toml "
+                   "lists every key); flags given on the command line win")
     p.add_argument("--model", action="append", type=_key_value, default=[], metavar="NAME=DIR",
                    help="register a base model (repeatable); a local directory also works as a name")
     p.add_argument("--models-toml", help="TOML file with more NAME = \"DIR\" registrations")
@@ -65,65 +52,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="override a flag of /api/v1/client/config, e.g. fwdbwd_max_chunk_len=256")
     p.add_argument("--request-log", help="append one JSON line per HTTP request to this file")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    for name, kind in engine_options().items():
-        p.add_argument(f"--engine.{name}", dest=f"engine__{name}", default=None, metavar=kind.__name__.upper(),
-                       type=_PARSERS.get(kind, kind), help=f"EngineConfig.{name}")
+    add_component_flags(p, "engine", "training engine")
     add_worker_arguments(p)
-    add_sampler_arguments(p)
-
-
-def sampler_fields() -> dict[str, str]:
-    """SamplerConfig's fields and their types as written (for `--help`)."""
-    import dataclasses
-    import typing
-
-    from ember.sampling.config import SamplerConfig
-
-    hints = typing.get_type_hints(SamplerConfig)
-    return {f.name: str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            for f in dataclasses.fields(SamplerConfig)}
-
-
-def add_sampler_arguments(p: argparse.ArgumentParser) -> None:
-    """`--sampler.NAME VALUE` for every SamplerConfig field (ember.sampling.config; its
-    docstring says what each does). Values are parsed by `ember.config` for the field's type."""
-    from ember.sampling.config import SamplerConfig
-
-    g = p.add_argument_group("sampling", "the sampler of every base model (SamplerConfig; unset device, dtype "
-                             "and max_len follow the engine and the model)")
-    defaults = SamplerConfig()
-    for name, kind in sampler_fields().items():
-        g.add_argument(f"--sampler.{name}", dest=f"sampler__{name}", default=None, metavar=kind.upper(),
-                       help=f"default {getattr(defaults, name)!r}")
+    add_component_flags(p, "sampler", "sampling (unset device, dtype and max_len follow the engine and the model)")
 
 
 def sampler_config_from_args(args: argparse.Namespace):
-    """The SamplerConfig the `--sampler.*` flags describe; ConfigError (a ValueError naming
-    the key) for a bad value."""
-    from ember.config import load_config
-    from ember.sampling.config import SamplerConfig
-
-    overrides = []
-    for key, value in vars(args).items():
-        if key.startswith("sampler__") and value is not None:
-            overrides += [f"--{key[len('sampler__'):]}", value]
-    try:
-        config = load_config(SamplerConfig, None, overrides)
-    except ValueError as exc:
-        raise ValueError(f"--sampler: {exc}") from None
+    """The SamplerConfig of `[sampler]` and `--sampler.*`; its backend must be installed."""
     from ember.sampling.registry import backend_missing
+    from ember.server.serve_config import component_config
 
+    config = component_config(args, "sampler")
     reason = backend_missing(config.backend)  # fail at start-up, not at the first sample
     if reason:
-        raise ValueError(f"--sampler.backend: {reason}")
+        raise ValueError(f"sampler.backend: {reason}")
     return config
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """`--workers.*` / `--parallel.*`: where training engines run (ember.service.config.WorkersConfig)."""
     w = p.add_argument_group("scale-out", "run every training engine on a worker group (default: in process)")
+    from ember.service.config import worker_runtimes
+
     w.add_argument("--workers.runtime", dest="workers__runtime", default="local",
-                   choices=["local", "inline", "process", "ray"],
+                   choices=list(worker_runtimes()),
                    help="local = in-process engines, LoRA adapters share one base model (default); "
                         "inline | process | ray = one SPMD engine per run on a worker group")
     w.add_argument("--workers.world_size", dest="workers__world_size", type=int, default=1, metavar="N",
@@ -138,22 +90,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"ParallelismConfig.{dim}: {what}")
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def _optional_str(text: str) -> str | None:
-    return None if text.lower() in ("none", "null", "") else text
-
-
-_PARSERS: dict[type, Any] = {bool: _parse_bool, str: _optional_str}
-
-
-def _json_value(text: str) -> Any:
+def _json_value(text: Any) -> Any:
+    if not isinstance(text, str):  # from a config file: already typed
+        return text
     try:
         return json.loads(text)
     except ValueError:
@@ -180,14 +119,12 @@ def _owner(key: str) -> str:
 
 
 def service_config_from_args(args: argparse.Namespace):
-    from ember.engine.config import EngineConfig
+    from ember.server.serve_config import component_config
     from ember.service import ServiceConfig
 
-    engine_overrides = {k[len("engine__"):]: v for k, v in vars(args).items()
-                        if k.startswith("engine__") and v is not None}
     return ServiceConfig(
         data_dir=args.data_dir, models=dict(args.model), models_toml=args.models_toml,
-        database_url=args.database_url, engine=EngineConfig(**engine_overrides),
+        database_url=args.database_url, engine=component_config(args, "engine"),
         sampler=sampler_config_from_args(args),
         seq_gap_timeout_s=args.seq_gap_timeout_s, session_timeout_s=args.session_timeout_s,
         retrieve_max_wait_s=args.long_poll_s,
@@ -248,10 +185,22 @@ def serve(app, host: str, port: int, log_level: str = "info") -> int:
     return 0
 
 
+def default_arguments() -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ember.server.serve_config import apply_config_file
     from ember.workers import WorkerError
 
+    try:
+        apply_config_file(args, default_arguments())
+    except ValueError as exc:
+        print(f"ember serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app, server_config = build_app(args)
     except (ValueError, OSError, WorkerError) as exc:

@@ -88,7 +88,11 @@ class ServiceConfig:
         return self.database_url or f"sqlite:///{Path(self.data_dir) / 'ember.db'}"
 
 
-WORKER_RUNTIMES = ("local", "inline", "process", "ray")
+def worker_runtimes() -> tuple[str, ...]:
+    """"local" (in-process engines) and every worker runtime of ember.workers' registry."""
+    from ember.workers.group import RUNTIMES
+
+    return ("local", *RUNTIMES)
 
 
 @dataclass
@@ -120,8 +124,8 @@ class WorkersConfig:
     call_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.runtime not in WORKER_RUNTIMES:
-            raise ValueError(f"workers.runtime must be one of {', '.join(WORKER_RUNTIMES)}, got {self.runtime!r}")
+        if self.runtime not in worker_runtimes():
+            raise ValueError(f"workers.runtime must be one of {', '.join(worker_runtimes())}, got {self.runtime!r}")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"workers.world_size must be an integer >= 1, got {self.world_size!r}")
         if self.runtime in ("local", "inline") and self.world_size != 1:

@@ -114,11 +114,12 @@ class LocalEngineFactory(EngineFactory):
         return f"lora:{spec.base.directory}" if spec.is_lora else f"full:{spec.run_id}"
 
     def create(self, spec: RunSpec) -> TrainingEngine:
-        from ember.engine import TorchEngine
+        from ember.engine.registry import engine_class
         from ember.models import add_lora_adapter, load_model
 
+        engine_cls = engine_class(self.config.backend)
         if not spec.is_lora:
-            return TorchEngine.from_pretrained(spec.base.directory, self.config, None, model_name=spec.base.name)
+            return engine_cls.from_pretrained(spec.base.directory, self.config, None, model_name=spec.base.name)
         base = self._shared.get(spec.base.directory)
         if base is None:
             c = self.config
@@ -126,7 +127,7 @@ class LocalEngineFactory(EngineFactory):
         name = adapter_name(spec.run_id)
         model = add_lora_adapter(base, name, spec.lora_config)
         self._shared[spec.base.directory] = model
-        return TorchEngine(
+        return engine_cls(
             model, self.config, model_name=spec.base.name, lora_config=spec.lora_config, adapter_name=name
         )
 

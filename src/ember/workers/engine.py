@@ -56,10 +56,10 @@ class EngineSpec:
         return self.layout(world_size).dp_size
 
     def __call__(self, ctx: RankContext) -> TrainingEngine:
-        from ember.engine.torch_engine import TorchEngine
+        from ember.engine.registry import engine_class
 
         config = replace(self.config, device=ctx.device)
-        return TorchEngine.from_pretrained(
+        return engine_class(config.backend).from_pretrained(
             self.model_dir, config, lora_config=self.lora_config,
             model_name=self.model_name or str(self.model_dir), parallelism=self.layout(ctx.world_size),
         )

@@ -28,24 +28,24 @@ from ember.workers.dispatch import Dispatch, RankLayout, get_dispatch
 from ember.workers.runtime import Reply, Request, Runtime, WorkerError, raise_failure
 
 
+# Worker runtimes by name: "module:Class", imported on first use (ray only when asked for).
+# Adding a runtime = one file + one line here.
+RUNTIMES: dict[str, str] = {
+    "inline": "ember.workers.inline:InlineRuntime",
+    "process": "ember.workers.process:ProcessRuntime",
+    "ray": "ember.workers.ray_runtime:RayRuntime",
+}
+
+
 def make_runtime(runtime: str, world_size: int, device: str = "cpu", **kwargs) -> Runtime:
-    """Instantiate a runtime by name: `inline`, `process` or `ray`."""
-    if runtime == "inline":
-        from ember.workers.inline import InlineRuntime
+    """Instantiate a runtime by name (a key of RUNTIMES)."""
+    import importlib
 
-        return InlineRuntime(world_size, device, **kwargs)
-    if runtime == "process":
-        from ember.workers.process import ProcessRuntime
-
-        return ProcessRuntime(world_size, device, **kwargs)
-    if runtime == "ray":
-        from ember.workers.ray_runtime import RayRuntime
-
-        return RayRuntime(world_size, device, **kwargs)
-    raise ValueError(f"unknown runtime {runtime!r}; expected 'inline', 'process' or 'ray'")
-
-
-RUNTIMES = ("inline", "process", "ray")
+    path = RUNTIMES.get(runtime)
+    if path is None:
+        raise ValueError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
+    module_name, _, class_name = path.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)(world_size, device, **kwargs)
 
 
 @dataclass

@@ -1,0 +1,23 @@
+"""Training-engine backends by name (`EngineConfig.backend`): a plain dict filled at import.
+
+Values are "module:Class" paths imported on first use. A backend class implements
+`ember.engine.base.TrainingEngine` and offers `from_pretrained(model_dir, config,
+lora_config=None, *, model_name=..., parallelism=None)`. Adding a backend = one file + one
+line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+ENGINE_BACKENDS: dict[str, str] = {
+    "torch": "ember.engine.torch_engine:TorchEngine",
+}
+
+
+def engine_class(name: str) -> type:
+    path = ENGINE_BACKENDS.get(name)
+    if path is None:
+        raise ValueError(f"unknown engine backend {name!r}; known: {', '.join(sorted(ENGINE_BACKENDS))}")
+    module_name, _, class_name = path.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)

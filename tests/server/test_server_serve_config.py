@@ -1,0 +1,86 @@
+"""`ember serve --config serve.toml`: one typed file for the server, engine, sampler,
+workers and parallel settings, flags on top; a bad key, type or value exits 2 naming it."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember.engine.config import EngineConfig
+from ember.sampling.config import SamplerConfig
+from ember.server import cli
+from ember.server.serve_config import apply_config_file
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve.toml"
+
+
+def _load(argv):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    apply_config_file(args, cli.default_arguments())
+    return args
+
+
+def test_example_file_loads_to_the_defaults_it_documents():
+    args = _load(["--config", str(EXAMPLE)])
+    service = cli.service_config_from_args(args)
+    assert service.engine == EngineConfig() and service.sampler == SamplerConfig()
+    assert cli.workers_config_from_args(args).runtime == "local"
+    server = cli.server_config_from_args(args)
+    assert server.port == 8000 and list(server.api_keys) == ["tml-change-me"]
+
+
+def test_file_values_and_command_line_precedence(tmp_path):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('port = 9100\ndata_dir = "d"\napi_key = ["tml-a"]\n[model]\nm = "/models/m"\n'
+                   '[engine]\nmicro_batch_tokens = 512\n[sampler]\nmax_len = 4096\nbackend = "torch"\n'
+                   '[workers]\nruntime = "process"\nworld_size = 2\n[parallel]\ntp = 2\n'
+                   '[client_config]\nfwdbwd_max_chunk_len = 64\n')
+    args = _load(["--config", str(cfg), "--port", "9200", "--engine.micro_batch_tokens", "256",
+                  "--api-key", "tml-b", "--model", "m=/other"])
+    service = cli.service_config_from_args(args)
+    assert args.port == 9200  # the command line wins
+    assert service.engine.micro_batch_tokens == 256 and service.sampler.max_len == 4096
+    assert service.models == {"m": "/other"}
+    workers = cli.workers_config_from_args(args)
+    assert (workers.runtime, workers.world_size, workers.tp) == ("process", 2, 2)
+    server = cli.server_config_from_args(args)
+    assert set(server.api_keys) == {"tml-a", "tml-b"} and server.client_config["fwdbwd_max_chunk_len"] == 64
+
+
+@pytest.mark.parametrize("body, named", [
+    ("bogus = 1\n", "bogus"),                                   # unknown top-level key
+    ("[engine]\nmicro_batch_tokens = \"many\"\n", "engine.micro_batch_tokens"),  # wrong type
+    ("[sampler]\nmax_len = 1\n", "max_len"),                    # bad value (__post_init__)
+    ("[sampler]\nnope = 1\n", "sampler.nope"),                  # unknown key in a section
+    ("[workers]\nruntime = \"slurm\"\n", "workers.runtime"),     # bad value of a flag section
+    ("port = \"eighty\"\n", "port"),                            # wrong type at the top level
+    ("[parallel]\npp = 2\n", "parallel.pp"),
+])
+def test_bad_config_file_exits_2_naming_the_key(tmp_path, body, named):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(body)
+    proc = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--config", str(cfg),
+                           "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ember serve:")]
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--config", str(tmp_path / "none.toml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "config file not found" in proc.stderr
+
+
+def test_help_lists_every_key():
+    out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--help"], capture_output=True, text=True,
+                         timeout=120).stdout
+    for flag in ("--config", "--sampler.max_len", "--sampler.backend", "--engine.micro_batch_tokens",
+                 "--workers.runtime", "--parallel.tp", "--data-dir"):
+        assert flag in out, flag
