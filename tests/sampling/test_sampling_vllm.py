@@ -121,3 +121,7 @@ def test_engine_killed_mid_request_fails_it_and_is_rebuilt(tiny_model_dir, tmp_p
         again = s.sample(prompt([5, 6]), 2, params(max_tokens=3, seed=2, stop=[]), timeout=300)
         assert [len(q.tokens) for q in again.sequences] == [3, 3]
         assert s.engine_starts == 2
+    # closed: a request fails at once, it does not hang or raise in the caller
+    late = s.submit(SamplingRequest(prompt=prompt([5, 6]), sampling_params=params(max_tokens=2)))
+    with pytest.raises(RuntimeError, match="closed"):
+        late.result(timeout=5)

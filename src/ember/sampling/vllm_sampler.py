@@ -142,7 +142,7 @@ class VLLMSampler(Sampler):
     def submit(self, request: SamplingRequest) -> Future:
         try:
             spec, version = self._resolve(request)
-        except ValueError as exc:
+        except (ValueError, RuntimeError) as exc:  # a bad request, or the sampler is closed
             future: Future = Future()
             future.set_exception(exc)
             return future
@@ -287,9 +287,14 @@ class VLLMSampler(Sampler):
         """Process ids of the running engine core (for fault-injection tests)."""
         import psutil
 
-        me = psutil.Process()
-        return [p.pid for p in me.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or
-                p.name().startswith("VLLM") or "EngineCore" in p.name()]
+        pids = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.name().startswith("VLLM") or "EngineCore" in " ".join(proc.cmdline()):
+                    pids.append(proc.pid)
+            except psutil.Error:  # gone or not ours to read
+                continue
+        return pids
 
     # ------------------------------------------------------------------ colocation (CUDA)
     def sleep(self) -> None:
