@@ -42,7 +42,7 @@ def vllm_sampler(tiny_model_dir):
     """The session's VLLMSampler (fp32 CPU, raw logprobs, LoRA up to rank 8)."""
     reason = vllm_missing()
     if reason:
-        pytest.skip(reason)
+        pytest.skip(reason=reason)
     from ember.sampling import VLLMSampler
 
     cfg = SamplerConfig(backend="vllm", max_slots=16, max_len=256, max_logprobs=128, max_loras=4, max_lora_rank=8)
