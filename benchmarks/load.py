@@ -197,8 +197,8 @@ def report(res: dict, clients: int, steps: int) -> None:
 # ---------------------------------------------------------------------- PostgreSQL
 def postgres_bin() -> Path | None:
     found = shutil.which("initdb")
-    if found:
-        return Path(found).parent
+    if found:  # often a symlink (/usr/local/bin/initdb): createdb sits beside the real one
+        return Path(found).resolve().parent
     dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
     return Path(dirs[0]) if dirs and (Path(dirs[0]) / "initdb").exists() else None
 
