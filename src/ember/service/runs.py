@@ -374,6 +374,12 @@ class RunManager:
         with self._lock:
             return list(self._runs)
 
+    def queue_depths(self) -> dict[str, int]:
+        """run_id -> requests waiting in its sequencer, for every live run (metrics)."""
+        with self._lock:
+            runs = list(self._runs.values())
+        return {run.run_id: run.seq.queued for run in runs}
+
     def close(self) -> None:
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
