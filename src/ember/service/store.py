@@ -18,19 +18,21 @@ reported as a `server` failure of that future.
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, delete, event, func, insert, select, update
+from sqlalchemy import String, create_engine, delete, event, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from ember.service.api import UserError
 from ember.service.tables import Base, CheckpointRow, FutureRow, RunRow, SamplerRow, SessionRow
 
 __all__ = [
@@ -70,6 +72,24 @@ def make_engine(url: str) -> Engine:
     # handed to a request that would then fail.
     return create_engine(url, pool_pre_ping=True, pool_size=PG_POOL_SIZE, max_overflow=PG_MAX_OVERFLOW,
                          pool_timeout=30, pool_recycle=3600)
+
+
+@functools.cache
+def _length_limits(cls: type) -> dict[str, int]:
+    return {c.key: c.type.length for c in cls.__table__.columns if isinstance(c.type, String) and c.type.length}
+
+
+def check_lengths(cls: type, values: Mapping[str, Any]) -> None:
+    """PostgreSQL refuses a string longer than its VARCHAR column (SQLite stores it): refuse
+    it on every database, as the caller's error naming the field, before writing."""
+    for name, limit in _length_limits(cls).items():
+        value = values.get(name)
+        if isinstance(value, str) and len(value) > limit:
+            raise UserError(f"{name} is too long: {len(value)} characters, at most {limit}")
+
+
+def _row_values(row: Base) -> dict[str, Any]:
+    return {name: getattr(row, name, None) for name in _length_limits(type(row))}
 
 
 def dump_payload(obj: Any) -> bytes:
@@ -121,6 +141,7 @@ class _Db:
 
     # ------------------------------------------------------------------ any table, by primary key
     def add(self, row: Base) -> None:
+        check_lengths(type(row), _row_values(row))
         with self._write() as s:
             s.add(row)
 
@@ -129,6 +150,7 @@ class _Db:
             return s.get(cls, key)
 
     def update(self, cls: type, key: Any, **values: Any) -> None:
+        check_lengths(cls, values)
         pk = cls.__mapper__.primary_key[0]
         self._changed(update(cls).where(pk == key).values(**values))
 
@@ -177,6 +199,7 @@ class Store(_Db):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, row: CheckpointRow) -> None:
         """Insert or replace (overwrite=True) the checkpoint row of `row.tinker_path`."""
+        check_lengths(CheckpointRow, _row_values(row))
         with self._write() as s:
             s.merge(row)
 
@@ -221,6 +244,7 @@ class Store(_Db):
     def insert_future(self, values: dict[str, Any]) -> bool:
         """Insert a future row (Core insert: cheaper than the ORM unit of work). False if
         its dedup_key is taken."""
+        check_lengths(FutureRow, values)
         try:
             with self._write_core() as conn:
                 conn.execute(insert(FutureRow).values(**values))
