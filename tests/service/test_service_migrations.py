@@ -126,3 +126,11 @@ def test_db_cli_data_dir_is_the_servers_sqlite_file(tmp_path, capsys):
     assert ember_main(["db", "upgrade", "--data-dir", str(tmp_path / "d")]) == 0
     assert "revision 0002" in capsys.readouterr().out
     assert (tmp_path / "d" / "ember.db").is_file()
+
+
+def test_a_database_from_a_newer_ember_is_refused_with_the_reason(engine):
+    migrations.upgrade(engine)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0099'"))
+    with pytest.raises(RuntimeError, match="revision 0099, which this ember does not know"):
+        migrations.upgrade(engine)

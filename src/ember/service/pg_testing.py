@@ -33,8 +33,9 @@ def find_bindir() -> Path | None:
     on_path = shutil.which("pg_ctl")
     if on_path:
         candidates.append(Path(on_path).resolve().parent)
-    versions = glob.glob("/usr/lib/postgresql/*/bin")
-    candidates += [Path(d) for d in sorted(versions, key=lambda d: [int(x) for x in re.findall(r"\d+", d)], reverse=True)]
+    newest_first = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: [int(x) for x in re.findall(r"\d+", d)],
+                          reverse=True)
+    candidates += [Path(d) for d in newest_first]
     for d in candidates:
         if (d / "initdb").is_file() and (d / "pg_ctl").is_file():
             return d

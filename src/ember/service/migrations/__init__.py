@@ -44,6 +44,11 @@ def head() -> str:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
+@functools.lru_cache(maxsize=1)
+def known_revisions() -> frozenset[str]:
+    return frozenset(sc.revision for sc in ScriptDirectory.from_config(alembic_config()).walk_revisions())
+
+
 def current(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 
@@ -63,6 +68,9 @@ def upgrade(engine: Engine, revision: str = "head") -> str | None:
         before = current(conn)
         if before == target:  # the usual start-up: nothing to do, and cheap
             return before
+        if before is not None and before not in known_revisions():
+            raise RuntimeError(f"the database schema is at revision {before}, which this ember does not know "
+                               f"(its newest is {target}): it was written by a newer ember; run that one")
         if before is None and _is_legacy(conn):
             log.warning("database without migration history: stamping it as revision %s (baseline)", BASELINE)
             command.stamp(cfg, BASELINE)
