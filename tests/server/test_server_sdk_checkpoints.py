@@ -31,6 +31,10 @@ def train_step(tc) -> None:
 
 @pytest.fixture(scope="module")
 def saved(sc):
+    return save_c1(sc)
+
+
+def save_c1(sc):
     """A run after two steps, saved as "c1" (weights + Adam state); then one more step."""
     tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=3, seed=4).result()
     train_step(tc)
@@ -100,7 +104,17 @@ def test_duplicate_checkpoint_name_is_a_user_failure_not_a_409_loop(ember_server
     assert bad.value.category == types.RequestErrorCategory.User
 
 
-def test_rest_client_endpoints(ember_server, sc, saved):
+def test_rest_client_endpoints(served):
+    """On SQLite and PostgreSQL: listings, pagination, deletion and owners over REST."""
+    sc = tinker.ServiceClient(base_url=served.base_url, api_key=API_KEY)
+    try:
+        sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()  # a second run to page through
+        _rest_client_endpoints(served, save_c1(sc))
+    finally:
+        sc.close("success").result(timeout=30)
+
+
+def _rest_client_endpoints(ember_server, saved):
     tc, path, _, _ = saved
     run_id = tc.get_info().model_id
     sampler_path = tc.save_weights_for_sampler("s1").result().path
