@@ -97,15 +97,21 @@ def start_server(
     data_dir: Path | None = None,
     timeout: float = 180.0,
     model_name: str = MODEL_NAME,
+    memory_limit_bytes: int | None = None,
 ) -> ServerProc:
-    """Start `ember serve` (or a wrapper script taking the same arguments) and wait for it."""
+    """Start `ember serve` (or a wrapper script taking the same arguments) and wait for it.
+
+    `memory_limit_bytes` caps the server's address space (`prlimit --as`), so a test that
+    sends hostile sizes gets a MemoryError in the server instead of a host out of memory.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     data_dir = data_dir or workdir / "data"
     log_path = workdir / "requests.jsonl"
     stderr_path = workdir / f"stderr-{time.time_ns()}.txt"
     launcher = [str(script)] if script else ["-m", "ember.cli", "serve"]  # the real `ember serve`
+    cap = ["prlimit", f"--as={int(memory_limit_bytes)}", "--"] if memory_limit_bytes else []
     cmd = [
-        sys.executable, *launcher,
+        *cap, sys.executable, *launcher,
         "--model", f"{model_name}={model_dir}",
         "--data-dir", str(data_dir),
         "--port", str(port),
