@@ -261,10 +261,23 @@ def json_paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+# Counts and ids where a bad number must be refused before anything is sized by it.
+HOSTILE_COUNTS = st.sampled_from([-1, 0, 2**31 - 1, 2**63 - 1, 10**12]) | st.integers(-(2**70), 2**70)
+
+
 @st.composite
-def mutated_json(draw, base: dict) -> Any:
-    """`base` with one to three fields replaced, deleted or wrapped in a list."""
+def mutated_json(draw, base: dict, counts: tuple[tuple[str, ...], ...] = ()) -> Any:
+    """`base` with one to three fields replaced, deleted or wrapped in a list, and maybe
+    one of its `counts` (paths into it) set to a negative or huge number."""
     doc = copy.deepcopy(base)
+    if counts and draw(st.booleans()):
+        *parents, key = draw(st.sampled_from(counts))
+        holder = doc
+        for p in parents:
+            holder = holder.setdefault(p, {})
+        holder[key] = draw(HOSTILE_COUNTS)
+        if draw(st.booleans()):
+            return doc
     for _ in range(draw(st.integers(1, 3))):
         paths = json_paths(doc)
         if not paths:
@@ -303,12 +316,17 @@ def sample_body(t: Targets, seq_id: int) -> dict:
     return req.model_dump(mode="json", exclude_none=True)
 
 
+CREATE_MODEL_COUNTS = (("model_seq_id",), ("lora_config", "rank"), ("lora_config", "seed"))
+SAMPLE_COUNTS = (("num_samples",), ("seq_id",), ("topk_prompt_logprobs",), ("prompt_logprobs_last_n",),
+                 ("sampling_params", "max_tokens"), ("sampling_params", "top_k"), ("sampling_params", "seed"))
+
+
 def test_mutated_create_model(fuzz, targets):
     @FUZZ_SETTINGS
     @given(data=st.data())
     def attack(data):
         base = create_model_body(targets, data.draw(st.integers(1, 10**6)))
-        post_json(fuzz, "/create_model", data.draw(mutated_json(base)))
+        post_json(fuzz, "/create_model", data.draw(mutated_json(base, CREATE_MODEL_COUNTS)))
 
     attack()
     assert_server_healthy(fuzz)
@@ -320,7 +338,7 @@ def test_mutated_sample(fuzz, targets, path):
     @given(data=st.data())
     def attack(data):
         base = sample_body(targets, data.draw(st.integers(1, 10**6)))
-        post_json(fuzz, path, data.draw(mutated_json(base)))
+        post_json(fuzz, path, data.draw(mutated_json(base, SAMPLE_COUNTS)))
 
     attack()
     assert_server_healthy(fuzz)
