@@ -80,8 +80,12 @@ def test_serve_arguments(tmp_path):
     cli.add_arguments(parser)
     keys = tmp_path / "keys"
     keys.write_text("tml-file carol\n")
+    m, b = tmp_path / "models" / "m", tmp_path / "x"
+    for d in (m, b):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
     args = parser.parse_args([
-        "--model", "org/m=/models/m", "--model", "b=/x", "--api-key", "tml-1", "--api-keys-file", str(keys),
+        "--model", f"org/m={m}", "--model", f"b={b}", "--api-key", "tml-1", "--api-keys-file", str(keys),
         "--client-config", "fwdbwd_max_chunk_len=8", "--client-config", "parallel_fwdbwd_chunks=true",
         "--engine.micro_batch_tokens", "128", "--engine.packing", "false", "--data-dir", str(tmp_path / "d"),
         "--seq-gap-timeout-s", "2.5", "--path-prefix", "p/",
@@ -91,7 +95,7 @@ def test_serve_arguments(tmp_path):
     assert server.client_config["fwdbwd_max_chunk_len"] == 8 and server.client_config["parallel_fwdbwd_chunks"] is True
     assert server.path_prefix == "/p" and server.host == "127.0.0.1"
     service = cli.service_config_from_args(args)
-    assert service.models == {"org/m": "/models/m", "b": "/x"}
+    assert service.models == {"org/m": str(m), "b": str(b)}
     assert (service.engine.micro_batch_tokens, service.engine.packing, service.seq_gap_timeout_s) == (128, False, 2.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "no-equals-sign"])

@@ -13,6 +13,7 @@ import pytest
 from ember.engine.config import EngineConfig
 from ember.sampling.config import SamplerConfig
 from ember.server import cli
+from ember.service.limits import Limits
 from ember.server.serve_config import apply_config_file
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve.toml"
@@ -29,24 +30,34 @@ def _load(argv):
 def test_example_file_loads_to_the_defaults_it_documents():
     args = _load(["--config", str(EXAMPLE)])
     service = cli.service_config_from_args(args)
-    assert service.engine == EngineConfig() and service.sampler == SamplerConfig()
+    assert service.engine == EngineConfig() and service.sampler == SamplerConfig() and service.limits == Limits()
     assert cli.workers_config_from_args(args).runtime == "local"
     server = cli.server_config_from_args(args)
     assert server.port == 8000 and list(server.api_keys) == ["tml-change-me"]
 
 
+def _model_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
 def test_file_values_and_command_line_precedence(tmp_path):
+    first, other = _model_dir(tmp_path / "models" / "m"), _model_dir(tmp_path / "other")
     cfg = tmp_path / "serve.toml"
-    cfg.write_text('port = 9100\ndata_dir = "d"\napi_key = ["tml-a"]\n[model]\nm = "/models/m"\n'
+    cfg.write_text(f'port = 9100\ndata_dir = "d"\napi_key = ["tml-a"]\nmodel_root = ["{tmp_path / "models"}"]\n'
+                   f'[model]\nm = "{first}"\n'
                    '[engine]\nmicro_batch_tokens = 512\n[sampler]\nmax_len = 4096\nbackend = "torch"\n'
+                   '[limits]\nmax_num_samples = 8\nmax_seq_ahead = 4\n'
                    '[workers]\nruntime = "process"\nworld_size = 2\n[parallel]\ntp = 2\n'
                    '[client_config]\nfwdbwd_max_chunk_len = 64\n')
     args = _load(["--config", str(cfg), "--port", "9200", "--engine.micro_batch_tokens", "256",
-                  "--api-key", "tml-b", "--model", "m=/other"])
+                  "--api-key", "tml-b", "--model", f"m={other}", "--limits.max_seq_ahead", "16"])
     service = cli.service_config_from_args(args)
     assert args.port == 9200  # the command line wins
     assert service.engine.micro_batch_tokens == 256 and service.sampler.max_len == 4096
-    assert service.models == {"m": "/other"}
+    assert (service.limits.max_num_samples, service.limits.max_seq_ahead) == (8, 16)
+    assert service.models == {"m": str(other)} and service.model_roots == [(tmp_path / "models").resolve()]
     workers = cli.workers_config_from_args(args)
     assert (workers.runtime, workers.world_size, workers.tp) == ("process", 2, 2)
     server = cli.server_config_from_args(args)
@@ -60,6 +71,8 @@ def test_file_values_and_command_line_precedence(tmp_path):
     ("[sampler]\nnope = 1\n", "sampler.nope"),                  # unknown key in a section
     ("[workers]\nruntime = \"slurm\"\n", "workers.runtime"),     # bad value of a flag section
     ("port = \"eighty\"\n", "port"),                            # wrong type at the top level
+    ("[limits]\nmax_num_samples = 0\n", "limits.max_num_samples"),  # bad limit
+    ("[limits]\nmax_everything = 1\n", "limits.max_everything"),    # unknown limit
     ("[parallel]\npp = 2\n", "parallel.pp"),
 ])
 def test_bad_config_file_exits_2_naming_the_key(tmp_path, body, named):
@@ -82,5 +95,5 @@ def test_help_lists_every_key():
     out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--help"], capture_output=True, text=True,
                          timeout=120).stdout
     for flag in ("--config", "--sampler.max_len", "--sampler.backend", "--engine.micro_batch_tokens",
-                 "--workers.runtime", "--parallel.tp", "--data-dir"):
+                 "--workers.runtime", "--parallel.tp", "--data-dir", "--model-root", "--limits.max_num_samples"):
         assert flag in out, flag

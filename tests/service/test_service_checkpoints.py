@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from tinker import types
@@ -44,11 +46,20 @@ def test_models_toml_and_registry(tmp_path, tiny_model_dir):
     (tmp_path / "models.toml").write_text(f'[models]\n"org/tiny" = "{tiny_model_dir}"\n"rel/model" = "sub/dir"\n')
     models = load_models_toml(tmp_path / "models.toml")
     assert models == {"org/tiny": str(tiny_model_dir), "rel/model": str(tmp_path / "sub" / "dir")}
+    with pytest.raises(ValueError, match="model 'rel/model': directory .*sub/dir' does not exist"):
+        ServiceConfig(data_dir=tmp_path / "d", models_toml=tmp_path / "models.toml")
+    (tmp_path / "sub" / "dir").mkdir(parents=True)
+    with pytest.raises(ValueError, match="model 'rel/model': .*is not a model directory \\(no config.json\\)"):
+        ServiceConfig(data_dir=tmp_path / "d", models_toml=tmp_path / "models.toml")
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "sub" / "dir")
     cfg = ServiceConfig(data_dir=tmp_path / "d", models={"x": str(tiny_model_dir)}, models_toml=tmp_path / "models.toml")
     reg = ModelRegistry(cfg.models)
     assert reg.names() == ["org/tiny", "rel/model", "x"]
     assert reg.resolve("org/tiny").directory == tiny_model_dir
-    assert reg.resolve(str(tiny_model_dir)).directory == tiny_model_dir.resolve()  # a directory works as a name
+    with pytest.raises(UserError, match="unknown base model .*needs the operator's --model-root"):
+        reg.resolve(str(tiny_model_dir))  # no model root: a path is not a name
+    rooted = ModelRegistry(cfg.models, roots=[tiny_model_dir.parent])
+    assert rooted.resolve(str(tiny_model_dir)).directory == tiny_model_dir.resolve()
     with pytest.raises(UserError, match="unknown base model 'nope'.*org/tiny"):
         reg.resolve("nope")
     with pytest.raises(ValueError):

@@ -44,6 +44,7 @@ from ember.service.config import ServiceConfig, WorkersConfig
 log = logging.getLogger(__name__)
 
 DEFAULT_DATA_DIR = "~/.ember"
+IN_PROCESS_ROOT = "/"  # in process the caller is the operator: any model directory by path
 LOCAL_OWNER = "local"
 
 _shared: dict[str, list] = {}  # database url -> [Service, refcount, WorkersConfig]
@@ -116,8 +117,11 @@ class ServiceClient:
     """In-process counterpart of `tinker.ServiceClient`.
 
     models: base-model registry {name: local directory} (names as in your scripts, e.g.
-        "Qwen/Qwen3-0.6B"); a local model directory also works as a name.
-    data_dir: checkpoints and the SQLite database (default `$EMBER_DATA_DIR` or ~/.ember).
+        "Qwen/Qwen3-0.6B"); in process, the path of any local model directory also works
+        as a name (you are the operator; `ember serve` allows only its `--model-root`s),
+        except a directory under the data directory.
+    data_dir: checkpoints and the SQLite database (default `$EMBER_DATA_DIR` or ~/.ember,
+        your own). One process at a time may use a data directory: it is locked.
     config: a full `ServiceConfig` (then `models`/`data_dir` must be None).
     service: use this service object instead (shared, not closed by this client).
     owner: identity of this client in the service (visibility of runs and checkpoints).
@@ -165,7 +169,7 @@ class ServiceClient:
             data_dir = data_dir or os.environ.get("EMBER_DATA_DIR") or DEFAULT_DATA_DIR
             if sampler is not None and config is not None:
                 raise ValueError("pass the sampler settings inside config (ServiceConfig.sampler), not both")
-            config = config or ServiceConfig(data_dir=data_dir, models=models or {},
+            config = config or ServiceConfig(data_dir=data_dir, models=models or {}, model_roots=[IN_PROCESS_ROOT],
                                              sampler=_sampler_config(sampler))
             self._service, self._shared_url = _acquire_service(config, workers)
         self._session_id: str | None = None

@@ -45,12 +45,14 @@ def _meta(engine: "TorchEngine", optimizer: bool) -> dict:
     }
 
 
-def _optim_state(engine: "TorchEngine", init: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """Adam moments keyed like the model tensors; with `init`, allocate empty slots to load into."""
+def _optim_state(engine: "TorchEngine", init: bool,
+                 saved: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam moments keyed like the model tensors; with `init`, allocate empty slots to load
+    into, for the tensors whose moments are in `saved` (DCP keys) — the others stay fresh."""
     out = {}
     for name, p in engine.state_tensors().items():
         state = engine.optimizer.state[p]
-        if init and not state:
+        if init and not state and (saved is None or f"optim.{name}.exp_avg" in saved):
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -88,6 +90,11 @@ def _check_compatible(engine: "TorchEngine", meta: dict, path: Path) -> None:
             raise ValueError(f"checkpoint {str(path)!r} has LoRA config {theirs}; this run has {mine}")
 
 
+def _saved_keys(path: Path) -> set[str]:
+    """The flattened keys (`optim.<name>.exp_avg`, ...) a DCP checkpoint holds."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
 def load(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
     meta = read_meta(path)
     _check_compatible(engine, meta, path)
@@ -97,7 +104,10 @@ def load(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
         state = {"model": {n: p.detach() for n, p in engine.state_tensors().items()}}
         if optimizer:
             engine.reset_optimizer(step=meta["step"])
-            state["optim"] = _optim_state(engine, init=True)
+            # A save before the first optim_step has no Adam moments yet: those load as fresh.
+            optim = _optim_state(engine, init=True, saved=_saved_keys(path))
+            if optim:
+                state["optim"] = optim
         dcp.load(state, checkpoint_id=str(path))  # in place into the (possibly sharded) tensors
     if not optimizer:
         engine.reset_optimizer(step=0)

@@ -34,8 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (examples/serve.toml "
                    "lists every key); flags given on the command line win")
     p.add_argument("--model", action="append", type=_key_value, default=[], metavar="NAME=DIR",
-                   help="register a base model (repeatable); a local directory also works as a name")
+                   help="register a base model (repeatable; DIR must hold a config.json)")
     p.add_argument("--models-toml", help="TOML file with more NAME = \"DIR\" registrations")
+    p.add_argument("--model-root", action="append", default=[], metavar="DIR",
+                   help="also accept the path of any model directory under DIR as a base_model (repeatable; "
+                        "off by default: only registered names; the data directory is never reachable)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = pick a free one; the line "
                    "'ember serve: listening on URL' on stdout says which)")
@@ -55,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_component_flags(p, "engine", "training engine")
     add_worker_arguments(p)
     add_component_flags(p, "sampler", "sampling (unset device, dtype and max_len follow the engine and the model)")
+    add_component_flags(p, "limits", "per-request limits (each refused as a user error naming the field)")
 
 
 def sampler_config_from_args(args: argparse.Namespace):
@@ -123,9 +127,9 @@ def service_config_from_args(args: argparse.Namespace):
     from ember.service import ServiceConfig
 
     return ServiceConfig(
-        data_dir=args.data_dir, models=dict(args.model), models_toml=args.models_toml,
+        data_dir=args.data_dir, models=dict(args.model), models_toml=args.models_toml, model_roots=args.model_root,
         database_url=args.database_url, engine=component_config(args, "engine"),
-        sampler=sampler_config_from_args(args),
+        sampler=sampler_config_from_args(args), limits=component_config(args, "limits"),
         seq_gap_timeout_s=args.seq_gap_timeout_s, session_timeout_s=args.session_timeout_s,
         retrieve_max_wait_s=args.long_poll_s,
     )

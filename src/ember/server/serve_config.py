@@ -1,9 +1,9 @@
 """`ember serve --config serve.toml`: one TOML file for every setting, the command line on top.
 
 The file has the server's own keys at the top level (the long flag names with `_`:
-`port`, `data_dir`, `api_key = [...]`, `[model]` NAME = "DIR", `[client_config]`, ...)
-and one table per component config: `[engine]` (EngineConfig), `[sampler]`
-(SamplerConfig), `[workers]` (runtime, world_size, ray_address, call_timeout_s) and
+`port`, `data_dir`, `api_key = [...]`, `model_root = [...]`, `[model]` NAME = "DIR",
+`[client_config]`, ...) and one table per component config: `[engine]` (EngineConfig),
+`[sampler]` (SamplerConfig), `[limits]` (Limits, per-request bounds), `[workers]` (runtime, world_size, ray_address, call_timeout_s) and
 `[parallel]` (dp_replicate, dp_shard, tp). `--engine.KEY` / `--sampler.KEY` flags are
 generated from the dataclasses; every value goes through `ember.config`, so a bad key,
 type or value is a ConfigError naming it. A flag given on the command line wins over the
@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import typing
 from typing import Any
 
 from ember.config import ConfigError, _CliValue, from_dict, read_toml
 
-COMPONENT_SECTIONS = ("engine", "sampler")  # parsed into their dataclasses by ember.config
+# section -> "module:Class", parsed into that dataclass by ember.config
+COMPONENTS = {
+    "engine": "ember.engine.config:EngineConfig",
+    "sampler": "ember.sampling.config:SamplerConfig",
+    "limits": "ember.service.limits:Limits",
+}
+COMPONENT_SECTIONS = tuple(COMPONENTS)
 FLAG_SECTIONS = ("workers", "parallel")  # plain flags: --workers.runtime, --parallel.tp
-REPEATED = {"model": "table", "api_key": "list", "client_config": "table"}
+REPEATED = {"model": "table", "api_key": "list", "client_config": "table", "model_root": "list"}
 TOP_TYPES: dict[str, tuple[type, ...]] = {
     "models_toml": (str,), "host": (str,), "port": (int,), "data_dir": (str,), "database_url": (str,),
     "api_keys_file": (str,), "long_poll_s": (int, float), "max_body_mb": (int, float),
@@ -31,13 +38,8 @@ TOP_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def component_class(section: str) -> type:
-    if section == "engine":
-        from ember.engine.config import EngineConfig
-
-        return EngineConfig
-    from ember.sampling.config import SamplerConfig
-
-    return SamplerConfig
+    module, _, name = COMPONENTS[section].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def field_types(cls: type) -> dict[str, str]:

@@ -81,6 +81,13 @@ class ServerProc:
         return self.stderr_path.read_text()[-n:] if self.stderr_path.exists() else ""
 
 
+def memory_cap(max_bytes: int) -> list[str]:
+    """A `start_server(wrap=...)` prefix capping the server's address space (util-linux
+    prlimit): a request that slips past a limit fails an allocation in the server
+    instead of growing it until the kernel's OOM killer picks a victim on a shared machine."""
+    return ["prlimit", f"--as={int(max_bytes)}", "--"]
+
+
 def server_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -97,21 +104,19 @@ def start_server(
     data_dir: Path | None = None,
     timeout: float = 180.0,
     model_name: str = MODEL_NAME,
-    memory_limit_bytes: int | None = None,
+    wrap: Sequence[str] = (),
 ) -> ServerProc:
     """Start `ember serve` (or a wrapper script taking the same arguments) and wait for it.
 
-    `memory_limit_bytes` caps the server's address space (`prlimit --as`), so a test that
-    sends hostile sizes gets a MemoryError in the server instead of a host out of memory.
-    """
+    `wrap` prefixes the command, e.g. `memory_cap(4 << 30)` to bound a server that tests
+    are about to send hostile sizes."""
     workdir.mkdir(parents=True, exist_ok=True)
     data_dir = data_dir or workdir / "data"
     log_path = workdir / "requests.jsonl"
     stderr_path = workdir / f"stderr-{time.time_ns()}.txt"
     launcher = [str(script)] if script else ["-m", "ember.cli", "serve"]  # the real `ember serve`
-    cap = ["prlimit", f"--as={int(memory_limit_bytes)}", "--"] if memory_limit_bytes else []
     cmd = [
-        *cap, sys.executable, *launcher,
+        *wrap, sys.executable, *launcher,
         "--model", f"{model_name}={model_dir}",
         "--data-dir", str(data_dir),
         "--port", str(port),

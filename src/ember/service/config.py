@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ember.engine.config import EngineConfig
+from ember.service.limits import Limits
 
 
 def load_models_toml(path: str | os.PathLike) -> dict[str, str]:
@@ -28,14 +29,34 @@ def load_models_toml(path: str | os.PathLike) -> dict[str, str]:
     return out
 
 
+def check_model_dirs(models: Mapping[str, str]) -> None:
+    """Every registered model must be a model directory now, not at its first use."""
+    for name, directory in models.items():
+        d = Path(directory).expanduser()
+        if not d.is_dir():
+            raise ValueError(f"model {name!r}: directory {str(d)!r} does not exist")
+        if not (d / "config.json").is_file():
+            raise ValueError(f"model {name!r}: {str(d)!r} is not a model directory (no config.json)")
+
+
+def check_model_root(root: str | os.PathLike) -> Path:
+    d = Path(root).expanduser()
+    if not d.is_dir():
+        raise ValueError(f"model root {str(d)!r} is not a directory")
+    return d.resolve()
+
+
 @dataclass
 class ServiceConfig:
     """Configuration of one `Service`.
 
     data_dir: root of checkpoints (`<data_dir>/checkpoints/...`) and, by default, the
         SQLite database `<data_dir>/ember.db`.
-    models: base-model registry, name -> local directory (`--model NAME=DIR`). A local
-        directory path is also accepted as a base-model name without registration.
+    models: base-model registry, name -> local directory (`--model NAME=DIR`); each must
+        be a model directory (with a config.json), checked here.
+    model_roots: directories under which a model directory may also be named by its path
+        (`--model-root DIR`; none by default). The data directory is never reachable by
+        path, whatever the roots.
     models_toml: optional TOML file with more registrations (merged; `models` wins).
     database_url: any SQLAlchemy URL (e.g. postgresql+psycopg://...); None = SQLite file.
     engine: EngineConfig given to every training engine.
@@ -50,11 +71,13 @@ class ServiceConfig:
         after they finished (None = kept forever).
     housekeeping_interval_s: how often session expiry, future pruning and checkpoint TTLs
         (`save_state(ttl_seconds=...)`) are applied.
+    limits: per-request bounds on counts and sizes (`ember.service.limits.Limits`).
     """
 
     data_dir: str | os.PathLike
     models: Mapping[str, str] = field(default_factory=dict)
     models_toml: str | os.PathLike | None = None
+    model_roots: Sequence[str | os.PathLike] = ()
     database_url: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampler: Any = None
@@ -64,12 +87,17 @@ class ServiceConfig:
     max_samplers_per_session: int = 32
     future_retention_s: float | None = 7 * 24 * 3600.0
     housekeeping_interval_s: float = 30.0
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
         models = dict(load_models_toml(self.models_toml)) if self.models_toml else {}
         models.update({str(k): str(v) for k, v in dict(self.models).items()})
         self.models = models
+        check_model_dirs(models)
+        self.model_roots = [check_model_root(r) for r in self.model_roots]
+        if isinstance(self.limits, Mapping):
+            self.limits = Limits(**self.limits)
         if self.seq_gap_timeout_s <= 0:
             raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
         if self.session_timeout_s is not None and self.session_timeout_s <= 0:

@@ -26,6 +26,7 @@ from ember.service import checkpoints as ckpt
 from ember.service import rest
 from ember.service.api import FutureState, NotFoundError, ServiceAPI, Submission, UserError
 from ember.service.config import ServiceConfig
+from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry
 from ember.service.futures import FutureTable
 from ember.service.runs import LiveRun, RunManager
@@ -53,16 +54,26 @@ class Service(ServiceAPI):
     ) -> None:
         self.config = config
         config.data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_lock = DataDirLock(config.data_dir)
+        self._data_lock.acquire()  # before the database: a second process must not fail our futures
+        try:
+            self._start(config, engine_factory, sampler_factory)
+        except BaseException:
+            self._data_lock.release()
+            raise
+
+    def _start(self, config: ServiceConfig, engine_factory: EngineFactory | None,
+               sampler_factory: SamplerFactory | None) -> None:
         self.store = Store(config.resolved_database_url)
         failed = self.store.fail_pending_futures(RESTART_MESSAGE)
         unloaded = self.store.unload_active_runs()
         if failed or unloaded:
             log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
-        self.registry = ModelRegistry(config.models)
+        self.registry = ModelRegistry(config.models, roots=config.model_roots, private=[config.data_dir])
         self.futures = FutureTable(self.store)
         self.runs = RunManager(
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
-            config.data_dir, config.seq_gap_timeout_s,
+            config.data_dir, config.seq_gap_timeout_s, config.limits,
         )
         self.samplers = SamplerManager(
             self.store, self.futures, self.registry,
@@ -177,6 +188,11 @@ class Service(ServiceAPI):
                          forward_only=False) -> Submission:
         data = list(data)
         cfg = dict(loss_fn_config) if loss_fn_config else None
+        rtype = "Forward" if forward_only else "ForwardBackward"
+        try:
+            self.config.limits.check_datums(data)
+        except UserError as exc:
+            return self.runs.reject(owner, rtype, str(exc), model_id=model_id)
 
         def op(run: LiveRun) -> types.ForwardBackwardOutput:
             engine = run.require_engine()
@@ -184,7 +200,7 @@ class Service(ServiceAPI):
                 return engine.forward(data, loss_fn, cfg)
             return engine.forward_backward(data, loss_fn, cfg)
 
-        return self.runs.submit_op(owner, model_id, seq_id, "Forward" if forward_only else "ForwardBackward", op)
+        return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
 
     def optim_step(self, owner, model_id, seq_id, adam_params: types.AdamParams) -> Submission:
         def op(run: LiveRun) -> types.OptimStepResponse:
@@ -243,6 +259,11 @@ class Service(ServiceAPI):
     def sample(self, owner, sampling_session_id, seq_id, prompt, num_samples, sampling_params, *,
                include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
                prompt_logprobs_last_n=None) -> Submission:
+        try:  # before the future reserves num_samples sequence ids and a sampler any memory
+            self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
+                                            topk_sample_logprobs)
+        except UserError as exc:
+            return self.runs.reject(owner, "Sample", str(exc))
         kwargs = dict(
             prompt=prompt, num_samples=num_samples, sampling_params=sampling_params,
             include_prompt_logprobs=bool(include_prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
@@ -289,7 +310,7 @@ class Service(ServiceAPI):
         return rest.weights_info(self.store, owner, tinker_path)
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
-        return rest.capabilities(self.registry)
+        return rest.capabilities(self.registry, self.config.limits)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -300,6 +321,7 @@ class Service(ServiceAPI):
         self.samplers.close()
         self.futures.fail_all_pending("the service was shut down before this request finished")
         self.store.close()
+        self._data_lock.release()
 
     def __enter__(self) -> "Service":
         return self

@@ -9,6 +9,8 @@ from tinker import types
 
 from ember.service import checkpoints as ckpt
 from ember.service.api import NotFoundError, UserError
+from ember.service.limits import Limits
+from ember.service.samplers import max_positions
 from ember.service.engines import ModelRegistry
 from ember.service.store import CheckpointRow, RunRow, Store
 
@@ -108,7 +110,14 @@ def weights_info(store: Store, owner: str, tinker_path: str) -> types.WeightsInf
     )
 
 
-def capabilities(registry: ModelRegistry) -> types.GetServerCapabilitiesResponse:
-    return types.GetServerCapabilitiesResponse(
-        supported_models=[types.SupportedModel(model_name=n, trainable=True, sampleable=True) for n in registry.names()]
-    )
+def capabilities(registry: ModelRegistry, limits: Limits) -> types.GetServerCapabilitiesResponse:
+    """Registered models, each with the longest sequence it accepts: the model's positions
+    capped by `limits.max_datum_tokens` (the SDK's only limit field; the README lists the rest)."""
+    def context(name: str) -> int:
+        positions = max_positions(registry.resolve(name).directory)
+        return min(positions, limits.max_datum_tokens) if positions else limits.max_datum_tokens
+
+    return types.GetServerCapabilitiesResponse(supported_models=[
+        types.SupportedModel(model_name=n, trainable=True, sampleable=True, max_context_length=context(n))
+        for n in registry.names()
+    ])

@@ -30,6 +30,7 @@ from ember.service.api import NotFoundError, RequestType, Submission, UserError
 from ember.service.engines import BaseModel, EngineFactory, ModelRegistry, RunSpec
 from ember.service.futures import Server, User, FutureTable
 from ember.service.sequencer import Lane, RunSequencer
+from ember.service.limits import Limits
 from ember.service.store import CheckpointRow, RunRow, Store
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,12 @@ class RunManager:
 
     def __init__(
         self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: EngineFactory,
-        data_dir: Path, gap_timeout_s: float,
+        data_dir: Path, gap_timeout_s: float, limits: Limits | None = None,
     ) -> None:
         self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
         self.data_dir = data_dir
         self.gap_timeout_s = gap_timeout_s
+        self.limits = limits or Limits()
         self._runs: dict[str, LiveRun] = {}
         self._lanes: dict[str, Lane] = {}
         self._lane_users: dict[str, int] = {}  # lane key -> runs (live or draining) that may still use it
@@ -261,6 +263,11 @@ class RunManager:
             return sub
         except RunNotLoadedError as exc:
             self.futures.fail(sub.request_id, str(exc), Server)
+            return sub
+        try:  # before the sequencer holds it: a far-ahead seq_id would wait, then skip the gap
+            self.limits.check_seq_ahead(seq_id, run.seq.next_seq, model_id)
+        except UserError as exc:
+            self.futures.fail(sub.request_id, str(exc), User)
             return sub
         self._touch(run)
         rid = sub.request_id

@@ -68,7 +68,7 @@ class LocalSamplerFactory(SamplerFactory):
         engine = self.engine_config or EngineConfig()
         device = "cuda" if engine.device.startswith("cuda") else engine.device
         return resolve_sampler_config(self.config, device=device, dtype=engine.dtype,
-                                      max_position_embeddings=_max_positions(base.directory))
+                                      max_position_embeddings=max_positions(base.directory))
 
     def create(self, base: BaseModel) -> Any:
         from ember.sampling import create_sampler
@@ -76,7 +76,7 @@ class LocalSamplerFactory(SamplerFactory):
         return create_sampler(base.directory, self.resolved_config(base), scratch_dir=self.scratch_dir)
 
 
-def _max_positions(model_dir: Path) -> int | None:
+def max_positions(model_dir: Path) -> int | None:
     """`max_position_embeddings` from the model's config.json (None when absent or unreadable)."""
     try:
         value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
