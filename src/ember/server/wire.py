@@ -36,6 +36,11 @@ _PUBLIC_TO_DTYPE = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
 _STOP_REASON_TO_PROTO = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
+# Values all sparse tensors of one request may densify to, when the caller sets no limit
+# (the server passes its body limit: as many values as a body may have bytes).
+DEFAULT_MAX_DENSE_VALUES = 64 * 1024 * 1024
+
+
 class WireError(ValueError):
     """A request body that cannot be decoded (-> HTTP 400 with a JSON body)."""
 
@@ -77,8 +82,12 @@ def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -
     return out
 
 
-def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
-    """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config."""
+def decode_forward_backward_request(body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES) -> ForwardBackwardCall:
+    """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config.
+
+    `max_dense_values` bounds what the sparse CSR tensors of the request densify to, all
+    together: their dense shape comes from the request, not from its bytes.
+    """
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -86,6 +95,7 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
         raise WireError(f"body: not a valid tinker_public.ForwardBackwardRequest protobuf ({exc})") from exc
     if not msg.model_id:
         raise WireError("model_id: expected a non-empty string, got ''")
+    _check_sparse_budget(msg, max_dense_values)
     data = [_decode_datum(i, d) for i, d in enumerate(msg.data)]
     return ForwardBackwardCall(
         model_id=msg.model_id,
@@ -96,6 +106,20 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
         forward_only=bool(msg.forward_only),
         sparse_inputs=sum(t.HasField("sparse_csr") for d in msg.data for t in d.loss_fn_inputs.values()),
     )
+
+
+def _check_sparse_budget(msg: pb.ForwardBackwardRequest, max_values: int) -> None:
+    """Refuse sparse tensors whose dense form is too big *before* allocating it (a 20-byte
+    tensor can claim shape [1, 2**40])."""
+    total = 0
+    for i, datum in enumerate(msg.data):
+        for name, tensor in datum.loss_fn_inputs.items():
+            if tensor.HasField("sparse_csr"):
+                total += math.prod(max(int(s), 0) for s in tensor.shape)
+                if total > max_values:
+                    raise WireError(
+                        f"datum {i}: loss_fn_inputs[{name!r}]: sparse CSR shape {list(tensor.shape)} brings the "
+                        f"request's densified sparse tensors to {total} values; the limit is {max_values}")
 
 
 def merge_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
