@@ -268,7 +268,7 @@ def json_paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
 
 
 # Counts and ids where a bad number must be refused before anything is sized by it.
-HOSTILE_COUNTS = st.sampled_from([-1, 0, 2**31 - 1, 2**63 - 1, 10**12]) | st.integers(-(2**70), 2**70)
+HOSTILE_COUNTS = st.sampled_from([-1, 0, 2**31 - 1, 2**63 - 1, 2**64, 10**12, 10**20]) | st.integers(-(2**70), 2**70)
 
 
 @st.composite
@@ -331,6 +331,27 @@ def drain(fuzzed: Fuzzed, request_ids: list[str], timeout: float = 40.0) -> None
             if body.get("category") == "server" and "skipped" not in body.get("error", ""):
                 fuzzed.server_errors.append(f"future {rid} failed as a server fault: {body['error'][:300]}")
             break
+
+
+LISTINGS = ["/sessions", "/training_runs", "/checkpoints"]
+
+
+@pytest.mark.parametrize("path", LISTINGS)
+def test_hostile_pagination(fuzz, path):
+    """schemathesis keeps integers small; page counters beyond 64 bits are where the
+    database's integers end."""
+    numbers = HOSTILE_COUNTS | st.text(max_size=8)
+
+    @settings(FUZZ_SETTINGS, max_examples=25)
+    @given(limit=numbers, offset=numbers)
+    def attack(limit, offset):
+        r = httpx.get(fuzz.server.base_url + "/api/v1" + path, params={"limit": limit, "offset": offset},
+                      headers=AUTH, timeout=30)
+        fuzz.saw("GET", path, r, {"limit": limit, "offset": offset})
+
+    attack()
+    problems = server_problems(fuzz)
+    assert not problems, "\n".join(problems)
 
 
 def create_model_body(t: Targets, model_seq_id: int) -> dict:
