@@ -402,6 +402,29 @@ def test_mutated_sample(fuzz, targets, path):
     assert_server_healthy(fuzz)
 
 
+def test_mutated_optim_step(fuzz):
+    """AdamW hyper-parameters (NaN, inf, negative, strings) and seq_ids, on a fresh run so
+    every base body is the next seq_id in order."""
+    sc = tinker.ServiceClient(base_url=fuzz.server.base_url, api_key=API_KEY)
+    model_id = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result(timeout=60).get_info().model_id
+    accepted: list[str] = []
+
+    @FUZZ_SETTINGS
+    @given(data=st.data())
+    def attack(data):
+        seq_id = len(accepted) + 1
+        base = types.OptimStepRequest(adam_params=types.AdamParams(), model_id=model_id,
+                                      seq_id=seq_id).model_dump(mode="json", exclude_none=True)
+        doc = data.draw(mutated_json(base, (("seq_id",),)))
+        if (rid := accepted_id(post_json(fuzz, "/optim_step", doc))) and doc.get("seq_id") == seq_id:
+            accepted.append(rid)
+
+    attack()
+    drain(fuzz, accepted)
+    sc.close("success").result(timeout=30)
+    assert_server_healthy(fuzz)
+
+
 # forward_backward: protobuf. Each mutation edits a valid ForwardBackwardRequest in place.
 
 
