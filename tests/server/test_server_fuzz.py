@@ -23,6 +23,7 @@ import copy
 import json
 import math
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,9 @@ MEMORY_CAP_BYTES = 4 * 1024**3
 SCHEMA_EXAMPLES = 12  # per operation and generation mode (positive, negative)
 BODY_EXAMPLES = 80  # per mutated-body test
 LONG_POLL_S = 5.0
+# A refused forward_backward leaves a hole in its run's seq_ids that the run waits out
+# before the next request; short, so draining the fuzzed futures stays quick.
+SEQ_GAP_S = 2.0
 AUTH = {"X-API-Key": API_KEY}
 PROTO = "application/x-protobuf"
 FUZZ_SETTINGS = settings(
@@ -129,7 +133,8 @@ def assert_server_healthy(fuzzed: Fuzzed) -> None:
 def start_fuzz_server(model_dir: Path, workdir: Path, script: Path | None = None) -> ServerProc:
     return start_server(Path(model_dir), workdir, script=script, wrap=memory_cap(MEMORY_CAP_BYTES),
                         # info: the one line a hung-up client earns is visible
-                        extra_args=["--max-body-mb", "4", "--long-poll-s", str(LONG_POLL_S), "--log-level", "info"])
+                        extra_args=["--max-body-mb", "4", "--long-poll-s", str(LONG_POLL_S),
+                                    "--seq-gap-timeout-s", str(SEQ_GAP_S), "--log-level", "info"])
 
 
 @pytest.fixture(scope="module")
@@ -626,7 +631,7 @@ def _raw_retrieve(port: int, request_id: str, *, missing_body_bytes: int = 0) ->
 
 def test_client_hanging_up_mid_long_poll_is_one_log_line(fuzz, targets):
     server = fuzz.server
-    # A pending future: seq_id 3 of a fresh run waits for the missing 1 and 2.
+    # A pending future: seq_id 3 of a fresh run waits SEQ_GAP_S for the missing 1 and 2.
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     model_id = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result(timeout=60).get_info().model_id
     r = httpx.post(server.base_url + "/api/v1/forward_backward", headers={**AUTH, "Content-Type": PROTO},
@@ -634,8 +639,12 @@ def test_client_hanging_up_mid_long_poll_is_one_log_line(fuzz, targets):
     request_id = r.json()["request_id"]
     stderr_before, mark = len(server.stderr_path.read_text()), server.log_mark()
 
-    _raw_retrieve(server.port, request_id)
-    _raw_retrieve(server.port, request_id, missing_body_bytes=50)
+    hang_ups = [threading.Thread(target=_raw_retrieve, args=(server.port, request_id), kwargs={"missing_body_bytes": n})
+                for n in (0, 50)]  # together: both within the SEQ_GAP_S the future stays pending
+    for t in hang_ups:
+        t.start()
+    for t in hang_ups:
+        t.join()
 
     # Both polls end at once (not after the long-poll or the future): 499 in the request log.
     polls = wait_until(lambda: len(e := server.requests_since(mark, "/retrieve_future")) == 2 and e, timeout=3,
@@ -644,7 +653,7 @@ def test_client_hanging_up_mid_long_poll_is_one_log_line(fuzz, targets):
     new = server.stderr_path.read_text()[stderr_before:]
     assert "Traceback" not in new and "Exception in ASGI" not in new, new
     lines = [line for line in new.splitlines() if "closed the connection" in line]
-    assert len(lines) == 2 and request_id in lines[0], new  # one line per hung-up client
+    assert len(lines) == 2 and any(request_id in line for line in lines), new  # one line per hung-up client
 
     # The future itself was not touched: it still finishes and answers the next poll.
     def finished():
