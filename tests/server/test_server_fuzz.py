@@ -454,11 +454,13 @@ def m_seq_id(msg, draw):
 
 
 def m_model_id(msg, draw):
-    msg.model_id = draw(st.sampled_from(["", "x", "sess-x:train:0", msg.model_id + ":1", "\x00"]) | st.text(max_size=30))
+    known = st.sampled_from(["", "x", "sess-x:train:0", msg.model_id + ":1", "\x00"])
+    msg.model_id = draw(known | st.text(max_size=30))
 
 
 def m_loss_fn(msg, draw):
-    msg.loss_fn = draw(st.sampled_from(["", "nope", "importance_sampling", "ppo", "cispo", "dro"]) | st.text(max_size=20))
+    known = st.sampled_from(["", "nope", "importance_sampling", "ppo", "cispo", "dro"])
+    msg.loss_fn = draw(known | st.text(max_size=20))
 
 
 def m_loss_config(msg, draw):
@@ -555,8 +557,8 @@ def m_spans(msg, draw):
 
 
 PROTO_MUTATIONS = [m_seq_id, m_model_id, m_loss_fn, m_loss_config, m_forward_only, m_datum_count, m_tokens,
-                   m_chunk_kind, m_tensor_dtype, m_tensor_shape, m_tensor_dense, m_tensor_sparse, m_sparse_huge, m_inputs,
-                   m_spans]
+                   m_chunk_kind, m_tensor_dtype, m_tensor_shape, m_tensor_dense, m_tensor_sparse, m_sparse_huge,
+                   m_inputs, m_spans]
 
 
 @st.composite

@@ -82,7 +82,9 @@ def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -
     return out
 
 
-def decode_forward_backward_request(body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES) -> ForwardBackwardCall:
+def decode_forward_backward_request(
+    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES
+) -> ForwardBackwardCall:
     """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config.
 
     `max_dense_values` bounds what the sparse CSR tensors of the request densify to, all
