@@ -48,3 +48,39 @@ def tiny_vllm_model_dir(tmp_path_factory):
     from ember.models.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-hd32"), family="qwen3", seed=0, head_dim=32)
+
+
+# ---------------------------------------------------------------- databases
+# One PostgreSQL server per test session (started on first use), one fresh database per
+# test in it; SQLite is a fresh file. Tests that take `database_url` run on both.
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    from ember.service.pg_testing import PostgresServer, find_bindir
+
+    bindir = find_bindir()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed (no pg_ctl on PATH nor /usr/lib/postgresql/*/bin): "
+                    "apt-get install postgresql (.ci/run does)")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"psycopg is not importable ({exc}): pip install 'ember[postgres]'")
+    server = PostgresServer.start(bindir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path_factory):
+    """A SQLAlchemy URL of a new, empty database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'ember.db'}"
+        return
+    import uuid
+
+    server = request.getfixturevalue("postgres_server")
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    yield server.create_database(name)
+    server.drop_database(name)

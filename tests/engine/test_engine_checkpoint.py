@@ -91,3 +91,21 @@ def test_export_hf_lora_loads_in_peft(tiny_model_dir, tmp_path):
         expected = engine.model(ids).logits
         got = peft_model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_save_before_the_first_optim_step_loads_with_a_fresh_optimizer(tiny_model_dir, tmp_path, lora):
+    """Adam has no moments before its first step; such a checkpoint must still load with
+    `optimizer=True` (it once failed with missing optimizer keys) and train on exactly
+    like the run that saved it."""
+    datums = random_sft_datums(3, vocab=84, seed=5)
+    kwargs = {"lora_config": types.LoraConfig(rank=2, seed=1)} if lora else {}
+    a = TorchEngine.from_pretrained(tiny_model_dir, **kwargs)
+    a.save_state(tmp_path / "ckpt", optimizer=True)
+    b = TorchEngine.from_pretrained(tiny_model_dir, **kwargs)
+    b.load_state(tmp_path / "ckpt", optimizer=True)
+    assert b.step == 0 and not any(b.optimizer.state.values())
+    _train(a, datums, 2)
+    _train(b, datums, 2)
+    for (na, x), (_, y) in zip(a.named_weights(), b.named_weights(), strict=True):
+        assert torch.equal(x, y), na

@@ -21,3 +21,20 @@ def ember_server(tiny_model_dir, tmp_path_factory) -> Iterator[ServerProc]:
     yield server
     server.stop()
     assert server.proc.returncode in (0, -15), server.stderr_tail()
+
+
+@pytest.fixture(scope="session")
+def ember_server_postgres(tiny_model_dir, tmp_path_factory, postgres_server) -> Iterator[ServerProc]:
+    """Like `ember_server`, with its database in the test session's PostgreSQL server."""
+    url = postgres_server.create_database("ember_serve_shared")
+    server = start_server(Path(tiny_model_dir), tmp_path_factory.mktemp("ember-serve-pg"),
+                          extra_args=["--max-body-mb", "4", "--database-url", url])
+    yield server
+    server.stop()
+    assert server.proc.returncode in (0, -15), server.stderr_tail()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def served(request) -> ServerProc:
+    """The shared `ember serve` on SQLite, then the one on PostgreSQL."""
+    return request.getfixturevalue("ember_server" if request.param == "sqlite" else "ember_server_postgres")

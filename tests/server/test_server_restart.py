@@ -46,9 +46,10 @@ def final_answer(base_url: str, request_id: str) -> tuple[int, str]:
         "content-type", "") else "<protobuf>")
 
 
-def test_kill9_restart_resume(tiny_model_dir, tmp_path):
-    data_dir = tmp_path / "data"
-    first = start_server(Path(tiny_model_dir), tmp_path / "run1", data_dir=data_dir, extra_args=FLAGS)
+def test_kill9_restart_resume(tiny_model_dir, tmp_path, database_url):
+    """On SQLite and PostgreSQL (the database outlives the killed server in both)."""
+    data_dir, flags = tmp_path / "data", [*FLAGS, "--database-url", database_url]
+    first = start_server(Path(tiny_model_dir), tmp_path / "run1", data_dir=data_dir, extra_args=flags)
     second = None
     try:
         sc = tinker.ServiceClient(base_url=first.base_url, api_key=API_KEY)
@@ -72,7 +73,7 @@ def test_kill9_restart_resume(tiny_model_dir, tmp_path):
         first.kill9()
 
         second = start_server(Path(tiny_model_dir), tmp_path / "run2", data_dir=data_dir, port=first.port,
-                              extra_args=FLAGS)
+                              extra_args=flags)
         answers = {rid: final_answer(second.base_url, rid) for rid in accepted}
         assert all(status == 200 for status, _ in answers.values()), answers
         assert not [a for _, a in answers.values() if "try_again" in a], "an accepted future was left pending"

@@ -31,6 +31,10 @@ def train_step(tc) -> None:
 
 @pytest.fixture(scope="module")
 def saved(sc):
+    return save_c1(sc)
+
+
+def save_c1(sc):
     """A run after two steps, saved as "c1" (weights + Adam state); then one more step."""
     tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=3, seed=4).result()
     train_step(tc)
@@ -100,7 +104,17 @@ def test_duplicate_checkpoint_name_is_a_user_failure_not_a_409_loop(ember_server
     assert bad.value.category == types.RequestErrorCategory.User
 
 
-def test_rest_client_endpoints(ember_server, sc, saved):
+def test_rest_client_endpoints(served):
+    """On SQLite and PostgreSQL: listings, pagination, deletion and owners over REST."""
+    sc = tinker.ServiceClient(base_url=served.base_url, api_key=API_KEY)
+    try:
+        sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()  # a second run to page through
+        _rest_client_endpoints(served, save_c1(sc))
+    finally:
+        sc.close("success").result(timeout=30)
+
+
+def _rest_client_endpoints(ember_server, saved):
     tc, path, _, _ = saved
     run_id = tc.get_info().model_id
     sampler_path = tc.save_weights_for_sampler("s1").result().path
@@ -138,3 +152,26 @@ def test_other_tenant_cannot_load_my_checkpoint(ember_server, saved):
         assert info.value.category == types.RequestErrorCategory.User
     finally:
         other.close("success").result(timeout=30)
+
+
+def test_a_checkpoint_saved_before_the_first_optim_step_loads_with_optimizer(ember_server, sc):
+    """save_state before any optim_step, then both ways of loading it with the optimizer
+    (this once failed with category server: no Adam moments to load)."""
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=3, seed=9).result()
+    at_save = fwd(tc)
+    path = tc.save_state("before-any-step").result().path
+    train_step(tc)
+    after_step = fwd(tc)
+    tc.load_state_with_optimizer(path).result()
+    for a, b in zip(fwd(tc), at_save, strict=True):
+        np.testing.assert_array_equal(a, b)
+    fresh = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
+    try:
+        resumed = fresh.create_training_client_from_state_with_optimizer(path).result()
+        for a, b in zip(fwd(resumed), at_save, strict=True):
+            np.testing.assert_array_equal(a, b)
+        train_step(resumed)  # a fresh Adam, as the original had: the same first step
+        for a, b in zip(fwd(resumed), after_step, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        fresh.close("success").result(timeout=30)

@@ -52,7 +52,16 @@ def step(tc, params: types.AdamParams = LR) -> None:
     SEEN_METRIC_KEYS.update(resp.metrics or {})
 
 
-def test_sft_two_rounds(ember_server, sc):
+def test_sft_two_rounds(served):
+    """On SQLite and PostgreSQL: every request's future is persisted and read back."""
+    ember_server, sc = served, tinker.ServiceClient(base_url=served.base_url, api_key=API_KEY)
+    try:
+        _sft_two_rounds(ember_server, sc)
+    finally:
+        sc.close("success").result(timeout=30)
+
+
+def _sft_two_rounds(ember_server, sc):
     tc = new_client(sc)
     model_id = tc.get_info().model_id
     data = batch()

@@ -1,4 +1,5 @@
-"""Restart semantics: a service process killed with SIGKILL, a new Service on the same files."""
+"""Restart semantics: a service process killed with SIGKILL, a new Service on the same files
+and database (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ WORKER = textwrap.dedent(
     from tinker import types
     from ember.engine.testing import random_sft_datums
     from ember.service import Service, ServiceConfig
-    data_dir, model_dir = sys.argv[1], sys.argv[2]
-    svc = Service(ServiceConfig(data_dir=data_dir, models={"tiny": model_dir}, seq_gap_timeout_s=600))
+    data_dir, model_dir, url = sys.argv[1], sys.argv[2], sys.argv[3]
+    svc = Service(ServiceConfig(data_dir=data_dir, models={"tiny": model_dir}, database_url=url, seq_gap_timeout_s=600))
     sid = svc.create_session("alice").session_id
     sub = svc.create_model("alice", sid, 0, "tiny", types.LoraConfig(rank=4, seed=3))
     mid = sub.model_id
@@ -45,10 +46,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_kill_9_then_restart_lists_runs_answers_futures_and_resumes(tmp_path, tiny_model_dir, make_service):
+def test_kill_9_then_restart_lists_runs_answers_futures_and_resumes(tmp_path, tiny_model_dir, make_service,
+                                                                   database_url):
     data_dir = tmp_path / "data"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(data_dir), str(tiny_model_dir)],
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(data_dir), str(tiny_model_dir), database_url],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -59,7 +61,7 @@ def test_kill_9_then_restart_lists_runs_answers_futures_and_resumes(tmp_path, ti
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
-    svc = make_service(data_dir=data_dir)
+    svc = make_service(data_dir=data_dir, database_url=database_url)
     # Runs and checkpoints are listed.
     runs = svc.list_training_runs("alice")
     assert [r.training_run_id for r in runs.training_runs] == [info["model"]]

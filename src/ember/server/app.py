@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from ember.server import routes_rest, routes_sampling, routes_session, routes_training
 from ember.server.config import ServerConfig
 from ember.server.errors import install_error_handlers
+from ember.server.metrics import install_metrics
 from ember.server.middleware import BodyLimitMiddleware, PathPrefixMiddleware, RequestLogMiddleware
 from ember.service.api import ServiceAPI
 
@@ -40,6 +41,7 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
 
     # add_middleware: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    install_metrics(app, service, require_key=config.metrics_auth)  # GET /metrics; inside the path prefix
     if config.path_prefix:
         app.add_middleware(PathPrefixMiddleware, prefix=config.path_prefix)
     if config.request_log:

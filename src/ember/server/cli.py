@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--client-config", action="append", type=_key_value, default=[], metavar="FLAG=JSON",
                    help="override a flag of /api/v1/client/config, e.g. fwdbwd_max_chunk_len=256")
     p.add_argument("--request-log", help="append one JSON line per HTTP request to this file")
+    p.add_argument("--metrics-auth", default="on", choices=["on", "off"],
+                   help="GET /metrics needs an API key (default on: it names every tenant's runs); "
+                        "off = open to anyone reaching the port (Prometheus convention)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_component_flags(p, "engine", "training engine")
     add_worker_arguments(p)
@@ -113,7 +116,14 @@ def server_config_from_args(args: argparse.Namespace):
         host=args.host, port=args.port, api_keys=keys, long_poll_s=args.long_poll_s,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), request_log=args.request_log,
         path_prefix=args.path_prefix, client_config={k: _json_value(v) for k, v in args.client_config},
+        metrics_auth=_on_off("metrics_auth", args.metrics_auth),
     )
+
+
+def _on_off(name: str, value: str) -> bool:
+    if value not in ("on", "off"):  # a config file skips argparse's choices
+        raise ValueError(f"{name}: expected 'on' or 'off', got {value!r}")
+    return value == "on"
 
 
 def _owner(key: str) -> str:

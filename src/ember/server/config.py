@@ -70,6 +70,9 @@ class ServerConfig:
     request_log: optional JSONL file with one line per request (tests, debugging).
     path_prefix: serve under `/<prefix>/api/v1/...` (for a reverse proxy); "" = root.
     client_config / dynamic_config: overrides merged over the defaults above.
+    metrics_auth: `GET /metrics` needs an accepted API key (X-API-Key or Authorization:
+        Bearer). On by default because the metrics name every tenant's live runs; turn it
+        off only where the port is reachable by the scraper alone.
     """
 
     host: str = "127.0.0.1"
@@ -81,6 +84,7 @@ class ServerConfig:
     path_prefix: str = ""
     client_config: Mapping[str, Any] = field(default_factory=dict)
     dynamic_config: Mapping[str, Any] = field(default_factory=dict)
+    metrics_auth: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.long_poll_s <= SDK_RETRIEVE_TIMEOUT_S - 10:

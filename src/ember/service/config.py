@@ -113,7 +113,9 @@ class ServiceConfig:
 
     @property
     def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{Path(self.data_dir) / 'ember.db'}"
+        from ember.service.store import default_database_url
+
+        return self.database_url or default_database_url(self.data_dir)
 
 
 def worker_runtimes() -> tuple[str, ...]:

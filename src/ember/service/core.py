@@ -32,7 +32,7 @@ from ember.service.futures import FutureTable
 from ember.service.runs import LiveRun, RunManager
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
 from ember.service.sessions import SessionManager
-from ember.service.store import CheckpointRow, Store
+from ember.service.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -299,11 +299,8 @@ class Service(ServiceAPI):
         if not isinstance(checkpoint_id, str) or checkpoint_id.count("/") != 1:
             raise UserError(f"checkpoint_id must look like 'weights/<name>', got {checkpoint_id!r}")
         row = rest.checkpoint_row(self.store, owner, f"tinker://{run_id}/{checkpoint_id}")
-        with self.store.write() as s:
-            obj = s.get(CheckpointRow, row.tinker_path)
-            if obj is None:
-                raise NotFoundError(f"unknown checkpoint {row.tinker_path!r}")
-            s.delete(obj)
+        if not self.store.delete_checkpoint(row.tinker_path):
+            raise NotFoundError(f"unknown checkpoint {row.tinker_path!r}")
         ckpt.remove_dir(ckpt.checkpoint_dir(self.config.data_dir, ckpt.parse_tinker_path(row.tinker_path)))
 
     def get_weights_info(self, owner, tinker_path) -> types.WeightsInfoResponse:

@@ -37,7 +37,10 @@ class BaseModel:
 
 
 def is_model_dir(directory: Path) -> bool:
-    return (directory / "config.json").is_file()
+    try:
+        return (directory / "config.json").is_file()
+    except OSError:  # a name too long, a component that is not a directory, ...
+        return False
 
 
 def real_path(path: str | Path) -> Path:
@@ -77,7 +80,10 @@ class ModelRegistry:
     def _allowed_directory(self, name: str) -> Path | None:
         if not self._roots or "\x00" in name:
             return None
-        p = real_path(name)
+        try:
+            p = real_path(name)
+        except (OSError, ValueError):
+            return None
         if any(p.is_relative_to(d) for d in self._private):
             return None
         if not any(p.is_relative_to(r) for r in self._roots):

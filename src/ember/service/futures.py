@@ -52,6 +52,13 @@ class FutureTable:
         # dedup key -> (owner, submission): a bounded fast path; the database's unique key is the truth.
         self._keys: OrderedDict[str, tuple[str, Submission]] = OrderedDict()
         self._cache_size = cache_size
+        # Observers of every finished future (metrics): called on the finishing thread.
+        self._listeners: list[Callable[[FutureState], None]] = []
+
+    def add_listener(self, fn: Callable[[FutureState], None]) -> None:
+        """Call `fn(final_state)` after every future finishes (complete or failed). Lets
+        the server count completions without the service knowing about metrics."""
+        self._listeners.append(fn)
 
     # ------------------------------------------------------------------ creation
     def create(
@@ -132,7 +139,7 @@ class FutureTable:
                 self._done.popitem(last=False)
             callbacks, entry.callbacks = entry.callbacks, []
         entry.event.set()
-        for cb in callbacks:
+        for cb in [*callbacks, *self._listeners]:
             try:
                 cb(final)
             except Exception:  # noqa: BLE001 - a waiter's bug must not break the worker
@@ -184,6 +191,11 @@ class FutureTable:
         if cf.done():
             return cf.result()
         return self.get(owner, request_id, 0.0)
+
+    def pending_count(self) -> int:
+        """Futures of this server lifetime not finished yet (O(1), no database)."""
+        with self._lock:
+            return len(self._live)
 
     def pending_ids(self) -> list[str]:
         with self._lock:

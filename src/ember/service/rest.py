@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import func, select
 from tinker import types
 
 from ember.service import checkpoints as ckpt
@@ -29,11 +28,8 @@ def checkpoint_type(row: CheckpointRow) -> types.Checkpoint:
 
 
 def _last(store: Store, run_id: str, kind: str) -> types.Checkpoint | None:
-    rows = store.select_all(
-        select(CheckpointRow).where(CheckpointRow.run_id == run_id, CheckpointRow.kind == kind)
-        .order_by(CheckpointRow.created_at.desc()).limit(1)
-    )
-    return checkpoint_type(rows[0]) if rows else None
+    row = store.last_checkpoint(run_id, kind)
+    return None if row is None else checkpoint_type(row)
 
 
 def training_run(store: Store, row: RunRow) -> types.TrainingRun:
@@ -54,11 +50,8 @@ def _page(limit: int, offset: int) -> tuple[int, int]:
 
 def list_training_runs(store: Store, owner: str, limit: int, offset: int) -> types.TrainingRunsResponse:
     limit, offset = _page(limit, offset)
-    total = store.select_all(select(func.count()).select_from(RunRow).where(RunRow.owner == owner))[0]
-    rows = store.select_all(
-        select(RunRow).where(RunRow.owner == owner).order_by(RunRow.created_at.desc(), RunRow.id)
-        .limit(limit).offset(offset)
-    )
+    total = store.count_runs(owner)
+    rows = store.list_runs(owner, limit, offset)
     return types.TrainingRunsResponse(
         training_runs=[training_run(store, r) for r in rows],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=int(total)),
@@ -74,19 +67,13 @@ def run_row(store: Store, owner: str, run_id: str) -> RunRow:
 
 def list_checkpoints(store: Store, owner: str, run_id: str) -> types.CheckpointsListResponse:
     run_row(store, owner, run_id)
-    rows = store.select_all(
-        select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.created_at)
-    )
-    return types.CheckpointsListResponse(checkpoints=[checkpoint_type(r) for r in rows])
+    return types.CheckpointsListResponse(checkpoints=[checkpoint_type(r) for r in store.checkpoints_of_run(run_id)])
 
 
 def list_user_checkpoints(store: Store, owner: str, limit: int, offset: int) -> types.CheckpointsListResponse:
     limit, offset = _page(limit, offset)
-    total = store.select_all(select(func.count()).select_from(CheckpointRow).where(CheckpointRow.owner == owner))[0]
-    rows = store.select_all(
-        select(CheckpointRow).where(CheckpointRow.owner == owner).order_by(CheckpointRow.created_at.desc())
-        .limit(limit).offset(offset)
-    )
+    total = store.count_checkpoints(owner)
+    rows = store.list_checkpoints(owner, limit, offset)
     return types.CheckpointsListResponse(
         checkpoints=[checkpoint_type(r) for r in rows], cursor=types.Cursor(offset=offset, limit=limit, total_count=int(total))
     )

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
 from tinker import types
 
 from ember.engine.base import NonFiniteGradientError, TrainingEngine
@@ -313,8 +312,7 @@ class RunManager:
             size_bytes=ckpt.dir_size(final), user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()} or None,
             created_at=now, expires_at=now + ttl_seconds if ttl_seconds else None,
         )
-        with self.store.write() as s:
-            s.merge(row)
+        self.store.save_checkpoint(row)
         return tp.uri
 
     def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool) -> types.LoadWeightsResponse:
@@ -374,6 +372,12 @@ class RunManager:
         with self._lock:
             return list(self._runs)
 
+    def queue_depths(self) -> dict[str, int]:
+        """run_id -> requests waiting in its sequencer, for every live run (metrics)."""
+        with self._lock:
+            runs = list(self._runs.values())
+        return {run.run_id: run.seq.queued for run in runs}
+
     def close(self) -> None:
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
@@ -385,6 +389,4 @@ class RunManager:
         self.factory.close()
 
     def checkpoints_of_run(self, run_id: str) -> list[CheckpointRow]:
-        return self.store.select_all(
-            select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.created_at)
-        )
+        return self.store.checkpoints_of_run(run_id)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sqlalchemy import select
 from tinker import types
 
 from ember.service import checkpoints as ckpt
@@ -144,10 +143,7 @@ class SamplerManager:
     def _existing(self, session_id: str, seq: int | None) -> SamplerRow | None:
         if seq is None:
             return None
-        rows = self.store.select_all(
-            select(SamplerRow).where(SamplerRow.session_id == session_id, SamplerRow.sampling_session_seq_id == seq)
-        )
-        return rows[0] if rows else None
+        return self.store.sampler_by_seq(session_id, seq)
 
     def _new_row(self, owner, session_id, seq, base: BaseModel, model_path, source_run_id) -> SamplerRow:
         row = SamplerRow(

@@ -68,6 +68,12 @@ class RunSequencer:
     def next_seq(self) -> int:
         return self._next
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for their turn (not counting the one executing)."""
+        with self._lock:
+            return len(self._pending)
+
     def offer(self, seq_id: int, op: Op, on_late: Callable[[str], None]) -> None:
         """Queue `op` under `seq_id`. `on_late(reason)` is called instead if that seq_id's
         turn has passed (skipped after a gap timeout) or is already taken."""

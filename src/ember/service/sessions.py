@@ -8,11 +8,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import select
 from tinker import types
 
 from ember.service.api import NotFoundError, SessionGoneError, UserError
-from ember.service.store import RunRow, SamplerRow, SessionRow, Store
+from ember.service.store import SessionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +74,7 @@ class SessionManager:
         if self._timeout_s is None:
             return []
         cutoff = time.time() - self._timeout_s
-        stale = self._store.select_all(
-            select(SessionRow).where(SessionRow.status == "active", SessionRow.last_heartbeat < cutoff)
-        )
+        stale = self._store.stale_sessions(cutoff)
         for row in stale:
             self._store.update(SessionRow, row.id, status="expired")
             log.info("session %s expired (no heartbeat for %.0fs)", row.id, self._timeout_s)
@@ -86,18 +83,12 @@ class SessionManager:
 
     def get(self, owner: str, session_id: str) -> types.GetSessionResponse:
         row = self.row(owner, session_id)
-        runs = self._store.select_all(select(RunRow.id).where(RunRow.session_id == session_id).order_by(RunRow.created_at))
-        samplers = self._store.select_all(
-            select(SamplerRow.id).where(SamplerRow.session_id == session_id).order_by(SamplerRow.created_at)
-        )
+        runs = self._store.run_ids_of_session(session_id)
+        samplers = self._store.sampler_ids_of_session(session_id)
         meta = {str(k): str(v) for k, v in (row.user_metadata or {}).items()} or None
         return types.GetSessionResponse(
             training_run_ids=list(runs), sampler_ids=list(samplers), user_metadata=meta, display_name=row.display_name
         )
 
     def list(self, owner: str, limit: int, offset: int) -> types.ListSessionsResponse:
-        stmt = (
-            select(SessionRow.id).where(SessionRow.owner == owner)
-            .order_by(SessionRow.created_at.desc()).limit(max(0, limit)).offset(max(0, offset))
-        )
-        return types.ListSessionsResponse(sessions=list(self._store.select_all(stmt)))
+        return types.ListSessionsResponse(sessions=self._store.list_session_ids(owner, limit, offset))

@@ -1,10 +1,11 @@
-"""Persistence with SQLAlchemy 2.x: sessions, training runs, checkpoints, samplers, futures.
+"""Persistence with SQLAlchemy 2.x: every query of the service lives here, as a named method.
 
 A SQLite file in the data directory by default (WAL journal, `synchronous=NORMAL`: a
-committed row survives `kill -9` of the server), any SQLAlchemy URL (PostgreSQL) by
-config. Rows are written *before* work is queued (a submission is accepted only once its
-future row is committed) and results are written before they are signalled, so nothing
-accepted vanishes across a crash.
+committed row survives `kill -9` of the server), PostgreSQL by URL
+(`postgresql+psycopg://...`). The schema (`ember.service.tables`) is brought to the
+newest migration at start-up (`ember.service.migrations`). Rows are written *before*
+work is queued (a submission is accepted only once its future row is committed) and
+results are written before they are signalled, so nothing accepted vanishes across a crash.
 
 Result payloads are stored as `pickle` of the tinker result object (pydantic models and
 the frozen numpy-backed dataclasses `ForwardBackwardOutput` / `SampleResponse`). Pickle
@@ -16,100 +17,42 @@ reported as a `server` failure of that future.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (
-    JSON, BigInteger, Boolean, Float, Integer, LargeBinary, String, Text, create_engine, delete, event, insert, select,
-    update,
-)
-from sqlalchemy.engine import Connection
+from sqlalchemy import String, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.engine import Engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
+
+from ember.service.api import UserError
+from ember.service.tables import Base, CheckpointRow, FutureRow, RunRow, SamplerRow, SessionRow
+
+__all__ = [
+    "Base", "CheckpointRow", "FutureRow", "RunRow", "SamplerRow", "SessionRow", "Store",
+    "default_database_url", "dump_payload", "load_payload", "make_engine",
+]
+
+# Connections a PostgreSQL pool keeps for the server's threads (HTTP worker threads, one
+# lane per run, housekeeping); bursts beyond it open short-lived extra connections.
+PG_POOL_SIZE = 16
+PG_MAX_OVERFLOW = 32
 
 
-class Base(DeclarativeBase):
-    pass
+def default_database_url(data_dir: str | Path) -> str:
+    """The SQLite file used when no database URL is configured."""
+    return f"sqlite:///{Path(data_dir) / 'ember.db'}"
 
 
-class SessionRow(Base):
-    __tablename__ = "sessions"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    owner: Mapped[str] = mapped_column(String(256), index=True)
-    tags: Mapped[list] = mapped_column(JSON, default=list)
-    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
-    project_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
-    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
-    sdk_version: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    status: Mapped[str] = mapped_column(String(16), default="active")  # active | finished | expired
-    finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    finish_detail: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[float] = mapped_column(Float)
-    last_heartbeat: Mapped[float] = mapped_column(Float)
-
-
-class RunRow(Base):
-    __tablename__ = "runs"
-    id: Mapped[str] = mapped_column(String(128), primary_key=True)  # "{session_id}:train:{n}"
-    owner: Mapped[str] = mapped_column(String(256), index=True)
-    session_id: Mapped[str] = mapped_column(String(64), index=True)
-    model_seq_id: Mapped[int] = mapped_column(Integer)
-    base_model: Mapped[str] = mapped_column(String(512))
-    is_lora: Mapped[bool] = mapped_column(Boolean)
-    lora_config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    optimizer_config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    created_from: Mapped[str | None] = mapped_column(String(1024), nullable=True)
-    status: Mapped[str] = mapped_column(String(16), default="active")  # active | failed | unloaded
-    created_at: Mapped[float] = mapped_column(Float)
-    last_request_time: Mapped[float] = mapped_column(Float)
-
-
-class CheckpointRow(Base):
-    __tablename__ = "checkpoints"
-    tinker_path: Mapped[str] = mapped_column(String(1024), primary_key=True)
-    run_id: Mapped[str] = mapped_column(String(128), index=True)
-    owner: Mapped[str] = mapped_column(String(256), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # training | sampler
-    name: Mapped[str] = mapped_column(String(256))
-    directory: Mapped[str] = mapped_column(String(2048))
-    size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    created_at: Mapped[float] = mapped_column(Float)
-    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-
-
-class SamplerRow(Base):
-    __tablename__ = "samplers"
-    id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    owner: Mapped[str] = mapped_column(String(256), index=True)
-    session_id: Mapped[str] = mapped_column(String(64), index=True)
-    sampling_session_seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    base_model: Mapped[str] = mapped_column(String(512))
-    model_path: Mapped[str | None] = mapped_column(String(1024), nullable=True)
-    source_run_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    created_at: Mapped[float] = mapped_column(Float)
-
-
-class FutureRow(Base):
-    __tablename__ = "futures"
-    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    owner: Mapped[str] = mapped_column(String(256), index=True)
-    request_type: Mapped[str] = mapped_column(String(32))
-    model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    dedup_key: Mapped[str | None] = mapped_column(String(512), unique=True, nullable=True)
-    sample_sequence_ids: Mapped[list | None] = mapped_column(JSON, nullable=True)
-    status: Mapped[str] = mapped_column(String(16), default="pending", index=True)  # pending|complete|failed
-    payload: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    category: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    created_at: Mapped[float] = mapped_column(Float)
-    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+def is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -121,11 +64,32 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 
 def make_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
+    if is_sqlite(url):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # pre_ping: a connection the database dropped (restart, idle timeout) is replaced, not
+    # handed to a request that would then fail.
+    return create_engine(url, pool_pre_ping=True, pool_size=PG_POOL_SIZE, max_overflow=PG_MAX_OVERFLOW,
+                         pool_timeout=30, pool_recycle=3600)
+
+
+@functools.cache
+def _length_limits(cls: type) -> dict[str, int]:
+    return {c.key: c.type.length for c in cls.__table__.columns if isinstance(c.type, String) and c.type.length}
+
+
+def check_lengths(cls: type, values: Mapping[str, Any]) -> None:
+    """PostgreSQL refuses a string longer than its VARCHAR column (SQLite stores it): refuse
+    it on every database, as the caller's error naming the field, before writing."""
+    for name, limit in _length_limits(cls).items():
+        value = values.get(name)
+        if isinstance(value, str) and len(value) > limit:
+            raise UserError(f"{name} is too long: {len(value)} characters, at most {limit}")
+
+
+def _row_values(row: Base) -> dict[str, Any]:
+    return {name: getattr(row, name, None) for name in _length_limits(type(row))}
 
 
 def dump_payload(obj: Any) -> bytes:
@@ -136,90 +100,170 @@ def load_payload(blob: bytes) -> Any:
     return pickle.loads(blob)
 
 
-class Store:
-    """Thin transactional helpers over the tables. Rows come back detached (read-only use)."""
+class _Db:
+    """Connections and transactions. Rows come back detached (read-only use)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, migrate: bool = True) -> None:
+        self.url = url
         self.engine = make_engine(url)
-        Base.metadata.create_all(self.engine)
+        if migrate:
+            from ember.service.migrations import upgrade  # alembic: only where a Store is opened
+
+            upgrade(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         # SQLite allows one writer; serialising writes here avoids busy-waiting in the driver.
-        self._write_lock = threading.Lock()
+        # PostgreSQL has row locks and MVCC: writers must not queue behind each other.
+        self._write_lock = threading.Lock() if is_sqlite(url) else contextlib.nullcontext()
 
     @contextmanager
-    def write(self) -> Iterator[Session]:
+    def _write(self) -> Iterator[Session]:
         with self._write_lock, self._sessions.begin() as s:
             yield s
 
     @contextmanager
-    def read(self) -> Iterator[Session]:
+    def _read(self) -> Iterator[Session]:
         with self._sessions() as s:
             yield s
 
-    def add(self, row: Base) -> None:
-        with self.write() as s:
-            s.add(row)
-
-    def get(self, cls: type, key: Any):
-        with self.read() as s:
-            return s.get(cls, key)
-
     @contextmanager
-    def write_core(self) -> Iterator[Connection]:
+    def _write_core(self) -> Iterator[Connection]:
         """A Core transaction (no ORM unit of work): ~4x cheaper for single statements."""
         with self._write_lock, self.engine.begin() as conn:
             yield conn
 
-    def update(self, cls: type, key: Any, **values: Any) -> None:
-        pk = cls.__mapper__.primary_key[0]
-        with self.write_core() as conn:
-            conn.execute(update(cls).where(pk == key).values(**values))
-
-    def select_all(self, stmt) -> list:
-        with self.read() as s:
+    def _all(self, stmt) -> list:
+        with self._read() as s:
             return list(s.scalars(stmt))
 
+    def _changed(self, stmt) -> int:
+        with self._write_core() as conn:
+            return int(conn.execute(stmt).rowcount or 0)
+
+    # ------------------------------------------------------------------ any table, by primary key
+    def add(self, row: Base) -> None:
+        check_lengths(type(row), _row_values(row))
+        with self._write() as s:
+            s.add(row)
+
+    def get(self, cls: type, key: Any):
+        with self._read() as s:
+            return s.get(cls, key)
+
+    def update(self, cls: type, key: Any, **values: Any) -> None:
+        check_lengths(cls, values)
+        pk = cls.__mapper__.primary_key[0]
+        self._changed(update(cls).where(pk == key).values(**values))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class Store(_Db):
+    """The service's queries, by table."""
+
+    # ------------------------------------------------------------------ sessions
+    def stale_sessions(self, heartbeat_before: float) -> list[SessionRow]:
+        return self._all(
+            select(SessionRow).where(SessionRow.status == "active", SessionRow.last_heartbeat < heartbeat_before)
+        )
+
+    def list_session_ids(self, owner: str, limit: int, offset: int) -> list[str]:
+        return self._all(
+            select(SessionRow.id).where(SessionRow.owner == owner)
+            .order_by(SessionRow.created_at.desc()).limit(max(0, limit)).offset(max(0, offset))
+        )
+
+    def run_ids_of_session(self, session_id: str) -> list[str]:
+        return self._all(select(RunRow.id).where(RunRow.session_id == session_id).order_by(RunRow.created_at))
+
+    def sampler_ids_of_session(self, session_id: str) -> list[str]:
+        return self._all(
+            select(SamplerRow.id).where(SamplerRow.session_id == session_id).order_by(SamplerRow.created_at)
+        )
+
+    # ------------------------------------------------------------------ runs
+    def count_runs(self, owner: str) -> int:
+        return int(self._all(select(func.count()).select_from(RunRow).where(RunRow.owner == owner))[0])
+
+    def list_runs(self, owner: str, limit: int, offset: int) -> list[RunRow]:
+        """Newest first (ties by id, so pages never overlap)."""
+        return self._all(
+            select(RunRow).where(RunRow.owner == owner).order_by(RunRow.created_at.desc(), RunRow.id)
+            .limit(limit).offset(offset)
+        )
+
+    def unload_active_runs(self) -> int:
+        """At start-up: runs of a previous lifetime have no engine any more."""
+        return self._changed(update(RunRow).where(RunRow.status == "active").values(status="unloaded"))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, row: CheckpointRow) -> None:
+        """Insert or replace (overwrite=True) the checkpoint row of `row.tinker_path`."""
+        check_lengths(CheckpointRow, _row_values(row))
+        with self._write() as s:
+            s.merge(row)
+
+    def delete_checkpoint(self, tinker_path: str) -> bool:
+        """False if there was no such checkpoint (e.g. deleted concurrently)."""
+        return self._changed(delete(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path)) > 0
+
+    def checkpoints_of_run(self, run_id: str) -> list[CheckpointRow]:
+        return self._all(
+            select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.created_at)
+        )
+
+    def last_checkpoint(self, run_id: str, kind: str) -> CheckpointRow | None:
+        rows = self._all(
+            select(CheckpointRow).where(CheckpointRow.run_id == run_id, CheckpointRow.kind == kind)
+            .order_by(CheckpointRow.created_at.desc()).limit(1)
+        )
+        return rows[0] if rows else None
+
+    def count_checkpoints(self, owner: str) -> int:
+        return int(self._all(select(func.count()).select_from(CheckpointRow).where(CheckpointRow.owner == owner))[0])
+
+    def list_checkpoints(self, owner: str, limit: int, offset: int) -> list[CheckpointRow]:
+        return self._all(
+            select(CheckpointRow).where(CheckpointRow.owner == owner).order_by(CheckpointRow.created_at.desc())
+            .limit(limit).offset(offset)
+        )
+
+    def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
+        return self._all(
+            select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now)
+        )
+
+    # ------------------------------------------------------------------ samplers
+    def sampler_by_seq(self, session_id: str, seq: int) -> SamplerRow | None:
+        rows = self._all(
+            select(SamplerRow).where(SamplerRow.session_id == session_id, SamplerRow.sampling_session_seq_id == seq)
+        )
+        return rows[0] if rows else None
+
+    # ------------------------------------------------------------------ futures
     def insert_future(self, values: dict[str, Any]) -> bool:
         """Insert a future row (Core insert: cheaper than the ORM unit of work). False if
         its dedup_key is taken."""
+        check_lengths(FutureRow, values)
         try:
-            with self.write_core() as conn:
+            with self._write_core() as conn:
                 conn.execute(insert(FutureRow).values(**values))
             return True
         except IntegrityError:
             return False
 
     def future_by_key(self, dedup_key: str) -> FutureRow | None:
-        with self.read() as s:
+        with self._read() as s:
             return s.scalars(select(FutureRow).where(FutureRow.dedup_key == dedup_key)).first()
 
     def fail_pending_futures(self, message: str) -> int:
         """At start-up: every future a previous server lifetime left pending fails (server)."""
-        with self.write() as s:
-            res = s.execute(
-                update(FutureRow)
-                .where(FutureRow.status == "pending")
-                .values(status="failed", error=message, category="server", finished_at=time.time())
-            )
-            return int(res.rowcount or 0)
-
-    def unload_active_runs(self) -> int:
-        """At start-up: runs of a previous lifetime have no engine any more."""
-        with self.write() as s:
-            res = s.execute(update(RunRow).where(RunRow.status == "active").values(status="unloaded"))
-            return int(res.rowcount or 0)
-
-    def prune_futures(self, finished_before: float) -> int:
-        with self.write() as s:
-            res = s.execute(
-                delete(FutureRow).where(FutureRow.status != "pending", FutureRow.finished_at < finished_before)
-            )
-            return int(res.rowcount or 0)
-
-    def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
-        return self.select_all(
-            select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now)
+        return self._changed(
+            update(FutureRow).where(FutureRow.status == "pending")
+            .values(status="failed", error=message, category="server", finished_at=time.time())
         )
 
-    def close(self) -> None:
-        self.engine.dispose()
+    def prune_futures(self, finished_before: float) -> int:
+        return self._changed(
+            delete(FutureRow).where(FutureRow.status != "pending", FutureRow.finished_at < finished_before)
+        )

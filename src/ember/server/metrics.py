@@ -1,0 +1,203 @@
+"""Prometheus metrics for operators: `GET /metrics` on `ember serve`.
+
+Exported (names as scraped):
+
+* `ember_http_requests_total{route,method,status}` and
+  `ember_http_request_duration_seconds{route,method}` (histogram): every HTTP request,
+  labelled by the matched route's path *template* (`/api/v1/training_runs/{run_id}`), or
+  `unmatched` — never the raw path, so ids cannot blow up the label set.
+* `ember_futures{state}` (gauge, at scrape time): `pending` = futures of this server
+  lifetime not finished yet; `complete` / `failed` = futures finished since start-up.
+* `ember_futures_finished_total{request_type,state}`: the same completions by kind.
+* `ember_run_queue_depth{run_id}` (gauge, at scrape time): requests waiting in each live
+  training run's seq_id sequencer (only live runs, so the label set stays bounded).
+* `ember_samples_total`, `ember_sampled_tokens_total`: sequences and tokens returned by
+  completed `sample` requests; `ember_optim_steps_total`: completed optimizer steps.
+* `process_*` (prometheus-client's process collector: `process_resident_memory_bytes`,
+  CPU seconds, open fds) and `python_gc_*`.
+
+Every app gets its own `CollectorRegistry` (never the global default), so several apps in
+one process (tests) do not clash. The service knows nothing of Prometheus: completions
+arrive through `FutureTable.add_listener`, gauges read small accessors at scrape time.
+
+Auth: by default (`ServerConfig.metrics_auth = True`) a scrape needs an accepted API key,
+as `X-API-Key` or `Authorization: Bearer` (what Prometheus' `authorization` scrape setting
+sends), because the metrics name every tenant's live runs. `--metrics-auth off` serves
+them to anyone who reaches the port (the usual Prometheus convention, for a port only the
+scraper can reach). The route sits outside `/api/v1`, so no API dependency applies by
+accident either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ember.server.errors import AuthError
+from ember.service.api import FutureState
+
+METRICS_PATH = "/metrics"
+UNMATCHED = "unmatched"
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+# Long-polls of retrieve_future take up to ServerConfig.long_poll_s (20 s): buckets reach past it.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EmberMetrics:
+    """The registry of one app and the instruments the server updates."""
+
+    def __init__(self, service: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("ember_http_requests", "HTTP requests by route template, method and status",
+                                ("route", "method", "status"), registry=r)
+        self.latency = Histogram("ember_http_request_duration_seconds", "HTTP request latency (to the last "
+                                 "body byte)", ("route", "method"), buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("ember_futures_finished", "Futures finished since start-up",
+                                ("request_type", "state"), registry=r)
+        self.samples = Counter("ember_samples", "Sequences returned by completed sample requests", registry=r)
+        self.sampled_tokens = Counter("ember_sampled_tokens", "Tokens in sequences returned by completed "
+                                      "sample requests", registry=r)
+        self.optim_steps = Counter("ember_optim_steps", "Completed optimizer steps", registry=r)
+        r.register(ServiceCollector(service, self))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux /proc)
+        GCCollector(registry=r)
+
+    def observe_future(self, state: FutureState) -> None:
+        """Listener for `FutureTable.add_listener`: runs on the thread that finished it."""
+        self.finished.labels(state.request_type, state.status).inc()
+        if state.status != "complete":
+            return
+        if state.request_type == "OptimStep":
+            self.optim_steps.inc()
+        elif state.request_type == "Sample":
+            sequences = getattr(state.result, "sequences", None) or []
+            self.samples.inc(len(sequences))
+            self.sampled_tokens.inc(sum(len(s.tokens) for s in sequences))
+
+    def finished_count(self, status: str) -> float:
+        """Futures finished with `status` since start-up (sum over request types)."""
+        return sum(s.value for m in self.finished.collect() for s in m.samples
+                   if s.name.endswith("_total") and s.labels.get("state") == status)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServiceCollector(Collector):
+    """Gauges read from the service at scrape time: O(live runs), no database query."""
+
+    def __init__(self, service: Any, metrics: EmberMetrics) -> None:
+        self.service, self.metrics = service, metrics
+
+    def collect(self):
+        futures = GaugeMetricFamily("ember_futures", "Futures by state: pending now; complete and failed "
+                                    "since start-up", labels=["state"])
+        futures.add_metric(["pending"], _pending_futures(self.service))
+        for status in ("complete", "failed"):
+            futures.add_metric([status], self.metrics.finished_count(status))
+        yield futures
+        depth = GaugeMetricFamily("ember_run_queue_depth", "Requests waiting in a live training run's seq_id "
+                                  "sequencer", labels=["run_id"])
+        for run_id, queued in sorted(_queue_depths(self.service).items()):
+            depth.add_metric([run_id], queued)
+        yield depth
+
+
+def _pending_futures(service: Any) -> int:
+    table = getattr(service, "futures", None)  # any ServiceAPI without a FutureTable reports 0
+    return table.pending_count() if table is not None else 0
+
+
+def _queue_depths(service: Any) -> dict[str, int]:
+    runs = getattr(service, "runs", None)
+    return runs.queue_depths() if runs is not None else {}
+
+
+def route_label(scope: Scope) -> str:
+    """The matched route's path template; `unmatched` for 404s and anything routed nowhere."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else UNMATCHED
+
+
+def method_label(scope: Scope) -> str:
+    method = scope.get("method", "")
+    return method if method in _METHODS else "other"  # a client may send any verb: keep the set fixed
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request. Sits inside PathPrefixMiddleware, so it sees the
+    scope the router fills in (`scope["route"]`) and the same templates with or without a prefix."""
+
+    def __init__(self, app: ASGIApp, metrics: EmberMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500  # an exception escaping the app ends as a 500 from the outer error middleware
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            route, method = route_label(scope), method_label(scope)
+            self.metrics.requests.labels(route, method, str(status)).inc()
+            self.metrics.latency.labels(route, method).observe(time.perf_counter() - start)
+
+
+def _scrape_key(request: Request) -> str | None:
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _metrics_endpoint(metrics: EmberMetrics, require_key: bool) -> Callable:
+    async def scrape(request: Request) -> Response:
+        if require_key and request.app.state.config.owner_for(_scrape_key(request)) is None:
+            raise AuthError("/metrics needs an API key (X-API-Key or Authorization: Bearer), "
+                            "or start the server with --metrics-auth off")
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return scrape
+
+
+def install_metrics(app: FastAPI, service: Any, *, require_key: bool) -> EmberMetrics:
+    """`GET /metrics`, the request middleware and the completion listener on `app`.
+
+    Call it before the outer middlewares (path prefix, request log) are added, so the
+    metrics middleware sits inside them."""
+    metrics = EmberMetrics(service)
+    table = getattr(service, "futures", None)
+    if table is not None:
+        table.add_listener(metrics.observe_future)
+    app.add_api_route(METRICS_PATH, _metrics_endpoint(metrics, require_key), methods=["GET"],
+                      include_in_schema=False)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.state.metrics = metrics
+    return metrics

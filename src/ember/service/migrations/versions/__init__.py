@@ -1,0 +1,1 @@
+"""Alembic revisions, one file each (a package so that wheels ship them)."""

@@ -1,0 +1,35 @@
+"""Two `ember serve` on one data directory (hardening item 4): the second exits 2 naming
+the first's pid, before it touches the database; the first loses nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import tinker
+from tinker import types
+
+from ember.server.testing import API_KEY, MODEL_NAME, server_env, sft_datum, start_server
+
+
+def test_a_second_server_on_a_data_directory_in_use_exits_2_and_the_first_loses_nothing(tiny_model_dir, tmp_path):
+    first = start_server(tiny_model_dir, tmp_path / "first")
+    sc = tinker.ServiceClient(base_url=first.base_url, api_key=API_KEY)
+    try:
+        tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
+        datum = sft_datum([1, 2, 3, 4, 5])
+        in_flight = [tc.forward_backward([datum], "cross_entropy") for _ in range(3)]
+        second = subprocess.run(
+            [sys.executable, "-m", "ember.cli", "serve", "--model", f"{MODEL_NAME}={tiny_model_dir}",
+             "--data-dir", str(first.data_dir), "--port", "0", "--api-key", API_KEY],
+            capture_output=True, text=True, timeout=120, env=server_env())
+        assert second.returncode == 2, second.stderr
+        line = second.stderr.strip().splitlines()[-1]
+        assert line.startswith("ember serve: data directory") and f"(pid {first.proc.pid})" in line, second.stderr
+        for fut in in_flight:  # a second process once failed these as "the server restarted"
+            assert fut.result(timeout=60).loss_fn_outputs
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+        assert first.alive()
+    finally:
+        sc.close("success").result(timeout=30)
+        first.stop()
