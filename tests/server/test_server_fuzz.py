@@ -51,7 +51,7 @@ from ember.server.testing import API_KEY, MODEL_NAME, ServerProc, memory_cap, sf
 # Torch on CPU maps ~1.6 GB at rest and the thread pool adds stacks and malloc arenas;
 # 4 GiB serves normally and stops a runaway count long before it hurts the shared host.
 MEMORY_CAP_BYTES = 4 * 1024**3
-SCHEMA_EXAMPLES = 12  # per operation and generation mode (positive, negative)
+SCHEMA_EXAMPLES = 20  # per operation and generation mode (positive, negative)
 BODY_EXAMPLES = 80  # per mutated-body test
 LONG_POLL_S = 5.0
 # A refused forward_backward leaves a hole in its run's seq_ids that the run waits out
@@ -173,6 +173,13 @@ PROTOBUF_BODIES = {"/api/v1/forward_backward"}
 schemathesis.serializer.alias(PROTO, "application/octet-stream")  # raw bytes, as generated
 
 
+def _base64_bytes(node: Any) -> Any:
+    """pydantic's `bytes` is `format: binary`; in a JSON body it travels as base64 text."""
+    if isinstance(node, dict):
+        return {k: "byte" if k == "format" and v == "binary" else _base64_bytes(v) for k, v in node.items()}
+    return [_base64_bytes(v) for v in node] if isinstance(node, list) else node
+
+
 def openapi_schema() -> dict:
     """The app's own OpenAPI document with the request bodies filled in."""
     schema = create_app(None, ServerConfig(api_keys={API_KEY: "fuzz"})).openapi()
@@ -183,7 +190,7 @@ def openapi_schema() -> dict:
         if path in PROTOBUF_BODIES:
             content = {PROTO: {"schema": {"type": "string", "format": "binary"}}}
         else:
-            body = BODY_MODELS[path].model_json_schema(ref_template="#/components/schemas/{model}")
+            body = _base64_bytes(BODY_MODELS[path].model_json_schema(ref_template="#/components/schemas/{model}"))
             components.update(body.pop("$defs", {}))
             content = {"application/json": {"schema": body}}
         item["post"]["requestBody"] = {"required": True, "content": content}
