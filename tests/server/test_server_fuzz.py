@@ -52,7 +52,7 @@ from ember.server.testing import API_KEY, MODEL_NAME, ServerProc, memory_cap, sf
 # 4 GiB serves normally and stops a runaway count long before it hurts the shared host.
 MEMORY_CAP_BYTES = 4 * 1024**3
 SCHEMA_EXAMPLES = 20  # per operation and generation mode (positive, negative)
-BODY_EXAMPLES = 80  # per mutated-body test
+BODY_EXAMPLES = 150  # per mutated-body test
 LONG_POLL_S = 5.0
 # A refused forward_backward leaves a hole in its run's seq_ids that the run waits out
 # before the next request; short, so draining the fuzzed futures stays quick.

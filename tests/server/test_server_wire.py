@@ -139,6 +139,16 @@ def test_sparse_csr_dense_shape_is_bounded_before_allocation():
     assert decoded.data[0].loss_fn_inputs["weights"].shape == [1, 1000]
 
 
+@pytest.mark.parametrize("dmel, words", [(b"", "bytes are empty"), (b"\x8e\x00\x01", "dtype byte")])
+def test_bad_dmel_chunk_is_a_wire_error(dmel, words):
+    # Found by the fuzz: the SDK type parses its TensorContainer lazily, so the ValueError
+    # surfaced in the service's submit as a 500.
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1)
+    msg.data.add().model_input.add().dmel.dmel = dmel
+    with pytest.raises(wire.WireError, match=f"datum 0: model_input chunk 0: dmel: .*{words}"):
+        wire.decode_forward_backward_request(msg.SerializeToString())
+
+
 def test_forward_backward_output_roundtrip_through_sdk_decoder():
     outputs = [
         {"logprobs": types.TensorData.from_numpy(np.array([-1.0, -2.0, -3.0], dtype=np.float32)),

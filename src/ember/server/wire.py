@@ -139,6 +139,15 @@ def merge_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
 
 
 def _decode_datum(index: int, msg: pb.Datum) -> types.Datum:
+    try:
+        return _datum(index, msg)
+    except WireError:
+        raise
+    except ValueError as exc:  # the SDK's own validation of what was decoded (pydantic, numpy)
+        raise WireError(f"datum {index}: {exc}") from exc
+
+
+def _datum(index: int, msg: pb.Datum) -> types.Datum:
     chunks = [_decode_chunk(index, j, c) for j, c in enumerate(msg.model_input)]
     inputs = {name: decode_tensor(t, where=f"datum {index}: loss_fn_inputs[{name!r}]")
               for name, t in msg.loss_fn_inputs.items()}
@@ -156,6 +165,15 @@ def _decode_datum(index: int, msg: pb.Datum) -> types.Datum:
 
 def _decode_chunk(index: int, j: int, msg: pb.Chunk) -> Any:
     where = f"datum {index}: model_input chunk {j}"
+    try:
+        return _chunk(where, msg)
+    except WireError:
+        raise
+    except ValueError as exc:  # the SDK types validate their payload (e.g. a dmel TensorContainer)
+        raise WireError(f"{where}: {msg.WhichOneof('chunk')}: {exc}") from exc
+
+
+def _chunk(where: str, msg: pb.Chunk) -> Any:
     kind = msg.WhichOneof("chunk")
     if kind == "encoded_text":
         return types.EncodedTextChunk(tokens=decode_int32_tokens(msg.encoded_text.tokens, where=where))
@@ -166,7 +184,9 @@ def _decode_chunk(index: int, j: int, msg: pb.Chunk) -> Any:
         expected = msg.image.expected_tokens if msg.image.HasField("expected_tokens") else None
         return types.ImageChunk(data=msg.image.data, format=fmt, expected_tokens=expected)
     if kind == "dmel":
-        return types.DmelChunk(dmel=msg.dmel.dmel)
+        chunk = types.DmelChunk(dmel=msg.dmel.dmel)
+        _ = chunk.length  # parses the TensorContainer now: a bad one is the client's 400, not a 500 later
+        return chunk
     raise WireError(f"{where}: expected one of encoded_text/image/dmel, got an empty chunk")
 
 
