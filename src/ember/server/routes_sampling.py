@@ -41,7 +41,19 @@ def _check_sample_request(req: rq.SampleRequest) -> str:
         raise BadRequest(f"prompt_alt_tokens_k: not supported by this server, got {req.prompt_alt_tokens_k}")
     if req.target_prompt_logprobs is not None:
         raise BadRequest("target_prompt_logprobs: not supported by this server")
+    _check_dmel_chunks(req.prompt)
     return req.sampling_session_id
+
+
+def _check_dmel_chunks(prompt: types.ModelInput) -> None:
+    """The SDK type parses a dmel chunk's TensorContainer lazily; parse it here, so a bad
+    one is a 400 naming the chunk, not a ValueError (500) in the service's submit."""
+    for j, chunk in enumerate(prompt.chunks):
+        if isinstance(chunk, types.DmelChunk):
+            try:
+                _ = chunk.length
+            except ValueError as exc:
+                raise BadRequest(f"prompt.chunks[{j}]: dmel: {exc}") from exc
 
 
 @router.post("/asample")
