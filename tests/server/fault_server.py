@@ -12,7 +12,8 @@ endpoints that need no API key:
 A Rule: {"path": suffix, "status": int, "times": n (-1 = always), "body": JSON (default
 {"error": ..., "category": "user"}), "header": {name: value} (request headers to match),
 "body_contains": str (request body substring), "after": bool (forward to the real app
-first, then answer the fault instead of its response)}.
+first, then answer the fault instead of its response), "raise": str (raise a RuntimeError
+with this message inside the app instead of answering: an unhandled server fault)}.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class FaultMiddleware:
         rule["hits"] += 1
         if rule["times"] > 0:
             rule["times"] -= 1
+        if rule.get("raise"):
+            raise RuntimeError(f"injected fault: {rule['raise']}")
         if rule.get("after"):
             await self.app(scope, replay, _swallow)
         default = {"error": f"injected {rule['status']}", "category": "user"}

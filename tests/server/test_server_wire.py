@@ -125,6 +125,30 @@ def test_bad_sparse_csr_is_rejected():
     np.testing.assert_array_equal(wire.decode_tensor(t, where="x").to_numpy(), [[1, 0, 0], [0, 0, 2]])
 
 
+def test_sparse_csr_dense_shape_is_bounded_before_allocation():
+    # 20 bytes on the wire claiming a [1, 2**40] dense tensor: found by the fuzz (a 500, MemoryError).
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1)
+    t = msg.data.add().loss_fn_inputs["weights"]
+    t.dtype, t.sparse_csr.crow_indices = pb.DTYPE_FLOAT32, np.zeros(2, "<i8").tobytes()
+    t.shape.extend([1, 2**40])
+    with pytest.raises(wire.WireError, match=r"datum 0: loss_fn_inputs\['weights'\].*limit is 1000"):
+        wire.decode_forward_backward_request(msg.SerializeToString(), max_dense_values=1000)
+    del t.shape[:]
+    t.shape.extend([1, 1000])  # at the limit: decodes
+    decoded = wire.decode_forward_backward_request(msg.SerializeToString(), max_dense_values=1000)
+    assert decoded.data[0].loss_fn_inputs["weights"].shape == [1, 1000]
+
+
+@pytest.mark.parametrize("dmel, words", [(b"", "bytes are empty"), (b"\x8e\x00\x01", "dtype byte")])
+def test_bad_dmel_chunk_is_a_wire_error(dmel, words):
+    # Found by the fuzz: the SDK type parses its TensorContainer lazily, so the ValueError
+    # surfaced in the service's submit as a 500.
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1)
+    msg.data.add().model_input.add().dmel.dmel = dmel
+    with pytest.raises(wire.WireError, match=f"datum 0: model_input chunk 0: dmel: .*{words}"):
+        wire.decode_forward_backward_request(msg.SerializeToString())
+
+
 def test_forward_backward_output_roundtrip_through_sdk_decoder():
     outputs = [
         {"logprobs": types.TensorData.from_numpy(np.array([-1.0, -2.0, -3.0], dtype=np.float32)),

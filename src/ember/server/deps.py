@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from ember.server.config import ServerConfig
@@ -35,6 +35,12 @@ def get_owner(request: Request) -> str:
 
 Owner = Depends(get_owner)
 Service = Depends(get_service)
+
+# Listing pages. The offset bound keeps it inside the database's 64-bit integers (an
+# unbounded one reached SQLite as an OverflowError, a 500); no listing is longer.
+MAX_OFFSET = 2**31 - 1
+Limit = Query(20, ge=1, le=1000)
+Offset = Query(0, ge=0, le=MAX_OFFSET)
 
 
 async def read_json(request: Request) -> Any:

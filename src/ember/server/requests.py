@@ -29,7 +29,20 @@ def parse(model: type[M], data: Any) -> M:
     """
     if not isinstance(data, dict):
         raise BadRequest(f"body: expected a JSON object, got {type(data).__name__}")
+    _check_int64_fields(data)
     return model.model_validate(data, extra="ignore")
+
+
+# Ids and times the service keeps as 64-bit database integers: a bigger JSON number
+# (Python reads any size) reached SQLite as an OverflowError, a 500.
+_INT64_FIELDS = ("seq_id", "model_seq_id", "sampling_session_seq_id", "ttl_seconds")
+
+
+def _check_int64_fields(data: dict[str, Any]) -> None:
+    for name in _INT64_FIELDS:
+        value = data.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            raise BadRequest(f"{name}: expected a 64-bit integer, got {value}")
 
 
 CreateSessionRequest = types.CreateSessionRequest

@@ -12,11 +12,9 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
-from ember.server.deps import Owner, Service, model_response, read_json
+from ember.server.deps import Limit, Offset, Owner, Service, model_response, read_json
 
 router = APIRouter()
-Limit = Query(20, ge=1, le=1000)
-Offset = Query(0, ge=0)
 
 
 @router.get("/get_server_capabilities")

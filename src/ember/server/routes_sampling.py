@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -10,7 +13,7 @@ from tinker import types
 from ember.server import requests as rq
 from ember.server import wire
 from ember.server.deps import Owner, Service, future_response, get_config, log_extra, model_response, read_json
-from ember.server.errors import BadRequest
+from ember.server.errors import BadRequest, client_gone
 from ember.service.api import FutureState
 
 router = APIRouter()
@@ -38,7 +41,19 @@ def _check_sample_request(req: rq.SampleRequest) -> str:
         raise BadRequest(f"prompt_alt_tokens_k: not supported by this server, got {req.prompt_alt_tokens_k}")
     if req.target_prompt_logprobs is not None:
         raise BadRequest("target_prompt_logprobs: not supported by this server")
+    _check_dmel_chunks(req.prompt)
     return req.sampling_session_id
+
+
+def _check_dmel_chunks(prompt: types.ModelInput) -> None:
+    """The SDK type parses a dmel chunk's TensorContainer lazily; parse it here, so a bad
+    one is a 400 naming the chunk, not a ValueError (500) in the service's submit."""
+    for j, chunk in enumerate(prompt.chunks):
+        if isinstance(chunk, types.DmelChunk):
+            try:
+                _ = chunk.length
+            except ValueError as exc:
+                raise BadRequest(f"prompt.chunks[{j}]: dmel: {exc}") from exc
 
 
 @router.post("/asample")
@@ -57,7 +72,10 @@ async def asample(request: Request, owner: str = Owner, service=Service):
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request, owner: str = Owner, service=Service):
     req = rq.parse(rq.FutureRetrieveRequest, await read_json(request))
-    state = await service.retrieve_async(owner, req.request_id, timeout_s=get_config(request).long_poll_s)
+    state = await _unless_hung_up(request, service.retrieve_async(owner, req.request_id,
+                                                                  timeout_s=get_config(request).long_poll_s))
+    if state is None:
+        return client_gone(request, f"long-poll of {req.request_id}")
     log_extra(request, request_id=req.request_id, status=state.status, request_type=state.request_type)
     if state.status == "pending":
         return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": state.queue_state})
@@ -66,6 +84,25 @@ async def retrieve_future(request: Request, owner: str = Owner, service=Service)
         return JSONResponse({"error": state.error or "request failed", "category": category.value})
     wants_proto = wire.PROTOBUF_CONTENT_TYPE in request.headers.get("accept", "")
     return await run_in_threadpool(encode_result, state, wants_proto)
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client closes the connection: the body is read, so the next ASGI
+    message can only be `http.disconnect`."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_hung_up(request: Request, poll: Awaitable[FutureState]) -> FutureState | None:
+    """The poll's state, or None when the client hung up first: the held poll is released
+    at once instead of waiting out its long-poll for nobody (the future itself is kept)."""
+    poll_task, gone_task = asyncio.ensure_future(poll), asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({poll_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (poll_task, gone_task):
+            task.cancel()
+    return poll_task.result() if poll_task.done() and not poll_task.cancelled() else None
 
 
 def encode_result(state: FutureState, wants_proto: bool) -> Response:

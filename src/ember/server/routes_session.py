@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
-from ember.server.deps import Owner, Service, get_config, log_extra, model_response, read_json
+from ember.server.deps import Limit, Offset, Owner, Service, get_config, log_extra, model_response, read_json
 
 router = APIRouter()
 
@@ -58,7 +58,7 @@ async def telemetry(request: Request, owner: str = Owner):
 
 
 @router.get("/sessions")
-async def list_sessions(limit: int = 20, offset: int = 0, owner: str = Owner, service=Service):
+async def list_sessions(limit: int = Limit, offset: int = Offset, owner: str = Owner, service=Service):
     return model_response(await run_in_threadpool(service.list_sessions, owner, limit, offset))
 
 

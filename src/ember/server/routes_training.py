@@ -42,7 +42,7 @@ async def _decode_forward_backward(request: Request) -> wire.ForwardBackwardCall
     body = await request.body()
     limit = get_config(request).max_body_bytes
     raw = wire.decompress_body(body, request.headers.get("content-encoding"), max_bytes=limit)
-    return await run_in_threadpool(wire.decode_forward_backward_request, raw)
+    return await run_in_threadpool(wire.decode_forward_backward_request, raw, max_dense_values=limit)
 
 
 @router.post("/forward_backward")

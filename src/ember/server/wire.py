@@ -36,6 +36,11 @@ _PUBLIC_TO_DTYPE = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
 _STOP_REASON_TO_PROTO = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
+# Values all sparse tensors of one request may densify to, when the caller sets no limit
+# (the server passes its body limit: as many values as a body may have bytes).
+DEFAULT_MAX_DENSE_VALUES = 64 * 1024 * 1024
+
+
 class WireError(ValueError):
     """A request body that cannot be decoded (-> HTTP 400 with a JSON body)."""
 
@@ -77,8 +82,14 @@ def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -
     return out
 
 
-def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
-    """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config."""
+def decode_forward_backward_request(
+    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES
+) -> ForwardBackwardCall:
+    """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config.
+
+    `max_dense_values` bounds what the sparse CSR tensors of the request densify to, all
+    together: their dense shape comes from the request, not from its bytes.
+    """
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -86,6 +97,7 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
         raise WireError(f"body: not a valid tinker_public.ForwardBackwardRequest protobuf ({exc})") from exc
     if not msg.model_id:
         raise WireError("model_id: expected a non-empty string, got ''")
+    _check_sparse_budget(msg, max_dense_values)
     data = [_decode_datum(i, d) for i, d in enumerate(msg.data)]
     return ForwardBackwardCall(
         model_id=msg.model_id,
@@ -96,6 +108,20 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardCall:
         forward_only=bool(msg.forward_only),
         sparse_inputs=sum(t.HasField("sparse_csr") for d in msg.data for t in d.loss_fn_inputs.values()),
     )
+
+
+def _check_sparse_budget(msg: pb.ForwardBackwardRequest, max_values: int) -> None:
+    """Refuse sparse tensors whose dense form is too big *before* allocating it (a 20-byte
+    tensor can claim shape [1, 2**40])."""
+    total = 0
+    for i, datum in enumerate(msg.data):
+        for name, tensor in datum.loss_fn_inputs.items():
+            if tensor.HasField("sparse_csr"):
+                total += math.prod(max(int(s), 0) for s in tensor.shape)
+                if total > max_values:
+                    raise WireError(
+                        f"datum {i}: loss_fn_inputs[{name!r}]: sparse CSR shape {list(tensor.shape)} brings the "
+                        f"request's densified sparse tensors to {total} values; the limit is {max_values}")
 
 
 def merge_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
@@ -113,6 +139,15 @@ def merge_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
 
 
 def _decode_datum(index: int, msg: pb.Datum) -> types.Datum:
+    try:
+        return _datum(index, msg)
+    except WireError:
+        raise
+    except ValueError as exc:  # the SDK's own validation of what was decoded (pydantic, numpy)
+        raise WireError(f"datum {index}: {exc}") from exc
+
+
+def _datum(index: int, msg: pb.Datum) -> types.Datum:
     chunks = [_decode_chunk(index, j, c) for j, c in enumerate(msg.model_input)]
     inputs = {name: decode_tensor(t, where=f"datum {index}: loss_fn_inputs[{name!r}]")
               for name, t in msg.loss_fn_inputs.items()}
@@ -130,6 +165,15 @@ def _decode_datum(index: int, msg: pb.Datum) -> types.Datum:
 
 def _decode_chunk(index: int, j: int, msg: pb.Chunk) -> Any:
     where = f"datum {index}: model_input chunk {j}"
+    try:
+        return _chunk(where, msg)
+    except WireError:
+        raise
+    except ValueError as exc:  # the SDK types validate their payload (e.g. a dmel TensorContainer)
+        raise WireError(f"{where}: {msg.WhichOneof('chunk')}: {exc}") from exc
+
+
+def _chunk(where: str, msg: pb.Chunk) -> Any:
     kind = msg.WhichOneof("chunk")
     if kind == "encoded_text":
         return types.EncodedTextChunk(tokens=decode_int32_tokens(msg.encoded_text.tokens, where=where))
@@ -140,7 +184,9 @@ def _decode_chunk(index: int, j: int, msg: pb.Chunk) -> Any:
         expected = msg.image.expected_tokens if msg.image.HasField("expected_tokens") else None
         return types.ImageChunk(data=msg.image.data, format=fmt, expected_tokens=expected)
     if kind == "dmel":
-        return types.DmelChunk(dmel=msg.dmel.dmel)
+        chunk = types.DmelChunk(dmel=msg.dmel.dmel)
+        _ = chunk.length  # parses the TensorContainer now: a bad one is the client's 400, not a 500 later
+        return chunk
     raise WireError(f"{where}: expected one of encoded_text/image/dmel, got an empty chunk")
 
 
