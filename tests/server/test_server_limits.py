@@ -22,6 +22,7 @@ from ember.server.testing import API_KEY, MODEL_NAME, memory_cap, sft_datum, sta
 LIMITS = {
     "max_num_samples": 16, "max_sample_tokens": 64, "max_prompt_tokens": 64, "max_topk_logprobs": 5,
     "max_datums_per_request": 8, "max_datum_tokens": 64, "max_request_tokens": 200, "max_seq_ahead": 8,
+    "max_lora_rank": 16,
 }
 RSS_BOUND = 64 << 20  # no hostile request below may grow the server by more than this
 
@@ -150,3 +151,25 @@ def test_limits_reach_the_capabilities(server, sdk):
     caps = sdk[0].create_rest_client().get_server_capabilities().result()
     (model,) = [m for m in caps.supported_models if m.model_name == MODEL_NAME]
     assert model.max_context_length == LIMITS["max_datum_tokens"]  # the tiny model has more positions
+
+
+def test_a_lora_rank_over_the_limit_is_refused(server, sdk):
+    """An unbounded rank once reached peft ("can't allocate 549 GB") as a server fault."""
+    sc = sdk[0]
+    before = rss(server)
+    for rank in (17, 2**31 - 1, 10**20):
+        with pytest.raises(Exception, match=f"lora_config.rank={rank} is over the limit max 16"):
+            sc.create_lora_training_client(base_model=MODEL_NAME, rank=rank).result()
+    assert rss(server) - before < RSS_BOUND
+    assert_still_serves(sdk)
+
+
+def test_top_k_and_logprob_counts_beyond_the_vocabulary_are_clamped(sdk):
+    """top_k = 10**20 once overflowed in the sampler's slots; past the vocabulary it keeps
+    every token, i.e. it is off: the same tokens and logprobs as top_k=-1."""
+    sampler = sdk[2]
+    prompt = types.ModelInput.from_ints([3, 4, 5])
+    outs = [sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=7, top_k=k)).result(timeout=60)
+            for k in (-1, 10**20)]
+    for a, b in zip(outs[0].sequences, outs[1].sequences, strict=True):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs

@@ -159,6 +159,8 @@ def resolve_request(
         raise _fail("prompt", f"fewer than {max_len} tokens (the sampler's max_len)", f"{len(prompt)} tokens")
     _check_extras(r, len(prompt))
     max_tokens, temperature, top_k, top_p = _check_params(r.sampling_params, default_max_tokens)
+    if top_k >= vocab_size:  # keeps every token: the same as off, and no vocabulary-sized (or larger) allocation
+        top_k = -1
     stop_ids, stop_strings = resolve_stop(r.sampling_params.stop, eos_token_ids, vocab_size)
     if stop_strings and not can_decode:
         raise _fail("sampling_params.stop", "token ids (this sampler has no tokenizer to match strings)", stop_strings)
@@ -175,7 +177,9 @@ def resolve_request(
         request=r, prompt=prompt, num_samples=r.num_samples,
         max_tokens=min(max_tokens, max_len - len(prompt)), temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, stop_token_ids=stop_ids, stop_strings=stop_strings, logprobs_mode=mode,
-        include_prompt_logprobs=bool(r.include_prompt_logprobs), topk_prompt_logprobs=r.topk_prompt_logprobs,
-        topk_sample_logprobs=r.topk_sample_logprobs, prompt_logprobs_last_n=r.prompt_logprobs_last_n,
+        # more alternatives than the vocabulary has are not meaningful: clamp before allocating
+        include_prompt_logprobs=bool(r.include_prompt_logprobs),
+        topk_prompt_logprobs=min(r.topk_prompt_logprobs, vocab_size),
+        topk_sample_logprobs=min(r.topk_sample_logprobs, vocab_size), prompt_logprobs_last_n=r.prompt_logprobs_last_n,
         sequence_ids=ids,
     )

@@ -33,6 +33,8 @@ class Limits:
     max_request_tokens: `model_input` tokens of all datums of one request together.
     max_seq_ahead: how far a training request's `seq_id` may be ahead of the next one the
         run expects (further would wait, then skip every request in between).
+    max_lora_rank: `lora_config.rank` of a new training run (its adapters' memory grows
+        with it).
     """
 
     max_num_samples: int = 256
@@ -43,6 +45,7 @@ class Limits:
     max_datum_tokens: int = 131072
     max_request_tokens: int = 1048576
     max_seq_ahead: int = 1024
+    max_lora_rank: int = 512
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,6 +88,12 @@ class Limits:
         if total > self.max_request_tokens:
             raise UserError(f"data has {total} model_input tokens in all; the limit is "
                             f"max_request_tokens={self.max_request_tokens}")
+
+    def check_lora_rank(self, lora_config: Any) -> None:
+        rank = getattr(lora_config, "rank", None)
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank > self.max_lora_rank:
+            raise UserError(f"lora_config.rank={rank} is over the limit max {self.max_lora_rank} "
+                            "(limits.max_lora_rank)")
 
     def check_seq_ahead(self, seq_id: int, next_seq: int, model_id: str) -> None:
         if seq_id - next_seq > self.max_seq_ahead:

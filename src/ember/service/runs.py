@@ -189,6 +189,7 @@ class RunManager:
             if not isinstance(model_seq_id, int) or model_seq_id < 0:
                 raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
             validate_lora(lora_config)
+            self.limits.check_lora_rank(lora_config)
             optimizer = validate_optimizer(optimizer_config)
             spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config)
             if self.store.get(RunRow, run_id) is not None:
