@@ -5,6 +5,7 @@ engine that dies mid-request (the semantic tests run on it through the `sampler`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import signal
@@ -25,10 +26,13 @@ needs_vllm = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_miss
 
 
 @needs_vllm
-def test_refusals_name_the_field(vllm_sampler, tiny_model_dir):
+def test_refusals_name_the_field(vllm_sampler, tiny_model_dir, monkeypatch):
+    # top-k counts are first clamped to the vocabulary (84 here, below the fixture's engine
+    # max_logprobs of 128): a lower configured maximum makes 60 one to refuse
+    monkeypatch.setattr(vllm_sampler, "config", dataclasses.replace(vllm_sampler.config, max_logprobs=50))
     bad = {
         "logprobs_mode": SamplingRequest(prompt=prompt([5, 6]), logprobs_mode="processed"),
-        "topk_sample_logprobs": SamplingRequest(prompt=prompt([5, 6]), topk_sample_logprobs=129),
+        "topk_sample_logprobs": SamplingRequest(prompt=prompt([5, 6]), topk_sample_logprobs=60),
         "temperature": SamplingRequest(prompt=prompt([5, 6]), sampling_params=params(temperature=2.5)),
     }
     good = SamplingRequest(prompt=prompt([5, 6]), sampling_params=params(max_tokens=3, seed=1, stop=[]))
