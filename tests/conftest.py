@@ -61,12 +61,12 @@ def postgres_server():
 
     bindir = find_bindir()
     if bindir is None:
-        pytest.skip("PostgreSQL is not installed (no pg_ctl on PATH nor /usr/lib/postgresql/*/bin): "
-                    "apt-get install postgresql (.ci/run does)")
+        pytest.skip(reason="PostgreSQL is not installed (no pg_ctl on PATH nor /usr/lib/postgresql/*/bin): "
+                           "apt-get install postgresql (.ci/run does)")
     try:
         import psycopg  # noqa: F401
     except ImportError as exc:
-        pytest.skip(f"psycopg is not importable ({exc}): pip install 'ember[postgres]'")
+        pytest.skip(reason=f"psycopg is not importable ({exc}): pip install 'ember[postgres]'")
     server = PostgresServer.start(bindir)
     yield server
     server.stop()

@@ -124,3 +124,12 @@ def test_a_bad_model_registration_exits_2_at_start_up(tmp_path, make, words):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("ember serve: ") and all(w in line for w in words), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_model_root_that_is_not_a_directory_exits_2_at_start_up(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--model-root", str(tmp_path / "nowhere"),
+                           "--data-dir", str(tmp_path / "data"), "--port", "0"], capture_output=True, text=True,
+                          timeout=120, env=server_env())
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line == f"ember serve: model root {str(tmp_path / 'nowhere')!r} is not a directory", proc.stderr
