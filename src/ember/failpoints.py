@@ -1,0 +1,143 @@
+"""Fail points: named places where a test makes ember fail on purpose, deterministically.
+
+Crash-consistency and fault-isolation tests need a server to die or fail at an exact
+point (between writing a checkpoint and committing its row, at the database write of a
+future's result, ...). Timing a `kill -9` from outside cannot hit those points reliably;
+a fail point can. Production code marks a point with `hit("name")`, which costs a dict
+lookup when nothing is armed (the default: nothing ever is unless an operator asks).
+
+Armed from the environment of a server process (a test starts `ember serve` with it):
+
+    EMBER_FAILPOINTS="checkpoint.after_write=kill;futures.finish_write=dblocked*3"
+
+or in process with `arm(name, action, times)` / `disarm()`. Actions:
+
+    kill          SIGKILL this process (a crash: nothing is flushed or cleaned up)
+    raise         RuntimeError("fail point <name>")
+    enospc        OSError(ENOSPC): a full disk
+    dblocked      sqlalchemy OperationalError "database is locked"
+    sleep:S       sleep S seconds, then continue
+
+`*N` fires the action on the first N hits only (default: every hit). The points are
+listed in `POINTS`; arming an unknown name is an error, so a typo cannot make a test
+pass vacuously.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+ENV = "EMBER_FAILPOINTS"
+
+POINTS = {
+    "checkpoint.before_write": "a save has chosen its directory, nothing written yet",
+    "checkpoint.after_write": "the checkpoint's files are complete, its row is not committed",
+    "checkpoint.after_commit": "the row points at the new directory, the replaced one is not removed yet",
+    "futures.finish_write": "the database write that finishes a future (result or error)",
+    "futures.after_create": "a create call's future row is committed, its work is not queued yet",
+    "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs)",
+}
+
+
+class FailPointError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Armed:
+    action: str
+    remaining: int  # -1: every hit
+
+
+_lock = threading.Lock()
+_armed: dict[str, _Armed] = {}
+_env_loaded = False
+
+
+def _parse(spec: str) -> dict[str, _Armed]:
+    out: dict[str, _Armed] = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        name, sep, action = item.partition("=")
+        if not sep:
+            raise ValueError(f"{ENV}: expected name=action, got {item!r}")
+        action, _, times = action.partition("*")
+        out[_check(name.strip())] = _Armed(_check_action(action.strip()), int(times) if times else -1)
+    return out
+
+
+def _check(name: str) -> str:
+    if name not in POINTS:
+        raise ValueError(f"unknown fail point {name!r}; known: {sorted(POINTS)}")
+    return name
+
+
+def _check_action(action: str) -> str:
+    kind, _, arg = action.partition(":")
+    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep") or (kind == "sleep") != bool(arg):
+        raise ValueError(f"unknown fail point action {action!r}")
+    if arg:
+        float(arg)
+    return action
+
+
+def _load_env() -> None:
+    global _env_loaded
+    with _lock:
+        if not _env_loaded:
+            _armed.update(_parse(os.environ.get(ENV, "")))
+            _env_loaded = True
+
+
+def arm(name: str, action: str, times: int = -1) -> None:
+    """Arm `name` in this process (tests); `times` hits, or every hit if -1."""
+    _load_env()
+    with _lock:
+        _armed[_check(name)] = _Armed(_check_action(action), times)
+
+
+def disarm(name: str | None = None) -> None:
+    """Disarm one point, or every point."""
+    _load_env()
+    with _lock:
+        if name is None:
+            _armed.clear()
+        else:
+            _armed.pop(name, None)
+
+
+def hit(name: str) -> None:
+    """Mark fail point `name`; does nothing unless it is armed."""
+    if not _env_loaded:
+        _load_env()
+    if not _armed:
+        return
+    with _lock:
+        armed = _armed.get(name)
+        if armed is None or armed.remaining == 0:
+            return
+        if armed.remaining > 0:
+            armed.remaining -= 1
+        action = armed.action
+    _fire(name, action)
+
+
+def _fire(name: str, action: str) -> None:
+    kind, _, arg = action.partition(":")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # never returns: the signal is delivered first
+    if kind == "sleep":
+        time.sleep(float(arg))
+        return
+    if kind == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if kind == "dblocked":
+        from sqlalchemy.exc import OperationalError
+
+        raise OperationalError(f"/* fail point {name} */ UPDATE futures SET ...", {}, Exception("database is locked"))
+    raise FailPointError(f"fail point {name}")

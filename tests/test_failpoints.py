@@ -1,0 +1,56 @@
+"""ember.failpoints: parsing, counts, and that an unknown name or action is refused."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from ember import failpoints
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    failpoints.disarm()
+    yield
+    failpoints.disarm()
+
+
+def test_unarmed_point_does_nothing():
+    failpoints.hit("checkpoint.after_write")
+
+
+def test_counted_actions_fire_then_stop():
+    failpoints.arm("futures.finish_write", "dblocked", times=2)
+    for _ in range(2):
+        with pytest.raises(OperationalError, match="database is locked"):
+            failpoints.hit("futures.finish_write")
+    failpoints.hit("futures.finish_write")  # spent
+
+
+def test_enospc_and_raise():
+    failpoints.arm("checkpoint.after_write", "enospc")
+    with pytest.raises(OSError) as info:
+        failpoints.hit("checkpoint.after_write")
+    assert info.value.errno == errno.ENOSPC
+    failpoints.arm("checkpoint.after_write", "raise")
+    with pytest.raises(failpoints.FailPointError, match="checkpoint.after_write"):
+        failpoints.hit("checkpoint.after_write")
+
+
+@pytest.mark.parametrize("name,action", [("no.such.point", "kill"), ("checkpoint.after_write", "explode"),
+                                         ("checkpoint.after_write", "sleep")])
+def test_unknown_names_and_actions_are_refused(name, action):
+    with pytest.raises(ValueError, match="unknown fail point"):
+        failpoints.arm(name, action)
+
+
+def test_kill_from_the_environment_kills_the_process():
+    code = "from ember import failpoints; failpoints.hit('checkpoint.before_write'); print('survived')"
+    env = {**os.environ, failpoints.ENV: "checkpoint.before_write=kill*1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9 and "survived" not in proc.stdout
