@@ -62,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(p)
     add_component_flags(p, "sampler", "sampling (unset device, dtype and max_len follow the engine and the model)")
     add_component_flags(p, "limits", "per-request limits (each refused as a user error naming the field)")
+    add_component_flags(p, "durability", "futures under database and disk faults (lock waits, finish retries, sweep)")
 
 
 def sampler_config_from_args(args: argparse.Namespace):
@@ -140,6 +141,7 @@ def service_config_from_args(args: argparse.Namespace):
         data_dir=args.data_dir, models=dict(args.model), models_toml=args.models_toml, model_roots=args.model_root,
         database_url=args.database_url, engine=component_config(args, "engine"),
         sampler=sampler_config_from_args(args), limits=component_config(args, "limits"),
+        durability=component_config(args, "durability"),
         seq_gap_timeout_s=args.seq_gap_timeout_s, session_timeout_s=args.session_timeout_s,
         retrieve_max_wait_s=args.long_poll_s,
     )
@@ -206,7 +208,10 @@ def default_arguments() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
     from ember.server.serve_config import apply_config_file
+    from ember.service.faults import public_message
     from ember.workers import WorkerError
 
     try:
@@ -219,6 +224,10 @@ def run(args: argparse.Namespace) -> int:
         app, server_config = build_app(args)
     except (ValueError, OSError, WorkerError) as exc:
         print(f"ember serve: {exc}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as exc:  # a corrupt or unreachable database: one line, no traceback
+        print(f"ember serve: cannot open the database ({public_message(exc)}); see `ember db current`",
+              file=sys.stderr)
         return 2
     try:
         return serve(app, server_config.host, server_config.port, args.log_level)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ember.server.config import ServerConfig
 from ember.server.errors import AuthError, BadRequest
 from ember.server.middleware import LOG_STATE_KEY
-from ember.server.wire import to_json
+from ember.server.wire import json_safe, to_json
 from ember.service.api import ServiceAPI, Submission
 
 
@@ -69,5 +69,16 @@ def future_response(submission: Submission) -> JSONResponse:
     return JSONResponse(body)
 
 
+class ResultResponse(JSONResponse):
+    """JSON of a result; non-finite floats become null (see `wire.json_safe`), checked
+    only when the strict encoder refuses the body."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:
+            return super().render(json_safe(content))
+
+
 def model_response(model: Any) -> JSONResponse:
-    return JSONResponse(to_json(model))
+    return ResultResponse(to_json(model))

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from ember.server.middleware import BodyTooLarge
 from ember.server.wire import WireError
 from ember.service.api import NotFoundError, ServiceError, SessionGoneError, UserError
+from ember.service.faults import public_message
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +107,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
+        # The log keeps the traceback; the client gets the cause without SQL, paths or frames.
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", "server")
+        return error_response(500, public_message(exc), "server")
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:

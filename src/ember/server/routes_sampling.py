@@ -119,4 +119,4 @@ def encode_result(state: FutureState, wants_proto: bool) -> Response:
         return Response(wire.encode_sample_response(result), media_type=wire.PROTOBUF_CONTENT_TYPE)
     elif isinstance(result, types.OptimStepResponse) and result.metrics:
         result = types.OptimStepResponse(metrics=wire.sanitize_metrics(result.metrics))
-    return JSONResponse(wire.to_json(result))
+    return model_response(result)

@@ -436,3 +436,16 @@ def to_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [to_json(v) for v in value]
     return value
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN and infinity replaced by null. JSON has neither, and the SDK
+    parses JSON with orjson, which refuses them: a forward whose loss overflowed must still
+    answer (the protobuf results carry non-finite floats as they are)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

@@ -47,6 +47,34 @@ def check_model_root(root: str | os.PathLike) -> Path:
 
 
 @dataclass
+class DurabilityConfig:
+    """How every future reaches an end when the database or the disk fails (`[durability]`).
+
+    db_lock_timeout_s: how long one database statement waits for a lock that another
+        connection holds (SQLite's busy timeout, PostgreSQL's lock_timeout) before failing.
+    finish_retry_s: finishing a future retries a failing database write (locked, disk
+        full, connection lost) for this long; then the future ends as a `server` failure
+        that says why (kept in memory, written once the database recovers). A future so
+        ends at most finish_retry_s + db_lock_timeout_s after its work did.
+    future_deadline_s: a future still pending this long after it was accepted is ended
+        (`server`) by the periodic sweep (None = never). Pending rows with no work behind
+        them in this server lifetime are ended after `orphan_grace_s`.
+    """
+
+    db_lock_timeout_s: float = 5.0
+    finish_retry_s: float = 10.0
+    future_deadline_s: float | None = 24 * 3600.0
+    orphan_grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("db_lock_timeout_s", "finish_retry_s", "orphan_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DurabilityConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.future_deadline_s is not None and not self.future_deadline_s > 0:
+            raise ValueError(f"DurabilityConfig.future_deadline_s must be > 0 or None, got {self.future_deadline_s}")
+
+
+@dataclass
 class ServiceConfig:
     """Configuration of one `Service`.
 
@@ -72,6 +100,8 @@ class ServiceConfig:
     housekeeping_interval_s: how often session expiry, future pruning and checkpoint TTLs
         (`save_state(ttl_seconds=...)`) are applied.
     limits: per-request bounds on counts and sizes (`ember.service.limits.Limits`).
+    durability: database lock waits, future-finishing retries and the stuck-future sweep
+        (`DurabilityConfig`).
     """
 
     data_dir: str | os.PathLike
@@ -88,6 +118,7 @@ class ServiceConfig:
     future_retention_s: float | None = 7 * 24 * 3600.0
     housekeeping_interval_s: float = 30.0
     limits: Limits = field(default_factory=Limits)
+    durability: DurabilityConfig = field(default_factory=DurabilityConfig)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -98,6 +129,8 @@ class ServiceConfig:
         self.model_roots = [check_model_root(r) for r in self.model_roots]
         if isinstance(self.limits, Mapping):
             self.limits = Limits(**self.limits)
+        if isinstance(self.durability, Mapping):
+            self.durability = DurabilityConfig(**self.durability)
         if self.seq_gap_timeout_s <= 0:
             raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
         if self.session_timeout_s is not None and self.session_timeout_s <= 0:

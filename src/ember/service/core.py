@@ -64,13 +64,14 @@ class Service(ServiceAPI):
 
     def _start(self, config: ServiceConfig, engine_factory: EngineFactory | None,
                sampler_factory: SamplerFactory | None) -> None:
-        self.store = Store(config.resolved_database_url)
+        durability = config.durability
+        self.store = Store(config.resolved_database_url, lock_timeout_s=durability.db_lock_timeout_s)
         failed = self.store.fail_pending_futures(RESTART_MESSAGE)
         unloaded = self.store.unload_active_runs()
         if failed or unloaded:
             log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
         self.registry = ModelRegistry(config.models, roots=config.model_roots, private=[config.data_dir])
-        self.futures = FutureTable(self.store)
+        self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s)
         self.runs = RunManager(
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
             config.data_dir, config.seq_gap_timeout_s, config.limits,
@@ -114,7 +115,12 @@ class Service(ServiceAPI):
                 log.exception("housekeeping failed")
 
     def housekeeping(self) -> None:
-        """Expire silent sessions, delete old finished futures and checkpoints past their TTL."""
+        """Expire silent sessions, end stuck futures, delete old finished futures and
+        checkpoints past their TTL."""
+        durability = self.config.durability
+        ended = self.futures.sweep(durability.future_deadline_s, durability.orphan_grace_s)
+        if ended:
+            log.warning("housekeeping ended %d stuck future(s)", ended)
         self.sessions.expire()
         now = time.time()
         if self.config.future_retention_s is not None:

@@ -5,6 +5,17 @@ pickled result before anyone is told), plus an in-memory entry while it is live 
 waiters (`retrieve` long-polls, asyncio servers, the in-process client) are woken
 without polling. Finished entries stay in a bounded in-memory cache; older ones are
 read back from the database.
+
+Every future reaches an end (DESIGN contract 6), whatever the database does:
+- finishing is one UPDATE, retried for `finish_retry_s` while the fault is transient
+  (locked, disk full, connection lost); a result that still cannot be stored ends the
+  future as a `server` failure saying so, and a final state that cannot be written at
+  all is kept in memory (served to clients) and written by `sweep` once the database
+  recovers;
+- a create call whose work cannot be queued after its row was recorded fails that
+  future (`accepting`), so a retry of the call finds it finished;
+- `sweep` (housekeeping) ends futures pending past a deadline, and pending rows that no
+  work of this lifetime will ever finish.
 """
 
 from __future__ import annotations
@@ -16,13 +27,16 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from tinker import types
 
+from ember import failpoints
 from ember.service.api import FutureState, NotFoundError, RequestType, Submission
+from ember.service.faults import is_transient, public_message
 from ember.service.store import FutureRow, Store, dump_payload, load_payload
 
 log = logging.getLogger(__name__)
@@ -38,13 +52,21 @@ class _Entry:
     event: threading.Event = field(default_factory=threading.Event)
     callbacks: list[Callable[[FutureState], None]] = field(default_factory=list)
     finishing: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+
+ORPHAN_MESSAGE = ("this request was recorded but no work of the running server will finish it "
+                  "(its submission failed part-way); resubmit it")
 
 
 class FutureTable:
     """Creates, finishes and serves futures. Thread-safe."""
 
-    def __init__(self, store: Store, cache_size: int = 4096) -> None:
+    def __init__(self, store: Store, cache_size: int = 4096, finish_retry_s: float = 10.0) -> None:
         self._store = store
+        self._finish_retry_s = finish_retry_s
+        # Final states whose row could not be written yet: served from here, written by sweep().
+        self._unsaved: dict[str, tuple[_Entry, dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._create_lock = threading.Lock()
         self._live: dict[str, _Entry] = {}
@@ -107,7 +129,8 @@ class FutureTable:
             blob = dump_payload(result)
         except Exception as exc:  # noqa: BLE001 - an unpicklable result is our bug
             log.exception("cannot serialise the result of %s", request_id)
-            self.fail(request_id, f"internal error: result not serialisable ({exc})", Server)
+            self.fail(request_id, "the result of this request could not be stored "
+                                  f"(not serialisable: {type(exc).__name__})", Server)
             return
         self._finish(request_id, "complete", result=result, payload=blob)
 
@@ -121,20 +144,58 @@ class FutureTable:
                 log.debug("future %s already finished; %s ignored", request_id, status)
                 return
             entry.finishing = True
+        values = dict(status=status, payload=payload, error=error,
+                      category=None if category is None else str(category), finished_at=time.time())
         # The row is committed before anyone can observe the result (survives a crash).
-        self._store.update(
-            FutureRow, request_id, status=status, payload=payload, error=error,
-            category=None if category is None else str(category), finished_at=time.time(),
-        )
+        saved, values = self._store_final(request_id, values)
         s = entry.state
         final = FutureState(
-            request_id=s.request_id, request_type=s.request_type, status=status, result=result,  # type: ignore[arg-type]
-            error=error, category=category, model_id=s.model_id,
+            request_id=s.request_id, request_type=s.request_type, status=values["status"],  # type: ignore[arg-type]
+            result=result if values["status"] == "complete" else None, error=values["error"],
+            category=None if values["category"] is None else types.RequestErrorCategory(values["category"]),
+            model_id=s.model_id,
         )
+        self._publish(request_id, entry, final, None if saved else values)
+
+    def _store_final(self, request_id: str, values: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        """Write the final row (retrying transient faults). A result that cannot be stored
+        becomes a `server` failure saying why. Returns (written, the values to serve)."""
+        try:
+            self._write_final(request_id, values, self._finish_retry_s)
+            return True, values
+        except Exception as exc:  # noqa: BLE001 - every future must end, whatever the store does
+            log.error("future %s: its %s state could not be stored", request_id, values["status"], exc_info=exc)
+            why = public_message(exc)
+        if values["status"] == "complete":
+            values = dict(values, status="failed", payload=None, category=str(Server),
+                          error=f"the result of this request could not be stored ({why}); resubmit it")
+        try:
+            self._write_final(request_id, values, 0.0)
+            return True, values
+        except Exception:  # noqa: BLE001 - kept in memory; sweep() writes it later
+            return False, values
+
+    def _write_final(self, request_id: str, values: dict[str, Any], retry_s: float) -> None:
+        deadline, delay = time.monotonic() + retry_s, 0.05
+        while True:
+            try:
+                failpoints.hit("futures.finish_write")
+                self._store.update(FutureRow, request_id, **values)
+                return
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("finishing future %s: %s; retrying", request_id, public_message(exc))
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    def _publish(self, request_id: str, entry: _Entry, final: FutureState, unsaved: dict[str, Any] | None) -> None:
         with self._lock:
             entry.state = final
             self._live.pop(request_id, None)
             self._done[request_id] = entry
+            if unsaved is not None:
+                self._unsaved[request_id] = (entry, unsaved)
             while len(self._done) > self._cache_size:
                 self._done.popitem(last=False)
             callbacks, entry.callbacks = entry.callbacks, []
@@ -145,10 +206,66 @@ class FutureTable:
             except Exception:  # noqa: BLE001 - a waiter's bug must not break the worker
                 log.exception("future callback failed for %s", request_id)
 
+    @contextmanager
+    def accepting(self, request_id: str) -> Iterator[None]:
+        """Wrap what follows a create (queueing the work): if it raises, the recorded future
+        fails (`server`) before the error propagates, so the caller's retry (same dedup key)
+        finds a finished future instead of one nothing will ever finish."""
+        try:
+            failpoints.hit("futures.after_create")
+            yield
+        except BaseException as exc:
+            log.exception("request %s was recorded but its work could not be queued", request_id)
+            self.fail(request_id, f"the request was recorded but could not be queued: {public_message(exc)}", Server)
+            raise
+
+    # ------------------------------------------------------------------ sweep
+    def sweep(self, deadline_s: float | None, orphan_grace_s: float) -> int:
+        """Housekeeping: write final states kept in memory, end live futures pending past
+        `deadline_s`, and pending rows older than `orphan_grace_s` that no work of this
+        lifetime holds. Returns how many futures it ended."""
+        self._flush_unsaved()
+        ended = 0
+        if deadline_s is not None:
+            for rid in self._overdue(deadline_s):
+                self.fail(rid, f"this request did not finish within {deadline_s:g} s of being accepted; "
+                               "the server ended it (resubmit it)", Server)
+                ended += 1
+        for rid in self._store.pending_future_ids(time.time() - orphan_grace_s):
+            with self._lock:
+                held = rid in self._live or rid in self._unsaved
+            if not held and self._store.fail_future_if_pending(rid, ORPHAN_MESSAGE):
+                log.warning("future %s was pending with no work behind it; ended", rid)
+                ended += 1
+        return ended
+
+    def _overdue(self, deadline_s: float) -> list[str]:
+        cutoff = time.monotonic() - deadline_s
+        with self._lock:
+            return [rid for rid, e in self._live.items() if e.created < cutoff and not e.finishing]
+
+    def _flush_unsaved(self) -> None:
+        with self._lock:
+            pending = list(self._unsaved.items())
+        for rid, (_, values) in pending:
+            try:
+                self._write_final(rid, values, 0.0)
+            except Exception as exc:  # noqa: BLE001 - still failing: try again next sweep
+                log.warning("future %s: final state still not stored (%s)", rid, public_message(exc))
+                continue
+            with self._lock:
+                self._unsaved.pop(rid, None)
+
+    def unsaved_count(self) -> int:
+        with self._lock:
+            return len(self._unsaved)
+
     # ------------------------------------------------------------------ access
     def _entry(self, owner: str, request_id: str) -> _Entry | None:
         with self._lock:
             entry = self._live.get(request_id) or self._done.get(request_id)
+            if entry is None and request_id in self._unsaved:
+                entry = self._unsaved[request_id][0]
         if entry is not None and entry.owner != owner:
             raise NotFoundError(f"unknown request_id {request_id!r}")
         return entry

@@ -26,6 +26,7 @@ from tinker import types
 from ember.engine.base import NonFiniteGradientError, TrainingEngine
 from ember.service import checkpoints as ckpt
 from ember.service.api import NotFoundError, RequestType, Submission, UserError
+from ember.service.faults import public_message
 from ember.service.engines import BaseModel, EngineFactory, ModelRegistry, RunSpec
 from ember.service.futures import Server, User, FutureTable
 from ember.service.sequencer import Lane, RunSequencer
@@ -68,7 +69,7 @@ def classify(exc: BaseException) -> tuple[str, types.RequestErrorCategory]:
         return str(exc), User
     if isinstance(exc, ValueError):  # includes UserError: bad input, the engine names datum/field
         return str(exc), User
-    return f"internal error ({type(exc).__name__}): {exc}", Server
+    return public_message(exc), Server
 
 
 def validate_lora(cfg: types.LoraConfig | None) -> None:
@@ -185,6 +186,14 @@ class RunManager:
         sub, created = self.futures.create(owner, "CreateModel", model_id=run_id, dedup_key=f"create:{run_id}")
         if not created:
             return sub
+        with self.futures.accepting(sub.request_id):
+            self._start_create(sub, owner, session_id, model_seq_id, base_model, lora_config, optimizer_config,
+                               user_metadata)
+        return sub
+
+    def _start_create(self, sub: Submission, owner: str, session_id: str, model_seq_id: int, base_model: str,
+                      lora_config: types.LoraConfig | None, optimizer_config, user_metadata) -> None:
+        run_id = f"{session_id}:train:{model_seq_id}"
         try:
             if not isinstance(model_seq_id, int) or model_seq_id < 0:
                 raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
@@ -197,14 +206,13 @@ class RunManager:
             run = self._register(owner, session_id, model_seq_id, spec, 1, optimizer, user_metadata, None)
         except UserError as exc:
             self.futures.fail(sub.request_id, str(exc), User)
-            return sub
+            return
 
         def op() -> types.CreateModelResponse:
             self._build_engine(run)
             return types.CreateModelResponse(model_id=run_id)
 
         run.lane.submit(lambda: self.execute(sub.request_id, op))
-        return sub
 
     def _checkpoint(self, owner: str, path: str, kind: str | None = None) -> tuple[ckpt.TinkerPath, CheckpointRow]:
         tp = ckpt.parse_tinker_path(path)
@@ -224,6 +232,13 @@ class RunManager:
         sub, created = self.futures.create(owner, "LoadWeights", model_id=run_id, dedup_key=f"create:{run_id}")
         if not created:
             return sub
+        with self.futures.accepting(sub.request_id):
+            self._start_create_from(sub, owner, session_id, model_seq_id, path, optimizer, base_model, user_metadata)
+        return sub
+
+    def _start_create_from(self, sub: Submission, owner: str, session_id: str, model_seq_id: int, path: str,
+                           optimizer: bool, base_model: str | None, user_metadata) -> None:
+        run_id = f"{session_id}:train:{model_seq_id}"
         try:
             if not isinstance(model_seq_id, int) or model_seq_id < 0:
                 raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
@@ -237,7 +252,7 @@ class RunManager:
                                  {"type": "adamw"}, user_metadata, tp.uri)
         except UserError as exc:
             self.futures.fail(sub.request_id, str(exc), User)
-            return sub
+            return
 
         def op() -> types.LoadWeightsResponse:
             self._build_engine(run)
@@ -245,7 +260,6 @@ class RunManager:
             return types.LoadWeightsResponse(path=tp.uri, model_id=run_id)
 
         run.seq.offer(0, lambda: self.execute(sub.request_id, op), lambda r: self.futures.fail(sub.request_id, r, Server))
-        return sub
 
     # ------------------------------------------------------------------ ordered ops
     def submit_op(self, owner: str, model_id: str, seq_id: Any, rtype: RequestType,
@@ -254,26 +268,25 @@ class RunManager:
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
             return self.reject(owner, rtype, f"seq_id must be an integer >= 0, got {seq_id!r}", model_id=model_id)
         sub, created = self.futures.create(owner, rtype, model_id=model_id, dedup_key=f"op:{model_id}:{seq_id}")
-        if not created:
-            return sub
+        if created:
+            with self.futures.accepting(sub.request_id):
+                self._queue_op(sub.request_id, owner, model_id, seq_id, fn)
+        return sub
+
+    def _queue_op(self, rid: str, owner: str, model_id: str, seq_id: int, fn: Callable[[LiveRun], Any]) -> None:
         try:
             run = self.live(owner, model_id)
-        except NotFoundError as exc:
-            self.futures.fail(sub.request_id, str(exc), User)
-            return sub
-        except RunNotLoadedError as exc:
-            self.futures.fail(sub.request_id, str(exc), Server)
-            return sub
-        try:  # before the sequencer holds it: a far-ahead seq_id would wait, then skip the gap
+            # before the sequencer holds it: a far-ahead seq_id would wait, then skip the gap
             self.limits.check_seq_ahead(seq_id, run.seq.next_seq, model_id)
-        except UserError as exc:
-            self.futures.fail(sub.request_id, str(exc), User)
-            return sub
+        except (NotFoundError, UserError) as exc:
+            self.futures.fail(rid, str(exc), User)
+            return
+        except RunNotLoadedError as exc:
+            self.futures.fail(rid, str(exc), Server)
+            return
         self._touch(run)
-        rid = sub.request_id
         run.seq.offer(seq_id, lambda: self.execute(rid, lambda: self._run_op(run, fn)),
                       lambda r: self.futures.fail(rid, r, Server))
-        return sub
 
     def _run_op(self, run: LiveRun, fn: Callable[[LiveRun], Any]) -> Any:
         if self.before_op is not None:
@@ -289,7 +302,10 @@ class RunManager:
         now = time.time()
         if now - run.touched >= 1.0:
             run.touched = now
-            self.store.update(RunRow, run.run_id, last_request_time=now)
+            try:
+                self.store.update(RunRow, run.run_id, last_request_time=now)
+            except Exception as exc:  # noqa: BLE001 - a listing's timestamp must not fail the request
+                log.warning("run %s: last_request_time not recorded (%s)", run.run_id, public_message(exc))
 
     # ------------------------------------------------------------------ checkpoint ops (run on the lane)
     def save_checkpoint(self, run: LiveRun, name: Any, kind: str, overwrite: bool, ttl_seconds, user_metadata) -> str:

@@ -15,6 +15,7 @@ model path).
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import json
 import logging
 import threading
@@ -32,6 +33,7 @@ from tinker import types
 from ember.service import checkpoints as ckpt
 from ember.service.api import NotFoundError, Submission, UserError
 from ember.service.engines import BaseModel, ModelRegistry
+from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
 
@@ -102,6 +104,7 @@ class SamplerManager:
         self._live: dict[str, OrderedDict[str, LiveSampler]] = {}  # session_id -> sampler_id -> live
         self._by_id: dict[str, LiveSampler] = {}  # sampler_id -> live, for every loaded session
         self._lock = threading.RLock()
+        self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ember-sample-finish")
 
     # ------------------------------------------------------------------ backends and versions
     def backend(self, base: BaseModel) -> Any:
@@ -226,20 +229,24 @@ class SamplerManager:
         key = f"sample:{sampler_id}:{seq_id}" if seq_id is not None else None
         n_ids = num if isinstance(num, int) and num >= 1 else 0
         sub, created = self.futures.create(owner, "Sample", dedup_key=key, num_sequences=n_ids)
-        if not created:
-            return sub
+        if created:
+            with self.futures.accepting(sub.request_id):
+                self._start_sample(sub, owner, sampler_id, num, request_kwargs)
+        return sub
+
+    def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any]) -> None:
         try:
-            if n_ids == 0:
+            if not sub.sample_sequence_ids:
                 raise UserError(f"num_samples must be an integer >= 1, got {num!r}")
             live = self._resolve(owner, sampler_id)
         except (UserError, NotFoundError) as exc:
             self.futures.fail(sub.request_id, str(exc), User)
-            return sub
+            return
         except Exception as exc:  # noqa: BLE001
-            self.futures.fail(sub.request_id, str(exc), Server)
-            return sub
-        self._dispatch(sub, live, request_kwargs)
-        return sub
+            log.exception("sampler %s could not be resolved", sampler_id)
+            self.futures.fail(sub.request_id, public_message(exc), Server)
+            return
+        self._dispatch(sub, live, kwargs)
 
     def _dispatch(self, sub: Submission, live: LiveSampler, kwargs: dict[str, Any]) -> None:
         from ember.sampling.base import SamplingRequest
@@ -253,9 +260,11 @@ class SamplerManager:
             return
         except Exception as exc:  # noqa: BLE001
             log.exception("sample %s could not be submitted", rid)
-            self.futures.fail(rid, f"internal error ({type(exc).__name__}): {exc}", Server)
+            self.futures.fail(rid, public_message(exc), Server)
             return
-        fut.add_done_callback(lambda f: self._finish(rid, f))
+        # Finished on the finisher threads, not the sampler's: a slow database write
+        # (retried while locked) must not hold up the decode step of every other request.
+        fut.add_done_callback(lambda f: self._finisher.submit(self._finish, rid, f))
 
     def _finish(self, rid: str, fut) -> None:
         exc = fut.exception()
@@ -265,7 +274,7 @@ class SamplerManager:
             self.futures.fail(rid, str(exc), User)
         else:
             log.error("sample %s failed: %r", rid, exc)
-            self.futures.fail(rid, f"internal error ({type(exc).__name__}): {exc}", Server)
+            self.futures.fail(rid, public_message(exc), Server)
 
     def sleep_all(self) -> None:
         """Colocation: every sampler that shares the trainer's GPU releases it (backends
@@ -292,3 +301,4 @@ class SamplerManager:
                 s.close()
             except Exception:  # noqa: BLE001
                 log.exception("closing a sampler failed")
+        self._finisher.shutdown(wait=True)  # the samplers' last results are written

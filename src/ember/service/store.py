@@ -33,6 +33,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ember.service.api import UserError
+from ember.service.faults import StoreBusy
 from ember.service.tables import Base, CheckpointRow, FutureRow, RunRow, SamplerRow, SessionRow
 
 __all__ = [
@@ -55,23 +56,42 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+def _sqlite_pragmas(busy_ms: int, dbapi_conn, _record) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
     cur.close()
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, lock_timeout_s: float = 5.0) -> Engine:
+    """`lock_timeout_s`: how long one statement waits for a lock another connection holds
+    (SQLite's busy timeout, PostgreSQL's lock_timeout) before it fails."""
+    ms = max(1, int(lock_timeout_s * 1000))
     if is_sqlite(url):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-        event.listen(engine, "connect", _sqlite_pragmas)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": lock_timeout_s})
+        event.listen(engine, "connect", functools.partial(_sqlite_pragmas, ms))
         return engine
     # pre_ping: a connection the database dropped (restart, idle timeout) is replaced, not
     # handed to a request that would then fail.
+    connect_args = {"options": f"-c lock_timeout={ms}"} if url.startswith("postgresql") else {}
     return create_engine(url, pool_pre_ping=True, pool_size=PG_POOL_SIZE, max_overflow=PG_MAX_OVERFLOW,
-                         pool_timeout=30, pool_recycle=3600)
+                         pool_timeout=30, pool_recycle=3600, connect_args=connect_args)
+
+
+class _TurnLock:
+    """SQLite's one-writer rule kept inside the process, with a bounded wait for the turn
+    (a writer stuck behind another process's lock must not queue every thread for ever)."""
+
+    def __init__(self, wait_s: float) -> None:
+        self._lock, self._wait_s = threading.Lock(), wait_s
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(timeout=self._wait_s):
+            raise StoreBusy(f"the database stayed locked for more than {self._wait_s:g} s")
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
 
 
 @functools.cache
@@ -103,9 +123,9 @@ def load_payload(blob: bytes) -> Any:
 class _Db:
     """Connections and transactions. Rows come back detached (read-only use)."""
 
-    def __init__(self, url: str, migrate: bool = True) -> None:
+    def __init__(self, url: str, migrate: bool = True, lock_timeout_s: float = 5.0) -> None:
         self.url = url
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, lock_timeout_s)
         if migrate:
             from ember.service.migrations import upgrade  # alembic: only where a Store is opened
 
@@ -113,7 +133,9 @@ class _Db:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         # SQLite allows one writer; serialising writes here avoids busy-waiting in the driver.
         # PostgreSQL has row locks and MVCC: writers must not queue behind each other.
-        self._write_lock = threading.Lock() if is_sqlite(url) else contextlib.nullcontext()
+        # The turn is bounded by a few lock timeouts: writers queued behind one that waits out
+        # another process's lock give up too, as a StoreBusy the caller can retry.
+        self._write_lock = _TurnLock(4 * lock_timeout_s) if is_sqlite(url) else contextlib.nullcontext()
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
@@ -267,3 +289,16 @@ class Store(_Db):
         return self._changed(
             delete(FutureRow).where(FutureRow.status != "pending", FutureRow.finished_at < finished_before)
         )
+
+    def pending_future_ids(self, created_before: float) -> list[str]:
+        """Futures still pending that were accepted before `created_before` (the stuck-future sweep)."""
+        return self._all(
+            select(FutureRow.request_id).where(FutureRow.status == "pending", FutureRow.created_at < created_before)
+        )
+
+    def fail_future_if_pending(self, request_id: str, message: str) -> bool:
+        """End one pending future as a server failure; False if it had finished meanwhile."""
+        return self._changed(
+            update(FutureRow).where(FutureRow.request_id == request_id, FutureRow.status == "pending")
+            .values(status="failed", error=message, category="server", finished_at=time.time())
+        ) > 0
