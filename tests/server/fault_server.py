@@ -8,6 +8,9 @@ endpoints that need no API key:
     POST /_test/faults         {"rules": [Rule, ...]}   replace the rules
     GET  /_test/faults         the rules with their remaining counts and hits
     POST /_test/client_config  {flag: value, ...}       merged into /api/v1/client/config
+    POST /_test/failpoints     {"name": str, "action": str | null, "times": int}
+                               arm (or, with action null, disarm) an `ember.failpoints` point
+                               in the server process
 
 A Rule: {"path": suffix, "status": int, "times": n (-1 = always), "body": JSON (default
 {"error": ..., "category": "user"}), "header": {name: value} (request headers to match),
@@ -25,6 +28,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ember import failpoints
 from ember.server.cli import add_arguments, build_app, serve
 from ember.server.middleware import RequestLogMiddleware
 
@@ -51,6 +55,13 @@ class FaultMiddleware:
         path = scope["path"]
         if path.endswith("/_test/faults"):
             return await self._control_faults(scope, receive, send)
+        if path.endswith("/_test/failpoints"):
+            spec = json.loads(await _read_body(receive))
+            if spec.get("action"):
+                failpoints.arm(spec["name"], spec["action"], spec.get("times", -1))
+            else:
+                failpoints.disarm(spec.get("name"))
+            return await _send_json(send, 200, spec)
         if path.endswith("/_test/client_config"):
             flags = json.loads(await _read_body(receive))
             self.fastapi_app.state.config.client_config.update(flags)

@@ -220,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ember serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin, every start
     try:
         app, server_config = build_app(args)
     except (ValueError, OSError, WorkerError) as exc:
