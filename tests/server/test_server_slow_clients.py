@@ -79,17 +79,17 @@ def _slowloris(port: int, stop: threading.Event, closed_after: list[float], sile
             sock.close()
 
 
-def _capabilities_latency_s(client: tinker.ServiceClient, n: int) -> float:
+def _capabilities_latency_s(client: tinker.RestClient, n: int) -> float:
     times = []
     for _ in range(n):
         start = time.monotonic()
-        client.get_server_capabilities()
+        client.get_server_capabilities().result(timeout=30)
         times.append(time.monotonic() - start)
     return statistics.median(times)
 
 
 def test_slow_header_client_is_closed_while_sdk_clients_keep_their_latency(server):
-    client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+    client = tinker.RestClient(base_url=server.base_url, api_key=API_KEY)
     _capabilities_latency_s(client, 3)  # warm the connection pool
     baseline = _capabilities_latency_s(client, 15)
 
@@ -112,7 +112,7 @@ def test_slow_header_client_is_closed_while_sdk_clients_keep_their_latency(serve
     assert len(closed_after) >= 20, closed_after
     assert all(HEADER_TIMEOUT_S - 0.2 <= t <= HEADER_TIMEOUT_S + 1.5 for t in closed_after), closed_after
     assert under_attack < 2 * baseline + 0.5, (baseline, under_attack)
-    client.get_server_capabilities()  # the SDK's keep-alive connections were never cut
+    client.get_server_capabilities().result(timeout=30)  # the SDK's keep-alive connections were never cut
     assert server.alive()
 
 
@@ -167,7 +167,7 @@ def test_slow_body_gets_408_and_is_closed(server, trickle):
 def _pending_future(server, key: str) -> tuple[tinker.ServiceClient, str]:
     """A forward_backward whose seq_id 3 waits (--seq-gap-timeout-s 60) for seq_ids 1 and 2."""
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=key)
-    model_id = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).get_info().model_id
+    model_id = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result(timeout=60).get_info().model_id
     req = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[sft_datum([1, 2, 3, 4, 5])], loss_fn="cross_entropy"),
         model_id=model_id, seq_id=3)
