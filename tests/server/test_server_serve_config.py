@@ -74,6 +74,8 @@ def test_file_values_and_command_line_precedence(tmp_path):
     ("[limits]\nmax_num_samples = 0\n", "limits.max_num_samples"),  # bad limit
     ("[limits]\nmax_everything = 1\n", "limits.max_everything"),    # unknown limit
     ("[parallel]\npp = 2\n", "parallel.pp"),
+    ("header_timeout_s = -1\n", "header_timeout_s"),            # bad value (ServerConfig)
+    ("max_requests_per_key = 1.5\n", "max_requests_per_key"),   # wrong type
 ])
 def test_bad_config_file_exits_2_naming_the_key(tmp_path, body, named):
     cfg = tmp_path / "serve.toml"

@@ -14,6 +14,7 @@ import contextlib
 from fastapi import FastAPI
 
 from ember.server import routes_rest, routes_sampling, routes_session, routes_training
+from ember.server.client_limits import BodyTimeoutMiddleware, PerKeyLimitMiddleware
 from ember.server.config import ServerConfig
 from ember.server.errors import install_error_handlers
 from ember.server.metrics import install_metrics
@@ -41,6 +42,8 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
 
     # add_middleware: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyTimeoutMiddleware, idle_s=config.body_timeout_s, deadline_s=config.body_deadline_s)
+    app.add_middleware(PerKeyLimitMiddleware, config=config)
     install_metrics(app, service, require_key=config.metrics_auth)  # GET /metrics; inside the path prefix
     if config.path_prefix:
         app.add_middleware(PathPrefixMiddleware, prefix=config.path_prefix)

@@ -48,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys-file", help="file with one 'KEY [OWNER]' per line")
     p.add_argument("--long-poll-s", type=float, default=20.0, help="retrieve_future hold time (< 35 s)")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="largest accepted request body")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="close a connection whose request headers take longer (slowloris)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="408 and close when the request body stalls this long between chunks")
+    p.add_argument("--body-deadline-s", type=float, default=600.0,
+                   help="408 and close when the whole request body takes longer")
+    p.add_argument("--max-requests-per-key", type=int, default=4096,
+                   help="in-flight HTTP requests per API key; more get 429 + Retry-After")
     p.add_argument("--seq-gap-timeout-s", type=float, default=5.0, help="wait for a missing seq_id this long")
     p.add_argument("--session-timeout-s", type=float, default=None, help="expire sessions without heartbeat")
     p.add_argument("--path-prefix", default="", help="serve under /PREFIX/api/v1 (behind a proxy)")
@@ -117,7 +125,9 @@ def server_config_from_args(args: argparse.Namespace):
         host=args.host, port=args.port, api_keys=keys, long_poll_s=args.long_poll_s,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), request_log=args.request_log,
         path_prefix=args.path_prefix, client_config={k: _json_value(v) for k, v in args.client_config},
-        metrics_auth=_on_off("metrics_auth", args.metrics_auth),
+        metrics_auth=_on_off("metrics_auth", args.metrics_auth), header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s, body_deadline_s=args.body_deadline_s,
+        max_requests_per_key=args.max_requests_per_key,
     )
 
 
@@ -187,16 +197,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app, host: str, port: int, log_level: str = "info") -> int:
-    """Run `app` with uvicorn on host:port (0 = any free port), announcing the URL on stdout."""
+def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: float = 10.0) -> int:
+    """Run `app` with uvicorn on host:port (0 = any free port), announcing the URL on stdout.
+
+    The HTTP protocol is h11 (uvicorn's one hard dependency), never "auto": the header
+    timeout lives in its subclass, so behaviour does not depend on httptools being
+    installed. No global `limit_concurrency` (it would count every tenant's idle
+    keep-alive connections together); the per-key bound is PerKeyLimitMiddleware."""
     import uvicorn
+
+    from ember.server.client_limits import header_timeout_protocol
 
     sock = bind_socket(host, port)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"ember serve: listening on http://{shown}:{actual}", flush=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on",
+                            http=header_timeout_protocol(header_timeout_s))
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
@@ -231,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        return serve(app, server_config.host, server_config.port, args.log_level)
+        return serve(app, server_config.host, server_config.port, args.log_level, server_config.header_timeout_s)
     finally:
         app.state.service.close()  # idempotent; covers a uvicorn that never ran its lifespan
 

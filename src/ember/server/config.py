@@ -73,6 +73,16 @@ class ServerConfig:
     metrics_auth: `GET /metrics` needs an accepted API key (X-API-Key or Authorization:
         Bearer). On by default because the metrics name every tenant's live runs; turn it
         off only where the port is reachable by the scraper alone.
+    header_timeout_s: a request whose headers are not complete this long after its first
+        byte (or after the connection opened) has its connection closed (slowloris).
+    body_timeout_s / body_deadline_s: a request body that stalls this long between two
+        chunks, or is not complete this long after the request arrived, gets 408 and the
+        connection is closed. Only the wait for body bytes is bounded, never the answer
+        (a `retrieve_future` long-poll holds its response as long as `long_poll_s`).
+    max_requests_per_key: in-flight HTTP requests of one API key (owner) beyond this get
+        429 with Retry-After. Above the SDK's own ceiling (a SamplingClient keeps up to
+        2000 sample requests in flight, each one HTTP request at a time), so a normal
+        training loop never meets it.
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +95,10 @@ class ServerConfig:
     client_config: Mapping[str, Any] = field(default_factory=dict)
     dynamic_config: Mapping[str, Any] = field(default_factory=dict)
     metrics_auth: bool = True
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    body_deadline_s: float = 600.0
+    max_requests_per_key: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 < self.long_poll_s <= SDK_RETRIEVE_TIMEOUT_S - 10:
@@ -94,6 +108,11 @@ class ServerConfig:
             )
         if self.max_body_bytes < 1024:
             raise ValueError(f"ServerConfig.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for name in ("header_timeout_s", "body_timeout_s", "body_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_requests_per_key < 1:
+            raise ValueError(f"ServerConfig.max_requests_per_key must be >= 1, got {self.max_requests_per_key}")
         for key in self.api_keys:
             if not key.startswith("tml-"):
                 raise ValueError(f"API key {key[:6]}...: the tinker SDK only sends keys starting with 'tml-'")

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ember.server.client_limits import BodyTimeout
 from ember.server.middleware import BodyTooLarge
 from ember.server.wire import WireError
 from ember.service.api import NotFoundError, ServiceError, SessionGoneError, UserError
@@ -74,6 +75,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, exc: BodyTooLarge):
         return error_response(413, str(exc))
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(_: Request, exc: BodyTimeout):
+        response = error_response(408, str(exc))
+        response.headers["connection"] = "close"  # the rest of the body will never be read
+        return response
 
     @app.exception_handler(WireError)
     @app.exception_handler(BadRequest)
