@@ -134,10 +134,12 @@ class FutureTable:
             return
         self._finish(request_id, "complete", result=result, payload=blob)
 
-    def fail(self, request_id: str, error: str, category: types.RequestErrorCategory) -> None:
-        self._finish(request_id, "failed", error=error, category=category)
+    def fail(self, request_id: str, error: str, category: types.RequestErrorCategory, *,
+             retry_s: float | None = None) -> None:
+        self._finish(request_id, "failed", error=error, category=category, retry_s=retry_s)
 
-    def _finish(self, request_id: str, status: str, *, result=None, payload=None, error=None, category=None) -> None:
+    def _finish(self, request_id: str, status: str, *, result=None, payload=None, error=None, category=None,
+                retry_s: float | None = None) -> None:
         with self._lock:
             entry = self._live.get(request_id)
             if entry is None or entry.finishing:
@@ -147,7 +149,7 @@ class FutureTable:
         values = dict(status=status, payload=payload, error=error,
                       category=None if category is None else str(category), finished_at=time.time())
         # The row is committed before anyone can observe the result (survives a crash).
-        saved, values = self._store_final(request_id, values)
+        saved, values = self._store_final(request_id, values, self._finish_retry_s if retry_s is None else retry_s)
         s = entry.state
         final = FutureState(
             request_id=s.request_id, request_type=s.request_type, status=values["status"],  # type: ignore[arg-type]
@@ -157,11 +159,11 @@ class FutureTable:
         )
         self._publish(request_id, entry, final, None if saved else values)
 
-    def _store_final(self, request_id: str, values: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-        """Write the final row (retrying transient faults). A result that cannot be stored
-        becomes a `server` failure saying why. Returns (written, the values to serve)."""
+    def _store_final(self, request_id: str, values: dict[str, Any], retry_s: float) -> tuple[bool, dict[str, Any]]:
+        """Write the final row (retrying transient faults for `retry_s`). A result that cannot
+        be stored becomes a `server` failure saying why. Returns (written, the values to serve)."""
         try:
-            self._write_final(request_id, values, self._finish_retry_s)
+            self._write_final(request_id, values, retry_s)
             return True, values
         except Exception as exc:  # noqa: BLE001 - every future must end, whatever the store does
             log.error("future %s: its %s state could not be stored", request_id, values["status"], exc_info=exc)
@@ -319,9 +321,10 @@ class FutureTable:
             return list(self._live)
 
     def fail_all_pending(self, message: str) -> None:
-        """Shutdown: every future still pending fails (server), so no waiter hangs."""
+        """Shutdown: every future still pending fails (server), so no waiter hangs. No
+        retries: a row left pending is failed by the next start-up anyway."""
         for rid in self.pending_ids():
-            self.fail(rid, message, Server)
+            self.fail(rid, message, Server, retry_s=0.0)
 
 
 def _submission(row: FutureRow) -> Submission:
