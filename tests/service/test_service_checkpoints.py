@@ -190,8 +190,8 @@ def test_saves_write_fresh_directories_and_every_use_goes_through_the_row(make_s
     old = segment / "ck"
     Path(second).rename(old)
     svc.store.update(CheckpointRow, path, directory=str(old))
-    again = result(svc, "alice", svc.load_weights("alice", path, True, session_id=svc.create_session("alice").session_id,
-                                                  model_seq_id=0)).model_id
+    sid = svc.create_session("alice").session_id
+    again = result(svc, "alice", svc.load_weights("alice", path, True, session_id=sid, model_seq_id=0)).model_id
     torch.testing.assert_close(_probe_lp(svc, "alice", again, 1), lp, rtol=0, atol=0)
     result(svc, "alice", svc.save_weights("alice", mid, 4, "ck", overwrite=True))
     assert not old.exists() and len(list(segment.iterdir())) == 1
