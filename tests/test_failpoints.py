@@ -54,3 +54,15 @@ def test_kill_from_the_environment_kills_the_process():
     env = {**os.environ, failpoints.ENV: "checkpoint.before_write=kill*1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9 and "survived" not in proc.stdout
+
+
+def test_at_k_lets_the_first_hits_pass():
+    assert failpoints._parse("checkpoint.after_write=raise*1@3")["checkpoint.after_write"].skip == 2
+    with pytest.raises(ValueError, match="counts hits from 1"):
+        failpoints._parse("checkpoint.after_write=kill@0")
+    failpoints.arm("checkpoint.after_write", "raise", times=1, skip=2)
+    failpoints.hit("checkpoint.after_write")
+    failpoints.hit("checkpoint.after_write")
+    with pytest.raises(failpoints.FailPointError):
+        failpoints.hit("checkpoint.after_write")
+    failpoints.hit("checkpoint.after_write")  # spent

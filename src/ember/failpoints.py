@@ -18,7 +18,9 @@ or in process with `arm(name, action, times)` / `disarm()`. Actions:
     dblocked      sqlalchemy OperationalError "database is locked"
     sleep:S       sleep S seconds, then continue
 
-`*N` fires the action on the first N hits only (default: every hit). The points are
+`*N` fires the action on the first N hits only (default: every hit); `@K` lets the first
+K-1 hits pass and fires from the K-th on (`checkpoint.after_write=kill@2`: the second save
+dies, after a first one that completed), written after `*N` when both are given. The points are
 listed in `POINTS`; arming an unknown name is an error, so a typo cannot make a test
 pass vacuously.
 """
@@ -52,6 +54,7 @@ class FailPointError(RuntimeError):
 class _Armed:
     action: str
     remaining: int  # -1: every hit
+    skip: int = 0  # hits that pass before the action fires
 
 
 _lock = threading.Lock()
@@ -65,8 +68,12 @@ def _parse(spec: str) -> dict[str, _Armed]:
         name, sep, action = item.partition("=")
         if not sep:
             raise ValueError(f"{ENV}: expected name=action, got {item!r}")
+        action, _, first = action.partition("@")
         action, _, times = action.partition("*")
-        out[_check(name.strip())] = _Armed(_check_action(action.strip()), int(times) if times else -1)
+        skip = int(first) - 1 if first else 0
+        if skip < 0:
+            raise ValueError(f"{ENV}: @K counts hits from 1, got {item!r}")
+        out[_check(name.strip())] = _Armed(_check_action(action.strip()), int(times) if times else -1, skip)
     return out
 
 
@@ -93,11 +100,11 @@ def _load_env() -> None:
             _env_loaded = True
 
 
-def arm(name: str, action: str, times: int = -1) -> None:
-    """Arm `name` in this process (tests); `times` hits, or every hit if -1."""
+def arm(name: str, action: str, times: int = -1, skip: int = 0) -> None:
+    """Arm `name` in this process (tests): after `skip` hits pass, `times` hits, or every hit if -1."""
     _load_env()
     with _lock:
-        _armed[_check(name)] = _Armed(_check_action(action), times)
+        _armed[_check(name)] = _Armed(_check_action(action), times, skip)
 
 
 def disarm(name: str | None = None) -> None:
@@ -119,6 +126,9 @@ def hit(name: str) -> None:
     with _lock:
         armed = _armed.get(name)
         if armed is None or armed.remaining == 0:
+            return
+        if armed.skip > 0:
+            armed.skip -= 1
             return
         if armed.remaining > 0:
             armed.remaining -= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +134,98 @@ def _run_on_group(group, cfg):
         torch.testing.assert_close(_sampler_lp(svc, "alice", snap.sampling_session_id), after, rtol=0, atol=1e-4)
         assert result(svc, "alice", svc.save_weights("alice", mid, 6, "wg-ck")).path.endswith("/weights/wg-ck")
         assert group.names == [f"run_{mid}".replace("-", "_").replace(":", "_")]
+
+
+# ---------------------------------------------------------------------- crash consistency
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_startup_sweep_removes_unreferenced_entries_and_keeps_the_rest(tmp_path):
+    from ember.service.sweep import sweep_data_dir
+
+    data = tmp_path / "data"
+    weights = data / "checkpoints" / "run_a" / "weights"
+    kept = ["ck", "ck.0a1b2c3d", "moved.00000000"]  # old layout, new layout, named from a moved data dir
+    garbage = ["ck.deadbeef", ".ck.12345678.tmp", ".ck.tmp-abcdef01"]  # orphan, temp, old-style temp
+    for name in kept + garbage + ["odd name"]:
+        (weights / name).mkdir(parents=True)
+        (weights / name / "f").write_text("x")
+    (weights / "notes.txt").write_text("operator's")
+    (data / "checkpoints" / "run_a" / "sampler_weights" / "s.11111111").mkdir(parents=True)
+    (data / "checkpoints" / "run_a" / "other" / "x").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    (outside / "precious").mkdir(parents=True)
+    (weights / "link.22222222").symlink_to(outside / "precious")
+    (data / "checkpoints" / "run_link").symlink_to(outside)
+    for name in ["sampler-0123abcd", "sampler-x", "mine"]:
+        (data / "scratch" / name).mkdir(parents=True)
+    referenced = [str(weights / "ck"), str(weights / "ck.0a1b2c3d"),
+                  "/elsewhere/old-data/checkpoints/run_a/weights/moved.00000000", str(tmp_path / "unrelated")]
+
+    removed = sweep_data_dir(data, referenced)
+
+    assert sorted(p.name for p in removed) == sorted(garbage + ["s.11111111", "sampler-0123abcd"])
+    assert sorted(p.name for p in weights.iterdir()) == sorted(kept + ["link.22222222", "notes.txt", "odd name"])
+    assert (weights / "ck" / "f").read_text() == "x" and (outside / "precious").is_dir()
+    assert (data / "checkpoints" / "run_a" / "other" / "x").is_dir()
+    assert sorted(p.name for p in (data / "scratch").iterdir()) == ["mine", "sampler-x"]
+    assert sweep_data_dir(tmp_path / "empty", []) == []
+
+
+def test_saves_write_fresh_directories_and_every_use_goes_through_the_row(make_service):
+    from ember.service.store import CheckpointRow
+
+    svc = make_service()
+    _, mid = new_run(svc, "alice")
+    path = result(svc, "alice", svc.save_weights("alice", mid, 1, "ck")).path
+    first = svc.store.get(CheckpointRow, path).directory
+    segment = Path(first).parent
+    assert Path(first).name.startswith("ck.") and len(Path(first).name) == len("ck.") + 8
+    lp = _probe_lp(svc, "alice", mid, 2)
+    result(svc, "alice", svc.save_weights("alice", mid, 3, "ck", overwrite=True))
+    second = svc.store.get(CheckpointRow, path).directory
+    assert second != first and [p.name for p in segment.iterdir()] == [Path(second).name]
+    # A row of the old layout (directory == <name>) keeps working: load, overwrite, delete.
+    old = segment / "ck"
+    Path(second).rename(old)
+    svc.store.update(CheckpointRow, path, directory=str(old))
+    sid = svc.create_session("alice").session_id
+    again = result(svc, "alice", svc.load_weights("alice", path, True, session_id=sid, model_seq_id=0)).model_id
+    torch.testing.assert_close(_probe_lp(svc, "alice", again, 1), lp, rtol=0, atol=0)
+    result(svc, "alice", svc.save_weights("alice", mid, 4, "ck", overwrite=True))
+    assert not old.exists() and len(list(segment.iterdir())) == 1
+    svc.delete_checkpoint("alice", mid, "weights/ck")
+    assert list(segment.iterdir()) == [] and svc.store.get(CheckpointRow, path) is None
+
+
+@pytest.mark.parametrize("point", ["checkpoint.before_write", "checkpoint.after_write", "checkpoint.after_commit"])
+def test_a_failed_save_leaves_rows_naming_complete_directories_after_restart(make_service, tmp_path, point):
+    from ember import failpoints
+    from ember.service.store import CheckpointRow
+
+    svc = make_service()
+    _, mid = new_run(svc, "alice")
+    path = result(svc, "alice", svc.save_weights("alice", mid, 1, "ck")).path
+    failpoints.arm(point, "raise")
+    try:
+        for seq, name in [(2, "ck"), (3, "new")]:
+            state = svc.retrieve("alice", svc.save_weights("alice", mid, seq, name, overwrite=True).request_id, 60)
+            assert state.status == "failed" and f"fail point {point}" in state.error
+    finally:
+        failpoints.disarm()
+    segment = Path(svc.store.get(CheckpointRow, path).directory).parent
+    assert len(list(segment.iterdir())) == (1 if point == "checkpoint.before_write" else 3)  # leftovers
+    svc.close()
+    svc = make_service()  # the same data directory: the start-up sweep runs
+    rows = [svc.store.get(CheckpointRow, p) for p in (path, path.replace("/ck", "/new"))]
+    dirs = {r.directory for r in rows if r is not None}
+    assert (rows[1] is not None) == (point == "checkpoint.after_commit")
+    assert {str(p) for p in segment.iterdir()} == dirs
+    assert all(ckpt_read(d) for d in dirs)
+
+
+def ckpt_read(directory):
+    from ember.service.checkpoints import read_state_weights
+
+    return len(read_state_weights(Path(directory))) > 0

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,11 +105,13 @@ def start_server(
     timeout: float = 180.0,
     model_name: str = MODEL_NAME,
     wrap: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> ServerProc:
     """Start `ember serve` (or a wrapper script taking the same arguments) and wait for it.
 
     `wrap` prefixes the command, e.g. `memory_cap(4 << 30)` to bound a server that tests
-    are about to send hostile sizes."""
+    are about to send hostile sizes; `env` adds to the server's environment (e.g.
+    `{"EMBER_FAILPOINTS": "checkpoint.after_write=kill"}`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     data_dir = data_dir or workdir / "data"
     log_path = workdir / "requests.jsonl"
@@ -127,7 +129,7 @@ def start_server(
         *extra_args,
     ]
     stderr = open(stderr_path, "w")  # noqa: SIM115 (owned by the child)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=server_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**server_env(), **(env or {})})
     url = _wait_for_url(proc, timeout, stderr_path)
     server = ServerProc(proc, url, int(url.rsplit(":", 1)[1]), data_dir, log_path, stderr_path)
     _wait_healthy(server, timeout)

@@ -8,12 +8,23 @@
 `<run_dir>` is the run id with every character outside [A-Za-z0-9_.-] replaced by "_"
 (run ids contain ':'); the database maps each tinker path to its directory, so the
 directory name never has to be parsed back.
+
+Crash consistency: the checkpoint row is the commit point. Each save writes a fresh
+directory `<name>.<hex8>` (built as `.<name>.<hex8>.tmp`, fsync'd, renamed when complete),
+then upserts the row pointing at it, then removes the directory the row named before (an
+overwrite). A kill at any point leaves every row naming a complete directory; whatever no
+row names is garbage that `ember.service.sweep` removes at start-up. Rows written before
+this layout name `<name>` itself, which keeps working: readers only ever use the row's
+`directory`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import shutil
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +32,8 @@ from pathlib import Path
 import torch
 
 from ember.service.api import UserError
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 KIND_SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
@@ -76,6 +89,59 @@ def checkpoint_dir(data_dir: Path, tp: TinkerPath) -> Path:
     if root not in d.parents:  # defence in depth; validate_name already forbids escapes
         raise UserError(f"checkpoint path {tp.uri!r} escapes the data directory")
     return d
+
+
+def new_version_dir(data_dir: Path, tp: TinkerPath) -> Path:
+    """A fresh directory for one save of `tp`, next to where `<name>` lives; not yet created."""
+    base = checkpoint_dir(data_dir, tp)
+    while True:
+        d = base.with_name(f"{base.name}.{uuid.uuid4().hex[:8]}")
+        if not d.exists() and not temp_dir_of(d).exists():  # a 2^-32 clash with a name like "ck.0a1b2c3d"
+            return d
+
+
+def temp_dir_of(final: Path) -> Path:
+    """Where a save builds `final` (a leading '.' no checkpoint name has: never listed, swept)."""
+    return final.with_name(f".{final.name}.tmp")
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and directory under `path` (and `path`) to disk: a rename that
+    follows must not publish a directory whose contents a power cut could still lose."""
+    for d, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(d))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make the complete, flushed `tmp` appear as `final` (atomic rename, parent flushed)."""
+    fsync_tree(tmp)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def remove_checkpoint_dir(data_dir: Path, directory: str | Path) -> None:
+    """Remove a checkpoint's directory, as its row names it; never anything outside
+    `<data_dir>/checkpoints/` (a row written under another data directory is left alone)."""
+    root = (data_dir / "checkpoints").resolve()
+    d = Path(directory).resolve()
+    if root not in d.parents or len(d.relative_to(root).parts) != 3:  # <run_dir>/<segment>/<entry>
+        log.warning("not removing checkpoint directory %s: it is not a checkpoint under %s", d, root)
+        return
+    remove_dir(d)
 
 
 def dir_size(path: Path) -> int:

@@ -33,6 +33,7 @@ from ember.service.runs import LiveRun, RunManager
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
 from ember.service.sessions import SessionManager
 from ember.service.store import Store
+from ember.service.sweep import sweep_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Service(ServiceAPI):
         unloaded = self.store.unload_active_runs()
         if failed or unloaded:
             log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
+        sweep_data_dir(config.data_dir, self.store.checkpoint_directories())  # before any run or sampler exists
         self.registry = ModelRegistry(config.models, roots=config.model_roots, private=[config.data_dir])
         self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s)
         self.runs = RunManager(
@@ -307,7 +309,7 @@ class Service(ServiceAPI):
         row = rest.checkpoint_row(self.store, owner, f"tinker://{run_id}/{checkpoint_id}")
         if not self.store.delete_checkpoint(row.tinker_path):
             raise NotFoundError(f"unknown checkpoint {row.tinker_path!r}")
-        ckpt.remove_dir(ckpt.checkpoint_dir(self.config.data_dir, ckpt.parse_tinker_path(row.tinker_path)))
+        ckpt.remove_checkpoint_dir(self.config.data_dir, row.directory)
 
     def get_weights_info(self, owner, tinker_path) -> types.WeightsInfoResponse:
         return rest.weights_info(self.store, owner, tinker_path)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 
 from tinker import types
 
+from ember import failpoints
 from ember.engine.base import NonFiniteGradientError, TrainingEngine
 from ember.service import checkpoints as ckpt
 from ember.service.api import NotFoundError, RequestType, Submission, UserError
@@ -309,28 +308,47 @@ class RunManager:
 
     # ------------------------------------------------------------------ checkpoint ops (run on the lane)
     def save_checkpoint(self, run: LiveRun, name: Any, kind: str, overwrite: bool, ttl_seconds, user_metadata) -> str:
+        """Write a fresh directory, commit the row naming it, then drop the replaced one
+        (crash-consistent: see `ember.service.checkpoints`)."""
         engine = run.require_engine()
         tp = ckpt.TinkerPath(run.run_id, kind, ckpt.validate_name(name))
         existing = self.store.get(CheckpointRow, tp.uri)
         if existing is not None and not overwrite:
             raise UserError(f"checkpoint {tp.uri} already exists; pass overwrite=True to replace it")
-        final = ckpt.checkpoint_dir(self.data_dir, tp)
-        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+        final = ckpt.new_version_dir(self.data_dir, tp)
+        tmp = ckpt.temp_dir_of(final)
+        failpoints.hit("checkpoint.before_write")
         try:
             engine.save_state(tmp, optimizer=True) if kind == "training" else engine.export_hf(tmp)
-            if final.exists():
-                ckpt.remove_dir(final)
-            os.replace(tmp, final)
+            ckpt.publish(tmp, final)
         finally:
             ckpt.remove_dir(tmp)
+        failpoints.hit("checkpoint.after_write")
         now = time.time()
         row = CheckpointRow(
             tinker_path=tp.uri, run_id=run.run_id, owner=run.owner, kind=kind, name=tp.name, directory=str(final),
             size_bytes=ckpt.dir_size(final), user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()} or None,
             created_at=now, expires_at=now + ttl_seconds if ttl_seconds else None,
         )
-        self.store.save_checkpoint(row)
+        try:
+            self.store.save_checkpoint(row)  # the commit point
+        except BaseException:
+            self._drop_uncommitted(tp, final)
+            raise
+        failpoints.hit("checkpoint.after_commit")
+        if existing is not None and existing.directory != row.directory:
+            ckpt.remove_checkpoint_dir(self.data_dir, existing.directory)
         return tp.uri
+
+    def _drop_uncommitted(self, tp: ckpt.TinkerPath, final: Path) -> None:
+        """The row write failed: remove `final` unless the commit happened after all (a lost
+        answer); when even that cannot be read, leave it to the start-up sweep."""
+        try:
+            row = self.store.get(CheckpointRow, tp.uri)
+        except Exception:  # noqa: BLE001 - the original error is what the caller sees
+            return
+        if row is None or row.directory != str(final):
+            ckpt.remove_dir(final)
 
     def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool) -> types.LoadWeightsResponse:
         engine = run.require_engine()

@@ -250,6 +250,10 @@ class Store(_Db):
             .limit(limit).offset(offset)
         )
 
+    def checkpoint_directories(self) -> list[str]:
+        """The directory of every checkpoint row (the start-up sweep keeps exactly these)."""
+        return self._all(select(CheckpointRow.directory))
+
     def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
         return self._all(
             select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now)
