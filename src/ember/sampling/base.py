@@ -32,7 +32,9 @@ from the wire. The semantics are Tinker's (tinker-protocol.md §4.6, §4.7):
   then logp(prompt[i] | prompt[:i]); `topk_prompt_logprobs=k`: k (token, logprob) pairs
   per prompt position (None at position 0); `topk_sample_logprobs=k` fills each
   sequence's `topk_logprobs`; `prompt_logprobs_last_n=n` scores only the last n prompt
-  positions (earlier entries None).
+  positions (earlier entries None; n >= len(prompt) - 1 scores them all). Counts larger
+  than meaningful are clamped before anything is allocated: top-k counts to the
+  vocabulary, `prompt_logprobs_last_n` to the prompt.
 
 Backends (chosen by name: `ember.sampling.registry.SAMPLER_BACKENDS`, `SamplerConfig.backend`):
 

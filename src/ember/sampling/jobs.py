@@ -3,7 +3,7 @@ tinker's `SampleResponse`."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +25,7 @@ class Job:
     next_sample: int = 0  # samples [0, next_sample) have a slot (or are done)
     done: int = 0
     prefilled: bool = False
+    failed: bool = False  # failed alone mid-step (Scheduler.fail_job): its remaining rows are skipped
     last_logits: torch.Tensor | None = None  # [V] logits after the prompt: first token of every sample
     prefix: list | None = None  # snapshot of the prompt's KV for samples placed later
     prompt_logprobs: np.ndarray | None = None
@@ -66,6 +67,16 @@ class Job:
             prompt_logprobs_np=self.prompt_logprobs if self.spec.include_prompt_logprobs else None,
             topk_prompt_logprobs_np=self.prompt_topk,
         )
+
+
+def settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Give `future` its result or error unless it is already done (cancelled by its caller)."""
+    if future.done():
+        return
+    try:
+        future.set_exception(error) if error is not None else future.set_result(result)
+    except InvalidStateError:  # cancelled in between, from another thread
+        pass
 
 
 def topk_matrix(rows: list[tuple[np.ndarray, np.ndarray] | None], k: int) -> TopkLogprobs:

@@ -137,10 +137,16 @@ def _check_extras(r: SamplingRequest, prompt_len: int) -> None:
         n = r.prompt_logprobs_last_n
         if not (r.include_prompt_logprobs or r.topk_prompt_logprobs):
             raise _fail("prompt_logprobs_last_n", "to be set only with prompt logprobs requested", n)
-        if not isinstance(n, int) or not 1 <= n <= prompt_len - 1:
-            raise _fail("prompt_logprobs_last_n", f"an integer in [1, {prompt_len - 1}] (len(prompt) - 1)", n)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _fail("prompt_logprobs_last_n", "an integer >= 1", n)
     if r.sequence_ids is not None and len(r.sequence_ids) != r.num_samples:
         raise _fail("sequence_ids", f"{r.num_samples} ids (one per sample)", len(r.sequence_ids))
+
+
+def scored_last_n(n: int | None, prompt_len: int) -> int | None:
+    """`prompt_logprobs_last_n` clamped to the positions a prompt has to score
+    (len(prompt) - 1: the first token has no logprob); None = all of them."""
+    return None if n is None or n >= prompt_len - 1 else n
 
 
 def resolve_request(
@@ -180,6 +186,7 @@ def resolve_request(
         # more alternatives than the vocabulary has are not meaningful: clamp before allocating
         include_prompt_logprobs=bool(r.include_prompt_logprobs),
         topk_prompt_logprobs=min(r.topk_prompt_logprobs, vocab_size),
-        topk_sample_logprobs=min(r.topk_sample_logprobs, vocab_size), prompt_logprobs_last_n=r.prompt_logprobs_last_n,
+        topk_sample_logprobs=min(r.topk_sample_logprobs, vocab_size),
+        prompt_logprobs_last_n=scored_last_n(r.prompt_logprobs_last_n, len(prompt)),
         sequence_ids=ids,
     )

@@ -5,21 +5,31 @@ prefill per prompt however many samples it has), then one decode forward for eve
 active slot. A sequence that finishes frees its slot at once, and the next step fills it
 with a waiting sample — requests of any length share the batch without waiting for the
 longest one. Only the sampler's worker thread calls into a Scheduler.
+
+Fault isolation: the work that belongs to one request (its prompt logprobs, its top-k
+logprobs when the batched computation fails, its stop-string checks, building its
+response) runs under `_guarded`; if it raises, `fail_job` fails that request alone (its
+slots are freed, its other rows in the step are skipped) and the step goes on for every
+other row. Only a failure of the shared work (the batched forwards, the draw) escapes
+`step()`, and the sampler then fails the requests in flight.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import numpy as np
 import torch
 
+from ember import failpoints
 from ember.sampling import jobs as J
 from ember.sampling import rng
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
 from ember.sampling.runner import ModelRunner, decode_mask, prefill_inputs
 from ember.sampling.slots import Placement, SlotTable
 
+log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: SlotTable, device: torch.device, max_prefill_tokens: int,
@@ -54,6 +64,32 @@ class Scheduler:
             self.slots.release(int(s))
         self.admitting = []
 
+    def fail_job(self, job: J.Job, exc: BaseException) -> None:
+        """Fail one request alone: free its slots, drop it from the queues, tell its caller
+        (with its own error only). Its rows still in this step's arrays are skipped (`_holds`)."""
+        log.error("sampling request failed alone: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        job.failed = True
+        for slot, holder in enumerate(self.slots.job):
+            if holder is job:
+                self.slots.release(slot)
+        self.waiting = deque(j for j in self.waiting if j is not job)
+        self.admitting = [j for j in self.admitting if j is not job]
+        job.last_logits = job.prefix = None
+        J.settle(job.future, error=RuntimeError(f"sampling failed for this request: {type(exc).__name__}: {exc}"))
+
+    def _guarded(self, job: J.Job, fn, *args):
+        """fn(*args), one request's own work: if it raises, that request fails (→ None)."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one request's fault is that request's alone
+            self.fail_job(job, exc)
+            return None
+
+    def _holds(self, slot: int, job: J.Job | None = None) -> bool:
+        """Slot `slot` still runs a live request (`job`, if given): not freed by a failure."""
+        holder = self.slots.job[slot]
+        return holder is not None and (job is None or holder is job)
+
     # ================================================================ admission
     def admit(self) -> None:
         free = list(self.slots.free_slots())
@@ -78,6 +114,7 @@ class Scheduler:
             return
         for batch in self._prefill_batches(to_prefill):
             self._prefill(batch)
+        placements = [p for p in placements if not p.job.failed]  # a prompt's scores may have failed it
         self._seed_slots(placements)
         self.admitting = []
         self._first_tokens(placements)
@@ -115,8 +152,12 @@ class Scheduler:
             job.last_logits = logits[b, -1].clone()  # not a view: the batch's logits are freed
             job.prefilled = True
             if job.wants_prompt_logprobs:
-                p = len(job.spec.prompt)
-                job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits[b, -p:], job.spec.prompt, job.spec)
+                self._guarded(job, self._prompt_scores, job, logits[b])
+
+    @staticmethod
+    def _prompt_scores(job: J.Job, logits_T_V: torch.Tensor) -> None:
+        p = len(job.spec.prompt)
+        job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits_T_V[-p:], job.spec.prompt, job.spec)
 
     def _lora_rows(self, versions: list) -> list[tuple[torch.Tensor | None, object]]:
         """[(batch rows, version)] for the LoRA versions among `versions` (None = base row)."""
@@ -161,10 +202,10 @@ class Scheduler:
 
     def _first_tokens(self, placements: list[Placement]) -> None:
         """Each placed sample's first token, drawn from its prompt's last logits."""
-        live = [p for p in placements if p.job.spec.max_tokens > 0]
         for p in placements:
-            if p.job.spec.max_tokens == 0:
+            if p.job.spec.max_tokens == 0 and self._holds(p.slot, p.job):
                 self._finish(p.slot, stop=False)
+        live = [p for p in placements if p.job.spec.max_tokens > 0]
         if live:
             logits = torch.stack([p.job.last_logits for p in live])
             self._sample_and_record(logits, np.array([p.slot for p in live]))
@@ -278,36 +319,75 @@ class Scheduler:
         self._check_finished(rows, tok_np)
 
     def _record_topk(self, logits, raw, params: RowParams, rows: np.ndarray, sel: np.ndarray) -> None:
+        """Top-k logprobs of the rows that want them: one batched computation; if it raises
+        (e.g. one request's k is too large to allocate), again per request, so that only the
+        request(s) whose own computation raises fail."""
+        want = self.slots.topk[rows] > 0
+        rows, sel = rows[want], sel[want]
+        try:
+            found = self._topk(logits, raw, params, rows, sel)
+        except Exception:  # noqa: BLE001 - retried per request below
+            log.warning("batched top-k logprobs failed; computing them per request", exc_info=True)
+            for job, idx in self._by_job(rows):
+                self._guarded(job, self._record_topk_rows, logits, raw, params, rows[idx], sel[idx])
+            return
+        self._append_topk(rows, *found)
+
+    def _record_topk_rows(self, logits, raw, params: RowParams, rows: np.ndarray, sel: np.ndarray) -> None:
+        self._append_topk(rows, *self._topk(logits, raw, params, rows, sel))
+
+    def _topk(self, logits, raw, params: RowParams, rows: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, logprobs) [len(rows), k] of the k most likely tokens, k = the rows' largest."""
         s = self.slots
-        want = s.topk[rows] > 0
-        sel_t = torch.as_tensor(sel[want], device=self.device)
-        k = int(s.topk[rows][want].max())
+        sel_t = torch.as_tensor(sel, device=self.device)
         mats = raw[sel_t]
-        if s.processed[rows][want].any():
+        if s.processed[rows].any():
             proc = processed_logprobs(logits[sel_t], _subset(params, sel_t))
-            mats = torch.where(torch.as_tensor(s.processed[rows][want], device=self.device)[:, None], proc, mats)
-        ids, vals = top_logprobs(mats, k)
-        ids_np, vals_np = ids.cpu().numpy(), vals.cpu().numpy()
-        for i, r in enumerate(rows[want]):
-            s.out_topk[r].append((ids_np[i], vals_np[i]))
+            mats = torch.where(torch.as_tensor(s.processed[rows], device=self.device)[:, None], proc, mats)
+        ids, vals = top_logprobs(mats, int(s.topk[rows].max()))
+        return ids.cpu().numpy(), vals.cpu().numpy()
+
+    def _append_topk(self, rows: np.ndarray, ids_np: np.ndarray, vals_np: np.ndarray) -> None:
+        for i, r in enumerate(rows):
+            self.slots.out_topk[r].append((ids_np[i], vals_np[i]))
+
+    def _by_job(self, rows: np.ndarray) -> list[tuple[J.Job, np.ndarray]]:
+        """[(job, indices into rows)] for the live jobs of `rows`."""
+        groups: dict[int, tuple[J.Job, list[int]]] = {}
+        for i, r in enumerate(rows.tolist()):
+            job = self.slots.job[r]
+            if job is not None:
+                groups.setdefault(id(job), (job, []))[1].append(i)
+        return [(job, np.asarray(idx)) for job, idx in groups.values()]
 
     def _check_finished(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         s = self.slots
         stop = s.stop_token_hit(rows, tokens)
         for i in np.flatnonzero(s.stop_str[rows] & ~stop):
-            stop[i] = self._stop_string_hit(int(rows[i]))
+            slot = int(rows[i])
+            if self._holds(slot):
+                stop[i] = bool(self._guarded(s.job[slot], self._stop_string_hit, slot))
         done = stop | (s.n_gen[rows] >= s.max_new[rows])
         for i in np.flatnonzero(done):
-            self._finish(int(rows[i]), bool(stop[i]))
+            slot = int(rows[i])
+            if self._holds(slot):  # not freed by its request's failure earlier in this step
+                self._finish(slot, bool(stop[i]))
 
     def _stop_string_hit(self, slot: int) -> bool:
+        failpoints.hit("sampler.decode_request")
         s = self.slots
         text = self.decode_text(s.out_tok[slot, : s.n_gen[slot]].tolist())
         return any(stop in text for stop in s.job[slot].spec.stop_strings)
 
     def _finish(self, slot: int, stop: bool) -> None:
+        """Slot `slot`'s sequence is done: store it, free the slot, answer its request if complete."""
+        job = self.slots.job[slot]
+        self._guarded(job, self._finish_sequence, job, slot, stop)
+
+    def _finish_sequence(self, job: J.Job, slot: int, stop: bool) -> None:
+        failpoints.hit("sampler.decode_request")
         s = self.slots
-        job, sample, n = s.job[slot], int(s.sample[slot]), int(s.n_gen[slot])
+        sample, n = int(s.sample[slot]), int(s.n_gen[slot])
         spec = job.spec
         seq = J.sampled_sequence(
             s.out_tok[slot, :n], s.out_lp[slot, :n], s.out_topk[slot], spec.topk_sample_logprobs, stop,
@@ -317,8 +397,7 @@ class Scheduler:
         self.stats["sequences"] += 1
         if job.finish_sample(sample, seq):
             job.last_logits = None
-            if not job.future.done():
-                job.future.set_result(job.response())
+            J.settle(job.future, result=job.response())
 
 
 def _subset(p: RowParams, idx: torch.Tensor) -> RowParams:

@@ -39,7 +39,7 @@ from ember.models import load_model, load_tokenizer
 from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
-from ember.sampling.jobs import Job
+from ember.sampling.jobs import Job, settle
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.layout import column_major_linears
 from ember.sampling.params import effective_max_len, resolve_request
@@ -208,8 +208,12 @@ class TorchSampler(Sampler):
                 with torch.inference_mode():
                     sched.step()
             except Exception as exc:  # noqa: BLE001 - a fault fails the requests it touched, not the sampler
+                # Per-request faults are failed alone inside step(); what escapes is the shared
+                # batched work, which no single request can be blamed for. The message names no
+                # request's shapes: those stay in the log.
                 log.exception("sampler step failed; failing %d in-flight request(s)", len(sched.in_flight()))
-                self._fail(sched.in_flight(), RuntimeError(f"sampling failed: {exc!r}"))
+                self._fail(sched.in_flight(),
+                           RuntimeError(f"sampling failed: the batched model forward raised {type(exc).__name__}"))
 
     def _fail(self, jobs: list[Job], exc: Exception) -> None:
         sched = self._scheduler
@@ -217,5 +221,4 @@ class TorchSampler(Sampler):
         sched.waiting = type(sched.waiting)(j for j in sched.waiting if id(j) not in dead)
         sched.reset()
         for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(exc)
+            settle(job.future, error=exc)

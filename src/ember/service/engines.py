@@ -128,7 +128,8 @@ class EngineFactory(abc.ABC):
     @abc.abstractmethod
     def create(self, spec: RunSpec) -> TrainingEngine:
         """Build the run's engine (fresh adapter / fresh copy). Raises ValueError for bad
-        configs (→ user error). Called on the run's lane."""
+        configs (→ user error); a create that raises leaves shared state (another run's
+        model) as it was. Called on the run's lane."""
 
     @abc.abstractmethod
     def release(self, spec: RunSpec, engine: TrainingEngine) -> None:
@@ -162,11 +163,17 @@ class LocalEngineFactory(EngineFactory):
         name = adapter_name(spec.run_id)
         model = add_lora_adapter(base, name, spec.lora_config)
         self._shared[spec.base.directory] = model
-        return engine_cls(
-            model, self.config, model_name=spec.base.name, lora_config=spec.lora_config, adapter_name=name
-        )
+        try:
+            return engine_cls(
+                model, self.config, model_name=spec.base.name, lora_config=spec.lora_config, adapter_name=name
+            )
+        except BaseException:
+            # A failed creation leaves the shared model as it found it: the other tenants'
+            # adapters only, and release() still knows when the last one is gone.
+            self.release(spec, None)
+            raise
 
-    def release(self, spec: RunSpec, engine: TrainingEngine) -> None:
+    def release(self, spec: RunSpec, engine: TrainingEngine | None) -> None:
         if not spec.is_lora:
             return
         model = self._shared.get(spec.base.directory)
