@@ -31,6 +31,7 @@ from ember.sampling.slots import Placement, SlotTable
 
 log = logging.getLogger(__name__)
 
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: SlotTable, device: torch.device, max_prefill_tokens: int,
                  decode_text=None) -> None:
