@@ -3,7 +3,6 @@ workers and parallel settings, flags on top; a bad key, type or value exits 2 na
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +13,12 @@ from ember.engine.config import EngineConfig
 from ember.sampling.config import SamplerConfig
 from ember.server import cli
 from ember.service.limits import Limits
-from ember.server.serve_config import apply_config_file
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve.toml"
 
 
 def _load(argv):
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args(argv)
-    apply_config_file(args, cli.default_arguments())
-    return args
+    return cli.parse_serve_args(argv)
 
 
 def test_example_file_loads_to_the_defaults_it_documents():

@@ -5,7 +5,6 @@ trickled body gets 408 and the connection closed; one key's in-flight requests a
 
 from __future__ import annotations
 
-import argparse
 import json
 import select
 import socket
@@ -22,7 +21,6 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from ember.server import cli
 from ember.server.config import ServerConfig
-from ember.server.serve_config import apply_config_file
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server
 
 HEADER_TIMEOUT_S = 1.5
@@ -217,11 +215,7 @@ def test_in_flight_requests_are_bounded_per_key(server):
 
 
 def _load(argv):
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args(argv)
-    apply_config_file(args, cli.default_arguments())
-    return args
+    return cli.parse_serve_args(argv)
 
 
 def test_timeouts_and_bound_are_configurable_and_validated(tmp_path):

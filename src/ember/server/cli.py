@@ -225,6 +225,18 @@ def default_arguments() -> dict[str, Any]:
     return vars(parser.parse_args([]))
 
 
+def parse_serve_args(argv: list[str]) -> argparse.Namespace:
+    """`ember serve` arguments with the `--config` file applied (raises ValueError naming a
+    bad key): what `run` starts from, for tools and tests that build configs."""
+    from ember.server.serve_config import apply_config_file
+
+    parser = argparse.ArgumentParser(prog="ember serve")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    apply_config_file(args, default_arguments())
+    return args
+
+
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
