@@ -2,7 +2,7 @@
 
 A failing write of a future's result (injected OperationalError / ENOSPC, or a real
 SQLite write lock held by another connection for longer than the retry) ends the future
-as `server` within finish_retry_s + db_lock_timeout_s; its state is served from memory and
+as `server` within finish_retry_s + 2 x db_lock_timeout_s; its state is served from memory and
 written once the database recovers; the next request succeeds. A create whose work cannot
 be queued fails its recorded future. The sweep ends futures pending past the deadline and
 rows no work holds.
@@ -24,7 +24,7 @@ from ember.server.testing import sft_datum
 from .conftest import new_run, result, wait
 
 RETRY_S, LOCK_S = 0.6, 0.3
-BOUND_S = RETRY_S + LOCK_S + 1.5  # the stated bound plus scheduling slack on a busy 2-core machine
+BOUND_S = RETRY_S + 2 * LOCK_S + 1.5  # the stated bound plus scheduling slack on a busy 2-core machine
 DATA = [sft_datum([3, 5, 7, 9, 11])]
 LEAKS = ("UPDATE", "INSERT", "SELECT", "[SQL", "sqlalche.me", "/", "Traceback")
 
@@ -83,6 +83,16 @@ def test_a_result_that_cannot_be_stored_ends_as_server_and_the_next_request_succ
     assert row.status == "failed" and row.category == "server" and cause in row.error
     out = result(svc, "alice", svc.forward_backward("alice", model_id, 2, DATA, "cross_entropy"))
     assert out.metrics["loss:sum"] > 0
+
+
+def test_a_result_refused_for_itself_is_not_retried_and_its_failure_is_stored_at_once(svc):
+    _, model_id = new_run(svc)
+    failpoints.arm("futures.finish_write", "raise", times=1)  # not a transient fault: no retry
+    sub = svc.forward_backward("alice", model_id, 1, DATA, "cross_entropy")
+    state = wait(svc, "alice", sub, timeout=10)
+    assert state.status == "failed" and state.category == types.RequestErrorCategory.Server
+    assert "could not be stored (internal error (FailPointError)" in state.error
+    assert svc.futures.unsaved_count() == 0 and _row(svc, sub).status == "failed"
 
 
 def test_a_transient_fault_shorter_than_the_retry_is_invisible(svc):

@@ -55,7 +55,8 @@ class DurabilityConfig:
     finish_retry_s: finishing a future retries a failing database write (locked, disk
         full, connection lost) for this long; then the future ends as a `server` failure
         that says why (kept in memory, written once the database recovers). A future so
-        ends at most finish_retry_s + db_lock_timeout_s after its work did.
+        ends at most finish_retry_s + 2 x db_lock_timeout_s after its work did (the last
+        attempt may wait for its turn among this process's writers, then for the lock).
     future_deadline_s: a future still pending this long after it was accepted is ended
         (`server`) by the periodic sweep (None = never). Pending rows with no work behind
         them in this server lifetime are ended after `orphan_grace_s`.

@@ -167,11 +167,13 @@ class FutureTable:
             return True, values
         except Exception as exc:  # noqa: BLE001 - every future must end, whatever the store does
             log.error("future %s: its %s state could not be stored", request_id, values["status"], exc_info=exc)
-            why = public_message(exc)
+            transient, why = is_transient(exc), public_message(exc)
         if values["status"] == "complete":
             values = dict(values, status="failed", payload=None, category=str(Server),
                           error=f"the result of this request could not be stored ({why}); resubmit it")
-        try:
+        if transient:  # the database is still failing: sweep() writes the failure, no wait here
+            return False, values
+        try:  # the payload itself was refused: the smaller failure row may well go in
             self._write_final(request_id, values, 0.0)
             return True, values
         except Exception:  # noqa: BLE001 - kept in memory; sweep() writes it later

@@ -133,9 +133,10 @@ class _Db:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         # SQLite allows one writer; serialising writes here avoids busy-waiting in the driver.
         # PostgreSQL has row locks and MVCC: writers must not queue behind each other.
-        # The turn is bounded by a few lock timeouts: writers queued behind one that waits out
-        # another process's lock give up too, as a StoreBusy the caller can retry.
-        self._write_lock = _TurnLock(4 * lock_timeout_s) if is_sqlite(url) else contextlib.nullcontext()
+        # The wait for the turn is bounded like the wait for the lock: writers queued behind one
+        # that waits out another process's lock give up too, as a StoreBusy the caller can
+        # retry. One write so fails within 2 x lock_timeout_s.
+        self._write_lock = _TurnLock(lock_timeout_s) if is_sqlite(url) else contextlib.nullcontext()
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
