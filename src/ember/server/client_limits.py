@@ -127,7 +127,11 @@ class PerKeyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        owner = self.config.owner_for(_header(scope, b"x-api-key"))
+        key = _header(scope, b"x-api-key")
+        if not key:  # the openai client's `Authorization: Bearer <key>` counts against the same key
+            scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+            key = token.strip() if scheme.lower() == "bearer" else None
+        owner = self.config.owner_for(key)
         if owner is None:
             return await self.app(scope, receive, send)
         if self.in_flight[owner] >= self.max_requests:

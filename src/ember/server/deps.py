@@ -24,12 +24,23 @@ def get_config(request: Request) -> ServerConfig:
     return request.app.state.config
 
 
+def request_key(headers) -> str | None:
+    """The presented API key: `X-API-Key` (the tinker SDK) or `Authorization: Bearer`
+    (the `openai` client and most HTTP tools)."""
+    key = headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
 def get_owner(request: Request) -> str:
     """The API key's identity; 401 (JSON body) for a missing or unknown key."""
-    key = request.headers.get("x-api-key")
+    key = request_key(request.headers)
     owner = request.app.state.config.owner_for(key)
     if owner is None:
-        raise AuthError("missing API key (X-API-Key header)" if not key else "invalid API key")
+        raise AuthError("missing API key (X-API-Key or Authorization: Bearer header)" if not key
+                        else "invalid API key")
     return owner
 
 

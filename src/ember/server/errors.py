@@ -44,8 +44,19 @@ def client_gone(request: Request, doing: str) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-def error_response(status: int, message: str, category: str = "user", **extra) -> JSONResponse:
+def error_response(status: int, message: str, category: str = "user", request: Request | None = None,
+                   **extra) -> JSONResponse:
+    """The Tinker error JSON; OpenAI's `{"error": {"message", "type", "code"}}` for the
+    OpenAI-compatible routes under `/v1/` (their clients read only that shape)."""
+    if request is not None and is_openai_path(request):
+        from ember.server.openai_compat import error_body
+
+        return JSONResponse(error_body(message, status), status_code=status)
     return JSONResponse({"error": message, "category": category, **extra}, status_code=status)
+
+
+def is_openai_path(request: Request) -> bool:
+    return request.scope.get("path", "").startswith("/v1/")
 
 
 def _validation_message(errors: list[dict]) -> str:
@@ -69,12 +80,12 @@ def _service_status(exc: ServiceError) -> int:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AuthError)
-    async def _auth(_: Request, exc: AuthError):
-        return error_response(401, str(exc))
+    async def _auth(request: Request, exc: AuthError):
+        return error_response(401, str(exc), request=request)
 
     @app.exception_handler(BodyTooLarge)
-    async def _too_large(_: Request, exc: BodyTooLarge):
-        return error_response(413, str(exc))
+    async def _too_large(request: Request, exc: BodyTooLarge):
+        return error_response(413, str(exc), request=request)
 
     @app.exception_handler(BodyTimeout)
     async def _body_timeout(_: Request, exc: BodyTimeout):
@@ -84,12 +95,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(WireError)
     @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, exc: ValueError):
-        return error_response(400, str(exc))
+    async def _bad_request(request: Request, exc: ValueError):
+        return error_response(400, str(exc), request=request)
 
     @app.exception_handler(pydantic.ValidationError)
-    async def _invalid(_: Request, exc: pydantic.ValidationError):
+    async def _invalid(request: Request, exc: pydantic.ValidationError):
         errors = exc.errors(include_url=False)
+        if is_openai_path(request):  # OpenAI answers invalid requests with 400
+            return error_response(400, _validation_message(errors), request=request)
         return error_response(422, _validation_message(errors), detail=_jsonable(errors))
 
     @app.exception_handler(RequestValidationError)
@@ -103,12 +116,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return client_gone(request, "reading the request body")
 
     @app.exception_handler(ServiceError)
-    async def _service(_: Request, exc: ServiceError):
+    async def _service(request: Request, exc: ServiceError):
         status = _service_status(exc)
-        return error_response(status, str(exc), "server" if status >= 500 else "user")
+        return error_response(status, str(exc), "server" if status >= 500 else "user", request=request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if is_openai_path(request):
+            return error_response(exc.status_code, str(exc.detail), request=request)
         return JSONResponse({"error": str(exc.detail), "category": "user"}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
@@ -116,7 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception):
         # The log keeps the traceback; the client gets the cause without SQL, paths or frames.
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(500, public_message(exc), "server")
+        return error_response(500, public_message(exc), "server", request=request)
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:
@@ -124,4 +139,4 @@ def _jsonable(errors: list[dict]) -> list[dict]:
             for e in errors]
 
 
-__all__ = ["AuthError", "BadRequest", "client_gone", "error_response", "install_error_handlers"]
+__all__ = ["AuthError", "BadRequest", "client_gone", "error_response", "install_error_handlers", "is_openai_path"]

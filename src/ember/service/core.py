@@ -317,6 +317,9 @@ class Service(ServiceAPI):
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         return rest.capabilities(self.registry, self.config.limits)
 
+    def base_model_directory(self, base_model: str) -> str:
+        return str(self.registry.resolve(base_model).directory)
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         if self._closed.is_set():

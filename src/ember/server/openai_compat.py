@@ -1,0 +1,198 @@
+"""OpenAI request and response shapes, translated to and from tinker sampling (pure).
+
+`/v1/completions` and `/v1/chat/completions` (`ember.server.routes_openai`) parse their
+bodies with the request models here, turn them into a prompt and `SamplingParams`, and
+turn the sampler's `SampledSequence`s back into OpenAI's JSON. Fields OpenAI defines but
+this server does not implement are refused (`Unsupported`, a 400) when set to anything
+but their neutral value, so an evaluation never silently runs with different settings;
+unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import pydantic
+from pydantic import ConfigDict, Field
+from tinker import types
+
+# OpenAI's default `max_tokens` for /v1/completions; chat has none (until the model
+# stops), so chat uses the same finite default unless the caller sets one.
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+
+class Unsupported(ValueError):
+    """A request field this server does not implement (-> 400)."""
+
+
+class _Common(pydantic.BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    stream: Optional[bool] = False
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    best_of: Optional[int] = None
+
+    def check_supported(self) -> None:
+        if self.stream:
+            raise Unsupported("stream: streaming is not supported by this server; send stream=false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise Unsupported(f"{name}: not supported by this server (got {getattr(self, name)}); leave it 0")
+        if self.logit_bias:
+            raise Unsupported("logit_bias: not supported by this server")
+        if self.best_of not in (None, 1, self.n):
+            raise Unsupported(f"best_of: only best_of = n is supported (got {self.best_of}, n = {self.n})")
+
+    def sampling_params(self, default_max_tokens: int) -> types.SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or None)
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return types.SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                    seed=self.seed, stop=stop)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0)
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise Unsupported("echo: not supported by this server; send echo=false")
+        if self.suffix:
+            raise Unsupported("suffix: not supported by this server")
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise Unsupported(f"prompt: one prompt per request (got a list of {len(self.prompt)}); "
+                                  "send the prompts as separate requests")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise Unsupported("prompt: empty list")
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        p = self.prompt
+        return p[0] if isinstance(p, list) and p and not isinstance(p[0], int) else p
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0)
+    tools: Optional[list[Any]] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise Unsupported("tools: tool calls are not supported by this server")
+        if self.top_logprobs and not self.logprobs:
+            raise Unsupported("top_logprobs: needs logprobs=true")
+
+    def sampling_params(self, default_max_tokens: int) -> types.SamplingParams:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+    def topk(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+def chat_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: content parts of type "text" are joined."""
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise Unsupported(f"messages[{i}].role: expected a string, got {role!r:.40}")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise Unsupported(f"messages[{i}].content: only text parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise Unsupported(f"messages[{i}].content: expected a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+# ------------------------------------------------------------------ responses
+def finish_reason(seq: types.SampledSequence) -> str:
+    return "length" if seq.stop_reason == "length" else "stop"
+
+
+def completion_text(tokenizer: Any, seq: types.SampledSequence, stop: Sequence[str]) -> str:
+    """The decoded completion without special tokens and, as OpenAI does, without the
+    stop string that ended it (the tokens and logprobs still include it)."""
+    text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+    if seq.stop_reason == "stop":
+        for s in stop:
+            if s and s in text:
+                return text[: text.index(s)]
+    return text
+
+
+def _token_str(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def completion_logprobs(tokenizer: Any, seq: types.SampledSequence, text_offset0: int) -> dict[str, Any]:
+    """OpenAI's legacy `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [_token_str(tokenizer, t) for t in seq.tokens]
+    offsets, at = [], text_offset0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    top = None
+    if seq.topk_logprobs is not None:
+        top = [{_token_str(tokenizer, t): lp for t, lp in sorted(row or [], key=lambda r: -r[1])}
+               for row in seq.topk_logprobs]
+    return {"tokens": tokens, "token_logprobs": list(seq.logprobs or []), "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def _chat_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+    s = _token_str(tokenizer, token)
+    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer: Any, seq: types.SampledSequence) -> dict[str, Any]:
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    tops = seq.topk_logprobs or [None] * len(seq.tokens)
+    content = []
+    for token, lp, row in zip(seq.tokens, seq.logprobs or [], tops, strict=False):
+        entry = _chat_entry(tokenizer, token, lp)
+        entry["top_logprobs"] = [_chat_entry(tokenizer, t, v) for t, v in (row or [])]
+        content.append(entry)
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, seqs: Sequence[types.SampledSequence]) -> dict[str, int]:
+    completion = sum(len(s.tokens) for s in seqs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def envelope(kind: str, model: str, choices: list[dict], usage_: dict[str, int]) -> dict[str, Any]:
+    prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+    code = code or {401: "invalid_api_key"}.get(status)
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

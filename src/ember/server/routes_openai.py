@@ -1,0 +1,192 @@
+"""OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+
+So evaluation tools built on the `openai` client can score base models and checkpoints.
+`model` is a registered base-model name or a `tinker://<run>/sampler_weights/<name>`
+(or `.../weights/<name>`) path the API key may read; anything else is a 404 in OpenAI's
+error shape. Sampling goes through the same `ServiceAPI.sample` as the Tinker routes, so
+limits, isolation and numerics are the sampler's: greedy `temperature=0` tokens and the
+logprobs equal what `SamplingClient.sample` returns for the same prompt and seed.
+
+Sampling sessions: each API key gets one internal client session (tag "openai", kept
+alive by a heartbeat on every request; recreated when it was finished or expired), and
+one sampling session per (key, model) in it, cached so a repeated model does not reload
+weights. Streaming is not supported (`stream=true` is a 400).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from typing import Any
+
+import pydantic
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from tinker import types
+
+from ember.models import load_tokenizer
+from ember.server import openai_compat as oa
+from ember.server.deps import Owner, Service, read_json
+from ember.server.errors import BadRequest
+from ember.service.api import NotFoundError, ServiceAPI, SessionGoneError, UserError
+
+router = APIRouter()
+POLL_S = 30.0
+
+
+class ModelNotFound(Exception):
+    """`model` names nothing this key may sample (-> 404, code model_not_found)."""
+
+
+class SamplerCache:
+    """(owner, model) -> (sampling_session_id, tokenizer), over one session per owner."""
+
+    def __init__(self, service: ServiceAPI) -> None:
+        self.service = service
+        self._lock = threading.Lock()
+        self._sessions: dict[str, str] = {}
+        self._samplers: dict[tuple[str, str], tuple[str, Any]] = {}
+        self._seq = itertools.count()
+
+    def get(self, owner: str, model: str) -> tuple[str, Any]:
+        with self._lock:  # one creation at a time: a model is loaded once
+            session = self._live_session(owner)
+            found = self._samplers.get((owner, model))
+            if found is None:
+                found = self._create(owner, session, model)
+                self._samplers[(owner, model)] = found
+            return found
+
+    def drop(self, owner: str, model: str) -> None:
+        with self._lock:
+            self._samplers.pop((owner, model), None)
+
+    def _live_session(self, owner: str) -> str:
+        session = self._sessions.get(owner)
+        if session is not None:
+            try:
+                self.service.heartbeat(owner, session)
+                return session
+            except (SessionGoneError, NotFoundError):
+                pass
+        session = self.service.create_session(owner, tags=["openai"], display_name="openai-compat").session_id
+        self._sessions[owner] = session
+        for key in [k for k in self._samplers if k[0] == owner]:
+            del self._samplers[key]  # they died with the old session
+        return session
+
+    def _create(self, owner: str, session: str, model: str) -> tuple[str, Any]:
+        is_path = model.startswith("tinker://")
+        try:
+            sid = self.service.create_sampling_session(
+                owner, session, next(self._seq), base_model=None if is_path else model,
+                model_path=model if is_path else None).sampling_session_id
+            base = self.service.get_sampler(owner, sid).base_model
+        except UserError as exc:  # unknown base model, unknown or foreign path
+            raise ModelNotFound(f"The model {model!r} does not exist or you do not have access to it ({exc})") from exc
+        return sid, _tokenizer(self.service.base_model_directory(base))
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer(directory: str) -> Any:
+    return load_tokenizer(directory)
+
+
+def _cache(request: Request, service: ServiceAPI) -> SamplerCache:
+    cache = getattr(request.app.state, "openai_samplers", None)
+    if cache is None:
+        cache = request.app.state.openai_samplers = SamplerCache(service)
+    return cache
+
+
+def _parse(model: type[pydantic.BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+    req = model.model_validate(body)
+    try:
+        req.check_supported()
+    except oa.Unsupported as exc:
+        raise BadRequest(str(exc)) from exc
+    return req
+
+
+async def _sample(request: Request, owner: str, service: ServiceAPI, model: str, prompt: list[int],
+                  n: int, params: types.SamplingParams, topk: int) -> tuple[list[types.SampledSequence], Any]:
+    """Sample on `model` for `owner`; once more on a fresh sampler if the cached one is gone."""
+    cache = _cache(request, service)
+    for attempt in range(2):
+        sid, tokenizer = await run_in_threadpool(cache.get, owner, model)
+        try:
+            sub = await run_in_threadpool(service.sample, owner, sid, None, types.ModelInput.from_ints(prompt),
+                                          n, params, topk_sample_logprobs=topk)
+        except NotFoundError:
+            cache.drop(owner, model)
+            if attempt:
+                raise
+            continue
+        state = await service.retrieve_async(owner, sub.request_id, timeout_s=POLL_S)
+        while not state.done:
+            state = await service.retrieve_async(owner, sub.request_id, timeout_s=POLL_S)
+        if state.status == "failed":
+            if state.category == types.RequestErrorCategory.User:
+                raise BadRequest(state.error or "sampling failed")
+            raise RuntimeError(state.error or "sampling failed")
+        return list(state.result.sequences), tokenizer
+    raise AssertionError("unreachable")
+
+
+def _not_found(exc: ModelNotFound) -> JSONResponse:
+    return JSONResponse(oa.error_body(str(exc), 404, code="model_not_found"), status_code=404)
+
+
+@router.post("/completions")
+async def completions(request: Request, owner: str = Owner, service=Service):
+    req = _parse(oa.CompletionRequest, await read_json(request))
+    params = req.sampling_params(oa.DEFAULT_MAX_TOKENS)
+    try:
+        _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
+    except ModelNotFound as exc:
+        return _not_found(exc)
+    prompt = req.single_prompt()
+    ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+    topk = req.logprobs or 0
+    seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, topk)
+    offset0 = len(prompt) if isinstance(prompt, str) else 0
+    choices = [{"index": i, "text": oa.completion_text(tokenizer, s, params.stop or []),
+                "logprobs": oa.completion_logprobs(tokenizer, s, offset0) if req.logprobs is not None else None,
+                "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
+    return JSONResponse(oa.envelope("text_completion", req.model, choices, oa.usage(len(ids), seqs)))
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, owner: str = Owner, service=Service):
+    req = _parse(oa.ChatRequest, await read_json(request))
+    params = req.sampling_params(oa.DEFAULT_CHAT_MAX_TOKENS)
+    try:
+        messages = oa.chat_messages(req.messages)
+        _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
+    except oa.Unsupported as exc:
+        raise BadRequest(str(exc)) from exc
+    except ModelNotFound as exc:
+        return _not_found(exc)
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest(f"model {req.model!r}: its tokenizer has no chat template; use /v1/completions")
+    # The template's text, then its tokens (transformers' tokenize=True return type varies by version).
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, req.topk())
+    choices = [{"index": i,
+                "message": {"role": "assistant", "content": oa.completion_text(tokenizer, s, params.stop or [])},
+                "logprobs": oa.chat_logprobs(tokenizer, s) if req.logprobs else None,
+                "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
+    return JSONResponse(oa.envelope("chat.completion", req.model, choices, oa.usage(len(ids), seqs)))
+
+
+@router.get("/models")
+async def list_models(owner: str = Owner, service=Service):
+    caps = await run_in_threadpool(service.get_server_capabilities)
+    data = [{"id": m.model_name, "object": "model", "created": 0, "owned_by": "ember"}
+            for m in caps.supported_models if m.model_name]
+    return JSONResponse({"object": "list", "data": data})
