@@ -143,3 +143,23 @@ def test_auth_errors_use_the_openai_shape(ember_server):
     with pytest.raises(openai.AuthenticationError) as err:
         bad.models.list()
     assert err.value.body["type"] == "authentication_error"
+
+
+def test_stop_string_ends_the_text(oai):
+    free = oai.completions.create(model=MODEL_NAME, prompt=PROMPT_TEXT, max_tokens=12, temperature=0, logprobs=0)
+    text = free.choices[0].text
+    assert free.choices[0].finish_reason == "length" and len(text) >= 4
+    stop = text[2:4]
+    cut = oai.completions.create(model=MODEL_NAME, prompt=PROMPT_TEXT, max_tokens=12, temperature=0, stop=[stop],
+                                 logprobs=0)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == text[: text.index(stop)]
+    assert "".join(choice.logprobs.tokens).startswith(text[: text.index(stop)])
+
+
+def test_x_api_key_header_works_too(ember_server):
+    r = httpx.post(ember_server.base_url + "/v1/chat/completions", headers={"X-API-Key": API_KEY}, timeout=60,
+                   json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] <= 3
