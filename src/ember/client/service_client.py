@@ -10,8 +10,11 @@ written for `tinker.ServiceClient(base_url=...)` runs here by changing that one 
 
 Services are shared per database within a process: two ServiceClients on the same data
 directory (or database URL) talk to one `ember.service.Service` — which is also what
-happens over HTTP, where many clients share one server. The shared service is closed
-when its last client closes (or at interpreter exit).
+happens over HTTP, where many clients share one server. They must ask for the same
+configuration (every `ServiceConfig` field, workers and sampler; more models may be
+registered): a different one is a ValueError naming what differs. The shared service is
+closed when its last client closes (or at interpreter exit). Sub-clients get a
+`ClientContext`; SDK methods ember lacks raise the SDK's error (`ember.client.unsupported`).
 
 Scale out (the in-process twin of `ember serve --workers.* --parallel.*`): pass
 `workers=`, a `ember.service.config.WorkersConfig` or a dict of its fields, and every
