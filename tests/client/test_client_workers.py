@@ -56,7 +56,7 @@ def test_default_is_the_local_factory(make_client):
 
 def test_clients_sharing_a_service_must_agree_on_workers(make_client, tmp_path):
     make_client(tmp_path / "shared")
-    with pytest.raises(ValueError, match="already runs with workers="):
+    with pytest.raises(ValueError, match="another configuration: workers="):
         make_client(tmp_path / "shared", workers=WorkersConfig(runtime="inline"))
     make_client(tmp_path / "shared", workers=WorkersConfig())  # the default equals "local"
 

@@ -6,6 +6,9 @@
    copies of those logprobs and is back-propagated: g_i = dC/dlogprobs_i;
 3. a cross_entropy forward_backward with `weights = -g_i` follows. Because
    CE = -Σ w·logp, its parameter gradient equals dC/dθ.
+
+`loss_fn` may also be a `LossHandle` from `ServiceClient.create_custom_loss` (a per-datum
+loss traced by the SDK); it runs here the same way, as the SDK runs it client-side.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ from typing import Any
 
 import torch
 from tinker import types
+from tinker.lib.public_interfaces.custom_loss import LossHandle, check_loss_inputs, run_loss_handle
+
+
+def check_loss_handle(handle: LossHandle, data: list[types.Datum], session_id: str) -> None:
+    """As the SDK: a handle serves only its own session's clients, and every datum must
+    carry each input it reads at the declared rank."""
+    if handle.session_id != session_id:
+        raise ValueError(f"LossHandle {handle.name!r} was created in session {handle.session_id}; it can "
+                         "only be used by clients of that session")
+    check_loss_inputs(handle, data)
 
 
 def custom_forward_data(data: list[types.Datum]) -> list[types.Datum]:
@@ -40,7 +53,10 @@ def evaluate_custom_loss(
         if out["logprobs"].shape is not None:
             lp = lp.reshape(out["logprobs"].shape)
         logprobs_list.append(lp.clone().detach().requires_grad_(True))
-    loss, metrics = loss_fn(data, logprobs_list)
+    if isinstance(loss_fn, LossHandle):  # from ServiceClient.create_custom_loss: the traced graph runs
+        loss, metrics = run_loss_handle(loss_fn, data, logprobs_list)
+    else:
+        loss, metrics = loss_fn(data, logprobs_list)
     loss_sum = float(loss.detach().sum().item())
     loss.backward()
     grads = []

@@ -8,7 +8,8 @@ from typing import Any, Callable, Literal
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
-from ember.service.api import ServiceAPI
+from ember.client.context import ClientContext
+from ember.service.unsupported import unsupported
 
 
 def _now(fn: Callable[[], Any]) -> APIFuture:
@@ -24,8 +25,8 @@ def _now(fn: Callable[[], Any]) -> APIFuture:
 class RestClient:
     """Same method names, arguments and return types (APIFuture[...]) as `tinker.RestClient`."""
 
-    def __init__(self, service: ServiceAPI, owner: str) -> None:
-        self._service, self._owner = service, owner
+    def __init__(self, context: ClientContext) -> None:
+        self._service, self._owner = context.service, context.owner
 
     def get_server_capabilities(self) -> APIFuture[types.GetServerCapabilitiesResponse]:
         return _now(self._service.get_server_capabilities)
@@ -70,3 +71,68 @@ class RestClient:
 
     def get_sampler(self, sampler_id: str) -> APIFuture[types.GetSamplerResponse]:
         return _now(lambda: self._service.get_sampler(self._owner, sampler_id))
+
+    # ------------------------------------------------------------------ async variants (awaitable results)
+    async def get_training_run_async(self, training_run_id: str,
+                                     access_scope: Literal["owned", "accessible"] = "owned") -> types.TrainingRun:
+        return await self.get_training_run(training_run_id, access_scope)
+
+    async def get_training_run_by_tinker_path_async(self, tinker_path: str, access_scope: Literal[
+            "owned", "accessible"] = "owned") -> types.TrainingRun:
+        return await self.get_training_run_by_tinker_path(tinker_path, access_scope)
+
+    async def list_training_runs_async(self, limit: int = 20, offset: int = 0,
+                                       access_scope: Literal["owned", "accessible"] = "owned",
+                                       project_id: str | None = None) -> types.TrainingRunsResponse:
+        return await self.list_training_runs(limit, offset, access_scope, project_id)
+
+    async def list_checkpoints_async(self, training_run_id: str) -> types.CheckpointsListResponse:
+        return await self.list_checkpoints(training_run_id)
+
+    async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0) -> types.CheckpointsListResponse:
+        return await self.list_user_checkpoints(limit, offset)
+
+    async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
+        return await self.delete_checkpoint(training_run_id, checkpoint_id)
+
+    async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        return await self.delete_checkpoint_from_tinker_path(tinker_path)
+
+    async def get_session_async(self, session_id: str,
+                                access_scope: Literal["owned", "accessible"] = "owned") -> types.GetSessionResponse:
+        return await self.get_session(session_id, access_scope)
+
+    async def list_sessions_async(self, limit: int = 20, offset: int = 0,
+                                  access_scope: Literal["owned", "accessible"] = "owned") -> types.ListSessionsResponse:
+        return await self.list_sessions(limit, offset, access_scope)
+
+    async def get_sampler_async(self, sampler_id: str) -> types.GetSamplerResponse:
+        return await self.get_sampler(sampler_id)
+
+    def get_telemetry(self) -> None:
+        """None: in process there is no SDK telemetry to report."""
+        return None
+
+    # ------------------------------------------------------------------ not in ember (see ember.service.unsupported)
+    copy_weights = unsupported("copy_weights")
+    copy_weights_async = unsupported("copy_weights_async")
+    get_external_weights_urls = unsupported("get_external_weights_urls")
+    get_external_weights_urls_async = unsupported("get_external_weights_urls_async")
+    publish_checkpoint_from_tinker_path = unsupported("publish_checkpoint_from_tinker_path")
+    publish_checkpoint_from_tinker_path_async = unsupported("publish_checkpoint_from_tinker_path_async")
+    unpublish_checkpoint_from_tinker_path = unsupported("unpublish_checkpoint_from_tinker_path")
+    unpublish_checkpoint_from_tinker_path_async = unsupported("unpublish_checkpoint_from_tinker_path_async")
+    set_checkpoint_ttl_from_tinker_path = unsupported("set_checkpoint_ttl_from_tinker_path")
+    set_checkpoint_ttl_from_tinker_path_async = unsupported("set_checkpoint_ttl_from_tinker_path_async")
+    assign_session_project = unsupported("assign_session_project")
+    assign_session_project_async = unsupported("assign_session_project_async")
+    export_session_trace = unsupported("export_session_trace")
+    export_session_trace_async = unsupported("export_session_trace_async")
+    search_sessions = unsupported("search_sessions")
+    get_audit_log = unsupported("get_audit_log")
+    get_audit_log_async = unsupported("get_audit_log_async")
+    get_billing_usage = unsupported("get_billing_usage")
+    get_billing_usage_async = unsupported("get_billing_usage_async")
+    get_current_checkpoint_storage_usage = unsupported("get_current_checkpoint_storage_usage")
+    get_current_checkpoint_storage_usage_async = unsupported("get_current_checkpoint_storage_usage_async")
+    whoami = unsupported("whoami")

@@ -11,9 +11,10 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
 from ember.client.futures import chain, unwrap
+from ember.service.unsupported import unsupported
 
 if TYPE_CHECKING:
-    from ember.client.service_client import ServiceClient
+    from ember.client.context import ClientContext
 
 
 def _with_sequence_ids(response: types.SampleResponse, ids: list[str] | None) -> types.SampleResponse:
@@ -29,8 +30,8 @@ def _with_sequence_ids(response: types.SampleResponse, ids: list[str] | None) ->
 class SamplingClient:
     """Same methods, arguments and return types as `tinker.SamplingClient`."""
 
-    def __init__(self, service_client: "ServiceClient", sampling_session_id: str, base_model: str) -> None:
-        self._sc = service_client
+    def __init__(self, context: "ClientContext", sampling_session_id: str, base_model: str) -> None:
+        self._ctx = context
         self._sampling_session_id = sampling_session_id
         self._base_model = base_model
         self._seq = itertools.count(0)
@@ -56,13 +57,13 @@ class SamplingClient:
             raise ValueError("target_prompt_logprobs and prompt_alt_tokens_k are not supported by ember's sampler")
         if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
             raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
-        sub = self._sc._service.sample(
-            self._sc._owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
+        sub = self._ctx.service.sample(
+            self._ctx.owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
             include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
         ids = sub.sample_sequence_ids
-        state = self._sc._watch(sub.request_id)
+        state = self._ctx.watch(sub.request_id)
         return AwaitableConcurrentFuture(chain(state, lambda st: _with_sequence_ids(unwrap(st), ids)))
 
     async def sample_async(self, prompt, num_samples, sampling_params, include_prompt_logprobs=False,
@@ -84,7 +85,7 @@ class SamplingClient:
         return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
     def get_tokenizer(self):
-        return self._sc._tokenizer(self._base_model, None)
+        return self._ctx.tokenizer(self._base_model, None)
 
     def get_base_model(self) -> str:
         return self._base_model
@@ -94,6 +95,16 @@ class SamplingClient:
 
     def get_sampler_handle(self) -> str:
         return self._sampling_session_id
+
+    def get_telemetry(self) -> None:
+        """None: in process there is no SDK telemetry to report."""
+        return None
+
+    def on_queue_state_change(self, queue_state, queue_state_reason: str | None) -> None:
+        """The SDK's hook for server queue states; an in-process service reports none."""
+
+    create = staticmethod(unsupported("create"))
+    from_sampler_handle = staticmethod(unsupported("from_sampler_handle"))
 
     def __repr__(self) -> str:
         return f"SamplingClient(sampling_session_id={self._sampling_session_id!r}, base_model={self._base_model!r})"

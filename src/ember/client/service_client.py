@@ -10,8 +10,11 @@ written for `tinker.ServiceClient(base_url=...)` runs here by changing that one 
 
 Services are shared per database within a process: two ServiceClients on the same data
 directory (or database URL) talk to one `ember.service.Service` — which is also what
-happens over HTTP, where many clients share one server. The shared service is closed
-when its last client closes (or at interpreter exit).
+happens over HTTP, where many clients share one server. They must ask for the same
+configuration (every `ServiceConfig` field, workers and sampler; more models may be
+registered): a different one is a ValueError naming what differs. The shared service is
+closed when its last client closes (or at interpreter exit). Sub-clients get a
+`ClientContext`; SDK methods ember lacks raise the SDK's error (`ember.service.unsupported`).
 
 Scale out (the in-process twin of `ember serve --workers.* --parallel.*`): pass
 `workers=`, a `ember.service.config.WorkersConfig` or a dict of its fields, and every
@@ -23,20 +26,24 @@ training run becomes one engine on a worker group the service owns (closed with 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
-from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture
+from tinker.lib.public_interfaces.custom_loss import LossHandle, trace_loss
 
+from ember.client.context import ClientContext
 from ember.client.futures import ClientFuture, chain, completed, unwrap
 from ember.client.rest import RestClient
 from ember.client.sampling import SamplingClient
+from ember.service.unsupported import unsupported
 from ember.client.training import TrainingClient
 from ember.service.api import ServiceAPI
 from ember.service.config import ServiceConfig, WorkersConfig
@@ -47,7 +54,7 @@ DEFAULT_DATA_DIR = "~/.ember"
 IN_PROCESS_ROOT = "/"  # in process the caller is the operator: any model directory by path
 LOCAL_OWNER = "local"
 
-_shared: dict[str, list] = {}  # database url -> [Service, refcount, WorkersConfig]
+_shared: dict[str, list] = {}  # database url -> [Service, refcount, ServiceConfig, WorkersConfig]
 _shared_lock = threading.Lock()
 
 
@@ -63,21 +70,41 @@ def _new_service(config: ServiceConfig, workers: WorkersConfig):
         raise
 
 
+def config_differences(running: ServiceConfig, wanted: ServiceConfig) -> list[str]:
+    """The fields of `wanted` that differ from the running service's, as "name=value".
+
+    `models` differ only where both name one model with different directories: the
+    registry is additive, so a client may register more models on a shared service."""
+    out = []
+    for f in dataclasses.fields(ServiceConfig):
+        mine, theirs = getattr(running, f.name), getattr(wanted, f.name)
+        if f.name == "models":
+            clash = {k: v for k, v in theirs.items() if k in mine and mine[k] != v}
+            if clash:
+                out.append(f"models={clash} (running: { {k: mine[k] for k in clash} })")
+        elif f.name == "models_toml":
+            continue  # merged into models by ServiceConfig
+        elif mine != theirs:
+            out.append(f"{f.name}={theirs!r} (running: {mine!r})")
+    return out
+
+
 def _acquire_service(config: ServiceConfig, workers: WorkersConfig | None = None):
+    """The process-wide service for config's database; one there must have been started
+    with an equal configuration (else ValueError naming what differs)."""
     workers = workers or WorkersConfig()
     url = config.resolved_database_url
     with _shared_lock:
         entry = _shared.get(url)
         if entry is None:
-            entry = _shared[url] = [_new_service(config, workers), 0, workers]
+            entry = _shared[url] = [_new_service(config, workers), 0, config, workers]
         else:
-            if entry[2] != workers:
-                raise ValueError(f"the service for {url} already runs with workers={entry[2]}; close its "
-                                 f"clients first or use another data_dir to run with workers={workers}")
-            running = entry[0].config.sampler
-            if config.sampler is not None and config.sampler != running:
-                raise ValueError(f"the service for {url} already runs with sampler={running}; close its clients "
-                                 f"first or use another data_dir to run with sampler={config.sampler}")
+            differences = config_differences(entry[2], config)
+            if entry[3] != workers:
+                differences.append(f"workers={workers} (running: {entry[3]})")
+            if differences:
+                raise ValueError(f"the service for {url} already runs with another configuration: "
+                                 f"{'; '.join(differences)}. Close its clients first, or use another data_dir")
             entry[0].registry.add_all(config.models)
         entry[1] += 1
         return entry[0], url
@@ -180,6 +207,9 @@ class ServiceClient:
         self._stop = threading.Event()
         self._callbacks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-client")
         self._tokenizers: dict[str, Any] = {}
+        self._context = ClientContext(service=self._service, owner=self._owner, session_id=self._session,
+                                      next_sampling_seq=self._next_sampling_seq, callbacks=self._callbacks,
+                                      tokenizer=self._tokenizer)
 
     # ------------------------------------------------------------------ plumbing
     def _session(self) -> str:
@@ -208,9 +238,6 @@ class ServiceClient:
             n, self._sampling_seq = self._sampling_seq, self._sampling_seq + 1
             return n
 
-    def _watch(self, request_id: str) -> ConcurrentFuture:
-        return self._service.watch(self._owner, request_id)
-
     def _heartbeat_loop(self, session_id: str, interval: float) -> None:
         """Keep the session alive like the SDK does (only when the service expires sessions)."""
         while not self._stop.wait(interval):
@@ -221,12 +248,7 @@ class ServiceClient:
                 return
 
     def _training_client(self, model_id: str, model_seq_id: int) -> TrainingClient:
-        return TrainingClient(self, model_id, model_seq_id, self._service.get_info(self._owner, model_id))
-
-    def _sampling_client(self, sampling_session_id: str, base_model: str | None) -> SamplingClient:
-        if base_model is None:
-            base_model = self._service.get_sampler(self._owner, sampling_session_id).base_model
-        return SamplingClient(self, sampling_session_id, base_model)
+        return TrainingClient(self._context, model_id, model_seq_id, self._service.get_info(self._owner, model_id))
 
     def _tokenizer(self, model_name: str | None, tokenizer_id: str | None):
         """Tokenizers come from the local model directory (never from a hub)."""
@@ -264,7 +286,7 @@ class ServiceClient:
         opt = optimizer.model_dump() if optimizer is not None else None
         sub = self._service.create_model(self._owner, session_id, seq, base_model, lora,
                                          optimizer_config=opt, user_metadata=user_metadata)
-        return ClientFuture(chain(self._watch(sub.request_id),
+        return ClientFuture(chain(self._context.watch(sub.request_id),
                                   lambda st: self._training_client(unwrap(st).model_id, seq)))
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 32, seed: int | None = None,
@@ -279,7 +301,7 @@ class ServiceClient:
         sub = self._service.load_weights(self._owner, path, optimizer, session_id=session_id, model_seq_id=seq,
                                          base_model=base_model, user_metadata=user_metadata)
         model_id = f"{session_id}:train:{seq}"
-        return ClientFuture(chain(self._watch(sub.request_id),
+        return ClientFuture(chain(self._context.watch(sub.request_id),
                                   lambda st: (unwrap(st), self._training_client(model_id, seq))[1]))
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
@@ -314,7 +336,7 @@ class ServiceClient:
         def create() -> SamplingClient:
             resp = self._service.create_sampling_session(
                 self._owner, session_id, seq, base_model=None if model_path else base_model, model_path=model_path)
-            return self._sampling_client(resp.sampling_session_id, None if model_path else base_model)
+            return self._context.sampling_client(resp.sampling_session_id, None if model_path else base_model)
 
         return ClientFuture(self._callbacks.submit(create))
 
@@ -329,8 +351,22 @@ class ServiceClient:
     async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
         return self._service.get_server_capabilities()
 
+    def create_custom_loss(self, fn: Callable, input_ranks: Mapping[str, types.CustomLossInputRank]) -> APIFuture[LossHandle]:
+        """The SDK's `create_custom_loss`: `fn` is traced and checked here (the SDK's own
+        `trace_loss`) and runs client-side in `TrainingClient.forward_backward_custom`, as
+        over HTTP, where ember serve does not take uploaded losses."""
+        return completed(trace_loss(fn, input_ranks, self._session()))
+
+    def get_telemetry(self) -> None:
+        """None: in process there is no SDK telemetry to report."""
+        return None
+
+    copy_weights = unsupported("copy_weights")
+    get_console_url = unsupported("get_console_url")
+    holder = property(unsupported("holder"))
+
     def create_rest_client(self) -> RestClient:
-        return RestClient(self._service, self._owner)
+        return RestClient(self._context)
 
     def close(self, status: Literal["success", "errored", "interrupted"],
               detail: str | None = None) -> APIFuture[None]:

@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any, List, Literal
 import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
+from tinker.lib.public_interfaces.custom_loss import LossHandle
 
+from ember.client.context import ClientContext
 from ember.client.futures import ClientFuture, chain, unwrap
+from ember.service.unsupported import unsupported
 
 if TYPE_CHECKING:
     from ember.client.sampling import SamplingClient
-    from ember.client.service_client import ServiceClient
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +93,8 @@ class OrderedSubmitter:
 class TrainingClient:
     """Same methods, arguments and return types as `tinker.TrainingClient`."""
 
-    def __init__(self, service_client: "ServiceClient", model_id: str, model_seq_id: int,
-                 info: types.GetInfoResponse) -> None:
-        self._sc = service_client
+    def __init__(self, context: ClientContext, model_id: str, model_seq_id: int, info: types.GetInfoResponse) -> None:
+        self._ctx = context
         self.model_id = model_id
         self._training_client_id = model_seq_id
         self._info = info
@@ -102,13 +103,13 @@ class TrainingClient:
     # ------------------------------------------------------------------ plumbing
     @property
     def _service(self):
-        return self._sc._service
+        return self._ctx.service
 
     def _call(self, submit: Callable[[int], Any], transform: Callable[[Any], Any] = lambda r: r,
               seq_id: int | None = None) -> APIFuture:
         seq = self._submitter.reserve(1)[0] if seq_id is None else seq_id
         submitted = self._submitter.fulfil(seq, submit)
-        state = _flat_chain(submitted, lambda sub: self._sc._watch(sub.request_id))
+        state = _flat_chain(submitted, lambda sub: self._ctx.watch(sub.request_id))
         return AwaitableConcurrentFuture(chain(state, lambda st: transform(unwrap(st))))
 
     # ------------------------------------------------------------------ forward / backward
@@ -124,7 +125,7 @@ class TrainingClient:
         data = list(data)
         if not data:
             raise ValueError("No data provided")
-        owner = self._sc._owner
+        owner = self._ctx.owner
         return self._call(
             lambda s: self._service.forward_backward(owner, self.model_id, s, data, loss_fn, loss_fn_config,
                                                      forward_only=forward_only),
@@ -137,14 +138,16 @@ class TrainingClient:
     async def forward_backward_async(self, data, loss_fn, loss_fn_config=None) -> APIFuture[types.ForwardBackwardOutput]:
         return self.forward_backward(data, loss_fn, loss_fn_config)
 
-    def forward_backward_custom(self, data: List[types.Datum], loss_fn: Callable, *,
+    def forward_backward_custom(self, data: List[types.Datum], loss_fn: Callable | LossHandle, *,
                                 loss_type_input: Literal["logprobs"] | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         """The SDK's client-side custom loss: forward (CE, forward_only) → user loss on the
         logprobs → backward as CE with weights = -dC/dlogprobs. Metrics: `loss:sum` is the
         custom loss, `surrogate_loss:sum` the server's CE sum, plus the user's metrics."""
-        from ember.client.custom_loss import backward_data, custom_forward_data, evaluate_custom_loss
+        from ember.client.custom_loss import backward_data, check_loss_handle, custom_forward_data, evaluate_custom_loss
 
         data = list(data)
+        if isinstance(loss_fn, LossHandle):
+            check_loss_handle(loss_fn, data, self._ctx.session_id())
         fwd_data = custom_forward_data(data)
         fwd_seq, bwd_seq = self._submitter.reserve(2)
         forward = self._fwd_bwd(fwd_data, "cross_entropy", None, forward_only=True, seq_id=fwd_seq)
@@ -162,7 +165,7 @@ class TrainingClient:
             final.add_done_callback(lambda g: _copy_outcome(g, out))
 
         # The user's loss runs on the client's callback thread, not on the service's lane.
-        forward.future().add_done_callback(lambda f: self._sc._callbacks.submit(after_forward, f))
+        forward.future().add_done_callback(lambda f: self._ctx.callbacks.submit(after_forward, f))
         return AwaitableConcurrentFuture(out)
 
     async def forward_backward_custom_async(self, data, loss_fn, *, loss_type_input=None) -> APIFuture:
@@ -176,7 +179,7 @@ class TrainingClient:
         params = optim_params if optim_params is not None else adam_params
         if not isinstance(params, types.AdamParams):
             raise TypeError("Expected AdamParams (ember implements AdamW only)")
-        owner = self._sc._owner
+        owner = self._ctx.owner
         return self._call(lambda s: self._service.optim_step(owner, self.model_id, s, params))
 
     async def optim_step_async(self, optim_params=None, *, adam_params=None) -> APIFuture[types.OptimStepResponse]:
@@ -185,7 +188,7 @@ class TrainingClient:
     # ------------------------------------------------------------------ state
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsResponse]:
-        owner = self._sc._owner
+        owner = self._ctx.owner
         return self._call(lambda s: self._service.save_weights(
             owner, self.model_id, s, name, overwrite=overwrite, ttl_seconds=ttl_seconds, user_metadata=user_metadata))
 
@@ -194,7 +197,7 @@ class TrainingClient:
 
     def _load(self, path: str, optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
         log.error(LOAD_STATE_DEPRECATION)
-        owner = self._sc._owner
+        owner = self._ctx.owner
         return self._call(lambda s: self._service.load_weights(owner, path, optimizer, model_id=self.model_id, seq_id=s))
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
@@ -211,7 +214,7 @@ class TrainingClient:
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsForSamplerResponse]:
-        owner = self._sc._owner
+        owner = self._ctx.owner
         return self._call(
             lambda s: self._service.save_weights_for_sampler(
                 owner, self.model_id, s, name, ttl_seconds=ttl_seconds, user_metadata=user_metadata),
@@ -224,13 +227,13 @@ class TrainingClient:
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
                                              record_stability_info: bool = False,
                                              kind: types.SamplingClientKind = "snapshot") -> ClientFuture["SamplingClient"]:
-        owner = self._sc._owner
-        sampling_seq = self._sc._next_sampling_seq()
+        owner = self._ctx.owner
+        sampling_seq = self._ctx.next_sampling_seq()
         base = self._info.model_data.model_name
         fut = self._call(
             lambda s: self._service.save_weights_for_sampler(
                 owner, self.model_id, s, None, sampling_session_seq_id=sampling_seq, kind=kind),
-            lambda r: self._sc._sampling_client(r.sampling_session_id, base),
+            lambda r: self._ctx.sampling_client(r.sampling_session_id, base),
         )
         return ClientFuture(fut.future())
 
@@ -240,7 +243,15 @@ class TrainingClient:
 
     def create_sampling_client(self, model_path: str, retry_config: Any = None,
                                record_stability_info: bool = False) -> ClientFuture["SamplingClient"]:
-        return self._sc.create_sampling_client(model_path=model_path)
+        if not model_path.startswith("tinker://"):
+            raise ValueError(f"model_path must start with 'tinker://', got {model_path!r}")
+
+        def create() -> "SamplingClient":
+            resp = self._service.create_sampling_session(self._ctx.owner, self._ctx.session_id(),
+                                                         self._ctx.next_sampling_seq(), model_path=model_path)
+            return self._ctx.sampling_client(resp.sampling_session_id, None)
+
+        return ClientFuture(self._ctx.callbacks.submit(create))
 
     async def create_sampling_client_async(self, model_path: str, retry_config=None,
                                            record_stability_info=False) -> "SamplingClient":
@@ -254,7 +265,15 @@ class TrainingClient:
         return self._info
 
     def get_tokenizer(self):
-        return self._sc._tokenizer(self._info.model_data.model_name, self._info.model_data.tokenizer_id)
+        return self._ctx.tokenizer(self._info.model_data.model_name, self._info.model_data.tokenizer_id)
+
+    def get_telemetry(self) -> None:
+        """None: in process there is no SDK telemetry to report."""
+        return None
+
+    get_console_url = unsupported("get_console_url")
+    save_weights_external = unsupported("save_weights_external")
+    save_weights_external_async = unsupported("save_weights_external_async")
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r})"

@@ -1,0 +1,44 @@
+"""An SDK call ember does not support raises the same error class and message over HTTP
+(`ember serve`) as in process (`ember.ServiceClient`)."""
+
+from __future__ import annotations
+
+import pytest
+import tinker
+
+from ember.server.routes_unsupported import ENDPOINTS
+from ember.server.testing import API_KEY
+
+PATH = "tinker://run-1/weights/step-1"
+CALLS = {
+    "publish_checkpoint_from_tinker_path": (PATH,),
+    "unpublish_checkpoint_from_tinker_path": (PATH,),
+    "set_checkpoint_ttl_from_tinker_path": (PATH, 3600),
+    "assign_session_project": ("session-1", "project-1"),
+    "export_session_trace": ("session-1",),
+    "search_sessions": (tinker.types.SessionSearchRequest.model_construct(),),
+}
+
+
+def test_every_unsupported_endpoint_is_exercised():
+    assert {method for _, _, method in ENDPOINTS} == set(CALLS)
+
+
+@pytest.mark.parametrize("method", sorted(CALLS))
+def test_unsupported_call_raises_the_same_over_http_and_in_process(ember_server, make_in_process_rest, method):
+    rest = tinker.RestClient(base_url=ember_server.base_url, api_key=API_KEY)
+    with pytest.raises(tinker.APIStatusError) as over_http:
+        getattr(rest, method)(*CALLS[method]).result(timeout=60)
+    with pytest.raises(tinker.APIStatusError) as in_process:
+        getattr(make_in_process_rest, method)(*CALLS[method])
+    assert type(over_http.value) is type(in_process.value) is tinker.NotFoundError
+    assert str(over_http.value) == str(in_process.value)
+
+
+@pytest.fixture
+def make_in_process_rest(tmp_path, tiny_model_dir):
+    import ember
+
+    sc = ember.ServiceClient(models={"tiny/qwen3": str(tiny_model_dir)}, data_dir=tmp_path / "data")
+    yield sc.create_rest_client()
+    sc.close("success")
