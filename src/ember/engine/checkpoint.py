@@ -1,8 +1,10 @@
 """Engine checkpoints with torch.distributed.checkpoint (DCP), and HF/peft exports.
 
 Layout of a `save_state` directory:
-  *.distcp, .metadata   DCP shards: {"model": {name: tensor}, "optim": {name: {exp_avg, exp_avg_sq, step}}}
-  ember_state.json      kind (full | lora), LoRA config, optimizer step, whether Adam state is inside
+  *.distcp, .metadata   DCP shards: {"model": {name: tensor}, "optim": {name: {slot: tensor}}}
+                        (AdamW: step, exp_avg, exp_avg_sq; Dimuon: step, momentum)
+  ember_state.json      kind (full | lora), LoRA config, optimizer step, whether optimizer state is
+                        inside, and which optimizer (absent in older checkpoints: adamw)
   rng_rank<r>.pt        torch RNG state of each rank (exact resume)
 
 Tensors are keyed by names independent of the adapter's name, so a checkpoint of one LoRA
@@ -42,22 +44,22 @@ def _meta(engine: "TorchEngine", optimizer: bool) -> dict:
         "model_type": str(engine.hf_config.model_type),
         "step": engine.step,
         "has_optimizer": optimizer,
+        "optimizer": engine.optimizer.name,
     }
 
 
 def _optim_state(engine: "TorchEngine", init: bool,
                  saved: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Adam moments keyed like the model tensors; with `init`, allocate empty slots to load
-    into, for the tensors whose moments are in `saved` (DCP keys) — the others stay fresh."""
+    """Optimizer slots keyed like the model tensors; with `init`, allocate empty slots to load
+    into, for the tensors whose state is in `saved` (DCP keys) — the others stay fresh."""
+    opt = engine.optimizer
     out = {}
     for name, p in engine.state_tensors().items():
-        state = engine.optimizer.state[p]
-        if init and not state and (saved is None or f"optim.{name}.exp_avg" in saved):
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state = opt.state[p]
+        if init and not state and (saved is None or f"optim.{name}.{opt.slots[-1]}" in saved):
+            state.update(opt.init_state(p))
         if state:
-            out[name] = {"step": state["step"], "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            out[name] = {k: state[k] for k in opt.slots}
     return out
 
 
@@ -100,6 +102,10 @@ def load(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
     _check_compatible(engine, meta, path)
     if optimizer and not meta["has_optimizer"]:
         raise ValueError(f"checkpoint {str(path)!r} was saved without optimizer state")
+    saved_opt = meta.get("optimizer", "adamw")
+    if optimizer and saved_opt != engine.optimizer.name:
+        raise ValueError(f"checkpoint {str(path)!r} holds {saved_opt} optimizer state; this run's optimizer is "
+                         f"{engine.optimizer.name}")
     with torch.no_grad():
         state = {"model": {n: p.detach() for n, p in engine.state_tensors().items()}}
         if optimizer:

@@ -1,4 +1,5 @@
-"""`TorchEngine`: a Hugging Face causal LM (full fine-tuning or a LoRA adapter) + AdamW.
+"""`TorchEngine`: a Hugging Face causal LM (full fine-tuning or a LoRA adapter) + its optimizer
+(AdamW by default, or Dimuon: `ember.engine.optimizers`).
 
 Exactness is the point (DESIGN.md contract 2): a `forward_backward` adds
 ∇ Σ_datums loss(datum) to the parameters' `.grad`, micro-batch by micro-batch, with no
@@ -25,6 +26,7 @@ from ember.engine import checkpoint
 from ember.engine.base import EngineInfo, EngineStatus, LossConfig, NonFiniteGradientError, TrainingEngine
 from ember.engine.batching import MicroBatch, build_micro_batch, plan_micro_batches, prepare_datums
 from ember.engine.config import EngineConfig
+from ember.engine.optimizers import Optimizer, build_optimizer
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
 
@@ -37,21 +39,6 @@ DEFAULT_ADAPTER = "default"
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     # DTensor (FSDP2/TP) → gather the full tensor; plain tensors pass through.
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _validate_adam(p: types.AdamParams) -> None:
-    checks = [
-        ("learning_rate", p.learning_rate >= 0),
-        ("beta1", 0 <= p.beta1 < 1),
-        ("beta2", 0 <= p.beta2 < 1),
-        ("eps", p.eps > 0),
-        ("weight_decay", p.weight_decay >= 0),
-        ("grad_clip_norm", p.grad_clip_norm >= 0),
-    ]
-    for name, ok in checks:
-        value = getattr(p, name)
-        if not ok or not math.isfinite(value):
-            raise ValueError(f"AdamParams.{name}={value} is out of range")
 
 
 class TorchEngine(TrainingEngine):
@@ -74,6 +61,7 @@ class TorchEngine(TrainingEngine):
         lora_config: types.LoraConfig | None = None,
         adapter_name: str = DEFAULT_ADAPTER,
         parallel: "ParallelContext | None" = None,
+        optimizer_config: types.OptimizerConfig | dict | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.parallel = parallel
@@ -86,6 +74,7 @@ class TorchEngine(TrainingEngine):
         self.model.eval()  # no dropout: trainer, forward and sampler compute the same function
         self._activate()
         self._params = self._trainable_parameters()
+        self.optimizer_config = optimizer_config
         self.optimizer = self._new_optimizer()
         self._step = 0
         self._acc = EngineStatus(step=0, accumulated_micro_batches=0, accumulated_datums=0, accumulated_tokens=0)
@@ -98,6 +87,7 @@ class TorchEngine(TrainingEngine):
         lora_config: types.LoraConfig | None = None,
         model_name: str | None = None,
         parallelism: "ParallelismConfig | None" = None,
+        optimizer_config: types.OptimizerConfig | dict | None = None,
     ) -> "TorchEngine":
         """Load a local HF checkpoint; wrap it with a fresh LoRA adapter when `lora_config` is given.
 
@@ -116,7 +106,8 @@ class TorchEngine(TrainingEngine):
             compute = resolve_dtype(config.autocast_dtype or config.dtype)
             parallelize_model(model, mesh, parallelism, compute)
             parallel = ParallelContext(parallelism, mesh)
-        return cls(model, config, model_name=model_name or str(model_dir), lora_config=lora_config, parallel=parallel)
+        return cls(model, config, model_name=model_name or str(model_dir), lora_config=lora_config, parallel=parallel,
+                   optimizer_config=optimizer_config)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -171,11 +162,8 @@ class TorchEngine(TrainingEngine):
             raise ValueError(f"model {self.model_name!r} has no trainable parameters")
         return params
 
-    def _new_optimizer(self) -> torch.optim.AdamW:
-        d = types.AdamParams()
-        return torch.optim.AdamW(
-            self._params, lr=d.learning_rate, betas=(d.beta1, d.beta2), eps=d.eps, weight_decay=d.weight_decay
-        )
+    def _new_optimizer(self) -> Optimizer:
+        return build_optimizer(self.optimizer_config, self._params, self.lora_config.rank if self.is_lora else None)
 
     # ------------------------------------------------------------------ forward / backward
     def _target_logprobs(self, mb: MicroBatch) -> torch.Tensor:
@@ -295,8 +283,10 @@ class TorchEngine(TrainingEngine):
                 return name
         return "?"
 
-    def optim_step(self, adam_params: types.AdamParams) -> dict[str, float]:
-        _validate_adam(adam_params)
+    def optim_step(self, adam_params: types.AdamParams | types.DimuonParams) -> dict[str, float]:
+        """One update with the run's optimizer; `adam_params` must be its params type."""
+        self.optimizer.check_type(adam_params)
+        self.optimizer.validate(adam_params)
         self._activate()
         grads = [p.grad for p in self._params if p.grad is not None]
         norm_t = self._grad_norm(grads) if grads else torch.zeros(())
@@ -308,20 +298,15 @@ class TorchEngine(TrainingEngine):
                 f"optim_step refused a non-finite gradient (global norm {norm}; first bad parameter {bad!r}). "
                 "Weights and optimizer state are unchanged; the accumulated gradient was discarded."
             )
-        for group in self.optimizer.param_groups:
-            group.update(
-                lr=adam_params.learning_rate, betas=(adam_params.beta1, adam_params.beta2),
-                eps=adam_params.eps, weight_decay=adam_params.weight_decay,
-            )
         if grads and adam_params.grad_clip_norm > 0:
             self._clip(grads, adam_params.grad_clip_norm, norm_t)
-        self.optimizer.step()
+        self.optimizer.step(adam_params)
         self._step += 1
         self.clear_gradients()
         return {"grad_norm:mean": norm, "learning_rate:mean": adam_params.learning_rate, "step:max": float(self._step)}
 
     def clear_gradients(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(self._params)
         self._acc = EngineStatus(step=self._step, accumulated_micro_batches=0, accumulated_datums=0, accumulated_tokens=0)
 
     # ------------------------------------------------------------------ weights and state

@@ -50,6 +50,21 @@ SessionHeartbeatRequest = types.SessionHeartbeatRequest
 CreateModelRequest = types.CreateModelRequest
 GetInfoRequest = types.GetInfoRequest
 OptimStepRequest = types.OptimStepRequest
+
+# Non-Adam params families by `type`. The SDK's union would read a Dimuon body as AdamParams
+# once unknown fields are ignored, so the family is chosen from the raw `type` first.
+OPTIM_PARAMS: dict[str, type[pydantic.BaseModel]] = {"adamw": types.AdamParams, "dimuon": types.DimuonParams}
+
+
+def optim_params(data: Any, parsed: types.OptimStepRequest):
+    """The request's optimizer params as their own type (AdamParams, DimuonParams)."""
+    raw = next((data[k] for k in ("optimizer_params", "optim_params", "adam_params") if k in data), None)
+    kind = raw.get("type", "adamw") if isinstance(raw, dict) else "adamw"
+    if kind == "adamw":
+        return parsed.optim_params
+    if kind not in OPTIM_PARAMS:
+        raise BadRequest(f"optimizer_params.type: unknown optimizer {kind!r}; known: {', '.join(OPTIM_PARAMS)}")
+    return OPTIM_PARAMS[kind].model_validate(raw, extra="ignore")
 SaveWeightsRequest = types.SaveWeightsRequest
 LoadWeightsRequest = types.LoadWeightsRequest
 SaveWeightsForSamplerRequest = types.SaveWeightsForSamplerRequest

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
-from tinker import types
 
 from ember.server import requests as rq
 from ember.server import wire
@@ -65,12 +64,11 @@ def _require_seq_id(seq_id: int | None) -> int:
 
 @router.post("/optim_step")
 async def optim_step(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.OptimStepRequest, await read_json(request))
-    if not isinstance(req.optim_params, types.AdamParams):
-        raise BadRequest(f"optimizer_params: only adam_params (AdamW) are supported, got {req.optim_params.type!r}")
+    data = await read_json(request)
+    req = rq.parse(rq.OptimStepRequest, data)
+    params = rq.optim_params(data, req)
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
-    sub = await run_in_threadpool(service.optim_step, owner, req.model_id, _require_seq_id(req.seq_id),
-                                  req.optim_params)
+    sub = await run_in_threadpool(service.optim_step, owner, req.model_id, _require_seq_id(req.seq_id), params)
     return future_response(sub)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from tinker import types
 
+from ember.engine.optimizers import OPTIMIZERS
 from ember.service import checkpoints as ckpt
 from ember.service import rest
 from ember.service.api import FutureState, NotFoundError, ServiceAPI, Submission, UserError
@@ -210,10 +211,12 @@ class Service(ServiceAPI):
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
 
-    def optim_step(self, owner, model_id, seq_id, adam_params: types.AdamParams) -> Submission:
+    def optim_step(self, owner, model_id, seq_id, adam_params: types.AdamParams | types.DimuonParams) -> Submission:
         def op(run: LiveRun) -> types.OptimStepResponse:
-            if not isinstance(adam_params, types.AdamParams):
-                raise UserError(f"optim_step needs AdamParams, got {type(adam_params).__name__}")
+            want = OPTIMIZERS[run.spec.optimizer].params_type
+            if not isinstance(adam_params, want):
+                raise UserError(f"optim_step got {type(adam_params).__name__}, but this run's optimizer is "
+                                f"{run.spec.optimizer}, which takes {want.__name__}")
             return types.OptimStepResponse(metrics=run.require_engine().optim_step(adam_params))
 
         return self.runs.submit_op(owner, model_id, seq_id, "OptimStep", op)

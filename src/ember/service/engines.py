@@ -107,6 +107,7 @@ class RunSpec:
     run_id: str
     base: BaseModel
     lora_config: types.LoraConfig | None  # None = full fine-tuning
+    optimizer: str = "adamw"  # the run's optimizer (`ember.engine.optimizers.OPTIMIZERS` key)
 
     @property
     def is_lora(self) -> bool:
@@ -155,7 +156,8 @@ class LocalEngineFactory(EngineFactory):
 
         engine_cls = engine_class(self.config.backend)
         if not spec.is_lora:
-            return engine_cls.from_pretrained(spec.base.directory, self.config, None, model_name=spec.base.name)
+            return engine_cls.from_pretrained(spec.base.directory, self.config, None, model_name=spec.base.name,
+                                              optimizer_config={"type": spec.optimizer})
         base = self._shared.get(spec.base.directory)
         if base is None:
             c = self.config
@@ -165,7 +167,8 @@ class LocalEngineFactory(EngineFactory):
         self._shared[spec.base.directory] = model
         try:
             return engine_cls(
-                model, self.config, model_name=spec.base.name, lora_config=spec.lora_config, adapter_name=name
+                model, self.config, model_name=spec.base.name, lora_config=spec.lora_config, adapter_name=name,
+                optimizer_config={"type": spec.optimizer},
             )
         except BaseException:
             # A failed creation leaves the shared model as it found it: the other tenants'
@@ -219,7 +222,8 @@ class WorkerGroupEngineFactory(EngineFactory):
     def create(self, spec: RunSpec) -> TrainingEngine:
         from ember.workers.engine import EngineSpec, GroupEngine
 
-        engine_spec = EngineSpec(str(spec.base.directory), self.config, self.parallelism, spec.lora_config, spec.base.name)
+        engine_spec = EngineSpec(str(spec.base.directory), self.config, self.parallelism, spec.lora_config, spec.base.name,
+                                 spec.optimizer)
         return GroupEngine.create(self.group, adapter_name(spec.run_id), engine_spec)
 
     def release(self, spec: RunSpec, engine: TrainingEngine) -> None:

@@ -80,11 +80,30 @@ def validate_lora(cfg: types.LoraConfig | None) -> None:
         raise UserError("lora_config must train at least one of attn, mlp, unembed")
 
 
+def _saved_optimizer(directory) -> dict[str, Any]:
+    """The optimizer config a training checkpoint's state belongs to (AdamW for older ones)."""
+    from ember.engine.checkpoint import read_meta
+
+    try:
+        kind = read_meta(Path(directory)).get("optimizer", "adamw")
+    except (OSError, ValueError):
+        kind = "adamw"  # load_state reports the unreadable checkpoint itself
+    return validate_optimizer({"type": kind})
+
+
 def validate_optimizer(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run's optimizer config: AdamW (default) or Dimuon version 1, nothing else."""
+    from ember.engine.optimizers import OPTIMIZERS
+
     cfg = dict(cfg or {"type": "adamw"})
-    if cfg.get("type", "adamw") != "adamw":
-        raise UserError(f"optimizer {cfg.get('type')!r} is not supported by ember; use AdamW ({{'type': 'adamw'}})")
-    return {"type": "adamw"}
+    kind = cfg.pop("type", "adamw")
+    if kind not in OPTIMIZERS:
+        raise UserError(f"optimizer {kind!r} is not supported by ember; use {{'type': 'adamw'}} or {{'type': 'dimuon'}}")
+    if kind == "dimuon" and cfg.pop("version", 1) != 1:
+        raise UserError("optimizer 'dimuon': only version 1 is supported")
+    if cfg:
+        raise UserError(f"optimizer {kind!r}: unknown fields {sorted(cfg)}")
+    return {"type": kind, "version": 1} if kind == "dimuon" else {"type": "adamw"}
 
 
 def model_arch(directory: Path) -> str | None:
@@ -199,7 +218,7 @@ class RunManager:
             validate_lora(lora_config)
             self.limits.check_lora_rank(lora_config)
             optimizer = validate_optimizer(optimizer_config)
-            spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config)
+            spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config, optimizer["type"])
             if self.store.get(RunRow, run_id) is not None:
                 raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
             run = self._register(owner, session_id, model_seq_id, spec, 1, optimizer, user_metadata, None)
@@ -247,8 +266,9 @@ class RunManager:
             base = self.registry.resolve(base_model or (src.base_model if src else ""))
             if self.store.get(RunRow, run_id) is not None:
                 raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
-            run = self._register(owner, session_id, model_seq_id, RunSpec(run_id, base, lora), 0,
-                                 {"type": "adamw"}, user_metadata, tp.uri)
+            opt = _saved_optimizer(crow.directory) if optimizer else {"type": "adamw"}
+            run = self._register(owner, session_id, model_seq_id, RunSpec(run_id, base, lora, opt["type"]), 0,
+                                 opt, user_metadata, tp.uri)
         except UserError as exc:
             self.futures.fail(sub.request_id, str(exc), User)
             return

@@ -45,6 +45,7 @@ class EngineSpec:
     parallelism: ParallelismConfig | None = None
     lora_config: types.LoraConfig | None = None
     model_name: str | None = None
+    optimizer: str = "adamw"  # `ember.engine.optimizers.OPTIMIZERS` key
 
     def layout(self, world_size: int) -> ParallelismConfig:
         p = self.parallelism or ParallelismConfig.for_world(world_size)
@@ -62,6 +63,7 @@ class EngineSpec:
         return engine_class(config.backend).from_pretrained(
             self.model_dir, config, lora_config=self.lora_config,
             model_name=self.model_name or str(self.model_dir), parallelism=self.layout(ctx.world_size),
+            optimizer_config={"type": self.optimizer},
         )
 
 

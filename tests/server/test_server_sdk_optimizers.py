@@ -1,0 +1,43 @@
+"""Dimuon through the unmodified SDK over HTTP: created with DimuonOptimizerConfig, stepped with
+DimuonParams (arriving typed), mismatched params refused as a user error, resumed with its state."""
+
+from __future__ import annotations
+
+import pytest
+import tinker
+from tinker import types
+
+from ember.server.testing import API_KEY, MODEL_NAME, sft_datum
+
+
+@pytest.fixture(scope="module")
+def sc(ember_server):
+    client = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
+    yield client
+    client.close("success").result(timeout=30)
+
+
+def _step(tc, params):
+    tc.forward_backward([sft_datum([5, 6, 7, 8, 9, 10]), sft_datum([11, 12, 13, 14])], "cross_entropy").result()
+    return tc.optim_step(params).result()
+
+
+def test_dimuon_run_over_http(sc):
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4, optimizer=types.DimuonOptimizerConfig()).result()
+    out = _step(tc, types.DimuonParams(learning_rate=1e-2, grad_clip_norm=1.0))
+    assert out.metrics["step:max"] == 1.0
+    with pytest.raises(tinker.RequestFailedError, match="AdamParams.*dimuon.*DimuonParams") as exc:
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert exc.value.category.name == "User"
+    path = tc.save_state("dimuon").result().path
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    a = _step(tc, types.DimuonParams(learning_rate=1e-2))
+    b = _step(resumed, types.DimuonParams(learning_rate=1e-2))
+    assert a.metrics == b.metrics
+
+
+def test_adamw_run_refuses_dimuon_params(sc):
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="DimuonParams.*adamw.*AdamParams") as exc:
+        tc.optim_step(types.DimuonParams(learning_rate=1e-2)).result()
+    assert exc.value.category.name == "User"
