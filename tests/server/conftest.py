@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tinker
 
-from ember.server.testing import ServerProc, start_server
+from ember.server.testing import API_KEY, ServerProc, start_server
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +39,11 @@ def ember_server_postgres(tiny_model_dir, tmp_path_factory, postgres_server) -> 
 def served(request) -> ServerProc:
     """The shared `ember serve` on SQLite, then the one on PostgreSQL."""
     return request.getfixturevalue("ember_server" if request.param == "sqlite" else "ember_server_postgres")
+
+
+@pytest.fixture(scope="module")
+def sc(ember_server):
+    """An official SDK ServiceClient on the shared server (one session per test module)."""
+    client = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
+    yield client
+    client.close("success").result(timeout=30)

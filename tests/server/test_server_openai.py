@@ -7,7 +7,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-import tinker
 from tinker import types
 
 from ember.models import load_tokenizer
@@ -15,13 +14,6 @@ from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
 PROMPT_TEXT = "Hello, what is 2+2?"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
-
-
-@pytest.fixture(scope="module")
-def sc(ember_server):
-    client = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
-    yield client
-    client.close("success").result(timeout=30)
 
 
 @pytest.fixture(scope="module")

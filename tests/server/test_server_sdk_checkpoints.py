@@ -13,13 +13,6 @@ DATA = [sft_datum([4, 8, 15, 16, 23, 42]), sft_datum([7, 14, 21, 28])]
 ADAM = types.AdamParams(learning_rate=3e-2)
 
 
-@pytest.fixture(scope="module")
-def sc(ember_server):
-    client = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
-    yield client
-    client.close("success").result(timeout=30)
-
-
 def fwd(tc) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy().copy() for o in tc.forward(DATA, "cross_entropy").result().loss_fn_outputs]
 

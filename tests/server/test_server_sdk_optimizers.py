@@ -7,14 +7,7 @@ import pytest
 import tinker
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, sft_datum
-
-
-@pytest.fixture(scope="module")
-def sc(ember_server):
-    client = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
-    yield client
-    client.close("success").result(timeout=30)
+from ember.server.testing import MODEL_NAME, sft_datum
 
 
 def _step(tc, params):

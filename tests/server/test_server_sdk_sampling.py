@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tinker
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, sft_datum
+from ember.server.testing import MODEL_NAME, sft_datum
 
 PROMPT = types.ModelInput.from_ints([5, 17, 30, 42, 8, 61])
-
-
-@pytest.fixture(scope="module")
-def sc(ember_server):
-    client = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
-    yield client
-    client.close("success").result(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,6 @@ METRIC_KEY = re.compile(r"^[^:]+:[^:]+$")
 SEEN_METRIC_KEYS: set[str] = set()
 
 
-@pytest.fixture(scope="module")
-def sc(ember_server):
-    client = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
-    yield client
-    client.close("success").result(timeout=30)
-
-
 def new_client(sc, seed: int = 0, rank: int = 4):
     return sc.create_lora_training_client(base_model=MODEL_NAME, rank=rank, seed=seed).result()
 
