@@ -198,6 +198,32 @@ def test_resharding_save_at_world2_load_at_world1_and_back(group, tiny_model_dir
         back.close()
 
 
+def test_dimuon_under_fsdp_matches_world1_and_reshards(group, tiny_model_dir, tmp_path):
+    """Dimuon on dp_shard=2 (full matrices gathered for the matrix sign) = world 1; its momentum reshards."""
+    dimuon, lora = types.DimuonParams(learning_rate=1e-2), types.LoraConfig(rank=4, seed=0)
+    spec = EngineSpec(str(tiny_model_dir), CONFIG, ParallelismConfig(dp_shard=2), lora, optimizer="dimuon")
+    ref = TorchEngine.from_pretrained(tiny_model_dir, CONFIG, lora, optimizer_config={"type": "dimuon"})
+    eng = GroupEngine.create(group, "dimuon-w2", spec)
+    try:
+        for seed in (31, 32):
+            datums = random_sft_datums(4, vocab=84, seed=seed)
+            eng.forward_backward(datums, "cross_entropy")
+            eng.optim_step(dimuon)
+            ref.forward_backward(datums, "cross_entropy")
+            ref.optim_step(dimuon)
+        close_dicts(group.run("dimuon-w2", wt.full_params), wt.full_params(ref), "params after 2 Dimuon steps")
+        eng.save_state(tmp_path / "w2")
+        saved = group.run("dimuon-w2", wt.full_params)
+    finally:
+        eng.close()
+    w1 = TorchEngine.from_pretrained(tiny_model_dir, CONFIG, lora, optimizer_config={"type": "dimuon"})
+    w1.load_state(tmp_path / "w2")
+    for n, p in wt.full_params(w1).items():
+        assert torch.equal(p, saved[n]), n
+    for p, q in zip(w1.state_tensors().values(), ref.state_tensors().values()):
+        close(w1.optimizer.state[p]["momentum"], ref.optimizer.state[q]["momentum"], "momentum resharded")
+
+
 # ---------------------------------------------------------------------- faults (keep last: kills the group)
 DETECT_S = 20.0  # generous bound for a loaded 2-core CI machine; detection itself is ~instant
 
@@ -253,29 +279,3 @@ def test_killed_rank_surfaces_fast_then_rebuilt_group_resumes_from_checkpoint(gr
             assert torch.equal(got[name], want), name  # bit-identical resume
     finally:
         rebuilt.shutdown()
-
-
-def test_dimuon_under_fsdp_matches_world1_and_reshards(group, tiny_model_dir, tmp_path):
-    """Dimuon on dp_shard=2 (full matrices gathered for the matrix sign) = world 1; its momentum reshards."""
-    dimuon, lora = types.DimuonParams(learning_rate=1e-2), types.LoraConfig(rank=4, seed=0)
-    spec = EngineSpec(str(tiny_model_dir), CONFIG, ParallelismConfig(dp_shard=2), lora, optimizer="dimuon")
-    ref = TorchEngine.from_pretrained(tiny_model_dir, CONFIG, lora, optimizer_config={"type": "dimuon"})
-    eng = GroupEngine.create(group, "dimuon-w2", spec)
-    try:
-        for seed in (31, 32):
-            datums = random_sft_datums(4, vocab=84, seed=seed)
-            eng.forward_backward(datums, "cross_entropy")
-            eng.optim_step(dimuon)
-            ref.forward_backward(datums, "cross_entropy")
-            ref.optim_step(dimuon)
-        close_dicts(group.run("dimuon-w2", wt.full_params), wt.full_params(ref), "params after 2 Dimuon steps")
-        eng.save_state(tmp_path / "w2")
-        saved = group.run("dimuon-w2", wt.full_params)
-    finally:
-        eng.close()
-    w1 = TorchEngine.from_pretrained(tiny_model_dir, CONFIG, lora, optimizer_config={"type": "dimuon"})
-    w1.load_state(tmp_path / "w2")
-    for n, p in wt.full_params(w1).items():
-        assert torch.equal(p, saved[n]), n
-    for p, q in zip(w1.state_tensors().values(), ref.state_tensors().values()):
-        close(w1.optimizer.state[p]["momentum"], ref.optimizer.state[q]["momentum"], "momentum resharded")
