@@ -116,6 +116,21 @@ def test_mismatched_params_type_names_both(tiny_model_dir):
         adam.optim_step(types.DimuonParams(learning_rate=1e-3))
 
 
+@pytest.mark.parametrize("field,value", [("learning_rate", -1.0), ("learning_rate", math.nan),
+                                         ("learning_rate", math.inf), ("beta1", 1.0), ("beta1", -0.1),
+                                         ("grad_clip_norm", math.nan), ("damping", 0.0),
+                                         ("rank_lr_correction_exponent", math.inf)])
+def test_hostile_dimuon_params_are_refused_before_anything_changes(tiny_model_dir, field, value):
+    engine = _lora(tiny_model_dir)
+    engine.forward_backward(random_sft_datums(2, vocab=84, seed=1), "cross_entropy")
+    before = {k: v.clone() for k, v in engine.named_weights()}
+    params = PARAMS.model_copy()
+    object.__setattr__(params, field, value)  # damping/exponent: fields of newer SDKs, read if present
+    with pytest.raises(ValueError, match=f"DimuonParams.{field}="):
+        engine.optim_step(params)
+    assert all(torch.equal(v, before[k]) for k, v in engine.named_weights())
+
+
 def test_registry_and_vector_rule():
     p = torch.nn.Parameter(torch.zeros(5))
     assert isinstance(build_optimizer(None, [p], None), AdamW)

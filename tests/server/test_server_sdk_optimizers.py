@@ -3,6 +3,7 @@ DimuonParams (arriving typed), mismatched params refused as a user error, resume
 
 from __future__ import annotations
 
+import pydantic
 import pytest
 import tinker
 from tinker import types
@@ -34,3 +35,22 @@ def test_adamw_run_refuses_dimuon_params(sc):
     with pytest.raises(tinker.RequestFailedError, match="DimuonParams.*adamw.*AdamParams") as exc:
         tc.optim_step(types.DimuonParams(learning_rate=1e-2)).result()
     assert exc.value.category.name == "User"
+
+
+def _parse_optim(params: dict):
+    from ember.server import requests as rq
+
+    data = {"model_id": "m", "seq_id": 1, "optimizer_params": params, "type": "optim_step"}
+    return rq.optim_params(data, rq.parse(rq.OptimStepRequest, data))
+
+
+def test_newer_sdk_dimuon_fields_are_kept_and_hostile_ones_refused():
+    from ember.server.errors import BadRequest
+
+    got = _parse_optim({"type": "dimuon", "learning_rate": 1e-3, "damping": 0.3, "rank_lr_correction_exponent": 0})
+    assert isinstance(got, types.DimuonParams) and got.damping == 0.3 and got.rank_lr_correction_exponent == 0
+    assert _parse_optim({"type": "dimuon", "learning_rate": 1e-3}).damping is None  # SDK 0.38: ember's default
+    with pytest.raises(pydantic.ValidationError):
+        _parse_optim({"type": "dimuon", "learning_rate": 1e-3, "damping": "lots"})
+    with pytest.raises(BadRequest, match="unknown optimizer 'sgd'"):
+        _parse_optim({"type": "sgd", "learning_rate": 1e-3})

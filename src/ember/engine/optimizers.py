@@ -94,7 +94,7 @@ class Optimizer(abc.ABC):
     def check_type(self, params) -> None:
         if not isinstance(params, self.params_type):
             raise TypeError(
-                f"optim_step got {type(params).__name__} but this run's optimizer is {self.name} "
+                f"optim_step got {params_name(params)} but this run's optimizer is {self.name} "
                 f"(created with optimizer={{'type': {self.name!r}}}); pass {self.params_type.__name__}"
             )
 
@@ -209,9 +209,10 @@ class Dimuon(Optimizer):
 
     def validate(self, params: types.DimuonParams) -> None:
         values = {"learning_rate": params.learning_rate, "beta1": params.beta1,
+                  "grad_clip_norm": params.grad_clip_norm,
                   "damping": _damping(params), "rank_lr_correction_exponent": _exponent(params)}
         ok = {"learning_rate": values["learning_rate"] >= 0, "beta1": 0 <= values["beta1"] < 1,
-              "damping": values["damping"] > 0, "rank_lr_correction_exponent": True}
+              "grad_clip_norm": True, "damping": values["damping"] > 0, "rank_lr_correction_exponent": True}
         for name, value in values.items():
             if not ok[name] or not math.isfinite(value):
                 raise ValueError(f"DimuonParams.{name}={value} is out of range")
@@ -233,14 +234,24 @@ class Dimuon(Optimizer):
 
 
 def _damping(params) -> float:
-    return float(getattr(params, "damping", DAMPING))
+    value = getattr(params, "damping", None)
+    return DAMPING if value is None else float(value)
 
 
 def _exponent(params) -> float:
-    return float(getattr(params, "rank_lr_correction_exponent", RANK_LR_EXPONENT))
+    value = getattr(params, "rank_lr_correction_exponent", None)
+    return RANK_LR_EXPONENT if value is None else float(value)
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {"adamw": AdamW, "dimuon": Dimuon}
+
+
+def params_name(params) -> str:
+    """The SDK params type `params` is an instance of (a wire subclass reports its SDK base)."""
+    for optimizer in OPTIMIZERS.values():
+        if isinstance(params, optimizer.params_type):
+            return optimizer.params_type.__name__
+    return type(params).__name__
 
 
 def build_optimizer(config, params: Sequence[torch.nn.Parameter], lora_rank: int | None) -> Optimizer:

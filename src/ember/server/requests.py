@@ -53,7 +53,15 @@ OptimStepRequest = types.OptimStepRequest
 
 # Non-Adam params families by `type`. The SDK's union would read a Dimuon body as AdamParams
 # once unknown fields are ignored, so the family is chosen from the raw `type` first.
-OPTIM_PARAMS: dict[str, type[pydantic.BaseModel]] = {"adamw": types.AdamParams, "dimuon": types.DimuonParams}
+class DimuonWireParams(types.DimuonParams):
+    """SDK 0.38's DimuonParams plus the two fields Tinker's docs list and that SDK lacks:
+    taken from a newer SDK's request instead of being dropped (None = ember's default)."""
+
+    damping: float | None = None
+    rank_lr_correction_exponent: float | None = None
+
+
+OPTIM_PARAMS: dict[str, type[pydantic.BaseModel]] = {"adamw": types.AdamParams, "dimuon": DimuonWireParams}
 
 
 def optim_params(data: Any, parsed: types.OptimStepRequest):

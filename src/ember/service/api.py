@@ -432,11 +432,11 @@ class ServiceAPI(abc.ABC):
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         """The registered base models (trainable and sampleable)."""
 
+    @abc.abstractmethod
     def base_model_directory(self, base_model: str) -> str:
         """The local directory of a base model (a registered name, or a path the registry
         accepts), where its tokenizer lives; unknown → UserError. Used by the
         OpenAI-compatible routes to tokenize text."""
-        raise NotImplementedError(f"{type(self).__name__} does not expose base-model directories")
 
     # ---------------------------------------------------------------- lifecycle
     @abc.abstractmethod

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from tinker import types
 
-from ember.engine.optimizers import OPTIMIZERS
+from ember.engine.optimizers import OPTIMIZERS, params_name
 from ember.service import checkpoints as ckpt
 from ember.service import rest
 from ember.service.api import FutureState, NotFoundError, ServiceAPI, Submission, UserError
@@ -215,7 +215,7 @@ class Service(ServiceAPI):
         def op(run: LiveRun) -> types.OptimStepResponse:
             want = OPTIMIZERS[run.spec.optimizer].params_type
             if not isinstance(adam_params, want):
-                raise UserError(f"optim_step got {type(adam_params).__name__}, but this run's optimizer is "
+                raise UserError(f"optim_step got {params_name(adam_params)}, but this run's optimizer is "
                                 f"{run.spec.optimizer}, which takes {want.__name__}")
             return types.OptimStepResponse(metrics=run.require_engine().optim_step(adam_params))
 
