@@ -97,7 +97,7 @@ def _engine_pids(server) -> list[int]:
 def test_engine_killed_mid_request_fails_with_server_category_and_is_rebuilt(vllm_server):
     import os
     import signal
-    import threading
+    import time
 
     sc = tinker.ServiceClient(base_url=vllm_server.base_url, api_key=API_KEY)
     sampler = sc.create_sampling_client(base_model=MODEL_NAME)
@@ -105,8 +105,23 @@ def test_engine_killed_mid_request_fails_with_server_category_and_is_rebuilt(vll
     assert sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences
     pids = _engine_pids(vllm_server)
     assert pids, "no vLLM engine process under the server"
+    # Freeze the engine first so the request cannot finish before the kill (a fast machine
+    # finished it inside a fixed delay), then kill it once the server has accepted the request
+    # and handed it to the frozen engine.
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    def accepted() -> int:
+        return len([e for e in vllm_server.requests("/asample") if e["status"] == 200])
+
+    before = accepted()
     pending = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=240, stop=[], seed=1))
-    threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in pids]).start()
+    deadline = time.monotonic() + 60
+    while accepted() <= before:
+        assert time.monotonic() < deadline, "the server never accepted the sample request"
+        time.sleep(0.05)
+    time.sleep(1.0)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError) as failed:
         pending.result()
     assert failed.value.category == types.RequestErrorCategory.Server
