@@ -236,3 +236,30 @@ def to_dict(obj: Any) -> dict[str, Any]:
         return v
 
     return convert(dataclasses.asdict(obj))
+
+
+def describe_keys(cls: type, prefix: str = "") -> list[str]:
+    """One line per settable key of `cls`: `--dotted.key TYPE (default: VALUE)`, nested
+    sections expanded, for `--help` texts that stay true as the dataclasses change."""
+    hints = typing.get_type_hints(cls)
+    lines: list[str] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.extend(describe_keys(tp, prefix + f.name + "."))
+            continue
+        if _no_default(f):
+            default = "required"
+        else:
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = f"default: {value!r}"
+        lines.append(f"--{prefix}{f.name} {_key_type(tp)} ({default})")
+    return lines
+
+
+def _key_type(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+    return _type_name(tp)

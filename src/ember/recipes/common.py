@@ -92,6 +92,29 @@ class ClientConfig:
     data_dir: str = ""
 
 
+class ServerUnreachable(RuntimeError):
+    """Nothing answers at the configured base_url (raised before the SDK's retry loop)."""
+
+
+def check_reachable(base_url: str, timeout_s: float = 5.0) -> None:
+    """Fail within seconds when no server listens at `base_url`.
+
+    The SDK retries a refused connection for minutes without a word; a recipe pointed at a
+    server that is not running should say so at once. Any HTTP answer (even a 404 from a
+    server without `/api/v1/healthz`) counts as reachable: only the connection is checked.
+    """
+    import httpx
+
+    url = base_url.rstrip("/") + "/api/v1/healthz"
+    try:
+        httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise ServerUnreachable(
+            f"no server answers at {base_url} ({type(e).__name__}: {e or 'no answer'}); start one with "
+            f"`ember serve --model NAME=DIR --port PORT`, or leave client.base_url empty to train in process"
+        ) from None
+
+
 def make_service_client(config: ClientConfig) -> Any:
     """A Tinker ServiceClient: ember's in-process one, or the official SDK's over HTTP."""
     if config.base_url:
@@ -100,6 +123,7 @@ def make_service_client(config: ClientConfig) -> Any:
         import tinker
 
         api_key = config.api_key or os.environ.get("TINKER_API_KEY", "")
+        check_reachable(config.base_url)
         return tinker.ServiceClient(base_url=config.base_url, api_key=api_key)
     import ember
 

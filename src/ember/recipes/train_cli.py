@@ -46,19 +46,34 @@ def split_config_path(options: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def config_class(recipe: str) -> type:
+    if recipe == "sft":
+        from ember.recipes.sft import SFTConfig
+        return SFTConfig
+    from ember.recipes.grpo import GRPOConfig
+    return GRPOConfig
+
+
 def load_recipe_config(recipe: str, options: list[str]):
     path, overrides = split_config_path(options)
-    if recipe == "sft":
-        from ember.recipes.sft import SFTConfig as cls
-    else:
-        from ember.recipes.grpo import GRPOConfig as cls
-    return load_config(cls, path, overrides)
+    return load_config(config_class(recipe), path, overrides)
+
+
+def help_text(recipe: str) -> str:
+    """Usage plus every key of the recipe's config (TOML key = the flag without `--`;
+    a dotted key is a key of that TOML table). Example files: examples/{sft,grpo}.toml."""
+    from ember.config import describe_keys
+
+    cls = config_class(recipe)
+    keys = "\n".join("  " + line for line in describe_keys(cls))
+    return (f"usage: ember train {recipe} [--config FILE.toml] [--section.key VALUE ...]\n\n"
+            f"keys of {cls.__name__} (in the TOML file: `key = value`, `[section]` tables for dotted keys;\n"
+            f"on the command line they override the file); example: examples/{recipe}.toml\n{keys}")
 
 
 def run(args: argparse.Namespace) -> int:
     if any(o in ("-h", "--help") for o in args.options):
-        print(f"usage: {USAGE}\nkeys: see the fields of ember.recipes.{args.recipe} "
-              f"({'SFTConfig' if args.recipe == 'sft' else 'GRPOConfig'})")
+        print(help_text(args.recipe))
         return 0
     try:
         config = load_recipe_config(args.recipe, args.options)
@@ -71,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def run_recipe(recipe: str, config) -> int:
     from ember.config import to_dict
     from ember.metrics import MetricsLogger, build_sinks, use_logger
+    from ember.recipes.common import ServerUnreachable
     from ember.recipes.demo import write_json
 
     run_dir = Path(config.run_dir or Path("runs") / time.strftime(f"{recipe}-%Y%m%d-%H%M%S"))
@@ -84,7 +100,7 @@ def run_recipe(recipe: str, config) -> int:
             else:
                 from ember.recipes.grpo import run_grpo as run_fn
             saved = run_fn(config)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ServerUnreachable) as e:
         print(f"ember train {recipe}: {e}", file=sys.stderr)
         return 1
     finally:
