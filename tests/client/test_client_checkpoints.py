@@ -103,3 +103,30 @@ def test_rest_client_listings_and_sampler_checkpoints(make_client):
     torch.testing.assert_close(torch.tensor(lp[1:]), _probe(tc), rtol=0, atol=1e-4)
     rc.delete_checkpoint_from_tinker_path(state).result()
     assert [c.tinker_path for c in rc.list_checkpoints(tc.model_id).result().checkpoints] == [sampler_path]
+
+
+def test_resume_picks_the_optimizer_in_process(make_client):
+    """Weights only: the requested optimizer, fresh. With state: the checkpoint's, and a
+    config of another type is a user error naming both."""
+    sc = make_client()
+    tc = sc.create_lora_training_client(BASE, rank=4, seed=1).result()
+    _step(tc, random_sft_datums(2, VOCAB, seed=0))
+    path = tc.save_state("adam").result().path
+    dimuon = sc.create_training_client_from_state(path, optimizer=types.DimuonOptimizerConfig()).result()
+    dimuon.forward_backward(random_sft_datums(2, VOCAB, seed=1), "cross_entropy")
+    assert dimuon.optim_step(types.DimuonParams(learning_rate=1e-2)).result().metrics["step:max"] == 1.0
+    with pytest.raises(tinker.RequestFailedError, match="AdamParams.*dimuon"):
+        dimuon.optim_step(ADAM).result()
+
+
+def test_resuming_with_state_refuses_another_optimizer_type(tmp_path):
+    import json
+
+    from ember.service.api import UserError
+    from ember.service.runs import _resumed_optimizer
+
+    (tmp_path / "ember_state.json").write_text(json.dumps({"optimizer": "adamw"}))
+    assert _resumed_optimizer(tmp_path, True, None) == {"type": "adamw"}
+    assert _resumed_optimizer(tmp_path, False, {"type": "dimuon"}) == {"type": "dimuon", "version": 1}
+    with pytest.raises(UserError, match="optimizer state is 'adamw', got a 'dimuon' config"):
+        _resumed_optimizer(tmp_path, True, {"type": "dimuon"})

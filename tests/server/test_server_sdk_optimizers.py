@@ -37,6 +37,22 @@ def test_adamw_run_refuses_dimuon_params(sc):
     assert exc.value.category.name == "User"
 
 
+def test_weights_only_resume_takes_the_requested_optimizer(sc):
+    """create_training_client_from_state(optimizer=...) starts that optimizer fresh (the SDK's
+    default is Adam); with optimizer state the checkpoint's optimizer is kept."""
+    adam = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    _step(adam, types.AdamParams(learning_rate=1e-2))
+    path = adam.save_state("adam").result().path
+    switched = sc.create_training_client_from_state(path, optimizer=types.DimuonOptimizerConfig()).result()
+    assert _step(switched, types.DimuonParams(learning_rate=1e-2)).metrics["step:max"] == 1.0
+    with pytest.raises(tinker.RequestFailedError, match="AdamParams.*dimuon"):
+        switched.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    plain = sc.create_training_client_from_state(path).result()
+    assert _step(plain, types.AdamParams(learning_rate=1e-2)).metrics["step:max"] == 1.0
+    kept = sc.create_training_client_from_state_with_optimizer(path).result()
+    assert _step(kept, types.AdamParams(learning_rate=1e-2)).metrics["step:max"] == 2.0
+
+
 def _parse_optim(params: dict):
     from ember.server import requests as rq
 

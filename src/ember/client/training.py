@@ -172,13 +172,13 @@ class TrainingClient:
         return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
 
     # ------------------------------------------------------------------ optimizer
-    def optim_step(self, optim_params: types.AdamParams | None = None, *,
+    def optim_step(self, optim_params: types.AdamParams | types.DimuonParams | None = None, *,
                    adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
         if optim_params is not None and adam_params is not None:
             raise ValueError("Specify optim_params or legacy adam_params, not both")
         params = optim_params if optim_params is not None else adam_params
-        if not isinstance(params, types.AdamParams):
-            raise TypeError("Expected AdamParams (ember implements AdamW only)")
+        if not isinstance(params, (types.AdamParams, types.DimuonParams)):
+            raise TypeError(f"optim_params: expected AdamParams or DimuonParams, got {type(params).__name__}")
         owner = self._ctx.owner
         return self._call(lambda s: self._service.optim_step(owner, self.model_id, s, params))
 

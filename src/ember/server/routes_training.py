@@ -91,6 +91,7 @@ async def load_weights(request: Request, owner: str = Owner, service=Service):
         service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
         session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
         user_metadata=req.user_metadata,
+        optimizer_config=req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None,
     )
     return future_response(sub)
 

@@ -262,6 +262,7 @@ class ServiceAPI(abc.ABC):
         model_seq_id: int | None = None,
         base_model: str | None = None,
         user_metadata: Mapping[str, Any] | None = None,
+        optimizer_config: Mapping[str, Any] | None = None,
     ) -> Submission:
         """Load a `tinker://<run>/weights/<name>` checkpoint (state saved by `save_weights`).
 
@@ -270,7 +271,10 @@ class ServiceAPI(abc.ABC):
         * `session_id` + `model_seq_id`: create-via-load — a new run
           f"{session_id}:train:{model_seq_id}" with the checkpoint's base model and LoRA
           config; the load is its seq 0.
-        `optimizer=False` starts Adam fresh (step 0). Future → LoadWeightsResponse
+        `optimizer=False` starts a fresh optimizer (step 0): `optimizer_config` (the SDK's
+        `create_training_client_from_state(optimizer=...)`; default AdamW) when creating a
+        run, else the run's own. `optimizer=True` restores the checkpoint's optimizer and its
+        state; an `optimizer_config` of another type is then a user error. Future → LoadWeightsResponse
         (path, model_id). Unknown/foreign path → failed, user.
         """
 

@@ -178,7 +178,8 @@ class Service(ServiceAPI):
         return self.runs.get_info(owner, model_id)
 
     def load_weights(self, owner, path, optimizer, *, model_id=None, seq_id=None, session_id=None,
-                     model_seq_id=None, base_model=None, user_metadata=None) -> Submission:
+                     model_seq_id=None, base_model=None, user_metadata=None,
+                     optimizer_config=None) -> Submission:
         by_model = model_id is not None
         by_session = session_id is not None
         if by_model == by_session:
@@ -189,7 +190,7 @@ class Service(ServiceAPI):
             if err:
                 return self.runs.reject(owner, "LoadWeights", err)
             return self.runs.create_from_checkpoint(owner, session_id, model_seq_id, path, bool(optimizer),
-                                                    base_model, user_metadata)
+                                                    base_model, user_metadata, optimizer_config)
         return self.runs.submit_op(owner, model_id, seq_id, "LoadWeights",
                                    lambda run: self.runs.load_checkpoint(run, path, bool(optimizer)))
 

@@ -91,6 +91,18 @@ def _saved_optimizer(directory) -> dict[str, Any]:
     return validate_optimizer({"type": kind})
 
 
+def _resumed_optimizer(directory, with_state: bool, requested: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The optimizer of a run created from a checkpoint: the saved one with its state, or
+    the requested one (default AdamW) started fresh."""
+    if not with_state:
+        return validate_optimizer(requested)
+    saved = _saved_optimizer(directory)
+    if requested is not None and validate_optimizer(requested)["type"] != saved["type"]:
+        raise UserError(f"optimizer_config: the checkpoint's optimizer state is {saved['type']!r}, "
+                        f"got a {requested.get('type')!r} config; load it without optimizer state to switch")
+    return saved
+
+
 def validate_optimizer(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     """The run's optimizer config: AdamW (default) or Dimuon version 1, nothing else."""
     from ember.engine.optimizers import OPTIMIZERS
@@ -245,17 +257,18 @@ class RunManager:
         return tp, row
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
-                               base_model: str | None, user_metadata) -> Submission:
+                               base_model: str | None, user_metadata, optimizer_config=None) -> Submission:
         run_id = f"{session_id}:train:{model_seq_id}"
         sub, created = self.futures.create(owner, "LoadWeights", model_id=run_id, dedup_key=f"create:{run_id}")
         if not created:
             return sub
         with self.futures.accepting(sub.request_id):
-            self._start_create_from(sub, owner, session_id, model_seq_id, path, optimizer, base_model, user_metadata)
+            self._start_create_from(sub, owner, session_id, model_seq_id, path, optimizer, base_model, user_metadata,
+                                    optimizer_config)
         return sub
 
     def _start_create_from(self, sub: Submission, owner: str, session_id: str, model_seq_id: int, path: str,
-                           optimizer: bool, base_model: str | None, user_metadata) -> None:
+                           optimizer: bool, base_model: str | None, user_metadata, optimizer_config=None) -> None:
         run_id = f"{session_id}:train:{model_seq_id}"
         try:
             if not isinstance(model_seq_id, int) or model_seq_id < 0:
@@ -266,7 +279,7 @@ class RunManager:
             base = self.registry.resolve(base_model or (src.base_model if src else ""))
             if self.store.get(RunRow, run_id) is not None:
                 raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
-            opt = _saved_optimizer(crow.directory) if optimizer else {"type": "adamw"}
+            opt = _resumed_optimizer(crow.directory, optimizer, optimizer_config)
             run = self._register(owner, session_id, model_seq_id, RunSpec(run_id, base, lora, opt["type"]), 0,
                                  opt, user_metadata, tp.uri)
         except UserError as exc:
