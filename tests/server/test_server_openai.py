@@ -98,8 +98,12 @@ def test_n_samples_and_stop(oai):
     assert all(c.logprobs is None for c in resp.choices)
 
 
-def test_models_lists_the_base_models(oai):
-    assert MODEL_NAME in [m.id for m in oai.models.list().data]
+def test_models_lists_the_base_models_and_only_the_callers_checkpoints(oai, ember_server, checkpoint):
+    ids = [m.id for m in oai.models.list().data]
+    assert MODEL_NAME in ids and checkpoint in ids
+    other = openai.OpenAI(base_url=ember_server.base_url + "/v1", api_key=OTHER_KEY, max_retries=0)
+    other_ids = [m.id for m in other.models.list().data]
+    assert MODEL_NAME in other_ids and checkpoint not in other_ids
 
 
 def test_another_key_cannot_use_the_checkpoint(ember_server, checkpoint):

@@ -186,7 +186,15 @@ async def chat_completions(request: Request, owner: str = Owner, service=Service
 
 @router.get("/models")
 async def list_models(owner: str = Owner, service=Service):
+    """The base models, then the caller's own sampler checkpoints (newest first, at most
+    MODELS_LISTED_CHECKPOINTS): every id here is a valid `model`."""
     caps = await run_in_threadpool(service.get_server_capabilities)
     data = [{"id": m.model_name, "object": "model", "created": 0, "owned_by": "ember"}
             for m in caps.supported_models if m.model_name]
+    listed = await run_in_threadpool(service.list_user_checkpoints, owner, MODELS_LISTED_CHECKPOINTS, 0)
+    data += [{"id": c.tinker_path, "object": "model", "created": int(c.time.timestamp()), "owned_by": owner}
+             for c in listed.checkpoints if c.checkpoint_type == "sampler"]
     return JSONResponse({"object": "list", "data": data})
+
+
+MODELS_LISTED_CHECKPOINTS = 1000
