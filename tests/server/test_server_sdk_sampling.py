@@ -130,3 +130,21 @@ def test_sampler_is_a_snapshot(sc):
     assert old.compute_logprobs(PROMPT).result() == before
     new = tc.save_weights_and_get_sampling_client().result().compute_logprobs(PROMPT).result()
     assert np.abs(np.array(new[1:]) - np.array(before[1:])).max() > 1e-3
+
+
+def test_sampler_handle_reconnects_for_its_owner_only(ember_server, trained):
+    """get_sampler_handle / SamplingClient.from_sampler_handle (SDK-side, carrying no
+    credentials): the owner's key samples the same weights again; another key gets 404."""
+    import tinker
+
+    from ember.server.testing import API_KEY, OTHER_KEY
+
+    _, sampler, _ = trained
+    handle = sampler.get_sampler_handle()
+    prompt = types.ModelInput.from_ints([5, 17, 30])
+    p = params(max_tokens=4, temperature=0.0)
+    again = tinker.SamplingClient.from_sampler_handle(handle, api_key=API_KEY)
+    assert again.sample(prompt, 1, p).result().sequences[0].tokens == sampler.sample(prompt, 1, p).result().sequences[0].tokens
+    stranger = tinker.SamplingClient.from_sampler_handle(handle, api_key=OTHER_KEY)
+    with pytest.raises((tinker.NotFoundError, tinker.RequestFailedError)):
+        stranger.sample(prompt, 1, p).result(timeout=60)
