@@ -196,3 +196,15 @@ def test_a_renamed_flag_fails_the_check():
         check_block(bad)
     with pytest.raises(AssertionError, match="not in the Makefile"):
         check_block(Block("bash", "make no-such-target\n", 1, "x"))
+
+
+def test_the_not_supported_list_matches_the_code():
+    """README's "Not supported" section names exactly the SDK calls and losses ember refuses."""
+    from ember.losses.registry import UNSUPPORTED as LOSSES_REFUSED
+    from ember.service.unsupported import UNSUPPORTED
+
+    text = README.read_text()
+    start = text.index("## Not supported")
+    section = text[start:text.index("\n## ", start + 1)]
+    listed = set(re.findall(r"^\| `([\w.:]+)`", section, re.M))
+    assert listed == set(UNSUPPORTED) | {f"loss_fn:{name}" for name in LOSSES_REFUSED}
