@@ -16,7 +16,7 @@ from ember.losses import LOSSES, UNSUPPORTED, LossSpec, clip_diagnostics, comput
 def test_registry_covers_every_sdk_loss_name():
     sdk_names = set(typing.get_args(types.LossFnType))
     assert set(LOSSES) | set(UNSUPPORTED) == sdk_names
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
 
 
 @pytest.mark.parametrize("name", list(LOSSES))

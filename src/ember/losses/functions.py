@@ -218,8 +218,9 @@ def stable_reinforce(
     as IcePop does for training/inference mismatch):
 
         r_t    = exp(logp_t − q_t)               q_t: the *recorded* sampler log-prob
-        keep_t = m_t · 1[low ≤ sg[r_t] ≤ high]   m_t = ``sampled_mask``: 1 where the target
-                                                 token is covered by a SampledProvenanceSpan
+        keep_t = 1[m_t ≠ 0] · 1[low ≤ sg[r_t] ≤ high]
+                                   m_t = ``sampled_mask``: 1 where the target token is
+                                   covered by a SampledProvenanceSpan, else 0
         loss_t = −keep_t · r_t · A_t             d loss_t / d logp_t = −keep_t · r_t · A_t
 
     ``q`` (``logprobs``) and ``m`` (``sampled_mask``) are filled in by the service from the
@@ -231,6 +232,5 @@ def stable_reinforce(
     mask_T = _per_token("sampled_mask", inputs, logp_T)
     low, high = _clip_bounds(config)
     ratio_T = torch.exp(logp_T - q_T)
-    band_T = (ratio_T.detach() >= low) & (ratio_T.detach() <= high)
-    keep_T = mask_T * band_T.to(logp_T.dtype)
-    return -keep_T * ratio_T * adv_T
+    keep_T = (mask_T != 0) & (ratio_T.detach() >= low) & (ratio_T.detach() <= high)
+    return -keep_T.to(logp_T.dtype) * ratio_T * adv_T
