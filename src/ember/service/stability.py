@@ -112,6 +112,8 @@ class StabilityRecords:
             for seq in response.sequences:
                 if not seq.sequence_id:
                     continue
+                if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):
+                    raise RuntimeError(f"sequence {seq.sequence_id}: the sampler returned no logprob per token")
                 rec = SequenceRecord(owner, session_id, ids, np.asarray(seq.tokens, dtype=np.int64),
                                      np.asarray(seq.logprobs, dtype=np.float32), now)
                 self._drop(seq.sequence_id)
