@@ -163,3 +163,28 @@ def test_runs_that_do_not_tile_or_overrun(run):
         types.PromptProvenanceSpan(sequence_id=s.sequence_id, length=len(PROMPT) - 1),
         types.SampledProvenanceSpan(sequence_id=s.sequence_id, offset=n - 1, length=n)])
     fails_with(tc, [over], "datum 0: model_input_spans[1]", f"exceeds the {n} recorded sampled tokens")
+
+
+def test_expired_record_over_http(tiny_model_dir, tmp_path):
+    """`--stability.ttl_s` reaches the service; a record idle past it is refused as expired."""
+    import time
+    from pathlib import Path
+
+    from ember.server.testing import API_KEY, start_server
+
+    server = start_server(Path(tiny_model_dir), tmp_path, extra_args=["--stability.ttl_s", "3"])
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+    try:
+        tc = client.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+        sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params(seed=9)).result().sequences[0]
+        tc.forward([stable_datum(PROMPT, seq)], "stable_reinforce").result()
+        time.sleep(4.0)
+        with pytest.raises(tinker.RequestFailedError) as info:
+            tc.forward([stable_datum(PROMPT, seq)], "stable_reinforce").result()
+        assert info.value.category == types.RequestErrorCategory.User
+        assert "datum 0: model_input_spans[0]" in info.value.message and "expired" in info.value.message
+        assert "records live 3.0 s after their last use" in info.value.message, info.value.message
+    finally:
+        client.close("success").result(timeout=30)
+        server.stop()

@@ -116,7 +116,7 @@ def test_expiry_is_sliding_and_named(records, clock):
     clock.now += DAY_S - 1
     records.resolve("alice", "sess-a", [datum()])
     clock.now += DAY_S + 3600
-    refused(records, [datum()], "datum 0: model_input_spans[0]", "expired", "last used 25.0 h ago", "24 h")
+    refused(records, [datum()], "datum 0: model_input_spans[0]", "expired", "last used 25.0 h ago", "records live 24.0 h")
     # s:1 was never used after sampling: housekeeping drops it; it then reads as unknown
     assert records.expire() == 1 and len(records) == 0
     refused(records, [datum("s:1")], "no stability record")

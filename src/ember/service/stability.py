@@ -81,6 +81,10 @@ class SequenceRecord:
         return int(self.tokens.size) + (0 if self.prompt is None else int(self.prompt.size))
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds:.1f} s"
+
+
 def prompt_ids(prompt: types.ModelInput) -> np.ndarray | None:
     """The prompt's token ids, or None when it holds image/dmel chunks (no token ids)."""
     if not all(isinstance(c, types.EncodedTextChunk) for c in prompt.chunks):
@@ -169,7 +173,7 @@ class StabilityRecords:
                 self._drop(sequence_id)
                 raise UserError(
                     f"{where}: the stability record of sequence_id {sequence_id!r} expired: last used "
-                    f"{age / 3600:.1f} h ago, records live {self.config.ttl_s / 3600:g} h after their last use"
+                    f"{_duration(age)} ago, records live {_duration(self.config.ttl_s)} after their last use"
                 )
             rec.last_used = now
             self._lru.move_to_end(sequence_id)
