@@ -76,3 +76,15 @@ def test_another_session_or_tenant_cannot_name_the_sequence(client, owner):
         assert "no stability record" in str(info.value) and "in this session" in str(info.value)
     finally:
         second.close("success")
+
+
+def test_finishing_a_session_drops_its_records(client):
+    service = client._service
+    mine = client.create_sampling_client(base_model=MODEL, record_stability_info=True).result()
+    mine.sample(types.ModelInput.from_ints(PROMPT), 2, params(1)).result()
+    second = ember.ServiceClient(service=service)
+    theirs = second.create_sampling_client(base_model=MODEL, record_stability_info=True).result()
+    theirs.sample(types.ModelInput.from_ints(PROMPT), 3, params(2)).result()
+    assert len(service.records) == 5
+    second.close("success")
+    assert len(service.records) == 2

@@ -122,6 +122,14 @@ def test_expiry_is_sliding_and_named(records, clock):
     refused(records, [datum("s:1")], "no stability record")
 
 
+def test_session_end_drops_its_records(records):
+    records.record("alice", "sess-b", types.ModelInput.from_ints(PROMPT), response(("s:1",)))  # s:1 now sess-b's
+    records.drop_session("sess-a")
+    assert len(records) == 1
+    refused(records, [datum("s:0")], "no stability record")
+    records.resolve("alice", "sess-b", [datum("s:1")])
+
+
 def test_tokens_must_match_the_record(records):
     d = datum()
     wrong_input = dataclasses.replace(d, model_input=types.ModelInput.from_ints([3, 4, 6, 7, 8, 9]))

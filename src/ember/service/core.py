@@ -139,6 +139,7 @@ class Service(ServiceAPI):
     def _on_session_end(self, session_id: str) -> None:
         self.runs.unload_session(session_id)
         self.samplers.drop_session(session_id)
+        self.records.drop_session(session_id)
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, owner, *, tags: Sequence[str] = (), user_metadata: Mapping[str, Any] | None = None,

@@ -26,6 +26,8 @@ What is ember's choice (the docs do not say):
   recorded for this owner *and* session (another tenant's or session's id reads exactly
   like an unknown one); not expired; ``offset + length`` within the recorded prompt /
   sampled tokens; the datum's tokens equal the recorded ones.
+* Records of a session are dropped when it finishes or expires. Losses other than
+  ``stable_reinforce`` ignore provenance spans.
 * **Resolution**: target position t covered by a sampled run gets the recorded sampler
   log-prob q_t and ``sampled_mask`` 1; a position covered by a prompt run gets q_t = 0,
   mask 0 (no sampler log-prob exists there; the loss ignores it). A ``logprobs`` input
@@ -155,6 +157,12 @@ class StabilityRecords:
             for sid in old:
                 self._drop(sid)
         return len(old)
+
+    def drop_session(self, session_id: str) -> None:
+        """A finished or expired session's records go with it (no request can name them)."""
+        with self._lock:
+            for sid in [s for s, r in self._lru.items() if r.session_id == session_id]:
+                self._drop(sid)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, owner: str, session_id: str, sequence_id: str, where: str) -> SequenceRecord:
