@@ -79,5 +79,6 @@ def test_validation_names_the_mask():
     n = 3
     inputs = {"target_tokens": torch.tensor([1, 2, 3]), "logprobs": torch.zeros(n), "advantages": torch.ones(n),
               "sampled_mask": torch.ones(n + 1)}
-    with pytest.raises(ValueError, match=r"datum 2: loss_fn_inputs\['sampled_mask'\] has shape \(4,\), expected \(3,\)"):
+    message = r"datum 2: loss_fn_inputs\['sampled_mask'\] has shape \(4,\), expected \(3,\)"
+    with pytest.raises(ValueError, match=message):
         validate_datum_inputs("stable_reinforce", 2, n, inputs, vocab_size=8)

@@ -40,7 +40,8 @@ def test_loss_equals_documented_formula(run):
     advantages = [1.0, -0.5]
     data = [stable_datum(PROMPT, s, a) for s, a in zip(seqs, advantages)]
     losses = []
-    for config, low, high in ((None, 0.5, 2.0), ({"clip_low_threshold": 0.99, "clip_high_threshold": 1.01}, 0.99, 1.01)):
+    narrow = {"clip_low_threshold": 0.99, "clip_high_threshold": 1.01}
+    for config, low, high in ((None, 0.5, 2.0), (narrow, 0.99, 1.01)):
         out = tc.forward(data, "stable_reinforce", config).result()
         expected = stable_reinforce_loss(len(PROMPT), seqs, out.loss_fn_outputs, advantages, low, high)
         assert out.metrics["loss:sum"] == pytest.approx(expected, rel=RTOL, abs=1e-5)

@@ -71,9 +71,11 @@ def refused(records, data, *words, owner="alice", session="sess-a") -> str:
 def test_resolution_fills_recorded_logprobs_and_mask(records):
     out = records.resolve("alice", "sess-a", [datum("s:0"), datum("s:1")])
     q0 = out[0].loss_fn_inputs["logprobs"].to_numpy()
-    np.testing.assert_array_equal(q0, np.array([0, 0, -0.5, -1.0, -1.5, -2.0], dtype=np.float32))  # client's 9.0 replaced
+    # the client's logprobs (9.0) are replaced by the record; prompt rows get 0
+    np.testing.assert_array_equal(q0, np.array([0, 0, -0.5, -1.0, -1.5, -2.0], dtype=np.float32))
     np.testing.assert_array_equal(out[0].loss_fn_inputs["sampled_mask"].to_numpy(), [0, 0, 1, 1, 1, 1])
-    np.testing.assert_array_equal(out[1].loss_fn_inputs["logprobs"].to_numpy(), np.array([0, 0, -0.25, -0.75], np.float32))
+    q1 = out[1].loss_fn_inputs["logprobs"].to_numpy()
+    np.testing.assert_array_equal(q1, np.array([0, 0, -0.25, -0.75], np.float32))
     assert out[0].model_input_spans is None and out[0].loss_fn_inputs["advantages"].tolist() == [1.0] * 6
 
 
@@ -116,7 +118,8 @@ def test_expiry_is_sliding_and_named(records, clock):
     clock.now += DAY_S - 1
     records.resolve("alice", "sess-a", [datum()])
     clock.now += DAY_S + 3600
-    refused(records, [datum()], "datum 0: model_input_spans[0]", "expired", "last used 25.0 h ago", "records live 24.0 h")
+    refused(records, [datum()], "datum 0: model_input_spans[0]", "expired", "last used 25.0 h ago",
+            "records live 24.0 h")
     # s:1 was never used after sampling: housekeeping drops it; it then reads as unknown
     assert records.expire() == 1 and len(records) == 0
     refused(records, [datum("s:1")], "no stability record")
@@ -182,7 +185,8 @@ def test_total_bound_evicts_across_owners(clock):
     rec = StabilityRecords(StabilityConfig(max_tokens_per_owner=100, max_tokens_total=14), clock=clock)
     prompt = types.ModelInput.from_ints(PROMPT)
     for owner, sid in (("alice", "s:0"), ("bob", "b:0"), ("carol", "c:0")):  # 7 tokens each
-        rec.record(owner, f"sess-{owner}", prompt, types.SampleResponse(sequences=[seq(sid, [7, 8, 9, 10], [-1.0] * 4)]))
+        sampled = types.SampleResponse(sequences=[seq(sid, [7, 8, 9, 10], [-1.0] * 4)])
+        rec.record(owner, f"sess-{owner}", prompt, sampled)
         clock.now += 1
     assert len(rec) == 2
     refused(rec, [datum("s:0")], "no stability record")  # the oldest, alice's, went first

@@ -46,6 +46,7 @@ import numpy as np
 from tinker import types
 
 from ember.service.api import UserError
+from ember.service.provenance import resolve_datum
 
 DAY_S = 24 * 3600.0
 
@@ -190,6 +191,4 @@ class StabilityRecords:
     def resolve(self, owner: str, session_id: str, data: Sequence[types.Datum]) -> list[types.Datum]:
         """`stable_reinforce` datums with ``logprobs`` and ``sampled_mask`` filled in from the
         records their provenance names (see the module docstring); UserError otherwise."""
-        from ember.service.provenance import resolve_datum
-
         return [resolve_datum(self, owner, session_id, i, d) for i, d in enumerate(data)]
