@@ -16,6 +16,7 @@ EXPECTED_DEFAULTS = {
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.1},
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "stable_reinforce": {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0},
 }
 
 

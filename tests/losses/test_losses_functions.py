@@ -61,6 +61,9 @@ def np_reference(name: str, b: dict, cfg: dict) -> tuple[np.ndarray, np.ndarray]
     if name == "dro":
         beta = cfg["beta"]
         return -(logp * adv - 0.5 * beta * (logp - q) ** 2), -(adv - beta * (logp - q))
+    if name == "stable_reinforce":  # ember's formula (functions.stable_reinforce)
+        keep = (b["mask"] != 0) & (r >= cfg["clip_low_threshold"]) & (r <= cfg["clip_high_threshold"])
+        return -(keep * r * adv), -(keep * r * adv)
     assert name == "gspo"
     s = np.ones_like(logp)
     for d in np.unique(b["seg"]):
@@ -95,6 +98,10 @@ def _doc_datum_loss(name, lp, q, adv, b, tok, cfg):
         return -(torch.clamp(ratio, low, high).detach() * lp * adv).sum()
     if name == "dro":
         return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2).sum()
+    if name == "stable_reinforce":
+        sampled = torch.from_numpy(b["mask"][tok] != 0)
+        keep = sampled & (ratio.detach() >= low) & (ratio.detach() <= high)
+        return -(ratio * adv)[keep].sum()
     in_ratio = torch.from_numpy(b["mask"][tok] != 0)
     log_ratio = (lp.detach() - q)[in_ratio].mean() if in_ratio.any() else lp.new_zeros(())
     s = torch.exp(log_ratio + lp - lp.detach())
@@ -110,6 +117,7 @@ def packed_inputs(b: dict, dtype=torch.float64) -> dict[str, torch.Tensor]:
         "logprobs": t["q"],
         "advantages": t["adv"],
         "sequence_ratio_mask": t["mask"],
+        "sampled_mask": t["mask"],
     }
 
 
@@ -158,7 +166,7 @@ def test_grad_matches_autograd_of_docs_formula(name):
     torch.testing.assert_close(grad_T, logp.grad, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["ppo", "cispo", "dro", "gspo"])
+@pytest.mark.parametrize("name", ["ppo", "cispo", "dro", "gspo", "stable_reinforce"])
 def test_custom_config_changes_result(name):
     b = make_batch(seed=3)
     cfg = (

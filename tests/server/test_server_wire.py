@@ -48,6 +48,21 @@ def test_forward_backward_request_roundtrip_dense_and_config():
     assert w.dtype == "float32" and w.to_numpy().tolist() == [1.0, 0.5]
 
 
+def test_provenance_spans_survive_the_wire():
+    """`Datum.with_provenance` spans (for stable_reinforce) decode to the same span objects."""
+    model_spans = [types.PromptProvenanceSpan(sequence_id="req-a:0", offset=0, length=2),
+                   types.SampledProvenanceSpan(sequence_id="req-a:0", offset=1, length=1)]
+    loss_spans = [types.PromptProvenanceSpan(sequence_id="req-b:1", offset=1, length=1),
+                  types.SampledProvenanceSpan(sequence_id="req-a:0", offset=0, length=0),
+                  types.SampledProvenanceSpan(sequence_id="req-a:0", offset=2, length=2)]
+    spanned = _datum([1, 2, 3], [2, 3, 4], [1.0, 1.0, 1.0]).with_provenance(model_input=model_spans,
+                                                                         loss_fn_inputs=loss_spans)
+    call = wire.decode_forward_backward_request(_sdk_request([_datum([1], [2], [1.0]), spanned], "stable_reinforce"))
+    assert call.loss_fn == "stable_reinforce"
+    assert call.data[0].model_input_spans is None and call.data[0].loss_fn_input_spans is None
+    assert call.data[1].model_input_spans == model_spans and call.data[1].loss_fn_input_spans == loss_spans
+
+
 def test_v2_config_wins_over_legacy_map():
     msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="dro")
     msg.loss_fn_config["beta"] = 1.0

@@ -38,9 +38,10 @@ class ClientContext:
         """A future of the request's final state."""
         return self.service.watch(self.owner, request_id)
 
-    def sampling_client(self, sampling_session_id: str, base_model: str | None) -> "SamplingClient":
+    def sampling_client(self, sampling_session_id: str, base_model: str | None,
+                        record_stability_info: bool = False) -> "SamplingClient":
         from ember.client.sampling import SamplingClient
 
         if base_model is None:
             base_model = self.service.get_sampler(self.owner, sampling_session_id).base_model
-        return SamplingClient(self, sampling_session_id, base_model)
+        return SamplingClient(self, sampling_session_id, base_model, record_stability_info)

@@ -30,8 +30,10 @@ def _with_sequence_ids(response: types.SampleResponse, ids: list[str] | None) ->
 class SamplingClient:
     """Same methods, arguments and return types as `tinker.SamplingClient`."""
 
-    def __init__(self, context: "ClientContext", sampling_session_id: str, base_model: str) -> None:
+    def __init__(self, context: "ClientContext", sampling_session_id: str, base_model: str,
+                 record_stability_info: bool = False) -> None:
         self._ctx = context
+        self._record_stability_info = bool(record_stability_info)
         self._sampling_session_id = sampling_session_id
         self._base_model = base_model
         self._seq = itertools.count(0)
@@ -61,6 +63,7 @@ class SamplingClient:
             self._ctx.owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
             include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
+            record_stability_info=self._record_stability_info,
         )
         ids = sub.sample_sequence_ids
         state = self._ctx.watch(sub.request_id)

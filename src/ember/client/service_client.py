@@ -338,13 +338,14 @@ class ServiceClient:
         def create() -> SamplingClient:
             resp = self._service.create_sampling_session(
                 self._owner, session_id, seq, base_model=None if model_path else base_model, model_path=model_path)
-            return self._context.sampling_client(resp.sampling_session_id, None if model_path else base_model)
+            return self._context.sampling_client(resp.sampling_session_id, None if model_path else base_model,
+                                                 record_stability_info)
 
         return ClientFuture(self._callbacks.submit(create))
 
     async def create_sampling_client_async(self, model_path=None, base_model=None, retry_config=None,
                                            record_stability_info=False) -> SamplingClient:
-        return await self.create_sampling_client(model_path, base_model)
+        return await self.create_sampling_client(model_path, base_model, retry_config, record_stability_info)
 
     # ------------------------------------------------------------------ misc
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:

@@ -233,7 +233,7 @@ class TrainingClient:
         fut = self._call(
             lambda s: self._service.save_weights_for_sampler(
                 owner, self.model_id, s, None, sampling_session_seq_id=sampling_seq, kind=kind),
-            lambda r: self._ctx.sampling_client(r.sampling_session_id, base),
+            lambda r: self._ctx.sampling_client(r.sampling_session_id, base, record_stability_info),
         )
         return ClientFuture(fut.future())
 
@@ -249,13 +249,13 @@ class TrainingClient:
         def create() -> "SamplingClient":
             resp = self._service.create_sampling_session(self._ctx.owner, self._ctx.session_id(),
                                                          self._ctx.next_sampling_seq(), model_path=model_path)
-            return self._ctx.sampling_client(resp.sampling_session_id, None)
+            return self._ctx.sampling_client(resp.sampling_session_id, None, record_stability_info)
 
         return ClientFuture(self._ctx.callbacks.submit(create))
 
     async def create_sampling_client_async(self, model_path: str, retry_config=None,
                                            record_stability_info=False) -> "SamplingClient":
-        return await self.create_sampling_client(model_path)
+        return await self.create_sampling_client(model_path, retry_config, record_stability_info)
 
     # ------------------------------------------------------------------ info
     def get_info(self) -> types.GetInfoResponse:

@@ -15,7 +15,7 @@ Typical engine use::
 from ember.losses.compute import compute_loss
 from ember.losses.config import resolve_config
 from ember.losses.diagnostics import clip_diagnostics
-from ember.losses.functions import cispo, cross_entropy, dro, gspo, importance_sampling, ppo
+from ember.losses.functions import cispo, cross_entropy, dro, gspo, importance_sampling, ppo, stable_reinforce
 from ember.losses.registry import LOSSES, UNSUPPORTED, LossSpec, get_loss
 from ember.losses.validation import validate_datum_inputs
 
@@ -33,5 +33,6 @@ __all__ = [
     "importance_sampling",
     "ppo",
     "resolve_config",
+    "stable_reinforce",
     "validate_datum_inputs",
 ]

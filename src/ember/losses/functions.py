@@ -201,3 +201,36 @@ def gspo(
     s_T = torch.exp(log_s_T + logp_T - logp_T.detach())
     low, high = _clip_bounds(config)
     return _clipped_surrogate(s_T, adv_T, low, high)
+
+
+def stable_reinforce(
+    target_logprobs: torch.Tensor,
+    inputs: Inputs,
+    config: Config,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """StableReinforce: REINFORCE on the sampled tokens with a masked importance ratio; summed.
+
+    Tinker documents the interface (alpha): samples recorded with
+    ``record_stability_info=True``, datums annotated with provenance spans, the loss name.
+    It does not publish the objective; this formula is **ember's choice**, a REINFORCE that
+    stays bounded off-policy (masking tokens whose trainer/sampler ratio left a trust band,
+    as IcePop does for training/inference mismatch):
+
+        r_t    = exp(logp_t − q_t)               q_t: the *recorded* sampler log-prob
+        keep_t = 1[m_t ≠ 0] · 1[low ≤ sg[r_t] ≤ high]
+                                   m_t = ``sampled_mask``: 1 where the target token is
+                                   covered by a SampledProvenanceSpan, else 0
+        loss_t = −keep_t · r_t · A_t             d loss_t / d logp_t = −keep_t · r_t · A_t
+
+    ``q`` (``logprobs``) and ``m`` (``sampled_mask``) are filled in by the service from the
+    records the datum's provenance names (``ember.service.stability``), never taken from
+    the client. ``low``/``high`` are ``clip_low_threshold`` / ``clip_high_threshold``
+    (default 0.5 / 2.0). Normalisation: none (sum over tokens and datums, contract 1).
+    """
+    logp_T, q_T, adv_T = _rl_tensors(target_logprobs, inputs)
+    mask_T = _per_token("sampled_mask", inputs, logp_T)
+    low, high = _clip_bounds(config)
+    ratio_T = torch.exp(logp_T - q_T)
+    keep_T = (mask_T != 0) & (ratio_T.detach() >= low) & (ratio_T.detach() <= high)
+    return -keep_T.to(logp_T.dtype) * ratio_T * adv_T

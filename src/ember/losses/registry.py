@@ -9,6 +9,11 @@ Sources for names, inputs and defaults: tinker-protocol.md §5.
   are ε's for a differently scaled setup; pass them explicitly if wanted.)
 * ``dro`` β = 0.1: Tinker's docs only show a custom value; 0.1 follows a third-party
   Tinker-compatible reimplementation.
+* ``stable_reinforce`` 0.5 / 2.0 and its inputs: ember's choice (Tinker does not publish
+  the objective; see ``functions.stable_reinforce``). Its ``logprobs`` and
+  ``sampled_mask`` are filled in by the service from stability records
+  (``ember.service.stability``); the client sends ``target_tokens``, ``advantages`` and
+  provenance spans.
 """
 
 from __future__ import annotations
@@ -77,16 +82,16 @@ LOSSES: dict[str, LossSpec] = {
         ),
         _spec(functions.dro, RL_INPUTS, defaults={"beta": 0.1}),
         _spec(functions.gspo, RL_INPUTS + ("sequence_ratio_mask",), defaults=_PPO_CLIP),
+        _spec(
+            functions.stable_reinforce,
+            RL_INPUTS + ("sampled_mask",),
+            defaults={"clip_low_threshold": 0.5, "clip_high_threshold": 2.0},
+        ),
     )
 }
 
 # Names the tinker SDK knows (`tinker.types.LossFnType`) that ember deliberately lacks.
 UNSUPPORTED: dict[str, str] = {
-    "stable_reinforce": (
-        "it is an alpha Tinker feature that needs server-side records of the sampled "
-        "sequences (provenance spans from a record_stability_info=True sampler), which "
-        "ember does not keep"
-    ),
     "custom": (
         "server-side custom losses (selected by loss_id) are a flag-gated Tinker feature; "
         "use TrainingClient.forward_backward_custom, which runs on cross_entropy"

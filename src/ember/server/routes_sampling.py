@@ -65,6 +65,7 @@ async def asample(request: Request, owner: str = Owner, service=Service):
         service.sample, owner, session, req.seq_id, req.prompt, req.num_samples, req.sampling_params,
         include_prompt_logprobs=bool(req.prompt_logprobs), topk_prompt_logprobs=req.topk_prompt_logprobs,
         topk_sample_logprobs=req.topk_sample_logprobs, prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+        record_stability_info=bool(req.record_stability_info),
     )
     return future_response(sub)
 

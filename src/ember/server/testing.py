@@ -191,6 +191,40 @@ def sft_datum(tokens: Sequence[int], weights: Sequence[float] | None = None):
                        loss_fn_inputs={"target_tokens": targets, "weights": w})
 
 
+def stable_datum(prompt: Sequence[int], sequence, advantage: float = 1.0):
+    """A `stable_reinforce` datum for one sampled sequence, as an RL loop builds it: input
+    prompt + sampled[:-1], targets prompt[1:] + sampled, advantage 0 on the prompt rows,
+    with provenance naming the sequence (prompt run, then sampled run)."""
+    from tinker import types
+
+    sid, sampled = sequence.sequence_id, list(sequence.tokens)
+    full = list(prompt) + sampled
+    adv = [0.0] * (len(prompt) - 1) + [float(advantage)] * len(sampled)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:], "advantages": adv})
+    return datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                     types.SampledProvenanceSpan(sequence_id=sid, length=len(sampled) - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=len(sampled))],
+    )
+
+
+def stable_reinforce_loss(prompt_len: int, sequences, outputs, advantages, low: float = 0.5,
+                          high: float = 2.0) -> float:
+    """`stable_reinforce`'s documented formula recomputed from returned values: trainer
+    logprobs (`loss_fn_outputs`) and the sampler's `SampledSequence.logprobs`."""
+    import numpy as np
+
+    total = 0.0
+    for seq, out, adv in zip(sequences, outputs, advantages, strict=True):
+        logp = np.asarray(out["logprobs"].to_numpy(), dtype=np.float64)[prompt_len - 1:]
+        ratio = np.exp(logp - np.asarray(seq.logprobs, dtype=np.float64))
+        keep = (ratio >= low) & (ratio <= high)
+        total += float(-(keep * ratio * adv).sum())
+    return total
+
+
 def paths(entries: Sequence[dict], skip_background: bool = True) -> list[str]:
     """`/api/v1/...` paths of log entries; heartbeats and telemetry left out by default."""
     background = ("/session_heartbeat", "/telemetry")

@@ -375,11 +375,15 @@ class ServiceAPI(abc.ABC):
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
         prompt_logprobs_last_n: int | None = None,
+        record_stability_info: bool = False,
     ) -> Submission:
         """Submit a sample (and `compute_logprobs`, which is a 1-token sample with
         include_prompt_logprobs=True). Returns request_id and `sample_sequence_ids`
         (num_samples strings); the future's SampleResponse has exactly that many
-        sequences, `sequence_id`s set to them. Bad prompt/params → failed, user."""
+        sequences, `sequence_id`s set to them. Bad prompt/params → failed, user.
+        `record_stability_info`: each sequence is recorded (owner- and session-scoped,
+        expiring) before the future completes, for `stable_reinforce` datums whose
+        provenance names it (`ember.service.stability`)."""
 
     # ------------------------------------------------------------------ futures
     @abc.abstractmethod

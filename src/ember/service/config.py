@@ -11,6 +11,7 @@ from typing import Any
 
 from ember.engine.config import EngineConfig
 from ember.service.limits import Limits
+from ember.service.stability import StabilityConfig
 
 
 def load_models_toml(path: str | os.PathLike) -> dict[str, str]:
@@ -103,6 +104,8 @@ class ServiceConfig:
     limits: per-request bounds on counts and sizes (`ember.service.limits.Limits`).
     durability: database lock waits, future-finishing retries and the stuck-future sweep
         (`DurabilityConfig`).
+    stability: expiry and memory bounds of the records `record_stability_info=True` samples
+        keep for `stable_reinforce` (`ember.service.stability.StabilityConfig`).
     """
 
     data_dir: str | os.PathLike
@@ -120,6 +123,7 @@ class ServiceConfig:
     housekeeping_interval_s: float = 30.0
     limits: Limits = field(default_factory=Limits)
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -132,6 +136,8 @@ class ServiceConfig:
             self.limits = Limits(**self.limits)
         if isinstance(self.durability, Mapping):
             self.durability = DurabilityConfig(**self.durability)
+        if isinstance(self.stability, Mapping):
+            self.stability = StabilityConfig(**self.stability)
         if self.seq_gap_timeout_s <= 0:
             raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
         if self.session_timeout_s is not None and self.session_timeout_s <= 0:

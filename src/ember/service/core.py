@@ -33,6 +33,7 @@ from ember.service.futures import FutureTable
 from ember.service.runs import LiveRun, RunManager
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
 from ember.service.sessions import SessionManager
+from ember.service.stability import StabilityRecords
 from ember.service.store import Store
 from ember.service.sweep import sweep_data_dir
 
@@ -79,10 +80,11 @@ class Service(ServiceAPI):
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
             config.data_dir, config.seq_gap_timeout_s, config.limits,
         )
+        self.records = StabilityRecords(config.stability)
         self.samplers = SamplerManager(
             self.store, self.futures, self.registry,
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
-            config.max_samplers_per_session,
+            config.max_samplers_per_session, records=self.records,
         )
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
@@ -125,6 +127,7 @@ class Service(ServiceAPI):
         if ended:
             log.warning("housekeeping ended %d stuck future(s)", ended)
         self.sessions.expire()
+        self.records.expire()
         now = time.time()
         if self.config.future_retention_s is not None:
             self.store.prune_futures(now - self.config.future_retention_s)
@@ -136,6 +139,7 @@ class Service(ServiceAPI):
     def _on_session_end(self, session_id: str) -> None:
         self.runs.unload_session(session_id)
         self.samplers.drop_session(session_id)
+        self.records.drop_session(session_id)
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, owner, *, tags: Sequence[str] = (), user_metadata: Mapping[str, Any] | None = None,
@@ -206,9 +210,11 @@ class Service(ServiceAPI):
 
         def op(run: LiveRun) -> types.ForwardBackwardOutput:
             engine = run.require_engine()
+            # resolved on the lane, in seq_id order: a sample finished before this op ran
+            batch = self.records.resolve(run.owner, run.session_id, data) if loss_fn == "stable_reinforce" else data
             if forward_only:
-                return engine.forward(data, loss_fn, cfg)
-            return engine.forward_backward(data, loss_fn, cfg)
+                return engine.forward(batch, loss_fn, cfg)
+            return engine.forward_backward(batch, loss_fn, cfg)
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
 
@@ -270,7 +276,7 @@ class Service(ServiceAPI):
 
     def sample(self, owner, sampling_session_id, seq_id, prompt, num_samples, sampling_params, *,
                include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
-               prompt_logprobs_last_n=None) -> Submission:
+               prompt_logprobs_last_n=None, record_stability_info=False) -> Submission:
         try:  # before the future reserves num_samples sequence ids and a sampler any memory
             self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
                                             topk_sample_logprobs)
@@ -281,7 +287,7 @@ class Service(ServiceAPI):
             include_prompt_logprobs=bool(include_prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
         )
-        return self.samplers.sample(owner, sampling_session_id, seq_id, kwargs)
+        return self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
 
     # ------------------------------------------------------------------ futures
     def retrieve(self, owner, request_id, timeout_s=0.0) -> FutureState:

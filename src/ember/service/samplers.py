@@ -35,6 +35,7 @@ from ember.service.api import NotFoundError, Submission, UserError
 from ember.service.engines import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
+from ember.service.stability import StabilityRecords
 from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class LiveSampler:
 
 class SamplerManager:
     def __init__(self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: SamplerFactory,
-                 max_per_session: int = 32) -> None:
+                 max_per_session: int = 32, records: StabilityRecords | None = None) -> None:
         self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
+        self.records = records  # where record_stability_info samples are kept (None: refused)
         self.max_per_session = max_per_session
         self._samplers: dict[Path, Any] = {}
         self._live: dict[str, OrderedDict[str, LiveSampler]] = {}  # session_id -> sampler_id -> live
@@ -224,20 +226,24 @@ class SamplerManager:
         return types.GetSamplerResponse(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, owner: str, sampler_id: str, seq_id: int | None, request_kwargs: dict[str, Any]) -> Submission:
+    def sample(self, owner: str, sampler_id: str, seq_id: int | None, request_kwargs: dict[str, Any],
+               record: bool = False) -> Submission:
         num = request_kwargs.get("num_samples")
         key = f"sample:{sampler_id}:{seq_id}" if seq_id is not None else None
         n_ids = num if isinstance(num, int) and num >= 1 else 0
         sub, created = self.futures.create(owner, "Sample", dedup_key=key, num_sequences=n_ids)
         if created:
             with self.futures.accepting(sub.request_id):
-                self._start_sample(sub, owner, sampler_id, num, request_kwargs)
+                self._start_sample(sub, owner, sampler_id, num, request_kwargs, record)
         return sub
 
-    def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any]) -> None:
+    def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any],
+                      record: bool) -> None:
         try:
             if not sub.sample_sequence_ids:
                 raise UserError(f"num_samples must be an integer >= 1, got {num!r}")
+            if record and self.records is None:
+                raise UserError("record_stability_info=True: this service keeps no stability records")
             live = self._resolve(owner, sampler_id)
         except (UserError, NotFoundError) as exc:
             self.futures.fail(sub.request_id, str(exc), User)
@@ -246,9 +252,9 @@ class SamplerManager:
             log.exception("sampler %s could not be resolved", sampler_id)
             self.futures.fail(sub.request_id, public_message(exc), Server)
             return
-        self._dispatch(sub, live, kwargs)
+        self._dispatch(sub, live, kwargs, record)
 
-    def _dispatch(self, sub: Submission, live: LiveSampler, kwargs: dict[str, Any]) -> None:
+    def _dispatch(self, sub: Submission, live: LiveSampler, kwargs: dict[str, Any], record: bool = False) -> None:
         from ember.sampling.base import SamplingRequest
 
         rid = sub.request_id
@@ -264,10 +270,18 @@ class SamplerManager:
             return
         # Finished on the finisher threads, not the sampler's: a slow database write
         # (retried while locked) must not hold up the decode step of every other request.
-        fut.add_done_callback(lambda f: self._finisher.submit(self._finish, rid, f))
+        keep = (live.owner, live.session_id, kwargs["prompt"]) if record else None
+        fut.add_done_callback(lambda f: self._finisher.submit(self._finish, rid, f, keep))
 
-    def _finish(self, rid: str, fut) -> None:
+    def _finish(self, rid: str, fut, keep: tuple[str, str, types.ModelInput] | None = None) -> None:
         exc = fut.exception()
+        if exc is None and keep is not None:
+            try:  # before the future completes: a client holding the sample can train on it at once
+                self.records.record(*keep, fut.result())
+            except Exception as rec_exc:  # noqa: BLE001 - our fault, reported as such
+                log.exception("sample %s: stability records not kept", rid)
+                self.futures.fail(rid, public_message(rec_exc), Server)
+                return
         if exc is None:
             self.futures.complete(rid, fut.result())
         elif isinstance(exc, ValueError):

@@ -1,0 +1,202 @@
+"""Stability records (`ember.service.stability`) and provenance resolution
+(`ember.service.provenance`) without a model: scoping, expiry, memory bounds, and every
+user error naming datum, field, span and reason."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from tinker import types
+
+from ember.service.api import UserError
+from ember.service.stability import DAY_S, StabilityConfig, StabilityRecords
+
+PROMPT = [3, 4, 5]
+SAMPLED = {"s:0": ([7, 8, 9, 10], [-0.5, -1.0, -1.5, -2.0]), "s:1": ([11, 12], [-0.25, -0.75])}
+
+
+def seq(sid: str, tokens, logprobs) -> types.SampledSequence:
+    return types.SampledSequence(stop_reason="length", sequence_id=sid, tokens_np=np.asarray(tokens, np.int32),
+                                 logprobs_np=np.asarray(logprobs, np.float32))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def response(ids=("s:0", "s:1")) -> types.SampleResponse:
+    return types.SampleResponse(sequences=[seq(i, *SAMPLED[i]) for i in ids])
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def records(clock):
+    rec = StabilityRecords(StabilityConfig(), clock=clock)
+    rec.record("alice", "sess-a", types.ModelInput.from_ints(PROMPT), response())
+    return rec
+
+
+def datum(sid="s:0", advantage=1.0) -> types.Datum:
+    """Input prompt + sampled[:-1], targets prompt[1:] + sampled (as an RL loop builds it)."""
+    sampled = SAMPLED[sid][0]
+    full = PROMPT + sampled
+    d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={"target_tokens": full[1:], "advantages": [advantage] * (len(full) - 1),
+                                    "logprobs": [9.0] * (len(full) - 1)})
+    return d.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=sid, length=3),
+                     types.SampledProvenanceSpan(sequence_id=sid, length=len(sampled) - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=2),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=len(sampled))])
+
+
+def refused(records, data, *words, owner="alice", session="sess-a") -> str:
+    with pytest.raises(UserError) as info:
+        records.resolve(owner, session, data)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_resolution_fills_recorded_logprobs_and_mask(records):
+    out = records.resolve("alice", "sess-a", [datum("s:0"), datum("s:1")])
+    q0 = out[0].loss_fn_inputs["logprobs"].to_numpy()
+    # the client's logprobs (9.0) are replaced by the record; prompt rows get 0
+    np.testing.assert_array_equal(q0, np.array([0, 0, -0.5, -1.0, -1.5, -2.0], dtype=np.float32))
+    np.testing.assert_array_equal(out[0].loss_fn_inputs["sampled_mask"].to_numpy(), [0, 0, 1, 1, 1, 1])
+    q1 = out[1].loss_fn_inputs["logprobs"].to_numpy()
+    np.testing.assert_array_equal(q1, np.array([0, 0, -0.25, -0.75], np.float32))
+    assert out[0].model_input_spans is None and out[0].loss_fn_inputs["advantages"].tolist() == [1.0] * 6
+
+
+def test_two_sequences_back_to_back_in_one_datum(records):
+    """A multi-turn datum: prompt, sequence 0, then sequence 1 (its own runs)."""
+    a, b = SAMPLED["s:0"][0], SAMPLED["s:1"][0]
+    full = PROMPT + a + b
+    d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={"target_tokens": full[1:], "advantages": [1.0] * (len(full) - 1)})
+    d = d.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s:0", length=3),
+                     types.SampledProvenanceSpan(sequence_id="s:0", length=4),
+                     types.SampledProvenanceSpan(sequence_id="s:1", length=1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s:1", offset=1, length=2),
+                        types.SampledProvenanceSpan(sequence_id="s:0", length=4),
+                        types.SampledProvenanceSpan(sequence_id="s:1", length=2)])
+    q = records.resolve("alice", "sess-a", [d])[0].loss_fn_inputs["logprobs"].to_numpy()
+    np.testing.assert_array_equal(q, np.array([0, 0, -0.5, -1, -1.5, -2, -0.25, -0.75], np.float32))
+
+
+def test_missing_provenance(records):
+    plain = dataclasses.replace(datum(), model_input_spans=None, loss_fn_input_spans=None)
+    refused(records, [datum(), plain], "datum 1:", "needs provenance", "with_provenance")
+
+
+def test_foreign_owner_and_other_session_read_as_unknown(records):
+    unknown = refused(records, [dataclasses.replace(datum(), model_input_spans=[
+        types.PromptProvenanceSpan(sequence_id="nope", length=3),
+        types.SampledProvenanceSpan(sequence_id="s:0", length=3)])],
+        "datum 0: model_input_spans[0]", "no stability record for sequence_id 'nope' in this session")
+    foreign = refused(records, [datum()], owner="bob", session="sess-a")
+    other_session = refused(records, [datum()], session="sess-b")
+    # the same words whether the id is unknown, another tenant's, or another session's
+    assert foreign == other_session == unknown.replace("'nope'", "'s:0'")
+
+
+def test_expiry_is_sliding_and_named(records, clock):
+    clock.now += DAY_S - 1
+    records.resolve("alice", "sess-a", [datum()])  # used: its day restarts
+    clock.now += DAY_S - 1
+    records.resolve("alice", "sess-a", [datum()])
+    clock.now += DAY_S + 3600
+    refused(records, [datum()], "datum 0: model_input_spans[0]", "expired", "last used 25.0 h ago",
+            "records live 24.0 h")
+    # s:1 was never used after sampling: housekeeping drops it; it then reads as unknown
+    assert records.expire() == 1 and len(records) == 0
+    refused(records, [datum("s:1")], "no stability record")
+
+
+def test_session_end_drops_its_records(records):
+    records.record("alice", "sess-b", types.ModelInput.from_ints(PROMPT), response(("s:1",)))  # s:1 now sess-b's
+    records.drop_session("sess-a")
+    assert len(records) == 1
+    refused(records, [datum("s:0")], "no stability record")
+    records.resolve("alice", "sess-b", [datum("s:1")])
+
+
+def test_tokens_must_match_the_record(records):
+    d = datum()
+    wrong_input = dataclasses.replace(d, model_input=types.ModelInput.from_ints([3, 4, 6, 7, 8, 9]))
+    refused(records, [wrong_input], "datum 0: model_input_spans[0]", "position 2 holds 6", "prompt token 2 is 5")
+    targets = d.loss_fn_inputs["target_tokens"].tolist()
+    targets[4] = 1
+    wrong_target = dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs, "target_tokens": targets})
+    refused(records, [wrong_target], "datum 0: loss_fn_input_spans[1]", "position 4 holds 1",
+            "sampled token 2 is 9")
+
+
+def test_runs_must_tile_and_stay_in_range(records):
+    d = datum()
+    refused(records, [dataclasses.replace(d, loss_fn_input_spans=d.loss_fn_input_spans[1:])],
+            "datum 0: loss_fn_input_spans", "cover 4 positions", "has 6", "tile")
+    refused(records, [dataclasses.replace(d, model_input_spans=[
+        types.PromptProvenanceSpan(sequence_id="s:0", offset=2, length=3),
+        types.SampledProvenanceSpan(sequence_id="s:0", length=3)])],
+        "datum 0: model_input_spans[0]", "offset 2 + length 3 = 5 exceeds the 3 recorded prompt tokens")
+
+
+def test_prompt_with_images_cannot_be_a_prompt_span(clock):
+    rec = StabilityRecords(clock=clock)
+    img = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=PROMPT),
+                                   types.ImageChunk(data=b"x", format="png", expected_tokens=1)])
+    rec.record("alice", "sess-a", img, response(("s:0",)))
+    refused(rec, [datum()], "datum 0: model_input_spans[0]", "non-token chunks")
+
+
+def test_memory_bounds_evict_least_recently_used(clock):
+    # each record: 3 prompt + 4 (s:0) or 2 (s:1) sampled tokens = 7 / 5
+    rec = StabilityRecords(StabilityConfig(max_tokens_per_owner=12, max_tokens_total=20), clock=clock)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    rec.record("alice", "sess-a", prompt, response(("s:0", "s:1")))  # 12: at alice's bound
+    clock.now += 1
+    rec.record("bob", "sess-b", prompt, types.SampleResponse(sequences=[
+        seq("b:0", [1, 2, 3, 4], [-1.0] * 4)]))
+    # total 19 <= 20: nothing evicted; alice reuses s:0, so s:1 is her least recently used
+    rec.resolve("alice", "sess-a", [datum("s:0")])
+    rec.record("alice", "sess-a", prompt, types.SampleResponse(sequences=[
+        seq("s:2", [1], [-1.0])]))
+    # alice at 16 > 12: her LRU (s:1) goes; total 7 + 7 + 4 = 18 fits; bob untouched
+    refused(rec, [datum("s:1")], "no stability record")
+    rec.resolve("alice", "sess-a", [datum("s:0")])
+    rec.resolve("bob", "sess-b", [])
+    assert len(rec) == 3
+
+
+def test_total_bound_evicts_across_owners(clock):
+    rec = StabilityRecords(StabilityConfig(max_tokens_per_owner=100, max_tokens_total=14), clock=clock)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    for owner, sid in (("alice", "s:0"), ("bob", "b:0"), ("carol", "c:0")):  # 7 tokens each
+        sampled = types.SampleResponse(sequences=[seq(sid, [7, 8, 9, 10], [-1.0] * 4)])
+        rec.record(owner, f"sess-{owner}", prompt, sampled)
+        clock.now += 1
+    assert len(rec) == 2
+    refused(rec, [datum("s:0")], "no stability record")  # the oldest, alice's, went first
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"ttl_s": 0}, "ttl_s must be > 0"),
+    ({"max_tokens_per_owner": 0}, "max_tokens_per_owner must be an integer >= 1, got 0"),
+    ({"max_tokens_total": 1.5}, "max_tokens_total must be an integer >= 1, got 1.5"),
+])
+def test_config_checked(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        StabilityConfig(**kwargs)
