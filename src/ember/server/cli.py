@@ -71,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_component_flags(p, "sampler", "sampling (unset device, dtype and max_len follow the engine and the model)")
     add_component_flags(p, "limits", "per-request limits (each refused as a user error naming the field)")
     add_component_flags(p, "durability", "futures under database and disk faults (lock waits, finish retries, sweep)")
+    add_component_flags(p, "checkpoints", "checkpoint TTL sweep and user_metadata bounds")
 
 
 def sampler_config_from_args(args: argparse.Namespace):
@@ -151,7 +152,7 @@ def service_config_from_args(args: argparse.Namespace):
         data_dir=args.data_dir, models=dict(args.model), models_toml=args.models_toml, model_roots=args.model_root,
         database_url=args.database_url, engine=component_config(args, "engine"),
         sampler=sampler_config_from_args(args), limits=component_config(args, "limits"),
-        durability=component_config(args, "durability"),
+        durability=component_config(args, "durability"), checkpoints=component_config(args, "checkpoints"),
         seq_gap_timeout_s=args.seq_gap_timeout_s, session_timeout_s=args.session_timeout_s,
         retrieve_max_wait_s=args.long_poll_s,
     )

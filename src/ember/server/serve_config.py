@@ -4,7 +4,7 @@ The file has the server's own keys at the top level (the long flag names with `_
 `port`, `data_dir`, `api_key = [...]`, `model_root = [...]`, `[model]` NAME = "DIR",
 `[client_config]`, ...) and one table per component config: `[engine]` (EngineConfig),
 `[sampler]` (SamplerConfig), `[limits]` (Limits, per-request bounds), `[durability]` (database lock waits, future
-finishing retries, the stuck-future sweep), `[workers]` (runtime, world_size, ray_address, call_timeout_s) and
+finishing retries, the stuck-future sweep), `[checkpoints]` (TTL sweep, metadata bounds), `[workers]` (runtime, world_size, ray_address, call_timeout_s) and
 `[parallel]` (dp_replicate, dp_shard, tp). `--engine.KEY` / `--sampler.KEY` flags are
 generated from the dataclasses; every value goes through `ember.config`, so a bad key,
 type or value is a ConfigError naming it. A flag given on the command line wins over the
@@ -27,6 +27,7 @@ COMPONENTS = {
     "sampler": "ember.sampling.config:SamplerConfig",
     "limits": "ember.service.limits:Limits",
     "durability": "ember.service.config:DurabilityConfig",
+    "checkpoints": "ember.service.config:CheckpointConfig",
 }
 COMPONENT_SECTIONS = tuple(COMPONENTS)
 FLAG_SECTIONS = ("workers", "parallel")  # plain flags: --workers.runtime, --parallel.tp

@@ -31,11 +31,12 @@ import torch
 from tinker import types
 
 from ember.service import checkpoints as ckpt
+from ember.service import lifecycle
 from ember.service.api import NotFoundError, Submission, UserError
 from ember.service.engines import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
-from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
+from ember.service.store import RunRow, SamplerRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class LiveSampler:
     session_id: str
     base: BaseModel
     version: Any  # WeightVersion | None (None = base weights)
+    model_path: str | None = None  # loaded from this checkpoint: readable again on every sample
 
 
 class SamplerManager:
@@ -118,10 +120,7 @@ class SamplerManager:
         return self.backend(base).load_weights(weights, lora)
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
-        tp = ckpt.parse_tinker_path(path)
-        crow = self.store.get(CheckpointRow, tp.uri)
-        if crow is None or crow.owner != owner:
-            raise UserError(f"checkpoint {path!r} not found (or not visible to this API key)")
+        tp, crow = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
         run = self.store.get(RunRow, crow.run_id)
         if run is None:
             raise UserError(f"checkpoint {path!r} has no training run record")
@@ -174,7 +173,7 @@ class SamplerManager:
             base, version = self.registry.resolve(base_model), None
             self.backend(base)
         row = self._new_row(owner, session_id, seq, base, model_path, None)
-        self._remember(LiveSampler(row.id, owner, session_id, base, version))
+        self._remember(LiveSampler(row.id, owner, session_id, base, version, model_path))
         return row.id
 
     def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,
@@ -215,7 +214,7 @@ class SamplerManager:
             base, version = self._version_from_checkpoint(owner, row.model_path)
         else:
             base, version = self.registry.resolve(row.base_model), None
-        live = LiveSampler(row.id, owner, row.session_id, base, version)
+        live = LiveSampler(row.id, owner, row.session_id, base, version, row.model_path)
         self._remember(live)
         return live
 
@@ -239,6 +238,8 @@ class SamplerManager:
             if not sub.sample_sequence_ids:
                 raise UserError(f"num_samples must be an integer >= 1, got {num!r}")
             live = self._resolve(owner, sampler_id)
+            if live.model_path is not None:  # unpublished, expired or deleted since it was loaded
+                lifecycle.readable(self.store, owner, live.model_path)
         except (UserError, NotFoundError) as exc:
             self.futures.fail(sub.request_id, str(exc), User)
             return
