@@ -86,8 +86,8 @@ def test_published_checkpoint_is_readable_by_another_owner_until_unpublished(mak
     with pytest.raises(NotFoundError) as again:
         svc.create_sampling_session("bob", bob, 2, model_path=sampler)
     assert _refused_message(again, sampler) == _refused_message(missing, never)
-    st = wait(svc, "bob", svc.sample("bob", bob_sampler, 1, **SAMPLE))  # the loaded sampler stops too
-    assert st.category == User and "not visible to this API key" in st.error
+    with pytest.raises(NotFoundError, match="not visible to this API key"):  # the loaded sampler stops too
+        svc.sample("bob", bob_sampler, 1, **SAMPLE)
     st = wait(svc, "bob", svc.load_weights("bob", state, False, session_id=bob, model_seq_id=1))
     assert st.category == User and "not visible to this API key" in st.error
     with pytest.raises(NotFoundError):
@@ -120,8 +120,8 @@ def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service):
                  lambda: svc.create_sampling_session("alice", sid, 1, model_path=short)):
         with pytest.raises(NotFoundError):
             call()
-    st = wait(svc, "alice", svc.sample("alice", sampler_id, 0, **SAMPLE))
-    assert st.category == User and "not found" in st.error
+    with pytest.raises(NotFoundError, match="not found"):
+        svc.sample("alice", sampler_id, 0, **SAMPLE)
     st = wait(svc, "alice", svc.load_weights("alice", short, False, model_id=mid, seq_id=6))
     assert st.category == User and "not found" in st.error
     # Saving the name again is not an overwrite of a live checkpoint.

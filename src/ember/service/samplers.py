@@ -224,6 +224,9 @@ class SamplerManager:
 
     # ------------------------------------------------------------------ sampling
     def sample(self, owner: str, sampler_id: str, seq_id: int | None, request_kwargs: dict[str, Any]) -> Submission:
+        """Raises NotFoundError when the sampler's checkpoint is no longer readable by
+        `owner` (unpublished, expired, deleted), like a path never saved."""
+        self._check_checkpoint_readable(owner, sampler_id)
         num = request_kwargs.get("num_samples")
         key = f"sample:{sampler_id}:{seq_id}" if seq_id is not None else None
         n_ids = num if isinstance(num, int) and num >= 1 else 0
@@ -233,13 +236,22 @@ class SamplerManager:
                 self._start_sample(sub, owner, sampler_id, num, request_kwargs)
         return sub
 
+    def _check_checkpoint_readable(self, owner: str, sampler_id: str) -> None:
+        with self._lock:
+            live = self._by_id.get(sampler_id)
+        if live is not None and live.owner == owner:
+            path = live.model_path
+        else:
+            row = self.store.get(SamplerRow, sampler_id)
+            path = row.model_path if row is not None and row.owner == owner else None  # else: _resolve's 404
+        if path is not None:
+            lifecycle.readable(self.store, owner, path)
+
     def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any]) -> None:
         try:
             if not sub.sample_sequence_ids:
                 raise UserError(f"num_samples must be an integer >= 1, got {num!r}")
             live = self._resolve(owner, sampler_id)
-            if live.model_path is not None:  # unpublished, expired or deleted since it was loaded
-                lifecycle.readable(self.store, owner, live.model_path)
         except (UserError, NotFoundError) as exc:
             self.futures.fail(sub.request_id, str(exc), User)
             return
