@@ -103,3 +103,31 @@ def test_rest_client_listings_and_sampler_checkpoints(make_client):
     torch.testing.assert_close(torch.tensor(lp[1:]), _probe(tc), rtol=0, atol=1e-4)
     rc.delete_checkpoint_from_tinker_path(state).result()
     assert [c.tinker_path for c in rc.list_checkpoints(tc.model_id).result().checkpoints] == [sampler_path]
+
+
+def test_publish_unpublish_and_ttl_in_process(make_client):
+    """The RestClient lifecycle calls in process: another owner of the same service samples a
+    published checkpoint, and is refused like for a path never saved once unpublished."""
+    alice = make_client(owner="alice")
+    bob = make_client(service=alice._service, owner="bob")
+    tc = alice.create_lora_training_client(BASE, rank=4, seed=1).result()
+    _step(tc, random_sft_datums(2, VOCAB, seed=0))
+    path = tc.save_weights_for_sampler("shared", ttl_seconds=3600, user_metadata={"k": "v"}).result().path
+    rc, bob_rc = alice.create_rest_client(), bob.create_rest_client()
+    (ck,) = rc.list_user_checkpoints().result().checkpoints
+    assert (ck.public, ck.user_metadata, ck.expires_at is not None) == (False, {"k": "v"}, True)
+    with pytest.raises(LookupError, match="not visible to this API key"):
+        bob.create_sampling_client(model_path=path).result()
+    rc.publish_checkpoint_from_tinker_path(path).result()
+    assert rc.list_user_checkpoints().result().checkpoints[0].public
+    prompt = types.ModelInput.from_ints(PROBE)
+    assert bob.create_sampling_client(model_path=path).result().sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(LookupError, match="not owned by this API key"):
+        bob_rc.unpublish_checkpoint_from_tinker_path(path).result()
+    rc.set_checkpoint_ttl_from_tinker_path(path, None).result()
+    assert rc.list_user_checkpoints().result().checkpoints[0].expires_at is None
+    with pytest.raises(ValueError, match="ttl_seconds must be between 1 and"):
+        rc.set_checkpoint_ttl_from_tinker_path(path, -1).result()
+    rc.unpublish_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(LookupError, match="not visible to this API key"):
+        bob.create_sampling_client(model_path=path).result()

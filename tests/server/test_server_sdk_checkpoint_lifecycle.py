@@ -49,6 +49,16 @@ def other(server):
 
 
 @pytest.fixture(scope="module")
+def rest(server):
+    return tinker.RestClient(base_url=server.base_url, api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def other_rest(server):
+    return tinker.RestClient(base_url=server.base_url, api_key=OTHER_KEY)
+
+
+@pytest.fixture(scope="module")
 def trained(owner):
     """A LoRA run after one step; (training client, state path, sampler path)."""
     tc = owner.create_lora_training_client(base_model=MODEL_NAME, rank=3, seed=2).result()
@@ -68,9 +78,8 @@ def listed(rest, path):
     return {c.tinker_path: c for c in rest.list_user_checkpoints().result().checkpoints}.get(path)
 
 
-def test_publish_lets_another_key_sample_and_load_until_unpublished(server, owner, other, trained):
+def test_publish_lets_another_key_sample_and_load_until_unpublished(server, owner, other, rest, other_rest, trained):
     tc, state, sampler = trained
-    rest, other_rest = owner.create_rest_client(), other.create_rest_client()
     mine = prompt_logprobs(owner.create_sampling_client(model_path=sampler).result())
     never = sampler.replace("pub-sampler", "never-saved")
     with pytest.raises(tinker.NotFoundError) as foreign:
@@ -112,9 +121,8 @@ def test_publish_lets_another_key_sample_and_load_until_unpublished(server, owne
                                rtol=0, atol=1e-6)  # the owner reads it as before
 
 
-def test_only_the_owner_changes_a_checkpoint(owner, other, trained):
+def test_only_the_owner_changes_a_checkpoint(rest, other_rest, trained):
     _, state, _ = trained
-    rest, other_rest = owner.create_rest_client(), other.create_rest_client()
     rest.publish_checkpoint_from_tinker_path(state).result()
     try:
         for call in (lambda: other_rest.publish_checkpoint_from_tinker_path(state),
@@ -128,9 +136,8 @@ def test_only_the_owner_changes_a_checkpoint(owner, other, trained):
         rest.unpublish_checkpoint_from_tinker_path(state).result()
 
 
-def test_ttl_on_save_and_set_then_expiry_is_404_everywhere_and_swept(server, owner, trained):
+def test_ttl_on_save_and_set_then_expiry_is_404_everywhere_and_swept(server, owner, rest, trained):
     tc, _, _ = trained
-    rest = owner.create_rest_client()
     kept = tc.save_weights_for_sampler("ttl-kept", ttl_seconds=3600).result().path
     assert abs((listed(rest, kept).expires_at - listed(rest, kept).time).total_seconds() - 3600) < 1
     rest.set_checkpoint_ttl_from_tinker_path(kept, None).result()
@@ -162,10 +169,10 @@ def test_ttl_on_save_and_set_then_expiry_is_404_everywhere_and_swept(server, own
     (0, "ttl_seconds must be between 1 and 315360000"),
     (10**15, "ttl_seconds must be between 1 and 315360000"),
 ])
-def test_hostile_ttl_is_refused_with_the_field_and_range(owner, trained, ttl, message):
+def test_hostile_ttl_is_refused_with_the_field_and_range(rest, trained, ttl, message):
     tc, state, _ = trained
     with pytest.raises(tinker.BadRequestError, match=message):
-        owner.create_rest_client().set_checkpoint_ttl_from_tinker_path(state, ttl).result()
+        rest.set_checkpoint_ttl_from_tinker_path(state, ttl).result()
     with pytest.raises(tinker.RequestFailedError, match=message):
         tc.save_state("bad-ttl", ttl_seconds=ttl).result()
 
@@ -191,9 +198,8 @@ def test_hostile_bodies_and_paths_over_raw_http(server, trained):
         assert r.status_code == status and message in r.json()["error"], (method, url, r.status_code, r.text)
 
 
-def test_user_metadata_and_overwrite_are_listed_and_enforced(owner, trained):
+def test_user_metadata_and_overwrite_are_listed_and_enforced(rest, trained):
     tc, state, _ = trained
-    rest = owner.create_rest_client()
     assert listed(rest, state).user_metadata == {"step": "1"}
     with pytest.raises(tinker.RequestFailedError, match="already exists; pass overwrite=True"):
         tc.save_state("pub-state", user_metadata={"step": "2"}).result()
@@ -207,9 +213,8 @@ def test_user_metadata_and_overwrite_are_listed_and_enforced(owner, trained):
     assert listed(rest, path).user_metadata == {"b": "2"}
 
 
-def test_a_restart_keeps_publish_and_ttl_state(server, owner, trained, tiny_model_dir):
+def test_a_restart_keeps_publish_and_ttl_state(server, rest, trained, tiny_model_dir):
     tc, state, sampler = trained
-    rest = owner.create_rest_client()
     rest.publish_checkpoint_from_tinker_path(sampler).result()
     rest.set_checkpoint_ttl_from_tinker_path(state, 7200).result()
     before = {p: (listed(rest, p).public, listed(rest, p).expires_at) for p in (state, sampler)}
