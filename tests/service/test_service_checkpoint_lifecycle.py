@@ -95,8 +95,8 @@ def test_published_checkpoint_is_readable_by_another_owner_until_unpublished(mak
     assert svc.get_weights_info("alice", state).lora_rank == 4  # the owner always reads
 
 
-def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service):
-    svc = make_service()
+def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service, database_url):
+    svc = make_service(database_url=database_url)
     sid, mid, state, _ = _trained(svc)
     short = result(svc, "alice", svc.save_weights("alice", mid, 5, "short", ttl_seconds=1)).path
     listed = {c.tinker_path: c for c in svc.list_checkpoints("alice", mid).checkpoints}
@@ -185,9 +185,10 @@ def test_user_metadata_and_overwrite_are_kept_and_bounded(make_service):
     assert "m" not in {c.tinker_path.rsplit("/", 1)[1] for c in svc.list_user_checkpoints("alice").checkpoints}
 
 
-def test_the_housekeeping_thread_sweeps_at_its_interval_and_state_survives_a_restart(make_service, tmp_path):
+def test_the_housekeeping_thread_sweeps_at_its_interval_and_state_survives_a_restart(make_service, tmp_path,
+                                                                                     database_url):
     data = tmp_path / "data"
-    svc = make_service(data_dir=data, checkpoints={"sweep_interval_s": 0.2})
+    svc = make_service(data_dir=data, database_url=database_url, checkpoints={"sweep_interval_s": 0.2})
     _, mid, state, sampler = _trained(svc)
     svc.set_checkpoint_public("alice", *_ids(state), True)
     svc.set_checkpoint_ttl("alice", *_ids(sampler), 3600)
@@ -199,7 +200,7 @@ def test_the_housekeeping_thread_sweeps_at_its_interval_and_state_survives_a_res
     assert not directory.exists() and svc.store.get(CheckpointRow, short) is None
     before = {c.tinker_path: (c.public, c.expires_at) for c in svc.list_user_checkpoints("alice").checkpoints}
     svc.close()
-    again = make_service(data_dir=data)
+    again = make_service(data_dir=data, database_url=database_url)
     after = {c.tinker_path: (c.public, c.expires_at) for c in again.list_user_checkpoints("alice").checkpoints}
     assert after == before and after[state][0] is True and after[sampler][1] is not None
     assert again.get_weights_info("bob", state).lora_rank == 4
