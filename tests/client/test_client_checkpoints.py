@@ -128,6 +128,10 @@ def test_publish_unpublish_and_ttl_in_process(make_client):
     assert rc.list_user_checkpoints().result().checkpoints[0].expires_at is None
     with pytest.raises(ValueError, match="ttl_seconds must be between 1 and"):
         rc.set_checkpoint_ttl_from_tinker_path(path, -1).result()
+    sampler = bob.create_sampling_client(model_path=path).result()
     rc.unpublish_checkpoint_from_tinker_path(path).result()
     with pytest.raises(LookupError, match="not visible to this API key"):
         bob.create_sampling_client(model_path=path).result()
+    refused = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2))  # fails in .result(), as over HTTP
+    with pytest.raises(LookupError, match="not visible to this API key"):
+        refused.result()

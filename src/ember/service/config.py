@@ -130,8 +130,8 @@ class ServiceConfig:
         session; older ones are evicted (reloaded from disk on use if they have a path).
     future_retention_s: finished futures (and their stored results) are deleted this long
         after they finished (None = kept forever).
-    housekeeping_interval_s: how often session expiry, future pruning and checkpoint TTLs
-        (`save_state(ttl_seconds=...)`) are applied.
+    housekeeping_interval_s: how often session expiry and future pruning are applied
+        (checkpoint TTLs: `checkpoints.sweep_interval_s`).
     limits: per-request bounds on counts and sizes (`ember.service.limits.Limits`).
     durability: database lock waits, future-finishing retries and the stuck-future sweep
         (`DurabilityConfig`).
