@@ -8,6 +8,9 @@ directory the restart test reopens."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -211,6 +214,24 @@ def test_user_metadata_and_overwrite_are_listed_and_enforced(rest, trained):
     path = tc.save_state("meta-over", user_metadata={"a": "1"}).result().path
     assert tc.save_state("meta-over", overwrite=True, user_metadata={"b": "2"}).result().path == path
     assert listed(rest, path).user_metadata == {"b": "2"}
+
+
+def test_the_sdk_cli_publishes_sets_ttl_and_unpublishes(server, rest, trained):
+    """`tinker checkpoint publish | set-ttl | unpublish`, the SDK's own CLI, against ember serve."""
+    _, state, _ = trained
+    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": API_KEY}
+
+    def cli(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    cli("publish", state)
+    cli("set-ttl", state, "--ttl", "7200")
+    assert listed(rest, state).public and listed(rest, state).expires_at is not None
+    cli("set-ttl", state, "--remove")
+    cli("unpublish", state)
+    assert not listed(rest, state).public and listed(rest, state).expires_at is None
 
 
 def test_a_restart_keeps_publish_and_ttl_state(server, rest, trained, tiny_model_dir):

@@ -85,12 +85,16 @@ def check_metadata(meta: Any, config: CheckpointConfig) -> dict[str, str] | None
                         f"{config.max_metadata_entries} (checkpoints.max_metadata_entries)")
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise UserError(f"user_metadata[{str(key)[:64]!r}]: keys and values must be strings, got "
+            raise UserError(f"user_metadata[{_short(str(key))}]: keys and values must be strings, got "
                             f"{type(key).__name__} -> {type(value).__name__}")
         if not 1 <= len(key) <= config.max_metadata_key_chars:
-            raise UserError(f"user_metadata key {key[:64]!r}... has {len(key)} characters; expected 1 to "
+            raise UserError(f"user_metadata key {_short(key)} has {len(key)} characters; expected 1 to "
                             f"{config.max_metadata_key_chars} (checkpoints.max_metadata_key_chars)")
         if len(value) > config.max_metadata_value_chars:
-            raise UserError(f"user_metadata[{key[:64]!r}] has {len(value)} characters; the limit is "
+            raise UserError(f"user_metadata[{_short(key)}] has {len(value)} characters; the limit is "
                             f"{config.max_metadata_value_chars} (checkpoints.max_metadata_value_chars)")
     return dict(meta) or None
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 64 else repr(text[:64]) + "..."
