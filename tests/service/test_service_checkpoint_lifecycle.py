@@ -204,3 +204,15 @@ def test_the_housekeeping_thread_sweeps_at_its_interval_and_state_survives_a_res
     after = {c.tinker_path: (c.public, c.expires_at) for c in again.list_user_checkpoints("alice").checkpoints}
     assert after == before and after[state][0] is True and after[sampler][1] is not None
     assert again.get_weights_info("bob", state).lora_rank == 4
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"sweep_interval_s": 0}, "checkpoints.sweep_interval_s must be > 0, got 0"),
+    ({"max_ttl_s": 0}, "checkpoints.max_ttl_s must be an integer >= 1, got 0"),
+    ({"max_metadata_entries": 1.5}, "checkpoints.max_metadata_entries must be an integer >= 1, got 1.5"),
+])
+def test_checkpoint_config_is_validated(tmp_path, bad, message):
+    from ember.service import ServiceConfig
+
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        ServiceConfig(data_dir=tmp_path, checkpoints=bad)
