@@ -130,3 +130,35 @@ def test_resuming_with_state_refuses_another_optimizer_type(tmp_path):
     assert _resumed_optimizer(tmp_path, False, {"type": "dimuon"}) == {"type": "dimuon", "version": 1}
     with pytest.raises(UserError, match="optimizer state is 'adamw', got a 'dimuon' config"):
         _resumed_optimizer(tmp_path, True, {"type": "dimuon"})
+
+
+def test_publish_unpublish_and_ttl_in_process(make_client):
+    """The RestClient lifecycle calls in process: another owner of the same service samples a
+    published checkpoint, and is refused like for a path never saved once unpublished."""
+    alice = make_client(owner="alice")
+    bob = make_client(service=alice._service, owner="bob")
+    tc = alice.create_lora_training_client(BASE, rank=4, seed=1).result()
+    _step(tc, random_sft_datums(2, VOCAB, seed=0))
+    path = tc.save_weights_for_sampler("shared", ttl_seconds=3600, user_metadata={"k": "v"}).result().path
+    rc, bob_rc = alice.create_rest_client(), bob.create_rest_client()
+    (ck,) = rc.list_user_checkpoints().result().checkpoints
+    assert (ck.public, ck.user_metadata, ck.expires_at is not None) == (False, {"k": "v"}, True)
+    with pytest.raises(LookupError, match="not visible to this API key"):
+        bob.create_sampling_client(model_path=path).result()
+    rc.publish_checkpoint_from_tinker_path(path).result()
+    assert rc.list_user_checkpoints().result().checkpoints[0].public
+    prompt = types.ModelInput.from_ints(PROBE)
+    assert bob.create_sampling_client(model_path=path).result().sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(LookupError, match="not owned by this API key"):
+        bob_rc.unpublish_checkpoint_from_tinker_path(path).result()
+    rc.set_checkpoint_ttl_from_tinker_path(path, None).result()
+    assert rc.list_user_checkpoints().result().checkpoints[0].expires_at is None
+    with pytest.raises(ValueError, match="ttl_seconds must be between 1 and"):
+        rc.set_checkpoint_ttl_from_tinker_path(path, -1).result()
+    sampler = bob.create_sampling_client(model_path=path).result()
+    rc.unpublish_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(LookupError, match="not visible to this API key"):
+        bob.create_sampling_client(model_path=path).result()
+    refused = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2))  # fails in .result(), as over HTTP
+    with pytest.raises(LookupError, match="not visible to this API key"):
+        refused.result()

@@ -173,8 +173,9 @@ BODY_MODELS = {
     "/v1/chat/completions": oa.ChatRequest,
 }
 PROTOBUF_BODIES = {"/api/v1/forward_backward"}
-# Calls ember answers "not supported" (404 with the reason) take no body.
+# Calls ember answers "not supported" (404 with the reason) take no body, nor does publish.
 NO_BODY = {"/api/v1" + path.replace(":path", "") for verb, path, _ in routes_unsupported.ENDPOINTS if verb == "POST"}
+NO_BODY |= {"/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/publish"}
 
 schemathesis.serializer.alias(PROTO, "application/octet-stream")  # raw bytes, as generated
 

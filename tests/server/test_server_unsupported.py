@@ -9,11 +9,7 @@ import tinker
 from ember.server.routes_unsupported import ENDPOINTS
 from ember.server.testing import API_KEY
 
-PATH = "tinker://run-1/weights/step-1"
 CALLS = {
-    "publish_checkpoint_from_tinker_path": (PATH,),
-    "unpublish_checkpoint_from_tinker_path": (PATH,),
-    "set_checkpoint_ttl_from_tinker_path": (PATH, 3600),
     "assign_session_project": ("session-1", "project-1"),
     "export_session_trace": ("session-1",),
     "search_sessions": (tinker.types.SessionSearchRequest.model_construct(),),

@@ -9,7 +9,7 @@ import time
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Index, MetaData, inspect, text
+from sqlalchemy import Index, MetaData, Table, inspect, text
 from tinker import types
 
 from ember.cli import main as ember_main
@@ -22,12 +22,15 @@ RUN = f"{SESSION}:train:0"
 
 
 def legacy_metadata() -> MetaData:
-    """The tables as ember's `create_all` made them before migration 0002."""
+    """The tables as ember's `create_all` made them before migration 0002 (no index on
+    (run_id, kind, created_at), no checkpoints.public: 0003)."""
     md = MetaData()
     for table in Base.metadata.tables.values():
-        table.to_metadata(md)
-    ck = md.tables["checkpoints"]
-    ck.indexes.discard(next(ix for ix in ck.indexes if ix.name == "ix_checkpoints_run_kind_created"))
+        if table.name == "checkpoints":
+            Table(table.name, md, *[c._copy() for c in table.columns if c.name != "public"])
+        else:
+            table.to_metadata(md)
+    ck = md.tables["checkpoints"]  # rebuilt from its columns: without the composite index
     Index("ix_checkpoints_run_id", ck.c.run_id)
     return md
 
@@ -45,15 +48,15 @@ def engine(database_url):
 
 
 def test_upgrade_to_head_creates_exactly_the_orm_tables(engine):
-    assert migrations.upgrade(engine) == migrations.head() == "0002"
+    assert migrations.upgrade(engine) == migrations.head() == "0003"
     assert schema_diff(engine, Base.metadata) == []
-    assert migrations.upgrade(engine) == "0002"  # idempotent
+    assert migrations.upgrade(engine) == "0003"  # idempotent
 
 
 def test_baseline_is_the_pre_migration_schema(engine):
     migrations.upgrade(engine, "0001")
     assert schema_diff(engine, legacy_metadata()) == []
-    assert schema_diff(engine, Base.metadata) != []  # 0002 is a real change
+    assert schema_diff(engine, Base.metadata) != []  # 0002 and 0003 are real changes
 
 
 def _legacy_rows(conn) -> None:
@@ -99,6 +102,7 @@ def test_database_of_the_old_code_upgrades_keeping_its_rows(engine, database_url
         paths = [c.tinker_path for c in svc.list_checkpoints(OWNER, RUN).checkpoints]
         assert paths == [f"tinker://{RUN}/weights/ck0", f"tinker://{RUN}/sampler_weights/ck1",
                          f"tinker://{RUN}/weights/ck2"]
+        assert [c.public for c in svc.list_checkpoints(OWNER, RUN).checkpoints] == [False] * 3  # 0003's default
         assert svc.get_session(OWNER, SESSION).training_run_ids == [RUN]
         done = svc.retrieve(OWNER, "req-done")
         assert done.status == "complete" and done.result.metrics == {"lr": 0.5}
@@ -112,19 +116,19 @@ def test_database_of_the_old_code_upgrades_keeping_its_rows(engine, database_url
 
 def test_db_cli_upgrade_and_current(database_url, engine, capsys):
     assert ember_main(["db", "current", "--database-url", database_url]) == 0
-    assert capsys.readouterr().out.split() == ["current", "None", "head", "0002"]
+    assert capsys.readouterr().out.split() == ["current", "None", "head", "0003"]
     assert ember_main(["db", "upgrade", "--database-url", database_url, "--revision", "0001"]) == 0
     assert "revision 0001" in capsys.readouterr().out
     assert ember_main(["db", "upgrade", "--database-url", database_url]) == 0
-    assert "revision 0002" in capsys.readouterr().out
+    assert "revision 0003" in capsys.readouterr().out
     assert set(inspect(engine).get_table_names()) >= {"alembic_version", "sessions", "futures"}
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0002"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
 
 
 def test_db_cli_data_dir_is_the_servers_sqlite_file(tmp_path, capsys):
     assert ember_main(["db", "upgrade", "--data-dir", str(tmp_path / "d")]) == 0
-    assert "revision 0002" in capsys.readouterr().out
+    assert "revision 0003" in capsys.readouterr().out
     assert (tmp_path / "d" / "ember.db").is_file()
 
 

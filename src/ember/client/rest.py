@@ -61,6 +61,21 @@ class RestClient:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
         return self.delete_checkpoint(parsed.training_run_id, parsed.checkpoint_id)
 
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        return _now(lambda: self._service.set_checkpoint_public(
+            self._owner, parsed.training_run_id, parsed.checkpoint_id, True))
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        return _now(lambda: self._service.set_checkpoint_public(
+            self._owner, parsed.training_run_id, parsed.checkpoint_id, False))
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> APIFuture[None]:
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        return _now(lambda: self._service.set_checkpoint_ttl(
+            self._owner, parsed.training_run_id, parsed.checkpoint_id, ttl_seconds))
+
     def get_session(self, session_id: str,
                     access_scope: Literal["owned", "accessible"] = "owned") -> APIFuture[types.GetSessionResponse]:
         return _now(lambda: self._service.get_session(self._owner, session_id))
@@ -98,6 +113,15 @@ class RestClient:
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
         return await self.delete_checkpoint_from_tinker_path(tinker_path)
 
+    async def publish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        return await self.publish_checkpoint_from_tinker_path(tinker_path)
+
+    async def unpublish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        return await self.unpublish_checkpoint_from_tinker_path(tinker_path)
+
+    async def set_checkpoint_ttl_from_tinker_path_async(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        return await self.set_checkpoint_ttl_from_tinker_path(tinker_path, ttl_seconds)
+
     async def get_session_async(self, session_id: str,
                                 access_scope: Literal["owned", "accessible"] = "owned") -> types.GetSessionResponse:
         return await self.get_session(session_id, access_scope)
@@ -118,12 +142,6 @@ class RestClient:
     copy_weights_async = unsupported("copy_weights_async")
     get_external_weights_urls = unsupported("get_external_weights_urls")
     get_external_weights_urls_async = unsupported("get_external_weights_urls_async")
-    publish_checkpoint_from_tinker_path = unsupported("publish_checkpoint_from_tinker_path")
-    publish_checkpoint_from_tinker_path_async = unsupported("publish_checkpoint_from_tinker_path_async")
-    unpublish_checkpoint_from_tinker_path = unsupported("unpublish_checkpoint_from_tinker_path")
-    unpublish_checkpoint_from_tinker_path_async = unsupported("unpublish_checkpoint_from_tinker_path_async")
-    set_checkpoint_ttl_from_tinker_path = unsupported("set_checkpoint_ttl_from_tinker_path")
-    set_checkpoint_ttl_from_tinker_path_async = unsupported("set_checkpoint_ttl_from_tinker_path_async")
     assign_session_project = unsupported("assign_session_project")
     assign_session_project_async = unsupported("assign_session_project_async")
     export_session_trace = unsupported("export_session_trace")

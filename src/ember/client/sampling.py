@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from concurrent.futures import Future as ConcurrentFuture
 from typing import TYPE_CHECKING
 
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
 from ember.client.futures import chain, unwrap
+from ember.service.api import NotFoundError
 from ember.service.unsupported import unsupported
 
 if TYPE_CHECKING:
@@ -59,12 +61,17 @@ class SamplingClient:
             raise ValueError("target_prompt_logprobs and prompt_alt_tokens_k are not supported by ember's sampler")
         if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
             raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
-        sub = self._ctx.service.sample(
-            self._ctx.owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
-            include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
-            record_stability_info=self._record_stability_info,
-        )
+        try:
+            sub = self._ctx.service.sample(
+                self._ctx.owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
+                include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+                topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
+                record_stability_info=self._record_stability_info,
+            )
+        except NotFoundError as exc:  # e.g. its checkpoint was unpublished: raised by .result(), as over HTTP
+            failed: ConcurrentFuture = ConcurrentFuture()
+            failed.set_exception(exc)
+            return AwaitableConcurrentFuture(failed)
         ids = sub.sample_sequence_ids
         state = self._ctx.watch(sub.request_id)
         return AwaitableConcurrentFuture(chain(state, lambda st: _with_sequence_ids(unwrap(st), ids)))

@@ -152,7 +152,10 @@ async def completions(request: Request, owner: str = Owner, service=Service):
     prompt = req.single_prompt()
     ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
     topk = req.logprobs or 0
-    seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, topk)
+    try:  # the checkpoint may have gone since the sampler was cached (unpublished, expired, deleted)
+        seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, topk)
+    except ModelNotFound as exc:
+        return _not_found(exc)
     offset0 = len(prompt) if isinstance(prompt, str) else 0
     choices = [{"index": i, "text": oa.completion_text(tokenizer, s, params.stop or []),
                 "logprobs": oa.completion_logprobs(tokenizer, s, offset0) if req.logprobs is not None else None,
@@ -176,7 +179,10 @@ async def chat_completions(request: Request, owner: str = Owner, service=Service
     # The template's text, then its tokens (transformers' tokenize=True return type varies by version).
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, req.topk())
+    try:
+        seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, req.topk())
+    except ModelNotFound as exc:
+        return _not_found(exc)
     choices = [{"index": i,
                 "message": {"role": "assistant", "content": oa.completion_text(tokenizer, s, params.stop or [])},
                 "logprobs": oa.chat_logprobs(tokenizer, s) if req.logprobs else None,

@@ -1,8 +1,9 @@
 """RestClient endpoints: training runs, checkpoints, weights info, capabilities (§2.5).
 
-`access_scope` ("owned" | "accessible") is accepted; both mean the caller's own runs, as
-this server has no sharing between API keys. `project_id` filtering is not supported
-(the parameter is accepted and ignored).
+`access_scope` ("owned" | "accessible") is accepted; both mean the caller's own runs:
+what one API key shares with others is a published checkpoint, read by its tinker path
+(sampling, loading, weights info), never a listing. `project_id` filtering is not
+supported (the parameter is accepted and ignored).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
+from ember.server.errors import BadRequest
 from ember.server.deps import Limit, Offset, Owner, Service, model_response, read_json
 
 router = APIRouter()
@@ -35,6 +37,28 @@ async def get_training_run(run_id: str, owner: str = Owner, service=Service):
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_checkpoints(run_id: str, owner: str = Owner, service=Service):
     return model_response(await run_in_threadpool(service.list_checkpoints, owner, run_id))
+
+
+# Before DELETE .../checkpoints/{checkpoint_id:path}, which would read "<id>/publish" as an id.
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+async def publish_checkpoint(run_id: str, checkpoint_id: str, owner: str = Owner, service=Service):
+    await run_in_threadpool(service.set_checkpoint_public, owner, run_id, checkpoint_id, True)
+    return JSONResponse({})
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+async def unpublish_checkpoint(run_id: str, checkpoint_id: str, owner: str = Owner, service=Service):
+    await run_in_threadpool(service.set_checkpoint_public, owner, run_id, checkpoint_id, False)
+    return JSONResponse({})
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request, owner: str = Owner, service=Service):
+    body = await read_json(request)
+    if not isinstance(body, dict) or "ttl_seconds" not in body:
+        raise BadRequest(f"body: expected {{\"ttl_seconds\": <integer seconds or null>}}, got {body!r:.100}")
+    await run_in_threadpool(service.set_checkpoint_ttl, owner, run_id, checkpoint_id, body["ttl_seconds"])
+    return JSONResponse({})
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")

@@ -1,8 +1,7 @@
 """SDK endpoints ember does not implement: 404 with the reason (`ember.service.unsupported`).
 
 The SDK makes `tinker.NotFoundError("Error code: 404 - {body}")` of this answer, which is
-exactly what the in-process client raises for the same method. Included before the other
-routers, so that e.g. DELETE .../checkpoints/<id>/publish is not read as a checkpoint id.
+exactly what the in-process client raises for the same method.
 """
 
 from __future__ import annotations
@@ -17,10 +16,6 @@ router = APIRouter()
 
 # (HTTP method, SDK path under /api/v1, SDK method)
 ENDPOINTS = [
-    ("POST", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publish_checkpoint_from_tinker_path"),
-    ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish",
-     "unpublish_checkpoint_from_tinker_path"),
-    ("PUT", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", "set_checkpoint_ttl_from_tinker_path"),
     ("PUT", "/sessions/{session_id}/project", "assign_session_project"),
     ("GET", "/sessions/{session_id}/trace_export", "export_session_trace"),
     ("POST", "/sessions/search", "search_sessions"),

@@ -434,7 +434,19 @@ class ServiceAPI(abc.ABC):
         """`checkpoint_id` as in REST paths: "weights/<name>" or "sampler_weights/<name>"."""
 
     @abc.abstractmethod
-    def get_weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse: ...
+    def set_checkpoint_public(self, owner: str, run_id: str, checkpoint_id: str, public: bool) -> None:
+        """Publish (readable by every API key: sampling, loading, weights info) or unpublish
+        a checkpoint. Owner only; idempotent (publishing a public one changes nothing).
+        Unknown, foreign or expired → NotFoundError."""
+
+    @abc.abstractmethod
+    def set_checkpoint_ttl(self, owner: str, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """Expire the checkpoint `ttl_seconds` from now (1..checkpoints.max_ttl_s; None = never;
+        else UserError). Owner only; unknown, foreign or expired → NotFoundError."""
+
+    @abc.abstractmethod
+    def get_weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
+        """Of a checkpoint the owner may read (its own, or a published one)."""
 
     @abc.abstractmethod
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:

@@ -76,6 +76,38 @@ class DurabilityConfig:
             raise ValueError(f"DurabilityConfig.future_deadline_s must be > 0 or None, got {self.future_deadline_s}")
 
 
+TEN_YEARS_S = 10 * 365 * 24 * 3600
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint expiry (TTL) and the metadata a save may attach (`[checkpoints]`).
+
+    sweep_interval_s: how often the server deletes checkpoints past their expiry (files
+        and row). An expired checkpoint is gone for every call (404, as if never saved)
+        from its expiry on, before the sweep removes its files too.
+    max_ttl_s: the largest `ttl_seconds` a save or `set_checkpoint_ttl_from_tinker_path`
+        accepts (default 10 years, as Tinker); the smallest is 1 (Tinker's hosted
+        service asks for at least 3600 on set_checkpoint_ttl; ember takes shorter ones).
+    max_metadata_entries / max_metadata_key_chars / max_metadata_value_chars: bounds of
+        a save's `user_metadata` (string keys and values).
+    """
+
+    sweep_interval_s: float = 60.0
+    max_ttl_s: int = TEN_YEARS_S
+    max_metadata_entries: int = 64
+    max_metadata_key_chars: int = 128
+    max_metadata_value_chars: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.sweep_interval_s > 0:
+            raise ValueError(f"checkpoints.sweep_interval_s must be > 0, got {self.sweep_interval_s}")
+        for name in ("max_ttl_s", "max_metadata_entries", "max_metadata_key_chars", "max_metadata_value_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"checkpoints.{name} must be an integer >= 1, got {value!r}")
+
+
 @dataclass
 class ServiceConfig:
     """Configuration of one `Service`.
@@ -99,13 +131,15 @@ class ServiceConfig:
         session; older ones are evicted (reloaded from disk on use if they have a path).
     future_retention_s: finished futures (and their stored results) are deleted this long
         after they finished (None = kept forever).
-    housekeeping_interval_s: how often session expiry, future pruning and checkpoint TTLs
-        (`save_state(ttl_seconds=...)`) are applied.
+    housekeeping_interval_s: how often session expiry and future pruning are applied
+        (checkpoint TTLs: `checkpoints.sweep_interval_s`).
     limits: per-request bounds on counts and sizes (`ember.service.limits.Limits`).
     durability: database lock waits, future-finishing retries and the stuck-future sweep
         (`DurabilityConfig`).
     stability: expiry and memory bounds of the records `record_stability_info=True` samples
         keep for `stable_reinforce` (`ember.service.stability.StabilityConfig`).
+    checkpoints: checkpoint TTL sweep and bounds of ttl_seconds / user_metadata
+        (`CheckpointConfig`).
     """
 
     data_dir: str | os.PathLike
@@ -124,6 +158,7 @@ class ServiceConfig:
     limits: Limits = field(default_factory=Limits)
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -138,6 +173,8 @@ class ServiceConfig:
             self.durability = DurabilityConfig(**self.durability)
         if isinstance(self.stability, Mapping):
             self.stability = StabilityConfig(**self.stability)
+        if isinstance(self.checkpoints, Mapping):
+            self.checkpoints = CheckpointConfig(**self.checkpoints)
         if self.seq_gap_timeout_s <= 0:
             raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
         if self.session_timeout_s is not None and self.session_timeout_s <= 0:

@@ -24,7 +24,7 @@ from tinker import types
 
 from ember.engine.optimizers import OPTIMIZERS, params_name
 from ember.service import checkpoints as ckpt
-from ember.service import rest
+from ember.service import lifecycle, rest
 from ember.service.api import FutureState, NotFoundError, ServiceAPI, Submission, UserError
 from ember.service.config import ServiceConfig
 from ember.service.datadir import DataDirLock
@@ -78,7 +78,7 @@ class Service(ServiceAPI):
         self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s)
         self.runs = RunManager(
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
-            config.data_dir, config.seq_gap_timeout_s, config.limits,
+            config.data_dir, config.seq_gap_timeout_s, config.limits, config.checkpoints,
         )
         self.records = StabilityRecords(config.stability)
         self.samplers = SamplerManager(
@@ -113,9 +113,15 @@ class Service(ServiceAPI):
         interval = self.config.housekeeping_interval_s
         if self.config.session_timeout_s is not None:
             interval = min(interval, max(0.5, self.config.session_timeout_s / 4))
-        while not self._closed.wait(interval):
+        sweep_every = self.config.checkpoints.sweep_interval_s
+        last = time.monotonic()
+        while not self._closed.wait(min(interval, sweep_every)):
             try:
-                self.housekeeping()
+                if time.monotonic() - last >= interval * 0.99:  # a wait may end a hair early
+                    last = time.monotonic()
+                    self.housekeeping()  # includes the checkpoint sweep
+                else:
+                    self.sweep_expired_checkpoints()
             except Exception:  # noqa: BLE001 - housekeeping must survive a DB hiccup
                 log.exception("housekeeping failed")
 
@@ -131,10 +137,7 @@ class Service(ServiceAPI):
         now = time.time()
         if self.config.future_retention_s is not None:
             self.store.prune_futures(now - self.config.future_retention_s)
-        for row in self.store.expired_checkpoints(now):
-            tp = ckpt.parse_tinker_path(row.tinker_path)
-            self.delete_checkpoint(row.owner, tp.run_id, tp.checkpoint_id)
-            log.info("checkpoint %s expired (ttl)", row.tinker_path)
+        self.sweep_expired_checkpoints()
 
     def _on_session_end(self, session_id: str) -> None:
         self.runs.unload_session(session_id)
@@ -314,12 +317,37 @@ class Service(ServiceAPI):
         return rest.list_user_checkpoints(self.store, owner, limit, offset)
 
     def delete_checkpoint(self, owner, run_id, checkpoint_id) -> None:
-        if not isinstance(checkpoint_id, str) or checkpoint_id.count("/") != 1:
-            raise UserError(f"checkpoint_id must look like 'weights/<name>', got {checkpoint_id!r}")
-        row = rest.checkpoint_row(self.store, owner, f"tinker://{run_id}/{checkpoint_id}")
-        if not self.store.delete_checkpoint(row.tinker_path):
-            raise NotFoundError(f"unknown checkpoint {row.tinker_path!r}")
+        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))
+        if not self._remove_checkpoint(row):
+            raise NotFoundError(lifecycle.WRITE_REFUSED.format(path=row.tinker_path))
+
+    def _remove_checkpoint(self, row) -> bool:
+        """Delete the row (if it still names the same save), then its directory."""
+        if not self.store.delete_checkpoint(row.tinker_path, row.directory):
+            return False
         ckpt.remove_checkpoint_dir(self.config.data_dir, row.directory)
+        return True
+
+    def set_checkpoint_public(self, owner, run_id, checkpoint_id, public: bool) -> None:
+        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))
+        if not self.store.update_checkpoint(row.tinker_path, row.directory, public=bool(public)):
+            raise NotFoundError(lifecycle.WRITE_REFUSED.format(path=row.tinker_path))
+
+    def set_checkpoint_ttl(self, owner, run_id, checkpoint_id, ttl_seconds) -> None:
+        ttl = lifecycle.check_ttl(ttl_seconds, self.config.checkpoints)
+        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))
+        expires_at = None if ttl is None else time.time() + ttl
+        if not self.store.update_checkpoint(row.tinker_path, row.directory, expires_at=expires_at):
+            raise NotFoundError(lifecycle.WRITE_REFUSED.format(path=row.tinker_path))
+
+    def sweep_expired_checkpoints(self) -> int:
+        """Delete every checkpoint past its expiry (row, then files); how many."""
+        removed = 0
+        for row in self.store.expired_checkpoints(time.time()):
+            if self._remove_checkpoint(row):
+                removed += 1
+                log.info("checkpoint %s expired (ttl)", row.tinker_path)
+        return removed
 
     def get_weights_info(self, owner, tinker_path) -> types.WeightsInfoResponse:
         return rest.weights_info(self.store, owner, tinker_path)

@@ -1,12 +1,17 @@
-"""REST listings: database rows → tinker's REST types (pure translation + owner filters)."""
+"""REST listings: database rows → tinker's REST types (pure translation + owner filters).
+
+Listings leave out checkpoints past their expiry (`ember.service.lifecycle`), whether or
+not the sweep has deleted them yet."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 
 from tinker import types
 
 from ember.service import checkpoints as ckpt
+from ember.service import lifecycle
 from ember.service.api import NotFoundError, UserError
 from ember.service.limits import Limits
 from ember.service.samplers import max_positions
@@ -22,13 +27,13 @@ def checkpoint_type(row: CheckpointRow) -> types.Checkpoint:
     tp = ckpt.parse_tinker_path(row.tinker_path)
     return types.Checkpoint(
         checkpoint_id=tp.checkpoint_id, checkpoint_type=row.kind, time=_dt(row.created_at),
-        tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=False,
+        tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=bool(row.public),
         user_metadata=row.user_metadata or None, expires_at=_dt(row.expires_at),
     )
 
 
 def _last(store: Store, run_id: str, kind: str) -> types.Checkpoint | None:
-    row = store.last_checkpoint(run_id, kind)
+    row = store.last_checkpoint(run_id, kind, time.time())
     return None if row is None else checkpoint_type(row)
 
 
@@ -67,29 +72,25 @@ def run_row(store: Store, owner: str, run_id: str) -> RunRow:
 
 def list_checkpoints(store: Store, owner: str, run_id: str) -> types.CheckpointsListResponse:
     run_row(store, owner, run_id)
-    return types.CheckpointsListResponse(checkpoints=[checkpoint_type(r) for r in store.checkpoints_of_run(run_id)])
+    return types.CheckpointsListResponse(checkpoints=[checkpoint_type(r) for r in store.checkpoints_of_run(run_id, time.time())])
 
 
 def list_user_checkpoints(store: Store, owner: str, limit: int, offset: int) -> types.CheckpointsListResponse:
     limit, offset = _page(limit, offset)
-    total = store.count_checkpoints(owner)
-    rows = store.list_checkpoints(owner, limit, offset)
+    now = time.time()
+    total = store.count_checkpoints(owner, now)
+    rows = store.list_checkpoints(owner, limit, offset, now)
     return types.CheckpointsListResponse(
         checkpoints=[checkpoint_type(r) for r in rows], cursor=types.Cursor(offset=offset, limit=limit, total_count=int(total))
     )
 
 
-def checkpoint_row(store: Store, owner: str, tinker_path: str) -> CheckpointRow:
-    tp = ckpt.parse_tinker_path(tinker_path)
-    row = store.get(CheckpointRow, tp.uri)
-    if row is None or row.owner != owner:
-        raise NotFoundError(f"unknown checkpoint {tinker_path!r}")
-    return row
-
-
 def weights_info(store: Store, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
-    row = checkpoint_row(store, owner, tinker_path)
-    run = run_row(store, owner, row.run_id)
+    """Of any checkpoint `owner` may read (its own, or a published one)."""
+    _, row = lifecycle.readable(store, owner, tinker_path)
+    run = store.get(RunRow, row.run_id)
+    if run is None:
+        raise NotFoundError(lifecycle.READ_REFUSED.format(path=tinker_path))
     lora = run.lora_config or {}
     return types.WeightsInfoResponse(
         base_model=run.base_model, is_lora=run.is_lora, lora_rank=lora.get("rank"),

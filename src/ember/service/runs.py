@@ -24,6 +24,8 @@ from tinker import types
 from ember import failpoints
 from ember.engine.base import NonFiniteGradientError, TrainingEngine
 from ember.service import checkpoints as ckpt
+from ember.service import lifecycle
+from ember.service.config import CheckpointConfig
 from ember.service.api import NotFoundError, RequestType, Submission, UserError
 from ember.service.faults import public_message
 from ember.service.engines import BaseModel, EngineFactory, ModelRegistry, RunSpec
@@ -131,11 +133,13 @@ class RunManager:
     def __init__(
         self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: EngineFactory,
         data_dir: Path, gap_timeout_s: float, limits: Limits | None = None,
+        checkpoints: CheckpointConfig | None = None,
     ) -> None:
         self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
         self.data_dir = data_dir
         self.gap_timeout_s = gap_timeout_s
         self.limits = limits or Limits()
+        self.checkpoint_config = checkpoints or CheckpointConfig()
         self._runs: dict[str, LiveRun] = {}
         self._lanes: dict[str, Lane] = {}
         self._lane_users: dict[str, int] = {}  # lane key -> runs (live or draining) that may still use it
@@ -245,10 +249,7 @@ class RunManager:
         run.lane.submit(lambda: self.execute(sub.request_id, op))
 
     def _checkpoint(self, owner: str, path: str, kind: str | None = None) -> tuple[ckpt.TinkerPath, CheckpointRow]:
-        tp = ckpt.parse_tinker_path(path)
-        row = self.store.get(CheckpointRow, tp.uri)
-        if row is None or row.owner != owner:
-            raise UserError(f"checkpoint {path!r} not found (or not visible to this API key)")
+        tp, row = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
         if kind is not None and tp.kind != kind:
             raise UserError(
                 f"checkpoint {path!r} holds sampler weights only; load training state from a "
@@ -342,11 +343,14 @@ class RunManager:
     # ------------------------------------------------------------------ checkpoint ops (run on the lane)
     def save_checkpoint(self, run: LiveRun, name: Any, kind: str, overwrite: bool, ttl_seconds, user_metadata) -> str:
         """Write a fresh directory, commit the row naming it, then drop the replaced one
-        (crash-consistent: see `ember.service.checkpoints`)."""
+        (crash-consistent: see `ember.service.checkpoints`). A save that replaces a
+        checkpoint makes a new one: private, with this save's TTL and metadata."""
         engine = run.require_engine()
         tp = ckpt.TinkerPath(run.run_id, kind, ckpt.validate_name(name))
+        ttl = lifecycle.check_ttl(ttl_seconds, self.checkpoint_config)
+        meta = lifecycle.check_metadata(user_metadata, self.checkpoint_config)
         existing = self.store.get(CheckpointRow, tp.uri)
-        if existing is not None and not overwrite:
+        if existing is not None and not overwrite and not lifecycle.expired(existing):
             raise UserError(f"checkpoint {tp.uri} already exists; pass overwrite=True to replace it")
         final = ckpt.new_version_dir(self.data_dir, tp)
         tmp = ckpt.temp_dir_of(final)
@@ -360,8 +364,8 @@ class RunManager:
         now = time.time()
         row = CheckpointRow(
             tinker_path=tp.uri, run_id=run.run_id, owner=run.owner, kind=kind, name=tp.name, directory=str(final),
-            size_bytes=ckpt.dir_size(final), user_metadata={str(k): str(v) for k, v in (user_metadata or {}).items()} or None,
-            created_at=now, expires_at=now + ttl_seconds if ttl_seconds else None,
+            size_bytes=ckpt.dir_size(final), user_metadata=meta, created_at=now,
+            expires_at=now + ttl if ttl else None, public=False,
         )
         try:
             self.store.save_checkpoint(row)  # the commit point
@@ -457,4 +461,4 @@ class RunManager:
         self.factory.close()
 
     def checkpoints_of_run(self, run_id: str) -> list[CheckpointRow]:
-        return self.store.checkpoints_of_run(run_id)
+        return self.store.checkpoints_of_run(run_id, time.time())

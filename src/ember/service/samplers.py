@@ -31,6 +31,7 @@ import torch
 from tinker import types
 
 from ember.service import checkpoints as ckpt
+from ember.service import lifecycle
 from ember.service.api import NotFoundError, Submission, UserError
 from ember.service.engines import BaseModel, ModelRegistry
 from ember.service.faults import public_message
@@ -94,6 +95,7 @@ class LiveSampler:
     session_id: str
     base: BaseModel
     version: Any  # WeightVersion | None (None = base weights)
+    model_path: str | None = None  # loaded from this checkpoint: readable again on every sample
 
 
 class SamplerManager:
@@ -120,10 +122,7 @@ class SamplerManager:
         return self.backend(base).load_weights(weights, lora)
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
-        tp = ckpt.parse_tinker_path(path)
-        crow = self.store.get(CheckpointRow, tp.uri)
-        if crow is None or crow.owner != owner:
-            raise UserError(f"checkpoint {path!r} not found (or not visible to this API key)")
+        tp, crow = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
         run = self.store.get(RunRow, crow.run_id)
         if run is None:
             raise UserError(f"checkpoint {path!r} has no training run record")
@@ -176,7 +175,7 @@ class SamplerManager:
             base, version = self.registry.resolve(base_model), None
             self.backend(base)
         row = self._new_row(owner, session_id, seq, base, model_path, None)
-        self._remember(LiveSampler(row.id, owner, session_id, base, version))
+        self._remember(LiveSampler(row.id, owner, session_id, base, version, model_path))
         return row.id
 
     def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,
@@ -217,7 +216,7 @@ class SamplerManager:
             base, version = self._version_from_checkpoint(owner, row.model_path)
         else:
             base, version = self.registry.resolve(row.base_model), None
-        live = LiveSampler(row.id, owner, row.session_id, base, version)
+        live = LiveSampler(row.id, owner, row.session_id, base, version, row.model_path)
         self._remember(live)
         return live
 
@@ -228,6 +227,9 @@ class SamplerManager:
     # ------------------------------------------------------------------ sampling
     def sample(self, owner: str, sampler_id: str, seq_id: int | None, request_kwargs: dict[str, Any],
                record: bool = False) -> Submission:
+        """Raises NotFoundError when the sampler's checkpoint is no longer readable by
+        `owner` (unpublished, expired, deleted), like a path never saved."""
+        self._check_checkpoint_readable(owner, sampler_id)
         num = request_kwargs.get("num_samples")
         key = f"sample:{sampler_id}:{seq_id}" if seq_id is not None else None
         n_ids = num if isinstance(num, int) and num >= 1 else 0
@@ -236,6 +238,17 @@ class SamplerManager:
             with self.futures.accepting(sub.request_id):
                 self._start_sample(sub, owner, sampler_id, num, request_kwargs, record)
         return sub
+
+    def _check_checkpoint_readable(self, owner: str, sampler_id: str) -> None:
+        with self._lock:
+            live = self._by_id.get(sampler_id)
+        if live is not None and live.owner == owner:
+            path = live.model_path
+        else:
+            row = self.store.get(SamplerRow, sampler_id)
+            path = row.model_path if row is not None and row.owner == owner else None  # else: _resolve's 404
+        if path is not None:
+            lifecycle.readable(self.store, owner, path)
 
     def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any],
                       record: bool) -> None:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import String, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import String, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -181,6 +181,10 @@ class _Db:
         self.engine.dispose()
 
 
+def _unexpired(now: float):
+    return or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now)
+
+
 class Store(_Db):
     """The service's queries, by table."""
 
@@ -226,30 +230,45 @@ class Store(_Db):
         with self._write() as s:
             s.merge(row)
 
-    def delete_checkpoint(self, tinker_path: str) -> bool:
-        """False if there was no such checkpoint (e.g. deleted concurrently)."""
-        return self._changed(delete(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path)) > 0
+    def delete_checkpoint(self, tinker_path: str, directory: str | None = None) -> bool:
+        """False if there was no such checkpoint (e.g. deleted concurrently), or, given
+        `directory`, its row names another one now (overwritten since it was read)."""
+        where = [CheckpointRow.tinker_path == tinker_path]
+        if directory is not None:
+            where.append(CheckpointRow.directory == directory)
+        return self._changed(delete(CheckpointRow).where(*where)) > 0
 
-    def checkpoints_of_run(self, run_id: str) -> list[CheckpointRow]:
+    def checkpoints_of_run(self, run_id: str, now: float) -> list[CheckpointRow]:
+        """The run's checkpoints not expired at `now`, oldest first."""
         return self._all(
-            select(CheckpointRow).where(CheckpointRow.run_id == run_id).order_by(CheckpointRow.created_at)
+            select(CheckpointRow).where(CheckpointRow.run_id == run_id, _unexpired(now))
+            .order_by(CheckpointRow.created_at)
         )
 
-    def last_checkpoint(self, run_id: str, kind: str) -> CheckpointRow | None:
+    def last_checkpoint(self, run_id: str, kind: str, now: float) -> CheckpointRow | None:
         rows = self._all(
-            select(CheckpointRow).where(CheckpointRow.run_id == run_id, CheckpointRow.kind == kind)
+            select(CheckpointRow).where(CheckpointRow.run_id == run_id, CheckpointRow.kind == kind, _unexpired(now))
             .order_by(CheckpointRow.created_at.desc()).limit(1)
         )
         return rows[0] if rows else None
 
-    def count_checkpoints(self, owner: str) -> int:
-        return int(self._all(select(func.count()).select_from(CheckpointRow).where(CheckpointRow.owner == owner))[0])
+    def count_checkpoints(self, owner: str, now: float) -> int:
+        return int(self._all(select(func.count()).select_from(CheckpointRow)
+                             .where(CheckpointRow.owner == owner, _unexpired(now)))[0])
 
-    def list_checkpoints(self, owner: str, limit: int, offset: int) -> list[CheckpointRow]:
+    def list_checkpoints(self, owner: str, limit: int, offset: int, now: float) -> list[CheckpointRow]:
         return self._all(
-            select(CheckpointRow).where(CheckpointRow.owner == owner).order_by(CheckpointRow.created_at.desc())
-            .limit(limit).offset(offset)
+            select(CheckpointRow).where(CheckpointRow.owner == owner, _unexpired(now))
+            .order_by(CheckpointRow.created_at.desc(), CheckpointRow.tinker_path).limit(limit).offset(offset)
         )
+
+    def update_checkpoint(self, tinker_path: str, directory: str, **values: Any) -> bool:
+        """Change a checkpoint's `public` / `expires_at`, only if its row still names
+        `directory` (not deleted or overwritten since it was read); False otherwise."""
+        return self._changed(
+            update(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path,
+                                        CheckpointRow.directory == directory).values(**values)
+        ) > 0
 
     def checkpoint_directories(self) -> list[str]:
         """The directory of every checkpoint row (the start-up sweep keeps exactly these)."""
@@ -257,7 +276,7 @@ class Store(_Db):
 
     def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
         return self._all(
-            select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at < now)
+            select(CheckpointRow).where(CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at <= now)
         )
 
     # ------------------------------------------------------------------ samplers

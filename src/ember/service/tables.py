@@ -7,7 +7,7 @@ exactly these tables, for SQLite and PostgreSQL).
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import JSON, false, BigInteger, Boolean, Float, Index, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -62,6 +62,8 @@ class CheckpointRow(Base):
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Readable by every API key while True (publish_checkpoint_from_tinker_path): migration 0003.
+    public: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class SamplerRow(Base):
