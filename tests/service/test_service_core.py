@@ -157,7 +157,7 @@ def test_sessions_heartbeat_finish_and_expiry(make_service):
     svc.heartbeat("alice", sid)
     assert svc.get_session("alice", sid).training_run_ids == [mid]
     time.sleep(0.7)
-    assert sid in svc.expire_sessions()
+    svc.expire_sessions()  # returns [] when the housekeeping thread expired it first; either way:
     with pytest.raises(SessionGoneError):
         svc.heartbeat("alice", sid)
     st = wait(svc, "alice", svc.optim_step("alice", mid, 1, ADAM))
