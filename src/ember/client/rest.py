@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from concurrent.futures import Future as ConcurrentFuture
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 from tinker import types
@@ -61,6 +63,22 @@ class RestClient:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
         return self.delete_checkpoint(parsed.training_run_id, parsed.checkpoint_id)
 
+    def get_external_weights_urls(self, tinker_path: str) -> APIFuture[types.ExternalWeightsUrlsResponse]:
+        """In process the caller is the operator: the URLs are `file://` URLs of the export's
+        files (urllib opens them), under the same owner check as over HTTP."""
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        if not parsed.checkpoint_id.startswith("external_weights/"):  # as the SDK, before any call
+            raise ValueError("get_external_weights_urls only accepts external weights checkpoints "
+                             f"(tinker://<training_run_id>/external_weights/<name>), got {tinker_path!r}")
+
+        def links() -> types.ExternalWeightsUrlsResponse:
+            got = self._service.external_weights_links(self._owner, parsed.training_run_id, parsed.checkpoint_id)
+            return types.ExternalWeightsUrlsResponse(
+                urls={f: (Path(got.directory) / f).as_uri() for f in got.files},
+                expires=datetime.fromtimestamp(got.expires, tz=timezone.utc))
+
+        return _now(links)
+
     def get_session(self, session_id: str,
                     access_scope: Literal["owned", "accessible"] = "owned") -> APIFuture[types.GetSessionResponse]:
         return _now(lambda: self._service.get_session(self._owner, session_id))
@@ -98,6 +116,9 @@ class RestClient:
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
         return await self.delete_checkpoint_from_tinker_path(tinker_path)
 
+    async def get_external_weights_urls_async(self, tinker_path: str) -> types.ExternalWeightsUrlsResponse:
+        return await self.get_external_weights_urls(tinker_path)
+
     async def get_session_async(self, session_id: str,
                                 access_scope: Literal["owned", "accessible"] = "owned") -> types.GetSessionResponse:
         return await self.get_session(session_id, access_scope)
@@ -116,8 +137,6 @@ class RestClient:
     # ------------------------------------------------------------------ not in ember (see ember.service.unsupported)
     copy_weights = unsupported("copy_weights")
     copy_weights_async = unsupported("copy_weights_async")
-    get_external_weights_urls = unsupported("get_external_weights_urls")
-    get_external_weights_urls_async = unsupported("get_external_weights_urls_async")
     publish_checkpoint_from_tinker_path = unsupported("publish_checkpoint_from_tinker_path")
     publish_checkpoint_from_tinker_path_async = unsupported("publish_checkpoint_from_tinker_path_async")
     unpublish_checkpoint_from_tinker_path = unsupported("unpublish_checkpoint_from_tinker_path")

@@ -14,8 +14,6 @@ import tinker
 # SDK method -> why ember has no counterpart (in process and over HTTP).
 UNSUPPORTED: dict[str, str] = {
     "copy_weights": "ember has no projects to copy weights between",
-    "save_weights_external": "ember has no external-weights bucket",
-    "get_external_weights_urls": "ember has no external-weights bucket",
     "publish_checkpoint_from_tinker_path": "ember has no sharing between owners",
     "unpublish_checkpoint_from_tinker_path": "ember has no sharing between owners",
     "set_checkpoint_ttl_from_tinker_path": "checkpoint TTLs are set when saving",

@@ -1,0 +1,141 @@
+"""Hugging Face-format exports of trained weights: pure functions from tensors to a directory.
+
+    write_lora_adapter(out, adapter, rank=..., alpha=..., base_model=..., base_dir=...)
+        adapter_config.json + adapter_model.safetensors (+ the base model's tokenizer files):
+        `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)`.
+    write_full_model(out, weights, base_dir)
+        config.json + model.safetensors (or shards + model.safetensors.index.json when larger
+        than `max_shard_bytes`) + generation_config.json + tokenizer files:
+        `AutoModelForCausalLM.from_pretrained(out)`.
+
+`adapter` holds PEFT's saved-adapter names (`base_model.model.<module>.lora_A.weight`), as
+`TrainingEngine.named_weights` yields them for a LoRA run; `weights` the base model's HF
+parameter names (full fine-tuning). Tensors are written as they come (dtype kept); the
+full-model writer streams them into shards, so at most one shard is held in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+MODEL_WEIGHTS = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"
+# Files of a model directory that describe the model or its tokenizer (never weights).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+DEFAULT_MAX_SHARD_BYTES = 5 << 30
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def copy_model_files(base_dir: Path, out: Path, names: Iterable[str]) -> list[str]:
+    """Copy those of `names` that exist as files in `base_dir` (an operator-configured model
+    directory, so links are followed) into `out`; returns the names copied."""
+    copied = []
+    for name in names:
+        src = Path(base_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+            copied.append(name)
+    return copied
+
+
+def lora_target_modules(adapter_names: Iterable[str]) -> list[str]:
+    """The module suffixes (`q_proj`, ...) an adapter's tensors belong to."""
+    targets = set()
+    for name in adapter_names:
+        for suffix in _LORA_SUFFIXES:
+            if name.endswith(suffix):
+                targets.add(name[: -len(suffix)].rsplit(".", 1)[-1])
+    if not targets:
+        raise ValueError("the adapter holds no lora_A/lora_B tensors")
+    return sorted(targets)
+
+
+def write_lora_adapter(out: Path, adapter: dict[str, torch.Tensor], *, rank: int, alpha: int, base_model: str,
+                       base_dir: Path | None = None) -> None:
+    """A peft adapter directory for `adapter` (LoRA without dropout or bias, scale alpha/rank)."""
+    from peft import LoraConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in adapter.items()}
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                        target_modules=lora_target_modules(tensors), base_model_name_or_path=base_model)
+    config.save_pretrained(str(out))
+    safetensors.torch.save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if base_dir is not None:
+        copy_model_files(base_dir, out, TOKENIZER_FILES)
+
+
+def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], base_dir: Path, *,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """A transformers model directory: the base model's config (dtype set to the weights'),
+    generation config and tokenizer files, and `weights` as safetensors shards."""
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    tied = bool(config.get("tie_word_embeddings", False))
+    dtypes: set[torch.dtype] = set()
+    kept = ((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+    shards = _write_shards(out, kept, max_shard_bytes, dtypes)
+    if not shards:
+        raise ValueError("no weights to export")
+    floating = sorted(str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point)
+    if len(floating) == 1:  # what from_pretrained loads them as by default ("auto")
+        config["torch_dtype"] = floating[0]
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    copy_model_files(base_dir, out, ("generation_config.json", *TOKENIZER_FILES))
+    _name_shards(out, shards)
+
+
+def _write_shards(out: Path, weights: Iterable[tuple[str, torch.Tensor]],
+                  max_shard_bytes: int, dtypes: set[torch.dtype]) -> list[tuple[str, list[str]]]:
+    """Stream tensors into `.shard-<i>.safetensors` files of at most `max_shard_bytes`
+    (a single larger tensor gets its own); returns (file, tensor names) per shard."""
+    shards: list[tuple[str, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            name = f".shard-{len(shards):05d}.safetensors"
+            safetensors.torch.save_file(pending, str(out / name), metadata={"format": "pt"})
+            shards.append((name, list(pending)))
+            pending, size = {}, 0
+
+    for name, t in weights:
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t.detach().to("cpu").contiguous()
+        dtypes.add(t.dtype)
+        size += nbytes
+    flush()
+    return shards
+
+
+def _name_shards(out: Path, shards: list[tuple[str, list[str]]]) -> None:
+    """Give the shards transformers' names; more than one also gets the index file."""
+    if len(shards) == 1:
+        os.rename(out / shards[0][0], out / MODEL_WEIGHTS)
+        return
+    weight_map, total = {}, 0
+    for i, (tmp, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += (out / tmp).stat().st_size
+        os.rename(out / tmp, out / final)
+        weight_map.update({n: final for n in names})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
