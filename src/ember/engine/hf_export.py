@@ -85,10 +85,12 @@ def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], bas
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((Path(base_dir) / "config.json").read_text())
-    tied = bool(config.get("tie_word_embeddings", False))
     dtypes: set[torch.dtype] = set()
-    kept = ((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+    untie: list[bool] = []
+    kept = _drop_tied_head(weights, config, untie) if config.get("tie_word_embeddings", False) else weights
     shards = _write_shards(out, kept, max_shard_bytes, dtypes)
+    if untie:  # the trained head no longer equals the embedding: keep both, untied
+        config["tie_word_embeddings"] = False
     if not shards:
         raise ValueError("no weights to export")
     floating = sorted(str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point)
@@ -97,6 +99,21 @@ def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], bas
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     copy_model_files(base_dir, out, ("generation_config.json", *TOKENIZER_FILES))
     _name_shards(out, shards)
+
+
+def _drop_tied_head(weights: Iterable[tuple[str, torch.Tensor]], config: dict,
+                    untie: list[bool]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Leave out `lm_head.weight` when it equals the input embedding (tied: transformers
+    ties it back on load). A head that differs is kept, and `untie` gets an entry."""
+    embedding = None
+    for name, t in weights:
+        if embedding is None and name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")):
+            embedding = t.detach().to("cpu")
+        if name == "lm_head.weight":
+            if embedding is not None and embedding.shape == t.shape and torch.equal(embedding, t.detach().to("cpu")):
+                continue
+            untie.append(True)
+        yield name, t
 
 
 def _write_shards(out: Path, weights: Iterable[tuple[str, torch.Tensor]],

@@ -256,7 +256,7 @@ class Service(ServiceAPI):
     def save_weights_external(self, owner, model_id, seq_id, path, *, ttl_seconds=None,
                               age_encryption_recipients=None) -> Submission:
         try:
-            external.check_export_options(age_encryption_recipients)
+            external.check_export_options(ttl_seconds, age_encryption_recipients)
         except UserError as exc:
             return self.runs.reject(owner, "SaveWeightsExternal", str(exc), model_id=model_id)
 
