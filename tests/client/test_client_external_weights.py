@@ -28,6 +28,19 @@ def _download(rest, path, dest):
     return dest
 
 
+def test_a_merged_lora_export_is_a_transformers_model_with_the_engine_logprobs(make_client, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sc = make_client()
+    tc = sc.create_lora_training_client(BASE, rank=4, seed=0).result()  # attn, mlp and unembed adapters
+    ref = _train(tc)
+    path = tc.save_weights_external("final.merged").result().path
+    target = _download(sc.create_rest_client(), path, tmp_path / "dl")
+    assert not (target / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    torch.testing.assert_close(target_logprobs(model.eval(), PROBE), ref, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_export_downloads_with_the_sdk_helper_and_loads_with_the_engine_logprobs(make_client, tmp_path,
                                                                                 tiny_model_dir, lora):

@@ -65,3 +65,26 @@ def test_a_head_that_differs_from_the_tied_embedding_is_kept_and_untied(tmp_path
 
     assert set(load_file(tmp_path / "o" / hf_export.MODEL_WEIGHTS)) == {"model.embed_tokens.weight", "lm_head.weight"}
     assert written["tie_word_embeddings"] is False and written["torch_dtype"] == "float32"
+
+
+def _adapter(module: str, out_f: int, in_f: int, r: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"base_model.model.{module}.lora_A.weight": torch.randn(r, in_f, generator=g),
+            f"base_model.model.{module}.lora_B.weight": torch.randn(out_f, r, generator=g)}
+
+
+def test_merge_lora_adds_the_scaled_update_and_names_what_it_cannot_place():
+    w, emb = torch.randn(6, 4), torch.randn(10, 4)
+    adapter = {**_adapter("model.q_proj", 6, 4), **_adapter("lm_head", 10, 4)}
+    a, b = adapter["base_model.model.model.q_proj.lora_A.weight"], adapter["base_model.model.model.q_proj.lora_B.weight"]
+    base = [("model.q_proj.weight", w), ("model.embed_tokens.weight", emb)]
+    merged = dict(hf_export.merge_lora(iter(base), adapter, scale=0.5, tied_head=True))
+    torch.testing.assert_close(merged["model.q_proj.weight"], w + 0.5 * b @ a, rtol=0, atol=1e-6)
+    head_a, head_b = adapter["base_model.model.lm_head.lora_A.weight"], adapter["base_model.model.lm_head.lora_B.weight"]
+    torch.testing.assert_close(merged["lm_head.weight"], emb + 0.5 * head_b @ head_a, rtol=0, atol=1e-6)
+    torch.testing.assert_close(merged["model.embed_tokens.weight"], emb, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"adapter modules not found in the base checkpoint: \['lm_head'\]"):
+        list(hf_export.merge_lora(iter(base), adapter, scale=0.5, tied_head=False))
+    with pytest.raises(ValueError, match=r"LoRA update of shape \(6, 4\) does not fit a weight of shape \(4, 4\)"):
+        list(hf_export.merge_lora(iter([("model.q_proj.weight", torch.zeros(4, 4))]), _adapter("model.q_proj", 6, 4),
+                                  scale=1.0))

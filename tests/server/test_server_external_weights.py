@@ -1,11 +1,10 @@
 """`save_weights_external` and `tinker checkpoint download` through the unmodified SDK and
-its CLI against `ember serve`: LoRA exports load in peft, full fine-tuning exports in
-transformers, both with the server's forward logprobs; links are owner-bound and refuse
+its CLI against `ember serve`: LoRA exports load in peft, merged LoRA (a name ending in
+".merged") and full fine-tuning exports in transformers, both with the server's forward logprobs; links are owner-bound and refuse
 forgeries, other files and traversal."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
@@ -92,6 +91,17 @@ def test_cli_download_of_a_lora_export_loads_in_peft_with_the_server_logprobs(em
     plain = target_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), PROBE)
     assert (plain - ref).abs().max() > 1e-3  # the adapter matters, so the comparison below means something
     torch.testing.assert_close(got, ref, rtol=0, atol=ATOL)
+
+
+def test_cli_download_of_a_merged_lora_export_loads_in_transformers(ember_server, lora_export, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tc, _, ref = lora_export
+    path = tc.save_weights_external("lora-ex.merged").result(timeout=120).path
+    target = _download(ember_server, path, tmp_path)
+    assert (target / "model.safetensors").is_file() and not (target / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    torch.testing.assert_close(target_logprobs(model, PROBE), ref, rtol=0, atol=ATOL)
 
 
 def test_cli_download_of_a_full_fine_tuning_export_loads_in_transformers(ember_server, sc, tmp_path):

@@ -3,6 +3,8 @@
     write_lora_adapter(out, adapter, rank=..., alpha=..., base_model=..., base_dir=...)
         adapter_config.json + adapter_model.safetensors (+ the base model's tokenizer files):
         `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)`.
+    write_full_model(out, merge_lora(read_base_weights(base_dir), adapter, scale=...), base_dir)
+        the same, with a LoRA adapter merged into the base weights (W + scale * B @ A).
     write_full_model(out, weights, base_dir)
         config.json + model.safetensors (or shards + model.safetensors.index.json when larger
         than `max_shard_bytes`) + generation_config.json + tokenizer files:
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import safetensors.torch
@@ -156,3 +158,62 @@ def _name_shards(out: Path, shards: list[tuple[str, list[str]]]) -> None:
         weight_map.update({n: final for n in names})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def read_base_weights(base_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a model directory's safetensors files, one at a time, as stored."""
+    files = sorted(Path(base_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{str(base_dir)!r} holds no safetensors weights to merge into")
+    for f in files:
+        with safetensors.safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def _lora_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module path (as in the base checkpoint) -> (A, B), from PEFT's saved-adapter names."""
+    pairs = {}
+    for name in adapter:
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+            b = adapter.get(name.replace(".lora_A.weight", ".lora_B.weight"))
+            if b is None:
+                raise ValueError(f"adapter tensor {name} has no lora_B partner")
+            pairs[module] = (adapter[name], b)
+    if not pairs:
+        raise ValueError("the adapter holds no lora_A/lora_B tensors")
+    return pairs
+
+
+def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    delta = b.detach().to("cpu", torch.float32) @ a.detach().to("cpu", torch.float32)
+    if delta.shape != w.shape:
+        raise ValueError(f"LoRA update of shape {tuple(delta.shape)} does not fit a weight of shape {tuple(w.shape)}")
+    return (w.to(torch.float32) + scale * delta).to(w.dtype)
+
+
+def merge_lora(base: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor], *, scale: float,
+               tied_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base weights with `scale * B @ A` added to every weight the adapter targets.
+
+    With `tied_head` and a checkpoint that stores no `lm_head.weight`, an adapter on
+    `lm_head` is merged into a copy of the input embedding (then written untied). Every
+    adapter module must be found in `base` (else ValueError naming them)."""
+    pairs, used, embedding = _lora_pairs(adapter), set(), None
+    for name, w in base:
+        module = name.removesuffix(".weight")
+        if tied_head and embedding is None and name.endswith("embed_tokens.weight"):
+            embedding = w
+        if name.endswith(".weight") and module in pairs:
+            used.add(module)
+            w = _merged(w, *pairs[module], scale)
+        yield name, w
+    if tied_head and "lm_head" in pairs and "lm_head" not in used and embedding is not None:
+        used.add("lm_head")
+        yield "lm_head.weight", _merged(embedding, *pairs["lm_head"], scale)
+    missing = sorted(set(pairs) - used)
+    if missing:
+        raise ValueError(f"adapter modules not found in the base checkpoint: {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} (merging needs the base weights under the "
+                         "model's own module names)")

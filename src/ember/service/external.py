@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import time
@@ -37,14 +38,27 @@ SECRET_FILE = "external_weights.key"
 REFUSED = "unknown or expired external-weights download link"
 
 
-def write_export(engine: TrainingEngine, spec: RunSpec, out: Path) -> None:
-    """The run's current weights in Hugging Face format, into the (new) directory `out`."""
+MERGED_SUFFIX = ".merged"  # an export name ending so asks for LoRA merged into the base model
+
+
+def write_export(engine: TrainingEngine, spec: RunSpec, name: str, out: Path) -> None:
+    """The run's current weights in Hugging Face format, into the (new) directory `out`:
+    a peft adapter for a LoRA run, or (name ending in ".merged") the adapter merged into
+    the base model's weights; the model itself for full fine-tuning."""
     base_dir = Path(spec.base.directory)
-    if spec.lora_config is not None:
-        hf_export.write_lora_adapter(out, dict(engine.named_weights()), rank=spec.lora_config.rank,
-                                     alpha=LORA_ALPHA, base_model=spec.base.name, base_dir=base_dir)
-    else:
+    lora = spec.lora_config
+    if lora is None:
         hf_export.write_full_model(out, engine.named_weights(), base_dir)
+        return
+    adapter = dict(engine.named_weights())
+    if name.endswith(MERGED_SUFFIX):
+        tied = bool(json.loads((base_dir / "config.json").read_text()).get("tie_word_embeddings", False))
+        merged = hf_export.merge_lora(hf_export.read_base_weights(base_dir), adapter, scale=LORA_ALPHA / lora.rank,
+                                      tied_head=tied)
+        hf_export.write_full_model(out, merged, base_dir)
+    else:
+        hf_export.write_lora_adapter(out, adapter, rank=lora.rank, alpha=LORA_ALPHA, base_model=spec.base.name,
+                                     base_dir=base_dir)
 
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # the SDK's documented range

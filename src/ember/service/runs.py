@@ -340,7 +340,7 @@ class RunManager:
         tmp = ckpt.temp_dir_of(final)
         failpoints.hit("checkpoint.before_write")
         try:
-            self._write_checkpoint(run, engine, kind, tmp)
+            self._write_checkpoint(run, engine, kind, tp.name, tmp)
             ckpt.publish(tmp, final)
         finally:
             ckpt.remove_dir(tmp)
@@ -362,11 +362,11 @@ class RunManager:
         return tp.uri
 
     @staticmethod
-    def _write_checkpoint(run: LiveRun, engine: TrainingEngine, kind: str, tmp: Path) -> None:
+    def _write_checkpoint(run: LiveRun, engine: TrainingEngine, kind: str, name: str, tmp: Path) -> None:
         if kind == "training":
             engine.save_state(tmp, optimizer=True)
         elif kind == "external":
-            external.write_export(engine, run.spec, tmp)
+            external.write_export(engine, run.spec, name, tmp)
         else:
             engine.export_hf(tmp)
 
