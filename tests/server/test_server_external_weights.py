@@ -213,3 +213,40 @@ def test_cli_download_of_a_training_checkpoint_exports_it(ember_server, lora_exp
     target = _download(ember_server, path, tmp_path)
     base = AutoModelForCausalLM.from_pretrained(Path(tc.get_info().model_data.tokenizer_id), dtype=torch.float32)
     torch.testing.assert_close(target_logprobs(PeftModel.from_pretrained(base, target), PROBE), ref, rtol=0, atol=ATOL)
+
+
+def test_links_carry_the_path_prefix_and_the_request_log_hides_tokens(tmp_path, tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    from ember.server.app import create_app
+    from ember.server.config import ServerConfig
+    from ember.service import Service, ServiceConfig
+
+    service = Service(ServiceConfig(data_dir=tmp_path / "data", models={MODEL_NAME: str(tiny_model_dir)}))
+    log = tmp_path / "requests.jsonl"
+    app = create_app(service, ServerConfig(api_keys={API_KEY: "alice"}, path_prefix="pfx", request_log=str(log)),
+                     close_service=True)
+    with TestClient(app, base_url="http://ember.test") as http:
+        http.headers["X-API-Key"] = API_KEY
+
+        def finished(resp) -> dict:
+            while (res := http.post("/pfx/api/v1/retrieve_future", json={"request_id": resp.json()["request_id"]})
+                   .json()).get("type") == "try_again":
+                pass
+            return res
+
+        sid = http.post("/pfx/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()["session_id"]
+        model = finished(http.post("/pfx/api/v1/create_model", json={
+            "session_id": sid, "model_seq_id": 0, "base_model": MODEL_NAME, "lora_config": {"rank": 2}}))
+        path = finished(http.post("/pfx/api/v1/save_weights_external",
+                                  json={"model_id": model["model_id"], "seq_id": 1, "path": "p"}))["path"]
+        run, ckpt_id = path.removeprefix("tinker://").split("/", 1)
+        urls = http.get(f"/pfx/api/v1/training_runs/{run}/checkpoints/{ckpt_id}/external_weights_urls").json()["urls"]
+        url = urls["adapter_config.json"]
+        assert url.startswith("http://ember.test/pfx/api/v1/external_weights/")
+        del http.headers["X-API-Key"]
+        assert http.get(url).json()["r"] == 2
+    token = url.rsplit("/", 2)[1]
+    logged = log.read_text()
+    assert token not in logged and "/external_weights/<token>/adapter_config.json" in logged
+    assert f"/checkpoints/{ckpt_id}/external_weights_urls" in logged  # names stay readable

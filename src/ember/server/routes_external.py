@@ -25,6 +25,7 @@ from ember.server.deps import Owner, Service, future_response, log_extra, model_
 from ember.server.errors import BadRequest
 
 router = APIRouter()
+API_ROOT = "/api/v1"  # where `create_app` mounts this router
 
 
 @router.post("/save_weights_external")
@@ -44,8 +45,7 @@ async def save_weights_external(request: Request, owner: str = Owner, service=Se
 async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, owner: str = Owner,
                                 service=Service):
     links = await run_in_threadpool(service.external_weights_links, owner, run_id, checkpoint_id)
-    url = str(request.url).split("?", 1)[0]
-    api_root = url[: url.index("/training_runs/")]  # .../api/v1, behind any path prefix or proxy host
+    api_root = str(request.base_url).rstrip("/") + API_ROOT  # base_url holds any --path-prefix (root_path)
     return model_response(types.ExternalWeightsUrlsResponse(
         urls={f: f"{api_root}/external_weights/{links.token}/{quote(f)}" for f in links.files},
         expires=datetime.fromtimestamp(links.expires, tz=timezone.utc),
