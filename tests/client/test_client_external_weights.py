@@ -74,6 +74,9 @@ def test_owner_check_and_refusals_match_http(make_client, tmp_path):
     other = ember.ServiceClient(service=sc._service, owner="someone-else").create_rest_client()
     with pytest.raises(Exception, match="unknown checkpoint"):
         other.get_external_weights_urls(path).result()
+    with pytest.raises(Exception, match="is an external-weights export"):
+        sc.create_sampling_client(model_path=path).sample(types.ModelInput.from_ints([1, 2]), 1,
+                                                          types.SamplingParams(max_tokens=2)).result()
     with pytest.raises(ValueError, match="external weights checkpoints"):
         rest.get_external_weights_urls(path.replace("external_weights", "weights"))
     with pytest.raises(tinker.RequestFailedError, match="ttl_seconds: expected none or an integer from 3600"):

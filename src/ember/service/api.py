@@ -29,8 +29,8 @@ Conventions
   listings) return their result or raise a `ServiceError` subclass (mapping to HTTP:
   `UserError` 400, `NotFoundError` 404, `SessionGoneError` 410, `ServerError` 500).
 * **Submissions** (`create_model`, `load_weights`, `forward_backward`, `optim_step`,
-  `save_weights`, `save_weights_for_sampler`, `sample`) return a `Submission` at once and
-  never block on the work. They raise only for malformed arguments that the caller should
+  `save_weights`, `save_weights_for_sampler`, `save_weights_external`, `sample`) return a
+  `Submission` at once and never block on the work. They raise only for malformed arguments that the caller should
   have rejected itself (a `UserError`, e.g. a negative seq_id). Every *semantic* failure
   (unknown model or base model, unknown loss, bad datum, duplicate checkpoint name,
   non-finite gradient, ...) is reported through the future as
