@@ -1,7 +1,7 @@
 """`save_weights_external` and `tinker checkpoint download` through the unmodified SDK and
 its CLI against `ember serve`: LoRA exports load in peft, merged LoRA (a name ending in
-".merged") and full fine-tuning exports in transformers, both with the server's forward logprobs; links are owner-bound and refuse
-forgeries, other files and traversal."""
+".merged") and full fine-tuning exports in transformers, all with the server's forward
+logprobs; links are owner-bound and refuse forgeries, other files and traversal."""
 
 from __future__ import annotations
 
@@ -122,14 +122,15 @@ def sc_rest(server, key: str = API_KEY) -> tinker.RestClient:
     return tinker.RestClient(base_url=server.base_url, api_key=key)
 
 
-def test_another_key_gets_neither_the_urls_nor_the_files(ember_server, lora_export):
+def test_another_key_gets_neither_the_urls_nor_the_files(ember_server, lora_export, tmp_path):
     _, path, _ = lora_export
     urls = sc_rest(ember_server).get_external_weights_urls(path).result(timeout=60).urls
     assert set(urls) >= {"adapter_config.json", "adapter_model.safetensors"}
     with pytest.raises(tinker.NotFoundError):
         sc_rest(ember_server, OTHER_KEY).get_external_weights_urls(path).result(timeout=60)
-    other = _cli(ember_server, "checkpoint", "download", path, "--output", "/nonexistent-never-created", key=OTHER_KEY)
-    assert other.returncode != 0
+    other = _cli(ember_server, "checkpoint", "download", path, "--output", str(tmp_path), key=OTHER_KEY)
+    assert other.returncode != 0 and "unknown checkpoint" in other.stdout + other.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing downloaded (the CLI removes its target directory)
     # The owner's link works without a key (the CLI downloads with plain urllib) ...
     assert httpx.get(urls["adapter_config.json"]).json()["r"] == 4
 

@@ -17,8 +17,8 @@ import concurrent.futures
 import logging
 import threading
 import time
-from pathlib import Path
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from tinker import types

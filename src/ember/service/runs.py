@@ -240,7 +240,7 @@ class RunManager:
             raise UserError(f"checkpoint {path!r} not found (or not visible to this API key)")
         if kind is not None and tp.kind != kind:
             raise UserError(
-                f"checkpoint {path!r} holds {tp.kind} weights only; load training state from a "
+                f"checkpoint {path!r} holds sampler weights only; load training state from a "
                 "tinker://<run>/weights/<name> path (written by save_state)"
             )
         return tp, row
