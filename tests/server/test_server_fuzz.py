@@ -165,6 +165,7 @@ BODY_MODELS = {
     "/api/v1/save_weights": rq.SaveWeightsRequest,
     "/api/v1/load_weights": rq.LoadWeightsRequest,
     "/api/v1/save_weights_for_sampler": rq.SaveWeightsForSamplerRequest,
+    "/api/v1/save_weights_external": rq.SaveWeightsExternalRequest,
     "/api/v1/create_sampling_session": rq.CreateSamplingSessionRequest,
     "/api/v1/asample": rq.SampleRequest,
     "/api/v1/retrieve_future": rq.FutureRetrieveRequest,

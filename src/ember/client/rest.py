@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from concurrent.futures import Future as ConcurrentFuture
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 from tinker import types
@@ -76,6 +78,22 @@ class RestClient:
         return _now(lambda: self._service.set_checkpoint_ttl(
             self._owner, parsed.training_run_id, parsed.checkpoint_id, ttl_seconds))
 
+    def get_external_weights_urls(self, tinker_path: str) -> APIFuture[types.ExternalWeightsUrlsResponse]:
+        """In process the caller is the operator: the URLs are `file://` URLs of the export's
+        files (urllib opens them), under the same owner check as over HTTP."""
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+        if not parsed.checkpoint_id.startswith("external_weights/"):  # as the SDK, before any call
+            raise ValueError("get_external_weights_urls only accepts external weights checkpoints "
+                             f"(tinker://<training_run_id>/external_weights/<name>), got {tinker_path!r}")
+
+        def links() -> types.ExternalWeightsUrlsResponse:
+            got = self._service.external_weights_links(self._owner, parsed.training_run_id, parsed.checkpoint_id)
+            return types.ExternalWeightsUrlsResponse(
+                urls={f: (Path(got.directory) / f).as_uri() for f in got.files},
+                expires=datetime.fromtimestamp(got.expires, tz=timezone.utc))
+
+        return _now(links)
+
     def get_session(self, session_id: str,
                     access_scope: Literal["owned", "accessible"] = "owned") -> APIFuture[types.GetSessionResponse]:
         return _now(lambda: self._service.get_session(self._owner, session_id))
@@ -122,6 +140,9 @@ class RestClient:
     async def set_checkpoint_ttl_from_tinker_path_async(self, tinker_path: str, ttl_seconds: int | None) -> None:
         return await self.set_checkpoint_ttl_from_tinker_path(tinker_path, ttl_seconds)
 
+    async def get_external_weights_urls_async(self, tinker_path: str) -> types.ExternalWeightsUrlsResponse:
+        return await self.get_external_weights_urls(tinker_path)
+
     async def get_session_async(self, session_id: str,
                                 access_scope: Literal["owned", "accessible"] = "owned") -> types.GetSessionResponse:
         return await self.get_session(session_id, access_scope)
@@ -140,8 +161,6 @@ class RestClient:
     # ------------------------------------------------------------------ not in ember (see ember.service.unsupported)
     copy_weights = unsupported("copy_weights")
     copy_weights_async = unsupported("copy_weights_async")
-    get_external_weights_urls = unsupported("get_external_weights_urls")
-    get_external_weights_urls_async = unsupported("get_external_weights_urls_async")
     assign_session_project = unsupported("assign_session_project")
     assign_session_project_async = unsupported("assign_session_project_async")
     export_session_trace = unsupported("export_session_trace")

@@ -224,6 +224,18 @@ class TrainingClient:
     async def save_weights_for_sampler_async(self, name, ttl_seconds=None, user_metadata=None) -> APIFuture:
         return self.save_weights_for_sampler(name, ttl_seconds=ttl_seconds, user_metadata=user_metadata)
 
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: list[str] | None = None) -> APIFuture[types.SaveWeightsExternalResponse]:
+        owner = self._ctx.owner
+        return self._call(
+            lambda s: self._service.save_weights_external(
+                owner, self.model_id, s, name, ttl_seconds=ttl_seconds, age_encryption_recipients=age_encryption_recipients),
+            lambda r: types.SaveWeightsExternalResponse(path=r.path),
+        )
+
+    async def save_weights_external_async(self, name, ttl_seconds=None, age_encryption_recipients=None) -> APIFuture:
+        return self.save_weights_external(name, ttl_seconds=ttl_seconds, age_encryption_recipients=age_encryption_recipients)
+
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
                                              record_stability_info: bool = False,
                                              kind: types.SamplingClientKind = "snapshot") -> ClientFuture["SamplingClient"]:
@@ -272,8 +284,6 @@ class TrainingClient:
         return None
 
     get_console_url = unsupported("get_console_url")
-    save_weights_external = unsupported("save_weights_external")
-    save_weights_external_async = unsupported("save_weights_external_async")
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r})"

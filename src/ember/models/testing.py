@@ -124,3 +124,11 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)
     return out
+
+
+def target_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """Log-probs of tokens[1:] given their prefixes under a transformers (or peft) causal LM,
+    in fp32: what `forward(sft_datum(tokens), "cross_entropy")` answers as `logprobs`."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]

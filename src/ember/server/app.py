@@ -14,7 +14,8 @@ import contextlib
 from fastapi import FastAPI
 
 from ember.server import (
-    routes_openai, routes_rest, routes_sampling, routes_session, routes_training, routes_unsupported,
+    routes_external, routes_openai, routes_rest, routes_sampling, routes_session, routes_training,
+    routes_unsupported,
 )
 from ember.server.client_limits import BodyTimeoutMiddleware, PerKeyLimitMiddleware
 from ember.server.config import ServerConfig
@@ -39,7 +40,8 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
     app.state.service = service
     app.state.config = config
     install_error_handlers(app)
-    for module in (routes_unsupported, routes_session, routes_training, routes_sampling, routes_rest):
+    for module in (routes_unsupported, routes_session, routes_training, routes_external, routes_sampling,
+                   routes_rest):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(routes_openai.router, prefix="/v1")  # OpenAI-compatible completions
 

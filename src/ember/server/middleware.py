@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -91,6 +92,9 @@ class PathPrefixMiddleware:
         await self.app(scope, receive, send)
 
 
+_DOWNLOAD_TOKEN = re.compile(r"(/external_weights/)[0-9]+\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]{40,}/")  # expires.path.mac
+
+
 class RequestLogMiddleware:
     """One JSON line per request: arrival order `n`, times, path, status, chosen headers,
     small JSON bodies (request and response) and what the route put in `ember_log`."""
@@ -105,7 +109,8 @@ class RequestLogMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         entry: dict[str, Any] = {
-            "n": next(self._counter), "t": time.time(), "method": scope["method"], "path": scope["path"],
+            "n": next(self._counter), "t": time.time(), "method": scope["method"],
+            "path": scope["path"],
             "headers": {h: v for h in _LOGGED_HEADERS if (v := _header(scope, h.encode())) is not None},
         }
         request_body, response_body = bytearray(), bytearray()
@@ -134,7 +139,8 @@ class RequestLogMiddleware:
             entry["response"] = _maybe_json(response_body)
             entry["extra"] = state.get(LOG_STATE_KEY)
             with self._lock:
-                self._file.write(json.dumps(entry, default=str) + "\n")
+                # a download link's token is a credential: kept out of paths and logged answers
+                self._file.write(_DOWNLOAD_TOKEN.sub(r"\1<token>/", json.dumps(entry, default=str)) + "\n")
 
 
 def _maybe_json(raw: bytes | bytearray) -> Any:

@@ -76,6 +76,7 @@ def optim_params(data: Any, parsed: types.OptimStepRequest):
 SaveWeightsRequest = types.SaveWeightsRequest
 LoadWeightsRequest = types.LoadWeightsRequest
 SaveWeightsForSamplerRequest = types.SaveWeightsForSamplerRequest
+SaveWeightsExternalRequest = types.SaveWeightsExternalRequest
 CreateSamplingSessionRequest = types.CreateSamplingSessionRequest
 SampleRequest = types.SampleRequest
 FutureRetrieveRequest = types.FutureRetrieveRequest

@@ -29,8 +29,8 @@ Conventions
   listings) return their result or raise a `ServiceError` subclass (mapping to HTTP:
   `UserError` 400, `NotFoundError` 404, `SessionGoneError` 410, `ServerError` 500).
 * **Submissions** (`create_model`, `load_weights`, `forward_backward`, `optim_step`,
-  `save_weights`, `save_weights_for_sampler`, `sample`) return a `Submission` at once and
-  never block on the work. They raise only for malformed arguments that the caller should
+  `save_weights`, `save_weights_for_sampler`, `save_weights_external`, `sample`) return a
+  `Submission` at once and never block on the work. They raise only for malformed arguments that the caller should
   have rejected itself (a `UserError`, e.g. a negative seq_id). Every *semantic* failure
   (unknown model or base model, unknown loss, bad datum, duplicate checkpoint name,
   non-finite gradient, ...) is reported through the future as
@@ -71,6 +71,7 @@ from tinker import types
 
 __all__ = [
     "FutureStatus",
+    "ExternalWeightsLinks",
     "FutureState",
     "NotFoundError",
     "RequestType",
@@ -91,6 +92,7 @@ RequestType = Literal[
     "SaveWeights",
     "LoadWeights",
     "SaveWeightsForSampler",
+    "SaveWeightsExternal",
     "Sample",
 ]
 # Result types per request type (what `FutureState.result` holds when complete):
@@ -102,6 +104,7 @@ RequestType = Literal[
 #   SaveWeightsForSampler  -> types.SaveWeightsForSamplerResponseInternal
 #                             (`path` set for a named save, `sampling_session_id` set
 #                             when a sampling_session_seq_id was given)
+#   SaveWeightsExternal    -> types.SaveWeightsExternalResponseInternal(path, size_bytes)
 #   Sample                 -> types.SampleResponse (sequence_id of sequence i is
 #                             Submission.sample_sequence_ids[i]; protobuf on the wire)
 
@@ -166,6 +169,18 @@ class FutureState:
     @property
     def done(self) -> bool:
         return self.status != "pending"
+
+
+@dataclass(frozen=True)
+class ExternalWeightsLinks:
+    """An external-weights export's files (paths relative to its directory, '/'-separated)
+    and one token that unlocks them until `expires` (a Unix time)."""
+
+    tinker_path: str
+    directory: str
+    files: list[str]
+    token: str
+    expires: float
 
 
 @dataclass(frozen=True)
@@ -340,6 +355,35 @@ class ServiceAPI(abc.ABC):
           (session_id, sampling_session_seq_id)) → ...Internal(sampling_session_id=...).
           `kind="inflight"` is treated as "snapshot" (documented simplification).
         """
+
+    @abc.abstractmethod
+    def save_weights_external(
+        self,
+        owner: str,
+        model_id: str,
+        seq_id: int,
+        path: str,
+        *,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: Sequence[str] | None = None,
+    ) -> Submission:
+        """Ordered op: the current weights in Hugging Face format (a peft adapter for LoRA
+        runs, a transformers model directory for full FT; `ember.service.external`), as the
+        checkpoint "tinker://<model_id>/external_weights/<name>" (an existing one is replaced).
+        Future → SaveWeightsExternalResponseInternal(path, size_bytes). Encryption
+        (`age_encryption_recipients`) is not supported → failed, user."""
+
+    @abc.abstractmethod
+    def external_weights_links(self, owner: str, run_id: str, checkpoint_id: str) -> ExternalWeightsLinks:
+        """Direct. The files of an external-weights checkpoint ("external_weights/<name>")
+        and a token that unlocks them for `open_external_weights_file` until it expires.
+        Unknown or foreign → NotFoundError; another kind of checkpoint → UserError."""
+
+    @abc.abstractmethod
+    def open_external_weights_file(self, token: str, file: str) -> str:
+        """Direct, without an owner (the token is the authority): the local path of one
+        file of the export the token names. Forged, expired or revoked tokens (the export
+        was deleted or overwritten) and files the export does not hold → NotFoundError."""
 
     # ----------------------------------------------------------------- sampling
     @abc.abstractmethod

@@ -4,6 +4,8 @@
         `engine.save_state` (DCP shards of the trainable tensors + Adam state + step)
     tinker://<run_id>/sampler_weights/<name>  -> <data_dir>/checkpoints/<run_dir>/sampler_weights/<name>/
         `engine.export_hf` (peft adapter safetensors for LoRA; HF safetensors for full FT)
+    tinker://<run_id>/external_weights/<name> -> <data_dir>/checkpoints/<run_dir>/external_weights/<name>/
+        `ember.service.external.write_export` (Hugging Face format with tokenizer files)
 
 `<run_dir>` is the run id with every character outside [A-Za-z0-9_.-] replaced by "_"
 (run ids contain ':'); the database maps each tinker path to its directory, so the
@@ -36,7 +38,7 @@ from ember.service.api import UserError
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-KIND_SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+KIND_SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 SEGMENT_OF_KIND = {v: k for k, v in KIND_SEGMENTS.items()}
 
 
@@ -54,7 +56,7 @@ def validate_name(name: object) -> str:
 @dataclass(frozen=True)
 class TinkerPath:
     run_id: str
-    kind: str  # "training" | "sampler"
+    kind: str  # "training" | "sampler" | "external"
     name: str
 
     @property
@@ -63,7 +65,7 @@ class TinkerPath:
 
     @property
     def checkpoint_id(self) -> str:
-        """As in REST paths: "weights/<name>" / "sampler_weights/<name>"."""
+        """As in REST paths: "weights/<name>" / "sampler_weights/<name>" / "external_weights/<name>"."""
         return f"{SEGMENT_OF_KIND[self.kind]}/{self.name}"
 
 
@@ -73,8 +75,8 @@ def parse_tinker_path(path: object) -> TinkerPath:
     parts = path[len("tinker://") :].split("/")
     if len(parts) != 3 or not parts[0] or parts[1] not in KIND_SEGMENTS:
         raise UserError(
-            f"invalid checkpoint path {path!r}: expected tinker://<run_id>/weights/<name> "
-            "or tinker://<run_id>/sampler_weights/<name>"
+            f"invalid checkpoint path {path!r}: expected tinker://<run_id>/weights/<name>, "
+            "tinker://<run_id>/sampler_weights/<name> or tinker://<run_id>/external_weights/<name>"
         )
     return TinkerPath(parts[0], KIND_SEGMENTS[parts[1]], validate_name(parts[2]))
 

@@ -18,14 +18,15 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from tinker import types
 
 from ember.engine.optimizers import OPTIMIZERS, params_name
 from ember.service import checkpoints as ckpt
-from ember.service import lifecycle, rest
-from ember.service.api import FutureState, NotFoundError, ServiceAPI, Submission, UserError
+from ember.service import external, lifecycle, rest
+from ember.service.api import ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError
 from ember.service.config import ServiceConfig
 from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry
@@ -34,7 +35,7 @@ from ember.service.runs import LiveRun, RunManager
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
 from ember.service.sessions import SessionManager
 from ember.service.stability import StabilityRecords
-from ember.service.store import Store
+from ember.service.store import CheckpointRow, Store
 from ember.service.sweep import sweep_data_dir
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Service(ServiceAPI):
         if failed or unloaded:
             log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
         sweep_data_dir(config.data_dir, self.store.checkpoint_directories())  # before any run or sampler exists
+        self._links = external.LinkSigner(external.load_secret(config.data_dir))
         self.registry = ModelRegistry(config.models, roots=config.model_roots, private=[config.data_dir])
         self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s)
         self.runs = RunManager(
@@ -261,6 +263,20 @@ class Service(ServiceAPI):
             seq_id = self._next_free_seq(owner, model_id)
         return self.runs.submit_op(owner, model_id, seq_id, "SaveWeightsForSampler", op)
 
+    def save_weights_external(self, owner, model_id, seq_id, path, *, ttl_seconds=None,
+                              age_encryption_recipients=None) -> Submission:
+        try:
+            external.check_export_options(ttl_seconds, age_encryption_recipients)
+        except UserError as exc:
+            return self.runs.reject(owner, "SaveWeightsExternal", str(exc), model_id=model_id)
+
+        def op(run: LiveRun) -> types.SaveWeightsExternalResponseInternal:
+            uri = self.runs.save_checkpoint(run, path, "external", True, ttl_seconds, None)
+            row = self.store.get(CheckpointRow, uri)
+            return types.SaveWeightsExternalResponseInternal(path=uri, size_bytes=row.size_bytes if row else None)
+
+        return self.runs.submit_op(owner, model_id, seq_id, "SaveWeightsExternal", op)
+
     def _next_free_seq(self, owner: str, model_id: str) -> int | None:
         try:
             return self.runs.live(owner, model_id).seq.next_seq
@@ -348,6 +364,23 @@ class Service(ServiceAPI):
                 removed += 1
                 log.info("checkpoint %s expired (ttl)", row.tinker_path)
         return removed
+
+    def external_weights_links(self, owner, run_id, checkpoint_id) -> ExternalWeightsLinks:
+        if not isinstance(checkpoint_id, str) or not checkpoint_id.startswith("external_weights/"):
+            raise UserError(f"checkpoint_id: expected 'external_weights/<name>' (a save_weights_external export), "
+                            f"got {checkpoint_id!r}")
+        row = rest.checkpoint_row(self.store, owner, f"tinker://{run_id}/{checkpoint_id}")
+        token, expires = self._links.sign(row.tinker_path, row.owner, row.directory)
+        return ExternalWeightsLinks(tinker_path=row.tinker_path, directory=row.directory,
+                                    files=external.export_files(Path(row.directory)), token=token, expires=expires)
+
+    def open_external_weights_file(self, token, file) -> str:
+        path, expires, mac = self._links.tinker_path_of(token)
+        row = self.store.get(CheckpointRow, path)
+        if row is None or row.kind != "external":
+            raise NotFoundError(external.REFUSED)
+        self._links.check(row.tinker_path, row.owner, row.directory, expires, mac)
+        return str(external.resolve_file(Path(row.directory), file))
 
     def get_weights_info(self, owner, tinker_path) -> types.WeightsInfoResponse:
         return rest.weights_info(self.store, owner, tinker_path)

@@ -24,7 +24,7 @@ from tinker import types
 from ember import failpoints
 from ember.engine.base import NonFiniteGradientError, TrainingEngine
 from ember.service import checkpoints as ckpt
-from ember.service import lifecycle
+from ember.service import external, lifecycle
 from ember.service.config import CheckpointConfig
 from ember.service.api import NotFoundError, RequestType, Submission, UserError
 from ember.service.faults import public_message
@@ -356,7 +356,7 @@ class RunManager:
         tmp = ckpt.temp_dir_of(final)
         failpoints.hit("checkpoint.before_write")
         try:
-            engine.save_state(tmp, optimizer=True) if kind == "training" else engine.export_hf(tmp)
+            self._write_checkpoint(run, engine, kind, tp.name, tmp)
             ckpt.publish(tmp, final)
         finally:
             ckpt.remove_dir(tmp)
@@ -376,6 +376,15 @@ class RunManager:
         if existing is not None and existing.directory != row.directory:
             ckpt.remove_checkpoint_dir(self.data_dir, existing.directory)
         return tp.uri
+
+    @staticmethod
+    def _write_checkpoint(run: LiveRun, engine: TrainingEngine, kind: str, name: str, tmp: Path) -> None:
+        if kind == "training":
+            engine.save_state(tmp, optimizer=True)
+        elif kind == "external":
+            external.write_export(engine, run.spec, name, tmp)
+        else:
+            engine.export_hf(tmp)
 
     def _drop_uncommitted(self, tp: ckpt.TinkerPath, final: Path) -> None:
         """The row write failed: remove `final` unless the commit happened after all (a lost

@@ -129,6 +129,9 @@ class SamplerManager:
         base = self.registry.resolve(run.base_model)
         lora = types.LoraConfig(**run.lora_config) if run.lora_config else None
         d = Path(crow.directory)
+        if tp.kind == "external":
+            raise UserError(f"checkpoint {path!r} is an external-weights export (for download); sample from a "
+                            "tinker://<run>/sampler_weights/<name> or tinker://<run>/weights/<name> path")
         weights = ckpt.read_state_weights(d) if tp.kind == "training" else ckpt.read_sampler_weights(d)
         return base, self._load(base, weights.items(), lora)
 

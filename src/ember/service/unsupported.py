@@ -14,8 +14,6 @@ import tinker
 # SDK method -> why ember has no counterpart (in process and over HTTP).
 UNSUPPORTED: dict[str, str] = {
     "copy_weights": "ember has no projects to copy weights between",
-    "save_weights_external": "ember has no external-weights bucket",
-    "get_external_weights_urls": "ember has no external-weights bucket",
     "assign_session_project": "ember has no projects",
     "export_session_trace": "ember keeps no session traces",
     "search_sessions": "list_sessions lists the owner's sessions",

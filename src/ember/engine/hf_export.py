@@ -1,0 +1,219 @@
+"""Hugging Face-format exports of trained weights: pure functions from tensors to a directory.
+
+    write_lora_adapter(out, adapter, rank=..., alpha=..., base_model=..., base_dir=...)
+        adapter_config.json + adapter_model.safetensors (+ the base model's tokenizer files):
+        `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)`.
+    write_full_model(out, merge_lora(read_base_weights(base_dir), adapter, scale=...), base_dir)
+        the same, with a LoRA adapter merged into the base weights (W + scale * B @ A).
+    write_full_model(out, weights, base_dir)
+        config.json + model.safetensors (or shards + model.safetensors.index.json when larger
+        than `max_shard_bytes`) + generation_config.json + tokenizer files:
+        `AutoModelForCausalLM.from_pretrained(out)`.
+
+`adapter` holds PEFT's saved-adapter names (`base_model.model.<module>.lora_A.weight`), as
+`TrainingEngine.named_weights` yields them for a LoRA run; `weights` the base model's HF
+parameter names (full fine-tuning). Tensors are written as they come (dtype kept); the
+full-model writer streams them into shards, so at most one shard is held in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+MODEL_WEIGHTS = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"
+# Files of a model directory that describe the model or its tokenizer (never weights).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+DEFAULT_MAX_SHARD_BYTES = 5 << 30
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def copy_model_files(base_dir: Path, out: Path, names: Iterable[str]) -> list[str]:
+    """Copy those of `names` that exist as files in `base_dir` (an operator-configured model
+    directory, so links are followed) into `out`; returns the names copied."""
+    copied = []
+    for name in names:
+        src = Path(base_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+            copied.append(name)
+    return copied
+
+
+def lora_target_modules(adapter_names: Iterable[str]) -> list[str]:
+    """The module suffixes (`q_proj`, ...) an adapter's tensors belong to."""
+    targets = set()
+    for name in adapter_names:
+        for suffix in _LORA_SUFFIXES:
+            if name.endswith(suffix):
+                targets.add(name[: -len(suffix)].rsplit(".", 1)[-1])
+    if not targets:
+        raise ValueError("the adapter holds no lora_A/lora_B tensors")
+    return sorted(targets)
+
+
+def write_lora_adapter(out: Path, adapter: dict[str, torch.Tensor], *, rank: int, alpha: int, base_model: str,
+                       base_dir: Path | None = None) -> None:
+    """A peft adapter directory for `adapter` (LoRA without dropout or bias, scale alpha/rank)."""
+    from peft import LoraConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in adapter.items()}
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                        target_modules=lora_target_modules(tensors), base_model_name_or_path=base_model)
+    config.save_pretrained(str(out))
+    safetensors.torch.save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if base_dir is not None:
+        copy_model_files(base_dir, out, TOKENIZER_FILES)
+
+
+def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], base_dir: Path, *,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """A transformers model directory: the base model's config (dtype set to the weights'),
+    generation config and tokenizer files, and `weights` as safetensors shards."""
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    dtypes: set[torch.dtype] = set()
+    untie: list[bool] = []
+    kept = _drop_tied_head(weights, config, untie) if config.get("tie_word_embeddings", False) else weights
+    shards = _write_shards(out, kept, max_shard_bytes, dtypes)
+    if untie:  # the trained head no longer equals the embedding: keep both, untied
+        config["tie_word_embeddings"] = False
+    if not shards:
+        raise ValueError("no weights to export")
+    floating = sorted(str(d).removeprefix("torch.") for d in dtypes if d.is_floating_point)
+    if len(floating) == 1:  # what from_pretrained loads them as by default ("auto")
+        config["torch_dtype"] = floating[0]
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    copy_model_files(base_dir, out, ("generation_config.json", *TOKENIZER_FILES))
+    _name_shards(out, shards)
+
+
+def _drop_tied_head(weights: Iterable[tuple[str, torch.Tensor]], config: dict,
+                    untie: list[bool]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Leave out `lm_head.weight` when it equals the input embedding (tied: transformers
+    ties it back on load). A head that differs is kept, and `untie` gets an entry."""
+    embedding = None
+    for name, t in weights:
+        if embedding is None and name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")):
+            embedding = t.detach().to("cpu")
+        if name == "lm_head.weight":
+            if embedding is not None and embedding.shape == t.shape and torch.equal(embedding, t.detach().to("cpu")):
+                continue
+            untie.append(True)
+        yield name, t
+
+
+def _write_shards(out: Path, weights: Iterable[tuple[str, torch.Tensor]],
+                  max_shard_bytes: int, dtypes: set[torch.dtype]) -> list[tuple[str, list[str]]]:
+    """Stream tensors into `.shard-<i>.safetensors` files of at most `max_shard_bytes`
+    (a single larger tensor gets its own); returns (file, tensor names) per shard."""
+    shards: list[tuple[str, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            name = f".shard-{len(shards):05d}.safetensors"
+            safetensors.torch.save_file(pending, str(out / name), metadata={"format": "pt"})
+            shards.append((name, list(pending)))
+            pending, size = {}, 0
+
+    for name, t in weights:
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t.detach().to("cpu").contiguous()
+        dtypes.add(t.dtype)
+        size += nbytes
+    flush()
+    return shards
+
+
+def _name_shards(out: Path, shards: list[tuple[str, list[str]]]) -> None:
+    """Give the shards transformers' names; more than one also gets the index file."""
+    if len(shards) == 1:
+        os.rename(out / shards[0][0], out / MODEL_WEIGHTS)
+        return
+    weight_map, total = {}, 0
+    for i, (tmp, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += (out / tmp).stat().st_size
+        os.rename(out / tmp, out / final)
+        weight_map.update({n: final for n in names})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def read_base_weights(base_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a model directory's safetensors files, one at a time, as stored."""
+    files = sorted(Path(base_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{str(base_dir)!r} holds no safetensors weights to merge into")
+    for f in files:
+        with safetensors.safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def _lora_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module path (as in the base checkpoint) -> (A, B), from PEFT's saved-adapter names."""
+    pairs = {}
+    for name in adapter:
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+            b = adapter.get(name.replace(".lora_A.weight", ".lora_B.weight"))
+            if b is None:
+                raise ValueError(f"adapter tensor {name} has no lora_B partner")
+            pairs[module] = (adapter[name], b)
+    if not pairs:
+        raise ValueError("the adapter holds no lora_A/lora_B tensors")
+    return pairs
+
+
+def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    delta = b.detach().to("cpu", torch.float32) @ a.detach().to("cpu", torch.float32)
+    if delta.shape != w.shape:
+        raise ValueError(f"LoRA update of shape {tuple(delta.shape)} does not fit a weight of shape {tuple(w.shape)}")
+    return (w.to(torch.float32) + scale * delta).to(w.dtype)
+
+
+def merge_lora(base: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor], *, scale: float,
+               tied_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base weights with `scale * B @ A` added to every weight the adapter targets.
+
+    With `tied_head` and a checkpoint that stores no `lm_head.weight`, an adapter on
+    `lm_head` is merged into a copy of the input embedding (then written untied). Every
+    adapter module must be found in `base` (else ValueError naming them)."""
+    pairs, used, embedding = _lora_pairs(adapter), set(), None
+    for name, w in base:
+        module = name.removesuffix(".weight")
+        if tied_head and embedding is None and name.endswith("embed_tokens.weight"):
+            embedding = w
+        if name.endswith(".weight") and module in pairs:
+            used.add(module)
+            w = _merged(w, *pairs[module], scale)
+        yield name, w
+    if tied_head and "lm_head" in pairs and "lm_head" not in used and embedding is not None:
+        used.add("lm_head")
+        yield "lm_head.weight", _merged(embedding, *pairs["lm_head"], scale)
+    missing = sorted(set(pairs) - used)
+    if missing:
+        raise ValueError(f"adapter modules not found in the base checkpoint: {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} (merging needs the base weights under the "
+                         "model's own module names)")
