@@ -129,7 +129,7 @@ def test_another_key_gets_neither_the_urls_nor_the_files(ember_server, lora_expo
     with pytest.raises(tinker.NotFoundError):
         sc_rest(ember_server, OTHER_KEY).get_external_weights_urls(path).result(timeout=60)
     other = _cli(ember_server, "checkpoint", "download", path, "--output", str(tmp_path), key=OTHER_KEY)
-    assert other.returncode != 0 and "unknown checkpoint" in other.stdout + other.stderr
+    assert other.returncode != 0 and "not owned by this API key" in other.stdout + other.stderr
     assert list(tmp_path.iterdir()) == []  # nothing downloaded (the CLI removes its target directory)
     # The owner's link works without a key (the CLI downloads with plain urllib) ...
     assert httpx.get(urls["adapter_config.json"]).json()["r"] == 4

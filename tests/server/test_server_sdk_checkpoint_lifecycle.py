@@ -192,7 +192,7 @@ def test_hostile_bodies_and_paths_over_raw_http(server, trained):
         ("PUT", f"{base}/pub-state/ttl", {"ttl_seconds": 60}, 400, "checkpoint_id must look like"),
         ("POST", f"{base}/weights/..%2Fx/publish", None, 400, "checkpoint_id must look like"),
         ("POST", f"{base}/weights/.hidden/publish", None, 400, "invalid checkpoint name"),
-        ("POST", f"{base}/external_weights/x/publish", None, 400, "invalid checkpoint path"),
+        ("POST", f"{base}/external_weights/x/publish", None, 404, "not found"),
         ("POST", f"{base}/weights/a/b/publish", None, 400, "checkpoint_id must look like"),
         ("DELETE", f"{base}/weights/nope/publish", None, 404, "not owned by this API key"),
     ]

@@ -266,7 +266,8 @@ class Service(ServiceAPI):
     def save_weights_external(self, owner, model_id, seq_id, path, *, ttl_seconds=None,
                               age_encryption_recipients=None) -> Submission:
         try:
-            external.check_export_options(ttl_seconds, age_encryption_recipients)
+            external.check_export_options(age_encryption_recipients)
+            lifecycle.check_ttl(ttl_seconds, self.runs.checkpoint_config)
         except UserError as exc:
             return self.runs.reject(owner, "SaveWeightsExternal", str(exc), model_id=model_id)
 
@@ -369,7 +370,7 @@ class Service(ServiceAPI):
         if not isinstance(checkpoint_id, str) or not checkpoint_id.startswith("external_weights/"):
             raise UserError(f"checkpoint_id: expected 'external_weights/<name>' (a save_weights_external export), "
                             f"got {checkpoint_id!r}")
-        row = rest.checkpoint_row(self.store, owner, f"tinker://{run_id}/{checkpoint_id}")
+        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))  # expired = gone
         token, expires = self._links.sign(row.tinker_path, row.owner, row.directory)
         return ExternalWeightsLinks(tinker_path=row.tinker_path, directory=row.directory,
                                     files=external.export_files(Path(row.directory)), token=token, expires=expires)
@@ -377,7 +378,7 @@ class Service(ServiceAPI):
     def open_external_weights_file(self, token, file) -> str:
         path, expires, mac = self._links.tinker_path_of(token)
         row = self.store.get(CheckpointRow, path)
-        if row is None or row.kind != "external":
+        if row is None or row.kind != "external" or lifecycle.expired(row):
             raise NotFoundError(external.REFUSED)
         self._links.check(row.tinker_path, row.owner, row.directory, expires, mac)
         return str(external.resolve_file(Path(row.directory), file))

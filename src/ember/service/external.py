@@ -61,14 +61,9 @@ def write_export(engine: TrainingEngine, spec: RunSpec, name: str, out: Path) ->
                                      base_dir=base_dir)
 
 
-MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # the SDK's documented range
-
-
-def check_export_options(ttl_seconds: object, age_encryption_recipients: object) -> None:
-    if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or isinstance(ttl_seconds, bool)
-                                    or not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S):
-        raise UserError(f"ttl_seconds: expected none or an integer from {MIN_TTL_S} (1 hour) to {MAX_TTL_S} "
-                        f"(10 years), got {ttl_seconds!r}")
+def check_export_options(age_encryption_recipients: object) -> None:
+    """What an export request may ask for beyond a checkpoint save (whose ttl_seconds is
+    checked by `lifecycle.check_ttl`, like every save's)."""
     if age_encryption_recipients:
         raise UserError("age_encryption_recipients: ember does not encrypt exports; expected none, got "
                         f"{len(age_encryption_recipients) if isinstance(age_encryption_recipients, list) else 1} "
