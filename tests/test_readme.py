@@ -2,7 +2,8 @@
 
 Every fenced block of README.md is either run or checked:
 
-* run (the default): ```bash blocks with `bash -e`, ```python blocks with the venv's python,
+* run (the default): ```bash blocks with `bash -e`, ```python blocks with the venv's python
+  (one whose first line is `# file: NAME.py` is written to that file for later blocks),
   one after another in one scratch directory (with a copy of `examples/`), carrying the
   environment a bash block exports to the blocks after it. A background process a block
   starts (`ember serve ... &`) lives until the last block has run. The only edit is the
@@ -133,6 +134,11 @@ class Runner:
         if block.lang == "bash":
             dump = self.work / f"block{index}.env"
             argv = ["bash", "-e", "-c", code + f"\nenv -0 > {shlex.quote(str(dump))}\n"]
+        elif code.startswith("# file: "):  # a script the next blocks run: written, not run
+            name = code.split("\n", 1)[0].removeprefix("# file: ").strip()
+            assert "/" not in name, f"README.md line {block.line}: {name!r} is not a plain file name"
+            (self.work / name).write_text(code)
+            return
         else:
             script = self.work / f"block{index}.py"
             script.write_text(code)
