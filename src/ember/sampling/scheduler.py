@@ -158,7 +158,10 @@ class Scheduler:
     @staticmethod
     def _prompt_scores(job: J.Job, logits_T_V: torch.Tensor) -> None:
         p = len(job.spec.prompt)
-        job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits_T_V[-p:], job.spec.prompt, job.spec)
+        spec = job.spec
+        if spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0:
+            job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits_T_V[-p:], spec.prompt, spec)
+        job.target_logprobs, job.alt_tokens = J.prompt_extras(logits_T_V[-p:], spec)
 
     def _lora_rows(self, versions: list) -> list[tuple[torch.Tensor | None, object]]:
         """[(batch rows, version)] for the LoRA versions among `versions` (None = base row)."""
