@@ -273,9 +273,17 @@ def _densify_csr(csr: pb.SparseCsr, np_dtype: np.dtype, shape: list[int], where:
 
 
 def encode_tensor(td: types.TensorData) -> pb.Tensor:
-    """Dense proto `Tensor` (float32 or int64) from a `TensorData`."""
+    """Proto `Tensor` (float32 or int64) from a `TensorData`: a sparse CSR one stays sparse
+    (values in its dtype, row offsets and columns as int64, as the SDK's codec reads them)."""
     dtype = _PUBLIC_TO_DTYPE[td.dtype]
-    arr = np.ascontiguousarray(td.to_numpy(), dtype=_DTYPE_TO_NUMPY[dtype])
+    np_dtype = _DTYPE_TO_NUMPY[dtype]
+    if td.sparse_crow_indices is not None:
+        values = np.ascontiguousarray(np.asarray(td.data), dtype=np_dtype)
+        csr = pb.SparseCsr(values=values.tobytes(),
+                           crow_indices=np.asarray(td.sparse_crow_indices, dtype="<i8").tobytes(),
+                           col_indices=np.asarray(td.sparse_col_indices or [], dtype="<i8").tobytes())
+        return pb.Tensor(sparse_csr=csr, dtype=dtype, shape=list(td.shape or []))
+    arr = np.ascontiguousarray(td.to_numpy(), dtype=np_dtype)
     return pb.Tensor(dense=arr.tobytes(), dtype=dtype, shape=list(arr.shape))
 
 

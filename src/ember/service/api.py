@@ -371,6 +371,8 @@ class ServiceAPI(abc.ABC):
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
         prompt_logprobs_last_n: int | None = None,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> Submission:
         """Submit a sample (and `compute_logprobs`, which is a 1-token sample with
         include_prompt_logprobs=True). Returns request_id and `sample_sequence_ids`
