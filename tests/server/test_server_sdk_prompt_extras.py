@@ -106,3 +106,22 @@ def test_client_side_checks_match_the_sdk(trained, kwargs, needle):
     _, sampler = trained
     with pytest.raises(ValueError, match=needle):
         sampler.sample(PROMPT, 1, _params(), **kwargs)
+
+
+LONG = types.ModelInput.from_ints([(7 * i + 3) % 60 + 1 for i in range(40)])
+
+
+def test_prompt_cache_hit_tokens_on_a_repeated_prompt_and_not_across_adapters(trained):
+    tc, sampler = trained
+    kw = dict(include_prompt_logprobs=True, prompt_logprobs_last_n=3)
+    first = sampler.sample(LONG, 2, _params(), **kw).result()
+    second = sampler.sample(LONG, 2, _params(), **kw).result()
+    assert first.prompt_cache_hit_tokens == 0 and second.prompt_cache_hit_tokens > 0
+    np.testing.assert_allclose(np.asarray(first.prompt_logprobs[-3:]), np.asarray(second.prompt_logprobs[-3:]),
+                               atol=1e-5, rtol=0)
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in second.sequences]
+    tc.forward_backward([sft_datum(TOKENS)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    newer = tc.save_weights_and_get_sampling_client().result()  # another weights version
+    assert newer.sample(LONG, 1, _params(), **kw).result().prompt_cache_hit_tokens == 0
+    assert newer.sample(LONG, 1, _params(), **kw).result().prompt_cache_hit_tokens > 0
