@@ -88,9 +88,9 @@ def test_sparse_target_keeps_its_layout(trained):
      "target_prompt_logprobs.shape: expected [len(prompt) - 1, K] = [9, K >= 1], got [4, 2]"),
     (dict(target_prompt_logprobs=types.TensorData.from_numpy(np.full((9, 1), 10**9, np.int64))),
      "target_prompt_logprobs value 0: expected -1 or a token id in [0, "),
+    (dict(prompt_alt_tokens_k=10**6), "prompt_alt_tokens_k=1000000 is over the limit"),
 ])
 def test_hostile_values_fail_with_a_message_naming_the_field(trained, kwargs, needle):
-    """(A k over the service's limit is refused at submission: tests/server/test_server_limits.py.)"""
     _, sampler = trained
     with pytest.raises(tinker.RequestFailedError) as err:
         sampler.sample(PROMPT, 1, _params(), **kwargs).result()

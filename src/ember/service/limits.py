@@ -116,6 +116,7 @@ _LIMIT_OF = {
     "sampling_params.max_tokens": "max_sample_tokens",
     "topk_prompt_logprobs": "max_topk_logprobs",
     "topk_sample_logprobs": "max_topk_logprobs",
+    "prompt_alt_tokens_k": "max_topk_logprobs",
 }
 
 
