@@ -125,3 +125,22 @@ def test_prompt_cache_hit_tokens_on_a_repeated_prompt_and_not_across_adapters(tr
     newer = tc.save_weights_and_get_sampling_client().result()  # another weights version
     assert newer.sample(LONG, 1, _params(), **kw).result().prompt_cache_hit_tokens == 0
     assert newer.sample(LONG, 1, _params(), **kw).result().prompt_cache_hit_tokens > 0
+
+
+def test_raw_bodies_with_bad_target_tensors_are_400s(ember_server, sc):
+    """What the SDK would not send: data that does not fit the shape (a 400 from the route);
+    a sparse tensor with a huge K is checked without densifying (unsorted columns refused)."""
+    import httpx
+
+    sampler = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result() \
+        .save_weights_and_get_sampling_client().result()
+    body = dict(sampling_session_id=sampler.get_sampler_handle(), seq_id=10**6, num_samples=1,
+                prompt=PROMPT.model_dump(mode="json"), sampling_params={"max_tokens": 1})
+    with httpx.Client(base_url=ember_server.base_url + "/api/v1", headers={"X-API-Key": "tml-test"}, timeout=60) as c:
+        r = c.post("/asample", json={**body, "target_prompt_logprobs": {"data": [1, 2, 3], "dtype": "int64",
+                                                                         "shape": [9, 2]}})
+        assert r.status_code == 400 and "target_prompt_logprobs" in r.text and "[9, 2]" in r.text, r.text
+    with pytest.raises(tinker.RequestFailedError, match="strictly increasing columns"):
+        sampler.sample(PROMPT, 1, _params(), target_prompt_logprobs=types.TensorData(
+            data=[1, 2], dtype="int64", shape=[9, 10**12], sparse_crow_indices=[0, 2] + [2] * 8,
+            sparse_col_indices=[7, 3])).result()
