@@ -77,7 +77,7 @@ class SamplerConfig:
     logprobs_mode: str = "raw"
     attn_implementation: str = "sdpa"
     forward: str = "auto"
-    prefix_cache_tokens: int = 8192
+    prefix_cache_tokens: int = 4096
     prefix_cache_block: int = 16
     max_loras: int = 4
     max_lora_rank: int = 64

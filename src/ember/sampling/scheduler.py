@@ -6,6 +6,12 @@ active slot. A sequence that finishes frees its slot at once, and the next step 
 with a waiting sample — requests of any length share the batch without waiting for the
 longest one. Only the sampler's worker thread calls into a Scheduler.
 
+Prefix cache (`prefix_cache.PrefixCache`, optional): a prompt whose block-aligned prefix
+was prefilled before under the same weights gets that prefix's KV copied into its slot and
+only the rest computed (one forward of the remaining tokens over the restored prefix);
+positions the response must score are never served from the cache
+(`ResolvedRequest.first_scored_row`), so results do not depend on a hit.
+
 Fault isolation: the work that belongs to one request (its prompt logprobs, its top-k
 logprobs when the batched computation fails, its stop-string checks, building its
 response) runs under `_guarded`; if it raises, `fail_job` fails that request alone (its
