@@ -115,3 +115,23 @@ def test_hostile_values_are_refused_naming_the_field(sampler):
         with pytest.raises(ValueError, match="sample request") as err:
             sampler.submit(_request(**kw)).result(60)
         assert needle in str(err.value), (kw, str(err.value))
+
+
+def test_compute_is_independent_of_row_chunking(monkeypatch):
+    """Draws are keyed by (seed, global row, draw), so bounded-memory chunking changes nothing."""
+    from ember.sampling import prompt_extras as X
+
+    logits = torch.randn(37, 50, generator=torch.Generator().manual_seed(0))
+    dense = np.random.default_rng(1).integers(-1, 50, size=(37, 3))
+    targets = X.check_targets(types.TensorData.from_numpy(dense), 38, 50)
+    whole_t, whole_a = X.compute(logits, targets, 6, 0.8, seed=123)
+    monkeypatch.setattr(X, "ROW_CHUNK", 5)
+    part_t, part_a = X.compute(logits, targets, 6, 0.8, seed=123)
+    assert (whole_a.tokens.to_numpy() == part_a.tokens.to_numpy()).all()
+    np.testing.assert_array_equal(whole_t.to_numpy(), part_t.to_numpy())
+    ref = torch.log_softmax(logits, -1)
+    want = np.where(dense >= 0, ref.gather(1, torch.from_numpy(np.maximum(dense, 0))).numpy(), 0.0)
+    np.testing.assert_allclose(part_t.to_numpy(), want, atol=1e-6, rtol=0)
+    freq = np.bincount(X.compute(logits[:1].expand(4000, 50), None, 1, 1.0, seed=9)[1].tokens.to_numpy().ravel(),
+                       minlength=50) / 4000
+    np.testing.assert_allclose(freq, torch.softmax(logits[0], -1).numpy(), atol=0.03)  # draws follow the distribution

@@ -126,13 +126,8 @@ def prompt_extras(logits: torch.Tensor, spec: ResolvedRequest):
     """(target_prompt_logprobs, prompt_alt_tokens) from the prompt's logits [P, V]."""
     if spec.targets is None and spec.prompt_alt_tokens_k == 0:
         return None, None
-    rows = logits[: len(spec.prompt) - 1]
-    logp = torch.log_softmax(rows.float(), dim=-1)
-    targets = spec.targets.response(X.target_logprobs(logp, spec.targets)) if spec.targets is not None else None
-    alt = None
-    if spec.prompt_alt_tokens_k > 0:
-        alt = X.alt_tokens(rows, logp, spec.prompt_alt_tokens_k, spec.temperature, spec.seed)
-    return targets, alt
+    return X.compute(logits[: len(spec.prompt) - 1], spec.targets, spec.prompt_alt_tokens_k, spec.temperature,
+                     spec.seed)
 
 
 def sampled_sequence(

@@ -96,34 +96,54 @@ def _check_csr(td, rows: int, cols: int, nnz: int) -> np.ndarray:
     return row_of
 
 
-def target_logprobs(logp: torch.Tensor, targets: PromptTargets) -> np.ndarray:
-    """logp [P-1, V] (row i predicts prompt[i + 1]) → float32 [M] values, 0.0 where -1."""
-    want = targets.tokens >= 0
-    out = np.zeros(targets.tokens.size, np.float32)
+ROW_CHUNK = 512  # prompt positions whose [rows, V] distributions are held at once
+
+
+def compute(logits: torch.Tensor, targets: PromptTargets | None, k: int, temperature: float, seed: int):
+    """(target logprobs TensorData | None, PromptAltTokens | None) from the logits [P - 1, V]
+    of the prompt's positions after the first, `ROW_CHUNK` rows at a time (bounded memory)."""
+    rows = logits.shape[0]
+    values = np.zeros(targets.tokens.size, np.float32) if targets is not None else None
+    ids, lps = [], []
+    for start in range(0, max(rows, 1), ROW_CHUNK):
+        chunk = logits[start : start + ROW_CHUNK]
+        logp = torch.log_softmax(chunk.float(), dim=-1)
+        if targets is not None:
+            _target_logprobs(logp, targets, start, values)
+        if k > 0:
+            i, lp = _alt_draws(chunk, logp, k, temperature, seed, start)
+            ids.append(i)
+            lps.append(lp)
+    alt = None
+    if k > 0:
+        shape = [rows, k]
+        alt = types.PromptAltTokens(
+            tokens=types.TensorData(data=np.concatenate(ids).astype(np.int64), dtype="int64", shape=shape),
+            logprobs=types.TensorData(data=np.concatenate(lps).astype(np.float32), dtype="float32", shape=shape),
+        )
+    return (targets.response(values) if targets is not None else None), alt
+
+
+def _target_logprobs(logp: torch.Tensor, targets: PromptTargets, start: int, out: np.ndarray) -> None:
+    """Fill `out` (float32 [M], 0.0 where -1) for the cells of rows [start, start + len(logp))."""
+    want = (targets.tokens >= 0) & (targets.rows >= start) & (targets.rows < start + logp.shape[0])
     if want.any():
-        r = torch.as_tensor(targets.rows[want], device=logp.device)
+        r = torch.as_tensor(targets.rows[want] - start, device=logp.device)
         t = torch.as_tensor(targets.tokens[want], device=logp.device)
         out[want] = logp[r, t].float().cpu().numpy()
-    return out
 
 
-def alt_tokens(logits: torch.Tensor, logp: torch.Tensor, k: int, temperature: float, seed: int) -> types.PromptAltTokens:
+def _alt_draws(logits, logp, k: int, temperature: float, seed: int, start: int) -> tuple[np.ndarray, np.ndarray]:
     """k draws with replacement per row from softmax(logits / temperature) (argmax at 0),
-    by inverse CDF on counter-based uniforms (the same seed draws the same tokens on any
-    device), and their raw logprobs."""
+    by inverse CDF on counter-based uniforms keyed by (seed, global row, draw): the same
+    seed draws the same tokens on any device and any chunking; with their raw logprobs."""
     rows = logits.shape[0]
     if temperature == 0.0:
         ids = logits.argmax(-1, keepdim=True).expand(rows, k)
     else:
-        probs = torch.softmax(logits.float() / temperature, dim=-1).double()
-        cdf = probs.cumsum(-1)
+        cdf = torch.softmax(logits.float() / temperature, dim=-1).double().cumsum_(-1)
         base = rng.splitmix64(np.array([seed ^ _ALT_SALT], dtype=np.uint64))
-        keys = rng.splitmix64(base + np.arange(rows * k, dtype=np.uint64))
+        keys = rng.splitmix64(base + np.arange(start * k, (start + rows) * k, dtype=np.uint64))
         u = torch.as_tensor(rng.uniforms(keys, np.zeros(rows * k, np.uint64)), device=logits.device).view(rows, k)
         ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1)
-    lps = logp.gather(1, ids)
-    shape = [rows, k]
-    return types.PromptAltTokens(
-        tokens=types.TensorData(data=ids.cpu().numpy().astype(np.int64), dtype="int64", shape=shape),
-        logprobs=types.TensorData(data=lps.float().cpu().numpy(), dtype="float32", shape=shape),
-    )
+    return ids.cpu().numpy(), logp.gather(1, ids).float().cpu().numpy()
