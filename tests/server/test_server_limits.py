@@ -77,11 +77,12 @@ def refused(http: httpx.Client, path: str, body: dict | bytes, *words: str) -> N
         assert w in out["error"], out["error"]
 
 
-def sample_body(sampler_id: str, *, num_samples=1, max_tokens=4, prompt_len=3, topk_prompt=0, topk_sample=0) -> dict:
+def sample_body(sampler_id: str, *, num_samples=1, max_tokens=4, prompt_len=3, topk_prompt=0, topk_sample=0,
+                alt_k=0) -> dict:
     req = types.SampleRequest(
         sampling_session_id=sampler_id, num_samples=num_samples, prompt=types.ModelInput.from_ints([5] * prompt_len),
         sampling_params=types.SamplingParams(max_tokens=max_tokens), topk_prompt_logprobs=topk_prompt,
-        topk_sample_logprobs=topk_sample, prompt_logprobs=bool(topk_prompt))
+        topk_sample_logprobs=topk_sample, prompt_logprobs=bool(topk_prompt), prompt_alt_tokens_k=alt_k)
     return req.model_dump(mode="json", exclude_none=True)
 
 
@@ -108,6 +109,7 @@ def assert_still_serves(sdk) -> None:
     (dict(prompt_len=65), ["prompt has 65 tokens", "max_prompt_tokens=64"]),
     (dict(topk_prompt=10**6), ["topk_prompt_logprobs=1000000", "max_topk_logprobs"]),
     (dict(topk_sample=6), ["topk_sample_logprobs=6", "max 5"]),
+    (dict(alt_k=10**6), ["prompt_alt_tokens_k=1000000", "max_topk_logprobs"]),
 ])
 def test_sample_counts_over_a_limit_are_refused_before_allocation(server, http, sdk, sampler_kind, kwargs, words):
     """A huge num_samples aimed at a sampler id that does not exist once grew the server to

@@ -248,3 +248,33 @@ def test_sample_response_from_list_form():
 def test_to_json_forms():
     assert wire.to_json(types.OptimStepResponse(metrics={"a:mean": 1.0})) == {"metrics": {"a:mean": 1.0}}
     assert wire.to_json(types.SaveWeightsResponse(path="tinker://r/weights/c")) == {"path": "tinker://r/weights/c"}
+
+
+def _extras_response() -> types.SampleResponse:
+    seq = types.SampledSequence(stop_reason="length", sequence_id="s", tokens_np=np.array([1], np.int32),
+                                logprobs_np=np.array([-0.5], np.float32))
+    sparse = types.TensorData(data=np.array([-1.25, -2.5], np.float32), dtype="float32", shape=[3, 10**12],
+                              sparse_crow_indices=[0, 1, 1, 2], sparse_col_indices=[4, 10**12 - 1])
+    alt = types.PromptAltTokens(tokens=types.TensorData.from_numpy(np.array([[1, 2], [3, 4], [5, 6]], np.int64)),
+                                logprobs=types.TensorData.from_numpy(np.full((3, 2), -0.75, np.float32)))
+    return types.SampleResponse(sequences=[seq], target_prompt_logprobs=sparse, prompt_alt_tokens=alt,
+                                prompt_cache_hit_tokens=32)
+
+
+def test_sample_response_prompt_extras_round_trip_through_the_sdk_decoder():
+    """Sparse target logprobs stay sparse (a K of 10**12 is never densified); alt tokens and
+    cache hits arrive as sent."""
+    back = deserialize_sample_response(wire.encode_sample_response(_extras_response()))
+    t = back.target_prompt_logprobs
+    assert t.shape == [3, 10**12] and t.sparse_crow_indices == [0, 1, 1, 2]
+    assert t.sparse_col_indices == [4, 10**12 - 1] and t.data == [-1.25, -2.5]
+    assert back.prompt_alt_tokens.tokens.to_numpy().tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert (back.prompt_alt_tokens.logprobs.to_numpy() == -0.75).all()
+    assert back.prompt_cache_hit_tokens == 32
+
+
+def test_sample_response_json_keeps_prompt_extras_sparse():
+    out = wire.to_json(_extras_response())
+    assert out["target_prompt_logprobs"]["sparse_col_indices"] == [4, 10**12 - 1]
+    assert out["target_prompt_logprobs"]["data"] == [-1.25, -2.5]
+    assert out["prompt_alt_tokens"]["tokens"]["shape"] == [3, 2] and out["prompt_cache_hit_tokens"] == 32

@@ -29,6 +29,19 @@ def _with_sequence_ids(response: types.SampleResponse, ids: list[str] | None) ->
     return dataclasses.replace(response, sequences=seqs)
 
 
+def _check_prompt_extras(target: types.TensorData | None, alt_k: int) -> None:
+    """The SDK's own client-side checks (ValueError before sending), so that in process a
+    call fails where it fails over HTTP; the rest is the sampler's to refuse."""
+    if target is not None:
+        if getattr(target, "dtype", None) != "int64":
+            raise ValueError(f"target_prompt_logprobs must be an int64 tensor of token ids, "
+                             f"got {getattr(target, 'dtype', type(target).__name__)}")
+        if target.shape is None or len(target.shape) != 2:
+            raise ValueError(f"target_prompt_logprobs must be 2-D, [len(prompt) - 1, K], got shape {target.shape}")
+    if alt_k < 0:
+        raise ValueError(f"prompt_alt_tokens_k must be 0 or greater, got {alt_k}")
+
+
 class SamplingClient:
     """Same methods, arguments and return types as `tinker.SamplingClient`."""
 
@@ -57,8 +70,7 @@ class SamplingClient:
         prompt_alt_tokens_k: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[types.SampleResponse]:
-        if target_prompt_logprobs is not None or prompt_alt_tokens_k:
-            raise ValueError("target_prompt_logprobs and prompt_alt_tokens_k are not supported by ember's sampler")
+        _check_prompt_extras(target_prompt_logprobs, prompt_alt_tokens_k)
         if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
             raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
         try:
@@ -66,6 +78,7 @@ class SamplingClient:
                 self._ctx.owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
                 include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
                 topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
+                target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
                 record_stability_info=self._record_stability_info,
             )
         except NotFoundError as exc:  # e.g. its checkpoint was unpublished: raised by .result(), as over HTTP

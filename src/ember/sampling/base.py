@@ -35,6 +35,19 @@ from the wire. The semantics are Tinker's (tinker-protocol.md §4.6, §4.7):
   positions (earlier entries None; n >= len(prompt) - 1 scores them all). Counts larger
   than meaningful are clamped before anything is allocated: top-k counts to the
   vocabulary, `prompt_logprobs_last_n` to the prompt.
+* `target_prompt_logprobs`: an int64 `[len(prompt) - 1, K]` tensor (dense or sparse CSR)
+  of token ids; the response's `target_prompt_logprobs` has the same shape and layout,
+  holding logp(id | prompt[:i + 1]) (raw, as `prompt_logprobs`) at cell [i, j], 0.0 where
+  the request had -1. `prompt_alt_tokens_k=k`: k draws with replacement from the
+  next-token distribution at the request's temperature (0 → the argmax k times; top-k /
+  top-p do not apply) at every prompt position after the first, with their raw
+  logprobs; seeded requests draw the same tokens. k is at most
+  `params.MAX_PROMPT_ALT_TOKENS_K` (draws with replacement: k is not clamped to the
+  vocabulary, it is refused above that limit). `prompt_logprobs_last_n` does not apply to
+  either.
+* `prompt_cache_hit_tokens`: prompt tokens whose KV came from the sampler's prefix cache
+  instead of being computed (TorchSampler: `SamplerConfig.prefix_cache_tokens`; vLLM:
+  its own prefix cache). Logprobs and seeded tokens are the same with or without a hit.
 
 Backends (chosen by name: `ember.sampling.registry.SAMPLER_BACKENDS`, `SamplerConfig.backend`):
 
@@ -107,6 +120,8 @@ class SamplingRequest:
     prompt_logprobs_last_n: int | None = None
     logprobs_mode: LogprobsMode | None = None  # None → the sampler's configured default
     sequence_ids: Sequence[str] | None = None
+    target_prompt_logprobs: types.TensorData | None = None
+    prompt_alt_tokens_k: int = 0
 
 
 class Sampler(abc.ABC):
@@ -169,6 +184,8 @@ class Sampler(abc.ABC):
         version: WeightVersion | None = None,
         logprobs_mode: LogprobsMode | None = None,
         timeout: float | None = None,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> types.SampleResponse:
         """Blocking `submit(...).result()`; positional arguments as `SamplingClient.sample`'s."""
         request = SamplingRequest(
@@ -181,6 +198,8 @@ class Sampler(abc.ABC):
             topk_sample_logprobs=topk_sample_logprobs,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
             logprobs_mode=logprobs_mode,
+            target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         return self.submit(request).result(timeout)
 

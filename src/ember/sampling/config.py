@@ -42,6 +42,12 @@ class SamplerConfig:
         own forward; "direct" computes the same function with plain tensor ops (Llama,
         Mistral, Qwen2, Qwen3 families; less per-call overhead); "auto" (default) is
         "direct" where supported, else "transformers".
+    prefix_cache_tokens / prefix_cache_block: TorchSampler's prefix cache: the KV of up to
+        `prefix_cache_tokens` prompt positions (all entries together, least recently used
+        evicted first; 0 = off), kept in blocks of `prefix_cache_block` tokens, reused by
+        later requests whose prompt starts with the same tokens under the same weights
+        version / adapter (reported as `prompt_cache_hit_tokens`). Each position costs
+        2 x layers x kv_heads x head_dim values of `dtype`.
 
     vLLM only:
     max_loras: LoRA versions resident in one batch (vLLM `max_loras`); more distinct
@@ -71,6 +77,8 @@ class SamplerConfig:
     logprobs_mode: str = "raw"
     attn_implementation: str = "sdpa"
     forward: str = "auto"
+    prefix_cache_tokens: int = 4096
+    prefix_cache_block: int = 16
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
@@ -87,6 +95,8 @@ class SamplerConfig:
                     "max_logprobs")
         for name in positive:
             _check_int(name, getattr(self, name), 1)
+        _check_int("prefix_cache_tokens", self.prefix_cache_tokens, 0)
+        _check_int("prefix_cache_block", self.prefix_cache_block, 1)
         if self.max_len is not None:
             # a prompt token and a sampled one
             _check_int("max_len", self.max_len, 2)

@@ -11,6 +11,7 @@ import torch
 from tinker import types
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
+from ember.sampling import prompt_extras as X
 from ember.sampling import rng
 from ember.sampling.params import ResolvedRequest
 from ember.sampling.weights import TorchWeightVersion
@@ -30,6 +31,9 @@ class Job:
     prefix: list | None = None  # snapshot of the prompt's KV for samples placed later
     prompt_logprobs: np.ndarray | None = None
     prompt_topk: TopkLogprobs | None = None
+    target_logprobs: types.TensorData | None = None
+    alt_tokens: types.PromptAltTokens | None = None
+    cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     sequences: list = field(init=False)
 
     def __post_init__(self) -> None:
@@ -53,7 +57,7 @@ class Job:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.spec.include_prompt_logprobs or self.spec.topk_prompt_logprobs > 0
+        return self.spec.scores_prompt
 
     def finish_sample(self, sample: int, seq: types.SampledSequence) -> bool:
         """Store one finished sequence; True when the whole request is done."""
@@ -66,6 +70,9 @@ class Job:
             sequences=list(self.sequences),
             prompt_logprobs_np=self.prompt_logprobs if self.spec.include_prompt_logprobs else None,
             topk_prompt_logprobs_np=self.prompt_topk,
+            target_prompt_logprobs=self.target_logprobs,
+            prompt_alt_tokens=self.alt_tokens,
+            prompt_cache_hit_tokens=self.cache_hit_tokens,
         )
 
 
@@ -113,6 +120,14 @@ def prompt_scores(
         rows = [None] * first + [(ids_np[i], vals_np[i]) for i in range(p - first)]
         topk = topk_matrix(rows, spec.topk_prompt_logprobs)
     return out, topk
+
+
+def prompt_extras(logits: torch.Tensor, spec: ResolvedRequest):
+    """(target_prompt_logprobs, prompt_alt_tokens) from the prompt's logits [P, V]."""
+    if spec.targets is None and spec.prompt_alt_tokens_k == 0:
+        return None, None
+    return X.compute(logits[: len(spec.prompt) - 1], spec.targets, spec.prompt_alt_tokens_k, spec.temperature,
+                     spec.seed)
 
 
 def sampled_sequence(

@@ -38,6 +38,7 @@ class _Plan:
     valid: torch.Tensor | None = None  # prefill: [B, T] which columns are real tokens
     write_slots: torch.Tensor | None = None  # prefill: [M] slot of each valid token
     kv_len: int = 0  # decode: positions attended
+    extend: bool = False  # one row of T new tokens after a restored prefix (prefix-cache hit)
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -79,6 +80,11 @@ class _SlotLayer(CacheLayerMixin):
             self.keys[plan.write_slots, :, plan.positions] = k_new
             self.values[plan.write_slots, :, plan.positions] = v_new
             return key_states, value_states
+        if plan.extend:  # positions [start, start + T) of one slot; attend over [0, kv_len)
+            slot, start = plan.slots, plan.kv_len - key_states.shape[2]
+            self.keys[slot, :, start : plan.kv_len] = key_states[0]
+            self.values[slot, :, start : plan.kv_len] = value_states[0]
+            return self.keys[slot : slot + 1, :, : plan.kv_len], self.values[slot : slot + 1, :, : plan.kv_len]
         rows = plan.slots
         idx = torch.arange(rows.stop, device=key_states.device) if isinstance(rows, slice) else rows
         self.keys[idx, :, plan.positions] = key_states[:, :, 0]
@@ -133,6 +139,13 @@ class SlotCache(Cache):
         """One token per row, written at `positions[r]` of slot `slots[r]`; rows attend [0, kv_len)."""
         self.ensure_capacity(kv_len)
         self.plan = _Plan(prefill=False, slots=slots, positions=positions, kv_len=kv_len)
+
+    def plan_extend(self, slot: int, start: int, length: int, device) -> None:
+        """One row: `length` new tokens at positions [start, start + length) of `slot`, whose
+        positions before `start` hold a restored prefix; they attend over [0, start + length)."""
+        self.ensure_capacity(start + length)
+        positions = torch.arange(start, start + length, device=device)
+        self.plan = _Plan(prefill=False, slots=slot, positions=positions, kv_len=start + length, extend=True)
 
     def clear_plan(self) -> None:
         self.plan = None

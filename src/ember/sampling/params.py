@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tinker import types
 
 from ember.sampling.base import SamplingRequest
+from ember.sampling.prompt_extras import PromptTargets, check_alt_tokens_k, check_targets
 
 _U64 = 1 << 64
 
@@ -38,10 +39,31 @@ class ResolvedRequest:
     topk_sample_logprobs: int
     prompt_logprobs_last_n: int | None
     sequence_ids: tuple[str, ...]
+    targets: PromptTargets | None = None  # target_prompt_logprobs, checked
+    prompt_alt_tokens_k: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether any logits before the prompt's last position are needed."""
+        return (self.include_prompt_logprobs or self.topk_prompt_logprobs > 0 or self.targets is not None
+                or self.prompt_alt_tokens_k > 0)
+
+    @property
+    def first_scored_row(self) -> int:
+        """The first prompt position whose logits the response needs (len(prompt) - 1:
+        only the last one's, for the first sampled token); a prefix cache may serve the
+        positions before it."""
+        p = len(self.prompt)
+        if self.targets is not None or self.prompt_alt_tokens_k > 0:
+            return 0
+        if self.include_prompt_logprobs or self.topk_prompt_logprobs > 0:
+            n = self.prompt_logprobs_last_n
+            return 0 if n is None else p - 1 - n
+        return p - 1
 
 
 def eos_token_ids(model_config, generation_config=None, tokenizer=None) -> tuple[int, ...]:
@@ -189,4 +211,6 @@ def resolve_request(
         topk_sample_logprobs=min(r.topk_sample_logprobs, vocab_size),
         prompt_logprobs_last_n=scored_last_n(r.prompt_logprobs_last_n, len(prompt)),
         sequence_ids=ids,
+        targets=check_targets(r.target_prompt_logprobs, len(prompt), vocab_size),
+        prompt_alt_tokens_k=check_alt_tokens_k(r.prompt_alt_tokens_k),
     )

@@ -43,6 +43,17 @@ def prefill_inputs(prompts: list[tuple[int, ...]], device: torch.device):
     return ids.to(device), position_ids.to(device), valid.to(device), mask[:, None].to(device)
 
 
+def extend_inputs(prompt: tuple[int, ...], start: int, device: torch.device):
+    """input_ids, position_ids [1, T] and mask [1, 1, T, start + T] for prompt[start:] after a
+    cached prefix of `start` tokens: query t attends keys 0..start + t."""
+    t = len(prompt) - start
+    ids = torch.tensor([prompt[start:]], dtype=torch.long, device=device)
+    pos = torch.arange(start, start + t, device=device)[None]
+    keys = torch.arange(start + t, device=device)
+    mask = (keys[None, :] <= pos[0][:, None])[None, None]
+    return ids, pos, mask
+
+
 def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     """[B, 1, 1, kv_len]: row r attends cache positions 0..positions[r]."""
     keys = torch.arange(kv_len, device=positions.device)

@@ -6,6 +6,12 @@ active slot. A sequence that finishes frees its slot at once, and the next step 
 with a waiting sample — requests of any length share the batch without waiting for the
 longest one. Only the sampler's worker thread calls into a Scheduler.
 
+Prefix cache (`prefix_cache.PrefixCache`, optional): a prompt whose block-aligned prefix
+was prefilled before under the same weights gets that prefix's KV copied into its slot and
+only the rest computed (one forward of the remaining tokens over the restored prefix);
+positions the response must score are never served from the cache
+(`ResolvedRequest.first_scored_row`), so results do not depend on a hit.
+
 Fault isolation: the work that belongs to one request (its prompt logprobs, its top-k
 logprobs when the batched computation fails, its stop-string checks, building its
 response) runs under `_guarded`; if it raises, `fail_job` fails that request alone (its
@@ -26,7 +32,8 @@ from ember import failpoints
 from ember.sampling import jobs as J
 from ember.sampling import rng
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
-from ember.sampling.runner import ModelRunner, decode_mask, prefill_inputs
+from ember.sampling.prefix_cache import PrefixCache
+from ember.sampling.runner import ModelRunner, decode_mask, extend_inputs, prefill_inputs
 from ember.sampling.slots import Placement, SlotTable
 
 log = logging.getLogger(__name__)
@@ -34,16 +41,17 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: SlotTable, device: torch.device, max_prefill_tokens: int,
-                 decode_text=None) -> None:
+                 decode_text=None, prefix_cache: PrefixCache | None = None) -> None:
         self.runner = runner
         self.slots = slots
         self.device = device
         self.max_prefill_tokens = max_prefill_tokens
         self.decode_text = decode_text  # token ids -> str, for stop strings
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.waiting: deque[J.Job] = deque()
         self.admitting: list[J.Job] = []  # jobs between leaving `waiting` and holding slots
         self.stats = {"prefill_forwards": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0,
-                      "sequences": 0, "moves": 0}
+                      "sequences": 0, "moves": 0, "prefix_cache_hit_tokens": 0}
 
     @property
     def busy(self) -> bool:
@@ -113,7 +121,7 @@ class Scheduler:
             self.admitting.append(job)
         if not placements:
             return
-        for batch in self._prefill_batches(to_prefill):
+        for batch in self._prefill_batches(self._extend_cached(to_prefill)):
             self._prefill(batch)
         placements = [p for p in placements if not p.job.failed]  # a prompt's scores may have failed it
         self._seed_slots(placements)
@@ -149,16 +157,71 @@ class Scheduler:
         logits = self.runner.forward(ids, pos, mask, 0 if keep_all else 1, full=full, lora=lora)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += len(batch)
-        for b, (job, _) in enumerate(batch):
-            job.last_logits = logits[b, -1].clone()  # not a view: the batch's logits are freed
-            job.prefilled = True
-            if job.wants_prompt_logprobs:
-                self._guarded(job, self._prompt_scores, job, logits[b])
+        for b, (job, slot) in enumerate(batch):
+            self._prefilled(job, logits[b])
+            self._remember(job, slot)
+
+    def _prefilled(self, job: J.Job, logits_T_V: torch.Tensor) -> None:
+        job.last_logits = logits_T_V[-1].clone()  # not a view: the batch's logits are freed
+        job.prefilled = True
+        if job.wants_prompt_logprobs:
+            self._guarded(job, self._prompt_scores, job, logits_T_V)
+
+    # ================================================================ prefix cache
+    def _extend_cached(self, items: list[tuple[J.Job, int]]) -> list[tuple[J.Job, int]]:
+        """Prefill the prompts whose prefix is cached (under the same weights) from that
+        prefix: its KV is copied into the slot and only the rest of the prompt is computed.
+        Returns the others, for a full prefill."""
+        rest = []
+        for job, slot in items:
+            pc = self.prefix_cache
+            hit, snap = (0, None) if pc is None else pc.lookup(_weights_key(job), job.spec.prompt,
+                                                                 job.spec.first_scored_row)
+            if not hit:
+                rest.append((job, slot))
+                continue
+            self._extend(job, slot, hit, snap)
+        return rest
+
+    def _extend(self, job: J.Job, slot: int, hit: int, snap) -> None:
+        prompt = job.spec.prompt
+        cache = self.runner.cache
+        cache.ensure_capacity(len(prompt))
+        cache.restore_prefix(snap, torch.tensor([slot], device=self.device))
+        ids, pos, mask = extend_inputs(prompt, hit, self.device)
+        cache.plan_extend(slot, hit, len(prompt) - hit, self.device)
+        keep_all = job.wants_prompt_logprobs
+        lora = self._lora_rows([job.version if job.lora_id else None])
+        logits = self.runner.forward(ids, pos, mask, 0 if keep_all else 1, full=job.version if job.group else None,
+                                     lora=lora)[0]
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_prompts"] += 1
+        self.stats["prefix_cache_hit_tokens"] += hit
+        job.cache_hit_tokens = hit
+        if keep_all:  # rows before the hit are never read (hit <= spec.first_scored_row)
+            full = logits.new_full((len(prompt), logits.shape[-1]), float("nan"))
+            full[hit:] = logits
+            logits = full
+        self._prefilled(job, logits)
+        self._remember(job, slot)
+
+    def _remember(self, job: J.Job, slot: int) -> None:
+        """Keep the KV of this prompt's block-aligned prefix for later requests."""
+        pc = self.prefix_cache
+        if pc is None or job.failed:
+            return
+        n = pc.wanted_length(len(job.spec.prompt))
+        prefix = job.spec.prompt[:n]
+        if n > 0 and not pc.contains(_weights_key(job), prefix):
+            pc.insert(_weights_key(job), prefix, self.runner.cache.snapshot_prefix(slot, n), job.version)
 
     @staticmethod
     def _prompt_scores(job: J.Job, logits_T_V: torch.Tensor) -> None:
         p = len(job.spec.prompt)
-        job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits_T_V[-p:], job.spec.prompt, job.spec)
+        spec = job.spec
+        if spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0:
+            job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits_T_V[-p:], spec.prompt, spec)
+        job.target_logprobs, job.alt_tokens = J.prompt_extras(logits_T_V[-p:], spec)
 
     def _lora_rows(self, versions: list) -> list[tuple[torch.Tensor | None, object]]:
         """[(batch rows, version)] for the LoRA versions among `versions` (None = base row)."""
@@ -399,6 +462,11 @@ class Scheduler:
         if job.finish_sample(sample, seq):
             job.last_logits = None
             J.settle(job.future, result=job.response())
+
+
+def _weights_key(job: J.Job) -> tuple[int, int]:
+    """Which weights computed a job's KV: (full version id or 0, LoRA version id or 0)."""
+    return job.group, job.lora_id
 
 
 def _subset(p: RowParams, idx: torch.Tensor) -> RowParams:

@@ -42,6 +42,7 @@ from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import Job, settle
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.layout import column_major_linears
+from ember.sampling.prefix_cache import PrefixCache
 from ember.sampling.params import effective_max_len, resolve_request
 from ember.sampling.params import eos_token_ids as eos_token_ids_of
 from ember.sampling.runner import ModelRunner
@@ -96,7 +97,9 @@ class TorchSampler(Sampler):
         runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
-        self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens, decode)
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_cache_block)
+        self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens, decode,
+                                    self.prefix_cache)
         self._versions: weakref.WeakSet[WeightVersion] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._incoming: list[Job] = []

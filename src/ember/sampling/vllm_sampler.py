@@ -23,7 +23,8 @@ Semantics are the interface's (ember.sampling.base). How they map onto vLLM:
   (its limit; vLLM would overflow), and greedy `num_samples` > 1 are one argmax path
   returned n times (vLLM refuses n > 1 for greedy requests).
 * Prompt logprobs (`include_prompt_logprobs`, `topk_prompt_logprobs`,
-  `prompt_logprobs_last_n`, `compute_logprobs`) are computed by a TorchSampler over the
+  `prompt_logprobs_last_n`, `compute_logprobs`, `target_prompt_logprobs`,
+  `prompt_alt_tokens_k`, which vLLM has no parameter for) are computed by a TorchSampler over the
   same model and versions in this process ("the scorer", created on first use): vLLM 0.32
   computes prompt logprobs with the per-sequence LoRA mapping, so with LoRA enabled it
   drops the lm_head adapter's delta on GPU and fails on CPU (vllm-project/vllm#51594,
@@ -81,7 +82,8 @@ def is_greedy(spec: ResolvedRequest) -> bool:
 
 
 def needs_scorer(spec: ResolvedRequest) -> bool:
-    return spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0
+    """Prompt scores of any kind (vLLM has no `target_prompt_logprobs` / `prompt_alt_tokens_k`)."""
+    return spec.scores_prompt
 
 
 class VLLMSampler(Sampler):

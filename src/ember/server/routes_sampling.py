@@ -37,12 +37,21 @@ async def get_sampler(sampling_session_id: str, owner: str = Owner, service=Serv
 def _check_sample_request(req: rq.SampleRequest) -> str:
     if not req.sampling_session_id:
         raise BadRequest("sampling_session_id: required (create one with /api/v1/create_sampling_session)")
-    if req.prompt_alt_tokens_k:
-        raise BadRequest(f"prompt_alt_tokens_k: not supported by this server, got {req.prompt_alt_tokens_k}")
-    if req.target_prompt_logprobs is not None:
-        raise BadRequest("target_prompt_logprobs: not supported by this server")
     _check_dmel_chunks(req.prompt)
     return req.sampling_session_id
+
+
+def _target_tensor(req: rq.SampleRequest) -> types.TensorData | None:
+    """The request's `target_prompt_logprobs` as the SDK's TensorData (the sampler checks
+    its dtype, shape and values against the prompt and names what is wrong)."""
+    t = req.target_prompt_logprobs
+    if t is None:
+        return None
+    try:
+        return types.TensorData(data=t.data, dtype=t.dtype, shape=t.shape, sparse_crow_indices=t.sparse_crow_indices,
+                                sparse_col_indices=t.sparse_col_indices)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"target_prompt_logprobs: data does not fit shape {t.shape}: {exc}") from exc
 
 
 def _check_dmel_chunks(prompt: types.ModelInput) -> None:
@@ -65,6 +74,7 @@ async def asample(request: Request, owner: str = Owner, service=Service):
         service.sample, owner, session, req.seq_id, req.prompt, req.num_samples, req.sampling_params,
         include_prompt_logprobs=bool(req.prompt_logprobs), topk_prompt_logprobs=req.topk_prompt_logprobs,
         topk_sample_logprobs=req.topk_sample_logprobs, prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+        target_prompt_logprobs=_target_tensor(req), prompt_alt_tokens_k=req.prompt_alt_tokens_k,
         record_stability_info=bool(req.record_stability_info),
     )
     return future_response(sub)

@@ -273,9 +273,17 @@ def _densify_csr(csr: pb.SparseCsr, np_dtype: np.dtype, shape: list[int], where:
 
 
 def encode_tensor(td: types.TensorData) -> pb.Tensor:
-    """Dense proto `Tensor` (float32 or int64) from a `TensorData`."""
+    """Proto `Tensor` (float32 or int64) from a `TensorData`: a sparse CSR one stays sparse
+    (values in its dtype, row offsets and columns as int64, as the SDK's codec reads them)."""
     dtype = _PUBLIC_TO_DTYPE[td.dtype]
-    arr = np.ascontiguousarray(td.to_numpy(), dtype=_DTYPE_TO_NUMPY[dtype])
+    np_dtype = _DTYPE_TO_NUMPY[dtype]
+    if td.sparse_crow_indices is not None:
+        values = np.ascontiguousarray(np.asarray(td.data), dtype=np_dtype)
+        csr = pb.SparseCsr(values=values.tobytes(),
+                           crow_indices=np.asarray(td.sparse_crow_indices, dtype="<i8").tobytes(),
+                           col_indices=np.asarray(td.sparse_col_indices or [], dtype="<i8").tobytes())
+        return pb.Tensor(sparse_csr=csr, dtype=dtype, shape=list(td.shape or []))
+    arr = np.ascontiguousarray(td.to_numpy(), dtype=np_dtype)
     return pb.Tensor(dense=arr.tobytes(), dtype=dtype, shape=list(arr.shape))
 
 
@@ -420,8 +428,14 @@ def to_json(value: Any) -> Any:
             ],
             "prompt_logprobs": value.prompt_logprobs,
             "topk_prompt_logprobs": value.topk_prompt_logprobs,
+            "prompt_cache_hit_tokens": int(value.prompt_cache_hit_tokens or 0),
+            **_prompt_extras_json(value),
             "type": "sample",
         }
+    if isinstance(value, types.TensorData) and value.sparse_crow_indices is not None:
+        return {"data": value.data, "dtype": value.dtype, "shape": list(value.shape or []),  # never densified
+                "sparse_crow_indices": list(value.sparse_crow_indices),
+                "sparse_col_indices": list(value.sparse_col_indices or [])}
     if isinstance(value, types.TensorData):
         return {"data": value.to_numpy().ravel().tolist(), "dtype": value.dtype,
                 "shape": list(value.to_numpy().shape)}
@@ -436,6 +450,16 @@ def to_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [to_json(v) for v in value]
     return value
+
+
+def _prompt_extras_json(value: types.SampleResponse) -> dict:
+    out: dict[str, Any] = {}
+    if value.target_prompt_logprobs is not None:
+        out["target_prompt_logprobs"] = to_json(value.target_prompt_logprobs)
+    if value.prompt_alt_tokens is not None:
+        out["prompt_alt_tokens"] = {"tokens": to_json(value.prompt_alt_tokens.tokens),
+                                    "logprobs": to_json(value.prompt_alt_tokens.logprobs)}
+    return out
 
 
 def json_safe(value: Any) -> Any:

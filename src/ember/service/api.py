@@ -419,6 +419,8 @@ class ServiceAPI(abc.ABC):
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
         prompt_logprobs_last_n: int | None = None,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
         record_stability_info: bool = False,
     ) -> Submission:
         """Submit a sample (and `compute_logprobs`, which is a 1-token sample with

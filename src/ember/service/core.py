@@ -296,16 +296,18 @@ class Service(ServiceAPI):
 
     def sample(self, owner, sampling_session_id, seq_id, prompt, num_samples, sampling_params, *,
                include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
-               prompt_logprobs_last_n=None, record_stability_info=False) -> Submission:
+               prompt_logprobs_last_n=None, target_prompt_logprobs=None, prompt_alt_tokens_k=0,
+               record_stability_info=False) -> Submission:
         try:  # before the future reserves num_samples sequence ids and a sampler any memory
             self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
-                                            topk_sample_logprobs)
+                                            topk_sample_logprobs, prompt_alt_tokens_k)
         except UserError as exc:
             return self.runs.reject(owner, "Sample", str(exc))
         kwargs = dict(
             prompt=prompt, num_samples=num_samples, sampling_params=sampling_params,
             include_prompt_logprobs=bool(include_prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
+            target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         return self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
 

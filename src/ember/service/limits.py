@@ -27,7 +27,7 @@ class Limits:
     max_num_samples: `num_samples` of one sample request.
     max_sample_tokens: `sampling_params.max_tokens` (new tokens per sample).
     max_prompt_tokens: tokens of one sampling prompt.
-    max_topk_logprobs: `topk_prompt_logprobs` and `topk_sample_logprobs`.
+    max_topk_logprobs: `topk_prompt_logprobs`, `topk_sample_logprobs` and `prompt_alt_tokens_k`.
     max_datums_per_request: datums of one forward / forward_backward request.
     max_datum_tokens: `model_input` tokens of one datum.
     max_request_tokens: `model_input` tokens of all datums of one request together.
@@ -58,7 +58,7 @@ class Limits:
 
     # ------------------------------------------------------------------ sampling
     def check_sample(self, num_samples: Any, prompt: Any, sampling_params: Any, topk_prompt: Any,
-                     topk_sample: Any) -> None:
+                     topk_sample: Any, alt_tokens_k: Any = 0) -> None:
         """A sample request's counts; called before its future reserves sequence ids."""
         _bounded("num_samples", num_samples, self.max_num_samples, minimum=1)
         max_tokens = getattr(sampling_params, "max_tokens", None)
@@ -69,6 +69,7 @@ class Limits:
             raise UserError(f"prompt has {n_prompt} tokens; the limit is max_prompt_tokens={self.max_prompt_tokens}")
         _bounded("topk_prompt_logprobs", topk_prompt or 0, self.max_topk_logprobs, minimum=0)
         _bounded("topk_sample_logprobs", topk_sample or 0, self.max_topk_logprobs, minimum=0)
+        _bounded("prompt_alt_tokens_k", alt_tokens_k or 0, self.max_topk_logprobs, minimum=0)
 
     # ------------------------------------------------------------------ training
     def check_datums(self, data: Sequence[Any]) -> None:
@@ -115,6 +116,7 @@ _LIMIT_OF = {
     "sampling_params.max_tokens": "max_sample_tokens",
     "topk_prompt_logprobs": "max_topk_logprobs",
     "topk_sample_logprobs": "max_topk_logprobs",
+    "prompt_alt_tokens_k": "max_topk_logprobs",
 }
 
 

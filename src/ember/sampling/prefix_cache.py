@@ -1,0 +1,103 @@
+"""A bounded prefix cache for TorchSampler: the KV of prompt prefixes, reused across requests.
+
+An entry is the KV (every layer) of the first L tokens of a prompt that was prefilled,
+L a multiple of `block` tokens. It is keyed by the weights that computed it (the forward
+group and LoRA adapter of `Job`: a full version's id, an adapter version's id, or the base
+model), so no request ever reads KV of other weights. Version ids are never reused; when a
+version is released its entries are dropped (`forget`). Entries are evicted least recently
+used first to keep the total under `max_tokens` positions.
+
+Only the worker thread reads and fills the cache; `forget` may come from any thread (a
+version's finaliser), hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+Snapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [kv_heads, L, head_dim]
+WeightsKey = tuple[int, int]  # (full version id or 0, LoRA version id or 0)
+
+
+class PrefixCache:
+    def __init__(self, max_tokens: int, block: int = 16) -> None:
+        self.max_tokens = max_tokens
+        self.block = block
+        self._entries: OrderedDict[tuple[WeightsKey, tuple[int, ...]], Snapshot] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._watched: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens >= self.block
+
+    def cached_tokens(self) -> int:
+        return self._tokens
+
+    def lookup(self, key: WeightsKey, prompt: tuple[int, ...], limit: int) -> tuple[int, Snapshot | None]:
+        """(h, KV) of the longest cached block-aligned prefix of `prompt` of at most `limit` tokens."""
+        limit = (limit // self.block) * self.block
+        if not self.enabled or limit <= 0:
+            return 0, None
+        arr = np.asarray(prompt[:limit], dtype=np.int64)
+        best, best_key = 0, None
+        with self._lock:
+            for k in self._entries:
+                if k[0] != key:
+                    continue
+                n = min(len(k[1]), limit)
+                diff = np.flatnonzero(np.asarray(k[1][:n], dtype=np.int64) != arr[:n])
+                common = int(diff[0]) if diff.size else n
+                common = (common // self.block) * self.block
+                if common > best:
+                    best, best_key = common, k
+            if best_key is None:
+                return 0, None
+            self._entries.move_to_end(best_key)
+            snap = self._entries[best_key]
+        return best, [(k[:, :best], v[:, :best]) for k, v in snap]
+
+    def wanted_length(self, prompt_len: int) -> int:
+        """Block-aligned length an entry for a prompt of `prompt_len` tokens holds (its last
+        token is left out: a request always computes at least one position)."""
+        return ((prompt_len - 1) // self.block) * self.block if self.enabled else 0
+
+    def contains(self, key: WeightsKey, prefix: tuple[int, ...]) -> bool:
+        with self._lock:
+            return (key, prefix) in self._entries
+
+    def insert(self, key: WeightsKey, prefix: tuple[int, ...], snapshot: Snapshot, version=None) -> None:
+        n = len(prefix)
+        if not self.enabled or n == 0 or n > self.max_tokens:
+            return
+        with self._lock:
+            if (key, prefix) in self._entries:
+                self._entries.move_to_end((key, prefix))
+                return
+            self._entries[(key, prefix)] = snapshot
+            self._tokens += n
+            while self._tokens > self.max_tokens:
+                (_, old), _ = self._entries.popitem(last=False)
+                self._tokens -= len(old)
+            if version is not None and version.version_id not in self._watched:
+                self._watched.add(version.version_id)
+                weakref.finalize(version, self.forget, version.version_id)
+
+    def forget(self, version_id: int) -> None:
+        """Drop every entry computed with version `version_id` (it was released)."""
+        with self._lock:
+            self._watched.discard(version_id)
+            for k in [k for k in self._entries if version_id in k[0]]:
+                self._tokens -= len(k[1])
+                del self._entries[k]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._tokens = 0
