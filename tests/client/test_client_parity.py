@@ -95,3 +95,15 @@ def test_the_error_is_what_the_sdk_makes_of_such_an_answer():
     response = httpx.Response(404, json=err.body, request=httpx.Request("GET", "http://ember.invalid/x"))
     made = client._make_status_error_from_response(response)
     assert type(made) is type(err) and str(made) == str(err) and made.body == err.body
+
+
+def test_telemetry_and_queue_state_hooks_answer_in_process(make_client):
+    """The SDK's reporting hooks exist and are inert in process (no telemetry, no queue)."""
+    from tinker.lib.api_future_impl import QueueState
+
+    sc = make_client()
+    tc = sc.create_lora_training_client("ember-test/tiny-qwen3", rank=2).result()
+    sampler = sc.create_sampling_client(base_model="ember-test/tiny-qwen3").result()
+    for client in (sc, tc, sampler, sc.create_rest_client()):
+        assert client.get_telemetry() is None
+    assert sampler.on_queue_state_change(QueueState.PAUSED_CAPACITY, "busy") is None
