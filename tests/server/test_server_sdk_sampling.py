@@ -144,7 +144,12 @@ def test_sampler_handle_reconnects_for_its_owner_only(ember_server, trained):
     prompt = types.ModelInput.from_ints([5, 17, 30])
     p = params(max_tokens=4, temperature=0.0)
     again = tinker.SamplingClient.from_sampler_handle(handle, api_key=API_KEY)
-    assert again.sample(prompt, 1, p).result().sequences[0].tokens == sampler.sample(prompt, 1, p).result().sequences[0].tokens
     stranger = tinker.SamplingClient.from_sampler_handle(handle, api_key=OTHER_KEY)
-    with pytest.raises((tinker.NotFoundError, tinker.RequestFailedError)):
-        stranger.sample(prompt, 1, p).result(timeout=60)
+    try:
+        assert again.sample(prompt, 1, p).result().sequences[0].tokens == \
+            sampler.sample(prompt, 1, p).result().sequences[0].tokens
+        with pytest.raises((tinker.NotFoundError, tinker.RequestFailedError)):
+            stranger.sample(prompt, 1, p).result(timeout=60)
+    finally:  # each handle client heartbeats the session on its own (the stranger's for ever: 404s)
+        again.holder.close()
+        stranger.holder.close()

@@ -49,7 +49,7 @@ def test_client_is_lazy_then_makes_the_documented_sequence(ember_server, backgro
                     *["/retrieve_future"] * polls, "/get_info"]
     session_id = ember_server.requests_since(mark, "/create_session")[0]["response"]["session_id"]
     assert tc.get_info().model_id == f"{session_id}:train:0"
-    assert all(e["status"] == 200 for e in ember_server.requests_since(mark))
+    assert all(e["status"] == 200 for e in _foreground(ember_server.requests_since(mark)))
     sc.close("success").result(timeout=30)
 
 
