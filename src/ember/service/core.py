@@ -267,7 +267,7 @@ class Service(ServiceAPI):
                               age_encryption_recipients=None) -> Submission:
         try:
             external.check_export_options(age_encryption_recipients)
-            lifecycle.check_ttl(ttl_seconds, self.runs.checkpoint_config)
+            lifecycle.check_ttl(ttl_seconds, self.config.checkpoints)
         except UserError as exc:
             return self.runs.reject(owner, "SaveWeightsExternal", str(exc), model_id=model_id)
 

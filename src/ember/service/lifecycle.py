@@ -56,8 +56,8 @@ def rest_path(run_id: object, checkpoint_id: object) -> str:
     if not isinstance(run_id, str) or not run_id or "/" in run_id:
         raise UserError(f"run_id must be a training run id without '/', got {run_id!r}")
     if not isinstance(checkpoint_id, str) or checkpoint_id.count("/") != 1:
-        raise UserError(f"checkpoint_id must look like 'weights/<name>' or 'sampler_weights/<name>', "
-                        f"got {checkpoint_id!r}")
+        raise UserError("checkpoint_id must look like 'weights/<name>', 'sampler_weights/<name>' or "
+                        f"'external_weights/<name>', got {checkpoint_id!r}")
     return f"tinker://{run_id}/{checkpoint_id}"
 
 
