@@ -142,3 +142,32 @@ def test_ember_train_exit_status_in_a_real_process(tmp_path):
     )
     assert proc.returncode == 2
     assert "config error: config file not found" in proc.stderr
+
+
+def test_ember_train_help_lists_every_key_with_its_type_and_default(capsys):
+    from ember.cli import main
+    from ember.config import describe_keys
+    from ember.recipes.grpo import GRPOConfig
+
+    assert main(["train", "grpo", "--help"]) == 0
+    out = capsys.readouterr().out
+    for line in describe_keys(GRPOConfig):
+        assert line in out
+    assert "--loss_fn {importance_sampling,ppo} (default: 'importance_sampling')" in out
+    assert "--client.base_url str (default: '')" in out and "--metrics.jsonl bool (default: True)" in out
+
+
+def test_ember_train_against_a_server_that_is_not_running_fails_in_seconds(tmp_path, capsys):
+    import socket
+    import time
+
+    from ember.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    rc = main(["train", "sft", "--base_model", "tiny", "--data_path", str(tmp_path / "d.jsonl"),
+               "--run_dir", str(tmp_path / "run"), "--client.base_url", f"http://127.0.0.1:{port}"])
+    assert rc == 1 and time.monotonic() - start < 15
+    assert f"no server answers at http://127.0.0.1:{port}" in capsys.readouterr().err
