@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 
 from ember.models import load_tokenizer
-from ember.recipes.common import learning_rate_at, rl_datum, sft_datum
+from ember.recipes.common import (
+    completion_logprobs,
+    kl_k1,
+    kl_k3,
+    kl_shaped_advantages,
+    learning_rate_at,
+    rl_datum,
+    sft_datum,
+    submit_reference_logprobs,
+)
 from ember.recipes.digit_sum import DigitSumEnv, DigitSumTask, digit_sum
 from ember.recipes.env import Problem
 from ember.recipes.grpo import GRPOConfig, Rollout, group_advantages, minibatch_datums
@@ -32,6 +42,84 @@ def test_rl_datum_alignment():
     assert d.loss_fn_inputs["advantages"].data == [0.0, 0.25, 0.25, 0.25]
     with pytest.raises(ValueError, match="2 sampler logprobs for 3 completion tokens"):
         rl_datum([1], [7, 8, 9], [0.0, 0.0], 1.0)
+
+
+def datum_bytes(d) -> tuple:
+    """Everything a datum sends: its repr, tokens, and each loss input's dtype, shape and raw bytes."""
+    inputs = {k: (v.dtype, list(v.shape), v.to_numpy().tobytes()) for k, v in d.loss_fn_inputs.items()}
+    return repr(d), d.model_input.to_ints(), inputs
+
+
+def test_rl_datum_per_token_advantages():
+    d = rl_datum([1, 2], [7, 8, 9], [-0.1, -0.2, -0.3], advantage=[0.5, -1.0, 2])
+    assert d.loss_fn_inputs["advantages"].data == [0.0, 0.5, -1.0, 2.0]
+    # a float and the same value per token give the same datum, byte for byte
+    a = rl_datum([1, 2], [7, 8], [-0.1, -0.2], advantage=0.25)
+    b = rl_datum([1, 2], [7, 8], [-0.1, -0.2], advantage=[0.25, 0.25])
+    assert datum_bytes(a) == datum_bytes(b)
+    with pytest.raises(ValueError, match=r"advantage has 2 per-token values for 3 completion tokens \(expected 3\)"):
+        rl_datum([1], [7, 8, 9], [0.0] * 3, [1.0, 1.0])
+    with pytest.raises(TypeError, match="advantage must be a float or a per-token sequence of floats, got str"):
+        rl_datum([1], [7], [0.0], "1.0")
+
+
+class _RecordingSampler:
+    """Records compute_logprobs calls; results are only available after every submission."""
+
+    def __init__(self):
+        self.calls: list[tuple[list[int], int | None]] = []
+
+    def compute_logprobs(self, prompt, prompt_logprobs_last_n=None):
+        self.calls.append((prompt.to_ints(), prompt_logprobs_last_n))
+        n = len(prompt.to_ints())
+        return [None] * (n - prompt_logprobs_last_n) + [-0.5] * prompt_logprobs_last_n
+
+
+def test_submit_reference_logprobs_and_completion_logprobs():
+    ref = _RecordingSampler()
+    futures = submit_reference_logprobs(ref, [([1, 2], [3, 4, 5]), ([9], [8])])
+    assert ref.calls == [([1, 2, 3, 4, 5], 3), ([9, 8], 1)]  # one call per sequence, completion only
+    assert completion_logprobs(futures[0], 2, 3) == [-0.5, -0.5, -0.5]
+    assert completion_logprobs([None, -1.0, -2.0], 1, 2) == [-1.0, -2.0]
+    with pytest.raises(ValueError, match="sequence 1: a datum needs at least one completion token"):
+        submit_reference_logprobs(ref, [([1], [2]), ([1], [])])
+    with pytest.raises(ValueError, match="returned no logprobs"):
+        completion_logprobs(None, 1, 2)
+    with pytest.raises(ValueError, match=r"2 logprobs for a sequence of 1 prompt \+ 2 completion tokens \(expected 3\)"):
+        completion_logprobs([None, -1.0], 1, 2)
+    with pytest.raises(ValueError, match=r"no logprob for completion token\(s\) \[0\]"):
+        completion_logprobs([None, None, -2.0], 1, 2)
+
+
+def test_kl_estimators():
+    q, p = [-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5]
+    assert kl_k1(q, p) == pytest.approx([0.5, -1.0, 0.0])
+    k3 = kl_k3(q, p)
+    r = [-0.5, 1.0, 0.0]
+    assert k3 == pytest.approx([math.exp(x) - 1 - x for x in r], abs=1e-12)
+    assert all(k >= 0 for k in k3)
+    with pytest.raises(ValueError, match="2 sampler logprobs vs 1 reference logprobs"):
+        kl_k1([0.0, 0.0], [0.0])
+
+
+def test_kl_shaped_advantages_are_centred():
+    adv = [0.5, -0.5]
+    q = [[-1.0, -2.0, -0.5], [-0.1]]
+    p = [[-1.5, -1.0, -0.5], [-0.4]]
+    shaped = kl_shaped_advantages(adv, q, p, kl_coef=0.2)
+    k1 = [[0.5, -1.0, 0.0], [0.3]]
+    mean_k1 = (0.5 - 1.0 + 0.0 + 0.3) / 4
+    assert shaped == [pytest.approx([a + 0.2 * (mean_k1 - k) for k in ks], abs=1e-12) for a, ks in zip(adv, k1)]
+    # centring: the token-mean of the shaped advantages is the token-mean of the unshaped ones
+    flat = [x for row in shaped for x in row]
+    assert sum(flat) / 4 == pytest.approx((0.5 * 3 - 0.5) / 4, abs=1e-12)
+    # tokens the policy made likelier than the reference are penalised relative to the others
+    assert shaped[0][0] < shaped[0][2] < shaped[0][1]
+    assert kl_shaped_advantages(adv, q, p, kl_coef=0.0) == [[0.5] * 3, [-0.5]]
+    with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0, got -1"):
+        kl_shaped_advantages(adv, q, p, kl_coef=-1)
+    with pytest.raises(ValueError, match="1 advantages, 2 sampler and 2 reference logprob lists"):
+        kl_shaped_advantages([0.0], q, p, kl_coef=1.0)
 
 
 def test_sft_batch_weights_make_a_token_mean():
