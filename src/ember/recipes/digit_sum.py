@@ -72,12 +72,21 @@ class DigitSumTask:
         return list(completion_tokens) == self.answer_tokens(n)
 
 
-class DigitSumEnv(Environment):
-    """Fresh random numbers as prompts; reward 1 for the exact answer + EOS, else 0."""
+PARTIAL_CREDIT = 0.3  # reward of a well-formed but wrong answer with `partial_credit=True`
 
-    def __init__(self, task: DigitSumTask, exclude: Iterable[int] = ()) -> None:
+
+class DigitSumEnv(Environment):
+    """Fresh random numbers as prompts; reward 1 for the exact answer + EOS, else 0.
+
+    With `partial_credit=True` (opt-in; PPO's tests and example use it), a wrong answer that
+    still parses as an integer (after dropping the EOS) earns `PARTIAL_CREDIT`: a random
+    tiny model then gets a graded signal instead of an almost always zero reward.
+    """
+
+    def __init__(self, task: DigitSumTask, exclude: Iterable[int] = (), partial_credit: bool = False) -> None:
         self.task = task
         self.exclude = frozenset(exclude)
+        self.partial_credit = bool(partial_credit)
 
     def sample_problems(self, n: int, rng: random.Random) -> list[Problem]:
         out: list[Problem] = []
@@ -88,7 +97,22 @@ class DigitSumEnv(Environment):
         return out
 
     def reward(self, problem: Problem, completion_tokens: Sequence[int]) -> float:
-        return 1.0 if self.task.is_correct(problem.reference, completion_tokens) else 0.0
+        if self.task.is_correct(problem.reference, completion_tokens):
+            return 1.0
+        return PARTIAL_CREDIT if self.partial_credit and self.parses_as_integer(completion_tokens) else 0.0
+
+    def parses_as_integer(self, completion_tokens: Sequence[int]) -> bool:
+        """The completion, without a trailing EOS, is an integer such as ` 17` (no sign)."""
+        toks = list(completion_tokens)
+        if toks and toks[-1] == self.task.eos:
+            toks = toks[:-1]
+        text = self.task.tokenizer.decode(toks).strip()
+        return text.isascii() and text.isdigit()
 
     def stop(self) -> list[int]:
         return [self.task.eos]
+
+
+def make_env(tokenizer, partial_credit: bool = False, **task_args) -> DigitSumEnv:
+    """The `digit_sum` environment from a recipe's `env_args` (task keys plus `partial_credit`)."""
+    return DigitSumEnv(DigitSumTask(tokenizer, **task_args), partial_credit=partial_credit)

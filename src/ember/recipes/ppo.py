@@ -1,0 +1,347 @@
+"""PPO with a critic, flat, on the public Tinker API only.
+
+Roles are training runs, not engine subclasses: the policy is a LoRA run; the critic is a
+value-head run (`user_metadata={"ember.head": "value"}`) whose per-token outputs (read
+from `loss_fn_outputs[i]["logprobs"]`) are values; the reference is the step-0 sampler
+snapshot (immutable, contract 4) asked for `compute_logprobs`; the optional reward model
+is a value-head run restored from its `save_state` path (`reward_model.py`), whose value
+at the last position scores a whole sequence.
+
+Per step (B = P*G rollouts): sample from the policy's snapshot; role forwards -- critic
+values, reference logprobs (kl_coef > 0), reward-model scores (reward_model set) -- all
+SUBMITTED before any is AWAITED, so they run together wherever they live on different
+lanes (`overlap=False` awaits each at once, for the benchmark); per-token rewards
+r_t = -kl_coef*(log q_t - log ref_t), plus the task reward at the last token; GAE(gamma,
+lambda) with V_T = 0 after the completion's last token (a truncated completion is treated
+as terminal too); returns R = A + V; optional whitening of A over the batch; `epochs` x
+`minibatches` of the policy's `ppo` loss and the critic's `ppo_value` loss, both submitted
+before either is awaited; then a new policy snapshot.
+
+Normalisation (DESIGN contract 1: losses are sums): within a mini-batch of n completion
+tokens every policy advantage is divided by n and every critic weight is 1/n, so both
+losses are token means and the LR does not depend on the batch size.
+
+Where overlap happens: a LoRA critic (default) on the policy's base shares the policy's
+single training lane (one PeftModel, adapters switched per run), so critic and policy
+forwards/updates serialise and only the samplers (rollouts, reference) run beside them;
+a full-FT critic (`critic_full_ft = true`) has its own lane, so its forwards and updates
+overlap with the policy's.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinker import types
+
+from ember.metrics import MetricsConfig, get_logger, record_metric, span
+from ember.recipes.common import (
+    ClientConfig, StepHook, completion_logprobs, kl_k1, rl_datum, submit_reference_logprobs,
+)
+from ember.recipes.env import Environment
+from ember.recipes.grpo import ENVIRONMENTS as GRPO_ENVIRONMENTS
+from ember.recipes.grpo import Rollout, collect_groups, submit_samples
+
+VALUE_HEAD = {"ember.head": "value"}  # user_metadata of a critic / reward-model run
+
+
+@dataclass
+class PPOConfig:
+    base_model: str = ""
+    init_from: str = ""  # policy: a tinker:// save_state path; empty: fresh LoRA
+    lora_rank: int = 32
+    critic_lora_rank: int = 32
+    critic_full_ft: bool = False  # full FT: its own lane, so it overlaps with the policy
+    critic_init_from: str = ""  # a value-head save_state path; empty: fresh critic
+    reward_model: str = ""  # a value-head save_state path (reward_model.py); empty: the env's reward
+    steps: int = 50
+    prompts_per_step: int = 16  # P
+    samples_per_prompt: int = 1  # G
+    max_tokens: int = 16
+    temperature: float = 1.0
+    learning_rate: float = 1e-4
+    critic_learning_rate: float = 1e-4
+    adam_beta2: float = 0.95
+    gamma: float = 1.0
+    lam: float = 0.95
+    epochs: int = 2
+    minibatches: int = 2  # per epoch, split by rollout
+    clip_low: float = 0.8  # ppo ratio bounds (absolute, Tinker's convention)
+    clip_high: float = 1.2
+    value_clip: float = 0.2  # ppo_value: V is kept within old V +- value_clip
+    kl_coef: float = 0.0  # per-token KL penalty to the reference in the reward
+    whiten_advantages: bool = True
+    overlap: bool = True  # submit role forwards / updates together (False: await each at once)
+    seed: int = 0
+    env: str = "digit_sum"
+    env_args: dict[str, Any] = field(default_factory=dict)
+    run_dir: str = ""
+    save_name: str = "final"
+    client: ClientConfig = field(default_factory=ClientConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("lora_rank", "critic_lora_rank", "steps", "prompts_per_step", "samples_per_prompt",
+                     "max_tokens", "epochs", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.minibatches > self.prompts_per_step * self.samples_per_prompt:
+            raise ValueError(f"PPOConfig.minibatches ({self.minibatches}) > rollouts per step "
+                             f"({self.prompts_per_step * self.samples_per_prompt})")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.kl_coef < 0 or self.temperature < 0 or self.value_clip <= 0:
+            raise ValueError(f"PPOConfig: need kl_coef >= 0, temperature >= 0, value_clip > 0; got "
+                             f"{self.kl_coef}, {self.temperature}, {self.value_clip}")
+        if not 0 <= self.clip_low <= 1 <= self.clip_high:
+            raise ValueError(f"PPOConfig: need 0 <= clip_low <= 1 <= clip_high, got {self.clip_low}, {self.clip_high}")
+
+
+# ---------------------------------------------------------------- pure helpers
+def token_rewards(reward: float, q_T: Sequence[float], ref_T: Sequence[float] | None, kl_coef: float) -> list[float]:
+    """r_t = -kl_coef * (log q_t - log ref_t) on the sampled tokens; the task reward lands on the last."""
+    r_T = [0.0] * len(q_T)
+    if kl_coef > 0 and ref_T is not None:
+        r_T = [-kl_coef * k for k in kl_k1(q_T, ref_T)]
+    r_T[-1] += reward
+    return r_T
+
+
+def gae(rewards_T: Sequence[float], values_T: Sequence[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+    """GAE: delta_t = r_t + gamma*V_{t+1} - V_t with V_T = 0; A_t = sum_l (gamma*lam)^l delta_{t+l};
+    returns (A_T, R_T) with R_t = A_t + V_t."""
+    if len(rewards_T) != len(values_T):
+        raise ValueError(f"gae: {len(rewards_T)} rewards for {len(values_T)} values")
+    adv_T, next_adv, next_value = [0.0] * len(rewards_T), 0.0, 0.0
+    for t in reversed(range(len(rewards_T))):
+        delta = rewards_T[t] + gamma * next_value - values_T[t]
+        next_adv = adv_T[t] = delta + gamma * lam * next_adv
+        next_value = values_T[t]
+    return adv_T, [a + v for a, v in zip(adv_T, values_T)]
+
+
+def explained_variance(pred: Sequence[float], target: Sequence[float]) -> float:
+    """1 - Var(target - pred) / Var(target); nan when the target is constant."""
+    n = len(target)
+    mean_t = sum(target) / n
+    var_t = sum((y - mean_t) ** 2 for y in target) / n
+    if var_t == 0.0:
+        return math.nan
+    res = [y - p for y, p in zip(target, pred, strict=True)]
+    mean_r = sum(res) / n
+    return 1.0 - sum((r - mean_r) ** 2 for r in res) / n / var_t
+
+
+def whiten(values_N: Sequence[float]) -> list[float]:
+    mean = sum(values_N) / len(values_N)
+    std = math.sqrt(sum((x - mean) ** 2 for x in values_N) / len(values_N))
+    return [(x - mean) / (std + 1e-8) for x in values_N]
+
+
+def value_datum(prompt: Sequence[int], completion: Sequence[int], returns_T: Sequence[float] | None = None,
+                old_values_T: Sequence[float] | None = None, weight: float = 1.0) -> types.Datum:
+    """A critic datum, aligned like `rl_datum`: position len(prompt)-1+t reads the state before
+    completion token t, so V_t and log pi(c_t) share an index. `target_tokens` are sent because
+    the SDK needs them (a value head ignores them); prompt positions carry weight 0. Without
+    returns it is a forward (`cross_entropy`) datum; with returns and old values a `ppo_value` one."""
+    if not prompt or not completion:
+        raise ValueError(f"value_datum: need a prompt and a completion, got {len(prompt)} and {len(completion)} tokens")
+    tokens, pad = [*prompt, *completion], [0.0] * (len(prompt) - 1)
+    inputs: dict[str, Any] = {"target_tokens": tokens[1:], "weights": pad + [float(weight)] * len(completion)}
+    for key, seq in (("returns", returns_T), ("old_values", old_values_T)):
+        if seq is not None:
+            if len(seq) != len(completion):
+                raise ValueError(f"value_datum: {len(seq)} {key} for {len(completion)} completion tokens")
+            data = pad + [float(x) for x in seq]  # an explicit TensorData: the SDK knows no dtype for these keys
+            inputs[key] = types.TensorData(data=data, dtype="float32", shape=[len(data)])
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+def score_datum(tokens: Sequence[int]) -> types.Datum:
+    """A reward-model datum: the whole sequence as input, so the last position's value reads all of
+    it (the score); `target_tokens` (zeros) and zero weights only satisfy the SDK's forward."""
+    if len(tokens) < 1:
+        raise ValueError("score_datum: need at least one token")
+    zeros = [0] * len(tokens)
+    return types.Datum(model_input=types.ModelInput.from_ints(list(tokens)),
+                       loss_fn_inputs={"target_tokens": zeros, "weights": [0.0] * len(tokens)})
+
+
+def completion_values(output: Any, prompt_len: int) -> list[float]:
+    """V_t, t = 0..T-1, from one datum's forward output (a value head's `logprobs`)."""
+    return [float(x) for x in output["logprobs"].data[prompt_len - 1:]]
+
+
+# ---------------------------------------------------------------- one step
+@dataclass
+class Experience:
+    rollout: Rollout
+    values: list[float]  # critic's V before the update
+    reward: float  # task (or reward-model) reward of the whole completion
+    ref_logprobs: list[float] | None = None
+    advantages: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)
+
+
+def _await(pending: Any) -> Any:
+    if isinstance(pending, list):
+        return [_await(x) for x in pending]
+    return pending.result() if hasattr(pending, "result") else pending
+
+
+def role_forwards(rollouts: Sequence[Rollout], critic, reference=None, reward_model=None,
+                  overlap: bool = True) -> list[Experience]:
+    """Critic values, reference logprobs and reward-model scores for the rollouts: every request is
+    submitted before any is awaited (`overlap=False`: each is awaited as soon as it is submitted)."""
+    pending: dict[str, Any] = {}
+
+    def submit(name: str, fn) -> None:
+        pending[name] = fn() if overlap else _await(fn())
+
+    submit("values", lambda: critic.forward([value_datum(r.problem.tokens, r.tokens) for r in rollouts], "cross_entropy"))
+    if reference is not None:
+        submit("ref", lambda: submit_reference_logprobs(reference, [(r.problem.tokens, r.tokens) for r in rollouts]))
+    if reward_model is not None:
+        submit("score", lambda: reward_model.forward([score_datum([*r.problem.tokens, *r.tokens]) for r in rollouts],
+                                                     "cross_entropy"))
+    done = {name: _await(p) for name, p in pending.items()}
+    values = done["values"].loss_fn_outputs
+    scores = [out["logprobs"].data[-1] for out in done["score"].loss_fn_outputs] if reward_model is not None else None
+    out = []
+    for i, r in enumerate(rollouts):
+        ref = None if reference is None else completion_logprobs(done["ref"][i], len(r.problem.tokens), len(r.tokens))
+        out.append(Experience(r, completion_values(values[i], len(r.problem.tokens)),
+                              r.reward if scores is None else float(scores[i]), ref))
+    return out
+
+
+def compute_advantages(exps: Sequence[Experience], cfg: PPOConfig) -> None:
+    """Per-token rewards, GAE and returns in place; whitening of A over all completion tokens."""
+    for e in exps:
+        r_T = token_rewards(e.reward, e.rollout.logprobs, e.ref_logprobs, cfg.kl_coef)
+        e.advantages, e.returns = gae(r_T, e.values, cfg.gamma, cfg.lam)
+    flat = [a for e in exps for a in e.advantages]
+    record_metric("adv_mean", sum(flat) / len(flat))
+    record_metric("adv_std", math.sqrt(sum(a * a for a in flat) / len(flat) - (sum(flat) / len(flat)) ** 2))
+    if cfg.whiten_advantages and len(flat) > 1:
+        white, k = whiten(flat), 0
+        for e in exps:
+            e.advantages, k = white[k:k + len(e.advantages)], k + len(e.advantages)
+
+
+def update(policy, critic, exps: Sequence[Experience], cfg: PPOConfig, rng: random.Random,
+           overlap: bool = True) -> None:
+    """`epochs` x `minibatches` policy (`ppo`) and critic (`ppo_value`) steps on token means."""
+    ppo_cfg = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
+    adam_p = types.AdamParams(learning_rate=cfg.learning_rate, beta2=cfg.adam_beta2)
+    adam_c = types.AdamParams(learning_rate=cfg.critic_learning_rate, beta2=cfg.adam_beta2)
+    for _ in range(cfg.epochs):
+        order = list(range(len(exps)))
+        rng.shuffle(order)
+        bounds = [round(i * len(order) / cfg.minibatches) for i in range(cfg.minibatches + 1)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            mb = [exps[i] for i in order[lo:hi]]
+            n = sum(len(e.rollout.tokens) for e in mb)
+            pol = [rl_datum(e.rollout.problem.tokens, e.rollout.tokens, e.rollout.logprobs,
+                            [a / n for a in e.advantages]) for e in mb]
+            val = [value_datum(e.rollout.problem.tokens, e.rollout.tokens, e.returns, e.values, weight=1.0 / n)
+                   for e in mb]
+            futures = [policy.forward_backward(pol, "ppo", ppo_cfg), policy.optim_step(adam_p)]
+            if not overlap:
+                futures = _await(futures)
+            futures += [critic.forward_backward(val, "ppo_value", {"value_clip": cfg.value_clip}),
+                        critic.optim_step(adam_c)]
+            fb_p, opt_p, fb_c, _ = _await(futures)
+            record_metric("policy_loss", fb_p.metrics["loss:sum"])
+            record_metric("clip_frac", fb_p.metrics.get("clipped_tokens:sum", 0.0) / n)
+            record_metric("grad_norm", opt_p.metrics.get("grad_norm:mean", 0.0) if opt_p.metrics else 0.0)
+            record_metric("value_loss", fb_c.metrics["loss:sum"])
+
+
+def record_step_metrics(exps: Sequence[Experience]) -> None:
+    record_metric("reward", sum(e.reward for e in exps) / len(exps))
+    record_metric("task_reward", sum(e.rollout.reward for e in exps) / len(exps))
+    record_metric("completion_tokens", sum(len(e.rollout.tokens) for e in exps) / len(exps))
+    ev = explained_variance([v for e in exps for v in e.values], [r for e in exps for r in e.returns])
+    if math.isfinite(ev):
+        record_metric("explained_variance", ev)
+    if all(e.ref_logprobs is not None for e in exps):
+        k1 = [k for e in exps for k in kl_k1(e.rollout.logprobs, e.ref_logprobs)]
+        record_metric("kl_ref", sum(k1) / len(k1))
+
+
+def train_ppo(policy, critic, env: Environment, cfg: PPOConfig, reward_model=None,
+              on_step: StepHook | None = None, prefix: str = "ppo/") -> Any:
+    """Run `cfg.steps` PPO steps; returns a sampling client of the final policy weights."""
+    rng, logger = random.Random(cfg.seed), get_logger()
+    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=env.stop())
+    with logger.prefix(prefix):
+        sampler = policy.save_weights_and_get_sampling_client().result()
+        reference = sampler if cfg.kl_coef > 0 else None  # step-0 snapshot: frozen forever (contract 4)
+        for step in range(cfg.steps):
+            with span("sample"):
+                problems = env.sample_problems(cfg.prompts_per_step, rng)
+                groups = collect_groups(env, problems, submit_samples(sampler, problems, cfg.samples_per_prompt,
+                                                                      params, rng))
+                rollouts = [r for g in groups for r in g if r.tokens]
+            if not rollouts:
+                raise ValueError("PPO: every sampled completion was empty")
+            with span("roles"):
+                exps = role_forwards(rollouts, critic, reference, reward_model, overlap=cfg.overlap)
+            with span("gae"):
+                compute_advantages(exps, cfg)
+            with span("train"):
+                update(policy, critic, exps, cfg, rng, overlap=cfg.overlap)
+            record_step_metrics(exps)
+            with span("sync"):
+                sampler = policy.save_weights_and_get_sampling_client().result()
+            summary = logger.flush(step)
+            if on_step is not None:
+                on_step(step, summary)
+    return sampler
+
+
+def make_digit_sum_env(tokenizer, **kwargs: Any) -> Environment:
+    from ember.recipes.digit_sum import make_env
+
+    return make_env(tokenizer, **kwargs)
+
+
+# name -> factory(tokenizer, **env_args); digit_sum here also takes `partial_credit`
+ENVIRONMENTS: dict[str, Any] = {**GRPO_ENVIRONMENTS, "digit_sum": make_digit_sum_env}
+
+
+def create_critic(service_client, cfg: PPOConfig):
+    if cfg.critic_init_from:
+        return service_client.create_training_client_from_state(cfg.critic_init_from).result()
+    if cfg.critic_full_ft:
+        return service_client.create_full_training_client(cfg.base_model, user_metadata=dict(VALUE_HEAD)).result()
+    return service_client.create_lora_training_client(base_model=cfg.base_model, rank=cfg.critic_lora_rank,
+                                                      seed=cfg.seed, user_metadata=dict(VALUE_HEAD)).result()
+
+
+def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
+    """Create policy, critic (and reward model), train, save both; returns the policy's saved path."""
+    from ember.recipes.common import make_service_client
+
+    if config.env not in ENVIRONMENTS:
+        raise ValueError(f"PPOConfig.env: unknown environment {config.env!r}; known: {sorted(ENVIRONMENTS)}")
+    sc = make_service_client(config.client)
+    if config.init_from:
+        policy = sc.create_training_client_from_state(config.init_from).result()
+    else:
+        policy = sc.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank,
+                                                seed=config.seed).result()
+    critic = create_critic(sc, config)
+    rm = sc.create_training_client_from_state(config.reward_model).result() if config.reward_model else None
+    env = ENVIRONMENTS[config.env](policy.get_tokenizer(), **config.env_args)
+    train_ppo(policy, critic, env, config, reward_model=rm, on_step=on_step)
+    if not config.save_name:
+        return None
+    critic.save_state(f"{config.save_name}-critic").result()
+    return policy.save_state(config.save_name).result().path
