@@ -3,6 +3,7 @@ variance, whitening, critic / scoring datum alignment, config refusals, partial 
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -126,3 +127,54 @@ def test_digit_sum_partial_credit(digit_model_dir):
     ]:
         assert strict.reward(p, completion) == want_strict, tok.decode(completion)
         assert graded.reward(p, completion) == want_graded, tok.decode(completion)
+
+
+def test_bt_loss_value_and_gradient_match_autograd_of_the_formula():
+    import torch
+
+    from ember.recipes.reward_model import bt_loss
+
+    torch.manual_seed(0)
+    values = [torch.randn(n, dtype=torch.float64, requires_grad=True) for n in (3, 5, 2, 4)]
+    loss, metrics = bt_loss([], values)
+    loss.backward()
+    s = [v.detach()[-1] for v in values]
+    want = (torch.log1p(torch.exp(-(s[0] - s[1]))) + torch.log1p(torch.exp(-(s[2] - s[3])))) / 2
+    assert loss.item() == pytest.approx(float(want), abs=1e-12)
+    for j, v in enumerate(values):  # only the last position carries gradient
+        sign = 1.0 if j % 2 == 0 else -1.0
+        c, r = s[j - j % 2], s[j - j % 2 + 1]
+        expected_last = -sign * torch.sigmoid(-(c - r)) / 2
+        assert float(v.grad[-1]) == pytest.approx(float(expected_last), abs=1e-12)
+        assert torch.count_nonzero(v.grad[:-1]) == 0
+    assert metrics["accuracy"] == pytest.approx(((s[0] > s[1]).item() + (s[2] > s[3]).item()) / 2)
+
+
+def test_preference_data(digit_model_dir, tmp_path):
+    from ember.recipes.reward_model import RMConfig, jsonl_pairs, load_pairs, pair_datums, synthetic_digits
+
+    tok = load_tokenizer(digit_model_dir)
+    pairs = synthetic_digits(tok, 20, seed=3)
+    assert pairs == synthetic_digits(tok, 20, seed=3)  # reproducible
+    for prompt, chosen, rejected in pairs:
+        assert len(chosen) == len(rejected) and chosen[-1] == rejected[-1] == tok.eos_token_id
+        assert tok.decode(chosen[:-1]).strip().isdigit() and tok.decode(rejected[:-1]).strip().isalpha()
+    train, held = load_pairs(RMConfig(train_pairs=30, eval_pairs=10), tok)
+    assert len(train) == 30 and len(held) == 10
+    assert not {tuple(p) for p, _, _ in train} & {tuple(p) for p, _, _ in held}  # distinct numbers
+    d = pair_datums(pairs[:2])
+    assert [x.model_input.to_ints() for x in d] == [pairs[0][0] + pairs[0][1], pairs[0][0] + pairs[0][2],
+                                                  pairs[1][0] + pairs[1][1], pairs[1][0] + pairs[1][2]]
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(json.dumps({"prompt": "Sum the digits of 12:", "chosen": " 3", "rejected": " e"}) + "\n\n")
+    [(p, c, r)] = jsonl_pairs(path, tok)
+    assert tok.decode(p) == "Sum the digits of 12:" and c[-1] == r[-1] == tok.eos_token_id
+    with pytest.raises(ValueError, match="has 1 pairs; need more than eval_pairs"):
+        load_pairs(RMConfig(data=str(path), eval_pairs=1), tok)
+    path.write_text(json.dumps({"prompt": "x", "chosen": " 3"}) + "\n")
+    with pytest.raises(ValueError, match=r"prefs.jsonl:1: expected non-empty strings 'prompt', 'chosen', 'rejected'"):
+        jsonl_pairs(path, tok)
+    with pytest.raises(FileNotFoundError, match="no preference data named 'nope.jsonl'.*synthetic_digits"):
+        load_pairs(RMConfig(data="nope.jsonl"), tok)
+    with pytest.raises(ValueError, match="RMConfig.pairs_per_step must be >= 1, got 0"):
+        RMConfig(pairs_per_step=0)

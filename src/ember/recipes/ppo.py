@@ -316,11 +316,19 @@ def make_digit_sum_env(tokenizer, **kwargs: Any) -> Environment:
 ENVIRONMENTS: dict[str, Any] = {**GRPO_ENVIRONMENTS, "digit_sum": make_digit_sum_env}
 
 
+def full_ft_client(service_client, base_model: str, field_name: str):
+    """A full-FT value-head run: ember's `create_full_training_client` (not in the tinker SDK)."""
+    if not hasattr(service_client, "create_full_training_client"):
+        raise ValueError(f"{field_name}: full fine-tuning needs ember's create_full_training_client, which "
+                         f"{type(service_client).__name__} lacks (the tinker SDK); use a LoRA run instead")
+    return service_client.create_full_training_client(base_model, user_metadata=dict(VALUE_HEAD)).result()
+
+
 def create_critic(service_client, cfg: PPOConfig):
     if cfg.critic_init_from:
         return service_client.create_training_client_from_state(cfg.critic_init_from).result()
     if cfg.critic_full_ft:
-        return service_client.create_full_training_client(cfg.base_model, user_metadata=dict(VALUE_HEAD)).result()
+        return full_ft_client(service_client, cfg.base_model, "PPOConfig.critic_full_ft")
     return service_client.create_lora_training_client(base_model=cfg.base_model, rank=cfg.critic_lora_rank,
                                                       seed=cfg.seed, user_metadata=dict(VALUE_HEAD)).result()
 
