@@ -149,3 +149,15 @@ def test_a_lora_policy_and_a_lora_critic_share_one_base(make_client):
     policy.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert policy.save_weights_and_get_sampling_client().result().sample(
         types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2)).result().sequences
+
+
+def test_a_critic_on_a_worker_group_matches_the_local_one(make_client, tmp_path):
+    grouped = make_client(tmp_path / "group", workers={"runtime": "inline"})
+    local = make_client(tmp_path / "local")
+    runs = [critic(sc, seed=9) for sc in (grouped, local)]
+    torch.testing.assert_close(values(runs[0]), values(runs[1]), rtol=1e-5, atol=1e-6)
+    losses = [value_step(tc).metrics["loss:sum"] for tc in runs]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    torch.testing.assert_close(values(runs[0]), values(runs[1]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="no sampler"):
+        runs[0].save_weights_and_get_sampling_client().result()
