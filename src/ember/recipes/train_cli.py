@@ -1,6 +1,6 @@
-"""`ember train sft|grpo --config file.toml [--key value ...]`: a recipe from a typed config.
+"""`ember train sft|grpo|ppo|reward_model --config file.toml [--key value ...]`: a recipe from a typed config.
 
-The TOML file fills `SFTConfig` / `GRPOConfig` (tables for nested sections such as
+The TOML file fills the recipe's config (`SFTConfig`, `GRPOConfig`, `PPOConfig`, `RMConfig`; tables for nested sections such as
 `[client]` and `[metrics]`); `--section.key value` (or `--key=value`) overrides it. A bad
 key, a wrong type, a missing file or an invalid value prints one clear message naming
 the key and exits with status 2. Outputs (config, metrics JSONL, TensorBoard) go to
@@ -10,19 +10,32 @@ the key and exits with status 2. Outputs (config, metrics JSONL, TensorBoard) go
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ember.config import ConfigError, load_config
 
-RECIPES = ("sft", "grpo")
-USAGE = "ember train {sft,grpo} [--config FILE.toml] [--section.key VALUE ...]"
+# name -> ("module:ConfigClass", "module:run_function"); imported only when that recipe runs
+RECIPES: dict[str, tuple[str, str]] = {
+    "sft": ("ember.recipes.sft:SFTConfig", "ember.recipes.sft:run_sft"),
+    "grpo": ("ember.recipes.grpo:GRPOConfig", "ember.recipes.grpo:run_grpo"),
+    "ppo": ("ember.recipes.ppo:PPOConfig", "ember.recipes.ppo:run_ppo"),
+    "reward_model": ("ember.recipes.reward_model:RMConfig", "ember.recipes.reward_model:run_reward_model"),
+}
+USAGE = "ember train {" + ",".join(RECIPES) + "} [--config FILE.toml] [--section.key VALUE ...]"
+
+
+def _load(ref: str) -> Any:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = USAGE
-    parser.add_argument("recipe", choices=RECIPES, help="which recipe to run")
+    parser.add_argument("recipe", choices=list(RECIPES), help="which recipe to run")
     # Everything after the recipe is parsed by ember.config (keys are only known per recipe).
     parser.add_argument("options", nargs=argparse.REMAINDER,
                         help="--config FILE.toml and overrides such as --learning_rate 3e-4 --metrics.tensorboard false")
@@ -47,11 +60,9 @@ def split_config_path(options: list[str]) -> tuple[str | None, list[str]]:
 
 
 def config_class(recipe: str) -> type:
-    if recipe == "sft":
-        from ember.recipes.sft import SFTConfig
-        return SFTConfig
-    from ember.recipes.grpo import GRPOConfig
-    return GRPOConfig
+    if recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    return _load(RECIPES[recipe][0])
 
 
 def load_recipe_config(recipe: str, options: list[str]):
@@ -61,7 +72,7 @@ def load_recipe_config(recipe: str, options: list[str]):
 
 def help_text(recipe: str) -> str:
     """Usage plus every key of the recipe's config (TOML key = the flag without `--`;
-    a dotted key is a key of that TOML table). Example files: examples/{sft,grpo}.toml."""
+    a dotted key is a key of that TOML table). Example files: examples/<recipe>.toml."""
     from ember.config import describe_keys
 
     cls = config_class(recipe)
@@ -95,11 +106,7 @@ def run_recipe(recipe: str, config) -> int:
     logger = MetricsLogger(build_sinks(config.metrics, run_dir))
     try:
         with use_logger(logger):
-            if recipe == "sft":
-                from ember.recipes.sft import run_sft as run_fn
-            else:
-                from ember.recipes.grpo import run_grpo as run_fn
-            saved = run_fn(config)
+            saved = _load(RECIPES[recipe][1])(config)
     except (ValueError, FileNotFoundError, ServerUnreachable) as e:
         print(f"ember train {recipe}: {e}", file=sys.stderr)
         return 1
