@@ -1,0 +1,61 @@
+"""The Bradley-Terry reward model on synthetic preference pairs, and PPO with its scores as reward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import ember
+from ember.metrics import MetricsConfig, MetricsLogger, use_logger
+from ember.recipes.common import ClientConfig
+from ember.recipes.ppo import VALUE_HEAD, PPOConfig, run_ppo
+from ember.recipes.reward_model import RMConfig, heldout_accuracy, load_pairs, run_reward_model, train_reward_model
+
+
+@pytest.fixture(scope="module")
+def client_config(digit_model_dir, tmp_path_factory):
+    return ClientConfig(models={"tiny": str(digit_model_dir)}, data_dir=str(tmp_path_factory.mktemp("ember")))
+
+
+def test_bt_reward_model_ranks_heldout_pairs(client_config):
+    # Seeds 0, 1, 2 (lr 3e-3, 16 pairs a step): held-out accuracy 1.0 from step 5 on (0.984 once).
+    cfg = RMConfig(base_model="tiny", lora_rank=8, steps=12, pairs_per_step=16, learning_rate=3e-3,
+                   train_pairs=256, eval_pairs=64, eval_every=6, seed=0)
+    sc = ember.ServiceClient(models=client_config.models, data_dir=client_config.data_dir)
+    try:
+        rm = sc.create_lora_training_client(base_model="tiny", rank=8, seed=0, user_metadata=dict(VALUE_HEAD)).result()
+        train, heldout = load_pairs(cfg, rm.get_tokenizer())
+        logger = MetricsLogger()
+        with use_logger(logger):
+            acc = train_reward_model(rm, train, heldout, cfg)
+    finally:
+        sc.close("success")
+    history = [m for _, m in logger.history]
+    assert acc > 0.8 and history[-1]["rm/heldout_accuracy"] == acc
+    assert [i for i, m in enumerate(history) if "rm/heldout_accuracy" in m] == [5, 11]
+    assert history[-1]["rm/loss"] < 0.5 * history[0]["rm/loss"]
+    assert history[-1]["rm/margin"] > 1.0 > history[0]["rm/margin"]
+
+
+def test_ppo_with_reward_model(client_config):
+    """`run_reward_model` saves a value-head state; PPO restores it and scores rollouts with it."""
+    quiet = {"console": False, "tensorboard": False}
+    rm_cfg = RMConfig(base_model="tiny", lora_rank=4, steps=8, pairs_per_step=8, learning_rate=3e-3, train_pairs=64,
+                      eval_pairs=16, save_name="rm", client=client_config, metrics=quiet)
+    path = run_reward_model(rm_cfg)
+    assert path.startswith("tinker://") and path.endswith("/weights/rm")
+    cfg = PPOConfig(base_model="tiny", lora_rank=4, critic_lora_rank=4, reward_model=path, steps=2,
+                    prompts_per_step=4, samples_per_prompt=2, max_tokens=3, save_name="", client=client_config,
+                    metrics=MetricsConfig(console=False, tensorboard=False))
+    seen = []
+    logger = MetricsLogger()
+    with use_logger(logger):
+        assert run_ppo(cfg, on_step=lambda step, m: seen.append(m)) is None
+    assert len(seen) == 2
+    for m in seen:
+        assert math.isfinite(m["ppo/reward"]) and m["ppo/reward"] != m["ppo/task_reward"]  # the RM's scores
+    import tinker
+
+    with pytest.raises(tinker.RequestFailedError, match="checkpoint .*/weights/rm-missing' not found"):
+        run_ppo(PPOConfig(**{**cfg.__dict__, "reward_model": path.replace("/rm", "/rm-missing")}))
