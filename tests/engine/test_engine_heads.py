@@ -319,3 +319,16 @@ def test_build_head_names_known_heads(tiny_model_dir):
     with pytest.raises(ValueError, match="head must be one of policy, value; got 'x'"):
         build_head("x", engine.hf_config, 0)
     assert build_head("value", engine.hf_config, 0).score.in_features == 64
+
+
+def test_value_head_on_llama_and_any_adapter_name(tiny_llama_dir):
+    from ember.models import add_lora_adapter, load_model
+
+    engine = _engine(tiny_llama_dir, lora=LORA, budget=20)
+    datums = value_datums(3, seed=9)
+    for d, v in zip(datums, _values(engine.forward(datums, "value_mse"))):
+        torch.testing.assert_close(v, _direct_values(engine, d), rtol=1e-5, atol=1e-5)
+    # an adapter named like the head's module keeps the head's state names intact
+    model = add_lora_adapter(load_model(tiny_llama_dir, "float32", "cpu", "sdpa"), "score", LORA, unembed=False)
+    named = TorchEngine(model, EngineConfig(), lora_config=LORA, adapter_name="score", head="value")
+    assert {"head.score.weight", "head.score.bias"} <= set(named.state_tensors())

@@ -379,7 +379,8 @@ class TorchEngine(TrainingEngine):
         head's as `head.score.weight` / `head.score.bias`."""
         if not self.is_lora:
             return dict(self._named_trainable())
-        return {n.replace(f".{self.adapter_name}.", "."): p for n, p in self._named_trainable()}
+        tag = f".{self.adapter_name}."
+        return {n if n.startswith("head.") else n.replace(tag, "."): p for n, p in self._named_trainable()}
 
     def save_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
         checkpoint.save(self, Path(path), optimizer=optimizer)
