@@ -101,27 +101,6 @@ def test_value_inputs_validated_without_target_tokens():
     assert set(with_targets) == {"returns", "old_values", "weights", "target_tokens"}
 
 
-@pytest.mark.parametrize(
-    "name, inputs, match",
-    [
-        ("value_mse", {"weights": torch.ones(4)}, "datum 2: loss_fn_inputs is missing ['returns'], required by loss 'value_mse'"),
-        ("ppo_value", {"returns": torch.ones(4), "old_values": torch.ones(3)},
-         "datum 2: loss_fn_inputs['old_values'] has shape (3,), expected (4,) (N = model_input length)"),
-        ("value_mse", {"returns": torch.ones(4), "weights": torch.ones(5)},
-         "datum 2: loss_fn_inputs['weights'] has shape (5,), expected (4,)"),
-        ("value_mse", {"returns": torch.ones(4), "advantages": torch.ones(4)},
-         "datum 2: loss_fn_inputs has unknown key(s) ['advantages'] for loss 'value_mse'"),
-        ("value_mse", {"returns": torch.tensor([0.0, float("nan"), 0.0, 0.0])},
-         "datum 2: loss_fn_inputs['returns'] has a non-finite value nan at position 1"),
-        ("value_mse", {"returns": torch.ones(4), "target_tokens": torch.tensor([1, 2, 3, 99])},
-         "datum 2: loss_fn_inputs['target_tokens'] has token id 99 at position 3"),
-    ],
-)
-def test_value_loss_inputs_named_errors(name, inputs, match):
-    with pytest.raises(ValueError, match=re.escape(match)):
-        validate_datum_inputs(name, 2, 4, inputs, V)
-
-
 # ---------------------------------------------------------------- prepare_datums and the head
 def _datum(n, **inputs):
     return types.Datum(
