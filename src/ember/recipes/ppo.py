@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from ember.metrics import MetricsConfig, get_logger, record_metric, span
 from ember.recipes.common import (
     ClientConfig, StepHook, completion_logprobs, kl_k1, rl_datum, submit_reference_logprobs,
 )
+from ember.recipes.digit_sum import make_env as make_digit_sum_env
 from ember.recipes.env import Environment
 from ember.recipes.grpo import ENVIRONMENTS as GRPO_ENVIRONMENTS
 from ember.recipes.grpo import Rollout, collect_groups, submit_samples
@@ -127,19 +129,14 @@ def gae(rewards_T: Sequence[float], values_T: Sequence[float], gamma: float, lam
 
 def explained_variance(pred: Sequence[float], target: Sequence[float]) -> float:
     """1 - Var(target - pred) / Var(target); nan when the target is constant."""
-    n = len(target)
-    mean_t = sum(target) / n
-    var_t = sum((y - mean_t) ** 2 for y in target) / n
+    var_t = statistics.pvariance(target)
     if var_t == 0.0:
         return math.nan
-    res = [y - p for y, p in zip(target, pred, strict=True)]
-    mean_r = sum(res) / n
-    return 1.0 - sum((r - mean_r) ** 2 for r in res) / n / var_t
+    return 1.0 - statistics.pvariance([y - p for y, p in zip(target, pred, strict=True)]) / var_t
 
 
 def whiten(values_N: Sequence[float]) -> list[float]:
-    mean = sum(values_N) / len(values_N)
-    std = math.sqrt(sum((x - mean) ** 2 for x in values_N) / len(values_N))
+    mean, std = statistics.fmean(values_N), statistics.pstdev(values_N)
     return [(x - mean) / (std + 1e-8) for x in values_N]
 
 
@@ -226,8 +223,8 @@ def compute_advantages(exps: Sequence[Experience], cfg: PPOConfig) -> None:
         r_T = token_rewards(e.reward, e.rollout.logprobs, e.ref_logprobs, cfg.kl_coef)
         e.advantages, e.returns = gae(r_T, e.values, cfg.gamma, cfg.lam)
     flat = [a for e in exps for a in e.advantages]
-    record_metric("adv_mean", sum(flat) / len(flat))
-    record_metric("adv_std", math.sqrt(sum(a * a for a in flat) / len(flat) - (sum(flat) / len(flat)) ** 2))
+    record_metric("adv_mean", statistics.fmean(flat))
+    record_metric("adv_std", statistics.pstdev(flat))
     if cfg.whiten_advantages and len(flat) > 1:
         white, k = whiten(flat), 0
         for e in exps:
@@ -304,12 +301,6 @@ def train_ppo(policy, critic, env: Environment, cfg: PPOConfig, reward_model=Non
             if on_step is not None:
                 on_step(step, summary)
     return sampler
-
-
-def make_digit_sum_env(tokenizer, **kwargs: Any) -> Environment:
-    from ember.recipes.digit_sum import make_env
-
-    return make_env(tokenizer, **kwargs)
 
 
 # name -> factory(tokenizer, **env_args); digit_sum here also takes `partial_credit`
