@@ -10,7 +10,9 @@ import ember
 from ember.metrics import MetricsConfig, MetricsLogger, use_logger
 from ember.recipes.common import ClientConfig
 from ember.recipes.ppo import VALUE_HEAD, PPOConfig, run_ppo
-from ember.recipes.reward_model import RMConfig, heldout_accuracy, load_pairs, run_reward_model, train_reward_model
+from ember.recipes.reward_model import RMConfig, load_pairs, run_reward_model, train_reward_model
+
+from .conftest import API_KEY, SERVED_NAME
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,26 @@ def test_ppo_with_reward_model(client_config):
 
     with pytest.raises(tinker.RequestFailedError, match="checkpoint .*/weights/rm-missing' not found"):
         run_ppo(PPOConfig(**{**cfg.__dict__, "reward_model": path.replace("/rm", "/rm-missing")}))
+
+
+def test_reward_model_and_ppo_over_http_with_the_sdk(ember_server):
+    """The same recipes through the unmodified tinker SDK against `ember serve`: a value-head reward
+    model trained by `forward_backward_custom`, then PPO (critic `ppo_value`, KL reference) scored by it."""
+    client = ClientConfig(base_url=ember_server, api_key=API_KEY)
+    quiet = MetricsConfig(console=False, tensorboard=False)
+    rm_steps: list[dict[str, float]] = []
+    path = run_reward_model(RMConfig(base_model=SERVED_NAME, lora_rank=4, steps=6, pairs_per_step=8,
+                                     learning_rate=3e-3, train_pairs=48, eval_pairs=16, save_name="rm-http",
+                                     client=client, metrics=quiet), on_step=lambda s, m: rm_steps.append(m))
+    assert path.endswith("/weights/rm-http") and rm_steps[-1]["rm/heldout_accuracy"] > 0.8
+    seen: list[dict[str, float]] = []
+    cfg = PPOConfig(base_model=SERVED_NAME, lora_rank=4, critic_lora_rank=4, reward_model=path, kl_coef=0.1,
+                    steps=2, prompts_per_step=4, samples_per_prompt=2, max_tokens=3, save_name="",
+                    client=client, metrics=quiet)
+    with use_logger(MetricsLogger()):
+        run_ppo(cfg, on_step=lambda s, m: seen.append(m))
+    assert [m["ppo/kl_ref"] for m in seen][0] == pytest.approx(0.0, abs=1e-4)
+    assert all(math.isfinite(m["ppo/reward"]) and m["ppo/value_loss"] >= 0 for m in seen)
+    with pytest.raises(ValueError, match="PPOConfig.critic_full_ft: full fine-tuning needs ember's "
+                                         "create_full_training_client, which ServiceClient lacks"):
+        run_ppo(PPOConfig(**{**cfg.__dict__, "critic_full_ft": True, "reward_model": ""}))
