@@ -40,7 +40,7 @@ def test_bt_reward_model_ranks_heldout_pairs(client_config):
     assert history[-1]["rm/margin"] > 1.0 > history[0]["rm/margin"]
 
 
-def test_ppo_with_reward_model(client_config):
+def test_ppo_with_reward_model(client_config, capsys):
     """`run_reward_model` saves a value-head state; PPO restores it and scores rollouts with it."""
     quiet = {"console": False, "tensorboard": False}
     rm_cfg = RMConfig(base_model="tiny", lora_rank=4, steps=8, pairs_per_step=8, learning_rate=3e-3, train_pairs=64,
@@ -61,6 +61,17 @@ def test_ppo_with_reward_model(client_config):
 
     with pytest.raises(tinker.RequestFailedError, match="checkpoint .*/weights/rm-missing' not found"):
         run_ppo(PPOConfig(**{**cfg.__dict__, "reward_model": path.replace("/rm", "/rm-missing")}))
+    # a policy checkpoint is not a reward model: refused, not read as garbage scores
+    policy = run_ppo(PPOConfig(**{**cfg.__dict__, "reward_model": "", "steps": 1, "save_name": "policy"}))
+    critic = capsys.readouterr().out.split("ppo: critic saved ", 1)[1].split()[0]
+    assert critic.endswith("/weights/policy-critic") and critic.split("/weights/")[0] != policy.split("/weights/")[0]
+    with pytest.raises(tinker.RequestFailedError, match="checkpoint holds a 'policy'-head run"):
+        run_ppo(PPOConfig(**{**cfg.__dict__, "reward_model": policy}))
+    # the critic saved beside the policy resumes as a critic (and a policy state as the critic is refused)
+    resumed = PPOConfig(**{**cfg.__dict__, "critic_init_from": critic, "init_from": policy, "steps": 1})
+    assert run_ppo(resumed) is None
+    with pytest.raises(tinker.RequestFailedError, match="checkpoint holds a 'policy'-head run"):
+        run_ppo(PPOConfig(**{**cfg.__dict__, "critic_init_from": policy}))
 
 
 def test_reward_model_and_ppo_over_http_with_the_sdk(ember_server):
@@ -75,11 +86,11 @@ def test_reward_model_and_ppo_over_http_with_the_sdk(ember_server):
     assert path.endswith("/weights/rm-http") and rm_steps[-1]["rm/heldout_accuracy"] > 0.8
     seen: list[dict[str, float]] = []
     cfg = PPOConfig(base_model=SERVED_NAME, lora_rank=4, critic_lora_rank=4, reward_model=path, kl_coef=0.1,
-                    steps=2, prompts_per_step=4, samples_per_prompt=2, max_tokens=3, save_name="",
+                    steps=1, prompts_per_step=4, samples_per_prompt=2, max_tokens=3, save_name="",
                     client=client, metrics=quiet)
     with use_logger(MetricsLogger()):
         run_ppo(cfg, on_step=lambda s, m: seen.append(m))
-    assert [m["ppo/kl_ref"] for m in seen][0] == pytest.approx(0.0, abs=1e-4)
+    assert len(seen) == 1 and seen[0]["ppo/kl_ref"] == pytest.approx(0.0, abs=1e-4)  # sampled from the reference
     assert all(math.isfinite(m["ppo/reward"]) and m["ppo/value_loss"] >= 0 for m in seen)
     with pytest.raises(ValueError, match="PPOConfig.critic_full_ft: full fine-tuning needs ember's "
                                          "create_full_training_client, which ServiceClient lacks"):

@@ -315,9 +315,14 @@ def full_ft_client(service_client, base_model: str, field_name: str):
     return service_client.create_full_training_client(base_model, user_metadata=dict(VALUE_HEAD)).result()
 
 
+def value_run_from_state(service_client, path: str):
+    """Restore a value-head run; the head named in user_metadata makes the service refuse a policy checkpoint."""
+    return service_client.create_training_client_from_state(path, user_metadata=dict(VALUE_HEAD)).result()
+
+
 def create_critic(service_client, cfg: PPOConfig):
     if cfg.critic_init_from:
-        return service_client.create_training_client_from_state(cfg.critic_init_from).result()
+        return value_run_from_state(service_client, cfg.critic_init_from)
     if cfg.critic_full_ft:
         return full_ft_client(service_client, cfg.base_model, "PPOConfig.critic_full_ft")
     return service_client.create_lora_training_client(base_model=cfg.base_model, rank=cfg.critic_lora_rank,
@@ -325,7 +330,8 @@ def create_critic(service_client, cfg: PPOConfig):
 
 
 def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
-    """Create policy, critic (and reward model), train, save both; returns the policy's saved path."""
+    """Create policy, critic (and reward model), train, save both; returns the policy's saved path
+    and prints the critic's."""
     from ember.recipes.common import make_service_client
 
     if config.env not in ENVIRONMENTS:
@@ -337,10 +343,11 @@ def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
         policy = sc.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank,
                                                 seed=config.seed).result()
     critic = create_critic(sc, config)
-    rm = sc.create_training_client_from_state(config.reward_model).result() if config.reward_model else None
+    rm = value_run_from_state(sc, config.reward_model) if config.reward_model else None
     env = ENVIRONMENTS[config.env](policy.get_tokenizer(), **config.env_args)
     train_ppo(policy, critic, env, config, reward_model=rm, on_step=on_step)
     if not config.save_name:
         return None
-    critic.save_state(f"{config.save_name}-critic").result()
+    # the critic is its own run: its path is printed (PPOConfig.critic_init_from resumes it)
+    print(f"ppo: critic saved {critic.save_state(f'{config.save_name}-critic').result().path}")
     return policy.save_state(config.save_name).result().path
