@@ -183,3 +183,24 @@ def test_grpo_with_kl_over_http(ember_server, digit_count_env):
     assert all(m["grpo/kl_ref_k3"] >= 0 for m in history)
     with pytest.raises(ValueError, match=r"GRPOConfig.kl_reference 'tinker://nope/sampler_weights/x'"):
         make_reference(service_client, "tinker://nope/sampler_weights/x")
+
+
+def test_default_reference_outlives_sampler_eviction(digit_model_dir, digit_count_env, tmp_path):
+    """The step-0 reference is saved weights, not an in-memory snapshot: when the service evicts it
+    (more snapshots than `max_samplers_per_session`), it is reloaded from disk and the run goes on."""
+    from ember.service.config import ServiceConfig
+
+    config = ServiceConfig(data_dir=tmp_path / "data", models={"tiny": str(digit_model_dir)},
+                           max_samplers_per_session=2)
+    sc = ember.ServiceClient(config=config)
+    try:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        cfg = GRPOConfig(steps=5, prompts_per_step=2, group_size=4, max_tokens=4, learning_rate=1e-2,
+                         kl_coef=0.5, seed=0)
+        logger = MetricsLogger()
+        with use_logger(logger):
+            train_grpo(tc, digit_count_env(tc.get_tokenizer()), cfg)
+        kl = [m["grpo/kl_ref"] for _, m in logger.history]
+        assert len(kl) == 5 and abs(kl[0]) < 1e-4 and all(math.isfinite(k) for k in kl)
+    finally:
+        sc.close("success")
