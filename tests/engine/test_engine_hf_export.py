@@ -88,3 +88,70 @@ def test_merge_lora_adds_the_scaled_update_and_names_what_it_cannot_place():
     with pytest.raises(ValueError, match=r"LoRA update of shape \(6, 4\) does not fit a weight of shape \(4, 4\)"):
         list(hf_export.merge_lora(iter([("model.q_proj.weight", torch.zeros(4, 4))]), _adapter("model.q_proj", 6, 4),
                                   scale=1.0))
+
+
+# ---------------------------------------------------------------- value heads (token classifiers)
+def _head(hidden=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"score.weight": torch.randn(1, hidden, generator=g), "score.bias": torch.randn(1, generator=g)}
+
+
+def test_token_classification_config_and_names(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForTokenClassification
+
+    base_cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    cfg = hf_export.token_classification_config(base_cfg)
+    assert cfg["architectures"] == ["Qwen3ForTokenClassification"] and base_cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg["id2label"] == {"0": "VALUE"} and cfg["label2id"] == {"VALUE": 0} and cfg["ember_head"] == "value"
+    for bad in ({}, {"architectures": ["BertModel"]}, {"architectures": None}):
+        with pytest.raises(ValueError, match="config.json architectures must name an XForCausalLM class"):
+            hf_export.token_classification_config({**base_cfg, **bad} if bad else
+                                                  {k: v for k, v in base_cfg.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    head = _head()
+    out = tmp_path / "value"
+    hf_export.write_value_model(out, ((n, t.clone()) for n, t in model.state_dict().items()), head, tiny_model_dir,
+                                max_shard_bytes=64 << 10)
+    index = json.loads((out / hf_export.MODEL_INDEX).read_text())
+    assert "lm_head.weight" not in index["weight_map"] and {"score.weight", "score.bias"} <= set(index["weight_map"])
+    assert (out / "tokenizer.json").is_file()
+    loaded = AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert loaded.config.num_labels == 1
+    torch.testing.assert_close(loaded.score.weight, head["score.weight"], rtol=0, atol=0)
+    ids = torch.tensor([PROBE])
+    with torch.no_grad():
+        h = model.model(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(loaded(input_ids=ids).logits, h @ head["score.weight"].T + head["score.bias"],
+                                   rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"a value head holds score.bias and score.weight; got \['score.weight'\]"):
+        hf_export.write_value_model(tmp_path / "bad", iter(()), {"score.weight": torch.zeros(1, 64)}, tiny_model_dir)
+    with pytest.raises(ValueError, match=r"Linear\(hidden, 1\)"):
+        hf_export.write_value_model(tmp_path / "bad", iter(()), {"score.weight": torch.zeros(2, 64),
+                                                                  "score.bias": torch.zeros(2)}, tiny_model_dir)
+
+
+def test_value_adapter_config(tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForTokenClassification
+
+    g = torch.Generator().manual_seed(1)
+    adapter = {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight":
+               torch.randn(*((4, 64) if ab == "A" else (64, 4)), generator=g) * 0.1 for i in (0, 1) for ab in "AB"}
+    head = _head(seed=2)
+    out = tmp_path / "adapter"
+    hf_export.write_lora_adapter(out, adapter, rank=4, alpha=32, base_model=str(tiny_model_dir),
+                                 base_dir=tiny_model_dir, head=head)
+    cfg = json.loads((out / hf_export.ADAPTER_CONFIG).read_text())
+    assert cfg["task_type"] == "TOKEN_CLS" and cfg["modules_to_save"] == ["score"] and cfg["target_modules"] == ["q_proj"]
+    import safetensors.torch
+
+    saved = safetensors.torch.load_file(str(out / hf_export.ADAPTER_WEIGHTS))
+    assert set(saved) == set(adapter) | {"base_model.model.score.weight", "base_model.model.score.bias"}
+    base = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    model = PeftModel.from_pretrained(base, out).eval()
+    torch.testing.assert_close(model.base_model.model.score.modules_to_save["default"].weight, head["score.weight"],
+                               rtol=0, atol=0)
+    # no head: the causal-LM adapter as before
+    hf_export.write_lora_adapter(tmp_path / "plain", adapter, rank=4, alpha=32, base_model="m")
+    plain = json.loads((tmp_path / "plain" / hf_export.ADAPTER_CONFIG).read_text())
+    assert plain["task_type"] == "CAUSAL_LM" and not plain.get("modules_to_save")

@@ -286,3 +286,25 @@ def test_scan_values_false_skips_only_the_value_checks():
     with raises("datum 0: loss_fn_inputs['logprobs'] has shape (7,), expected (8,)"):
         validate_datum_inputs("importance_sampling", 0, N, rl_inputs(logprobs=torch.zeros(N - 1)), V,
                               scan_values=False)
+
+
+# ---------------------------------------------------------------- value losses (scalar heads)
+@pytest.mark.parametrize(
+    "name, inputs, match",
+    [
+        ("value_mse", {"weights": torch.ones(4)}, "datum 2: loss_fn_inputs is missing ['returns'], required by loss 'value_mse'"),
+        ("ppo_value", {"returns": torch.ones(4), "old_values": torch.ones(3)},
+         "datum 2: loss_fn_inputs['old_values'] has shape (3,), expected (4,) (N = model_input length)"),
+        ("value_mse", {"returns": torch.ones(4), "weights": torch.ones(5)},
+         "datum 2: loss_fn_inputs['weights'] has shape (5,), expected (4,)"),
+        ("value_mse", {"returns": torch.ones(4), "advantages": torch.ones(4)},
+         "datum 2: loss_fn_inputs has unknown key(s) ['advantages'] for loss 'value_mse'"),
+        ("value_mse", {"returns": torch.tensor([0.0, float("nan"), 0.0, 0.0])},
+         "datum 2: loss_fn_inputs['returns'] has a non-finite value nan at position 1"),
+        ("value_mse", {"returns": torch.ones(4), "target_tokens": torch.tensor([1, 2, 3, 99])},
+         "datum 2: loss_fn_inputs['target_tokens'] has token id 99 at position 3"),
+    ],
+)
+def test_value_loss_inputs_named_errors(name, inputs, match):
+    with raises(match):
+        validate_datum_inputs(name, 2, 4, inputs, V)
