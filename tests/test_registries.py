@@ -45,3 +45,17 @@ def test_worker_runtimes():
         WorkersConfig(runtime="slurm")
     runtime = make_runtime("inline", 1)
     assert type(runtime).__name__ == "InlineRuntime"
+
+
+def test_heads(tiny_model_dir):
+    from transformers import AutoConfig
+
+    from ember.engine.heads import HEADS, ValueHead, build_head
+
+    assert set(HEADS) == {"policy", "value"}
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert build_head("policy", config).output == "logprobs"
+    value = build_head("value", config, seed=0)
+    assert isinstance(value, ValueHead) and value.output == "values" and value.score.in_features == config.hidden_size
+    with pytest.raises(ValueError, match=r"head must be one of policy, value; got 'critic'"):
+        build_head("critic", config)

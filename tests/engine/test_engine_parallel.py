@@ -224,6 +224,60 @@ def test_dimuon_under_fsdp_matches_world1_and_reshards(group, tiny_model_dir, tm
         close(w1.optimizer.state[p]["momentum"], ref.optimizer.state[q]["momentum"], "momentum resharded")
 
 
+def value_batches():
+    """Datums for a value head: returns per token; sizes as `batches` (one smaller than dp)."""
+    out = []
+    for n, seed, loss in ((5, 41, "value_mse"), (1, 42, "value_mse"), (3, 43, "ppo_value")):
+        datums = []
+        for d in random_sft_datums(n, vocab=84, min_len=2, max_len=14, seed=seed):
+            length = d.model_input.length
+            g = torch.Generator().manual_seed(seed * 100 + length)
+            inputs = {"returns": torch.randn(length, generator=g)}
+            if loss == "ppo_value":
+                inputs["old_values"] = torch.randn(length, generator=g) * 0.1
+            datums.append(types.Datum(model_input=d.model_input, loss_fn_inputs=inputs))
+        out.append((datums, loss))
+    return out
+
+
+VALUE_LR = 1e-5  # value-loss gradients reach ~1e2–1e3 (a sum of V − R over tokens): keep steps ~1e-3
+VALUE_LAYOUTS = [("fsdp", None), ("replicate", None), ("tp", None), ("fsdp", types.LoraConfig(rank=4, seed=2))]
+
+
+@pytest.mark.parametrize(("group", "layout", "lora"), [("process", *v) for v in VALUE_LAYOUTS], indirect=["group"],
+                         ids=["fsdp", "hsdp-replicate", "tp", "fsdp-lora"])
+def test_value_head_world2_matches_world1(group, tiny_model_dir, layout, lora, tmp_path):
+    """A value head is replicated; its gradient is SUMmed over data-parallel ranks once per call."""
+    name = f"value-{layout}-{'lora' if lora else 'full'}"
+    cfg = config_for(layout)
+    ref = TorchEngine.from_pretrained(tiny_model_dir, cfg, lora_config=lora, head="value")
+    eng = GroupEngine.create(group, name, EngineSpec(str(tiny_model_dir), cfg, LAYOUTS[layout], lora, head="value"))
+    try:
+        assert eng.info().head == "value"
+        for datums, loss in value_batches():
+            close_outputs(eng.forward_backward(datums, loss), ref.forward_backward(datums, loss))
+            grads = group.run(name, wt.full_grads)
+            assert "head.score.weight" in grads and "lm_head.weight" not in grads
+            close_dicts(grads, wt.full_grads(ref), f"{loss} grad")
+            group.run(name, wt.sgd_step, VALUE_LR)
+            wt.sgd_step(ref, VALUE_LR)
+        # split over two calls: the head's earlier gradient is not reduced twice
+        datums = value_batches()[0][0]
+        eng.forward_backward(datums[:2], "value_mse"), eng.forward_backward(datums[2:], "value_mse")
+        ref.forward_backward(datums, "value_mse")
+        close_dicts(group.run(name, wt.full_grads), wt.full_grads(ref), "split grad")
+        group.run(name, wt.sgd_step, VALUE_LR), wt.sgd_step(ref, VALUE_LR)
+        close_dicts(group.run(name, wt.full_params), wt.full_params(ref), "param after SGD")
+        close_dicts(eng.head_weights(), ref.head_weights(), "head_weights")
+        eng.save_state(tmp_path / "w2")
+        saved_out = eng.forward(datums, "value_mse")
+    finally:
+        eng.close()
+    w1 = TorchEngine.from_pretrained(tiny_model_dir, cfg, lora_config=lora, head="value")
+    w1.load_state(tmp_path / "w2")
+    close_outputs(w1.forward(datums, "value_mse"), saved_out)
+
+
 # ---------------------------------------------------------------------- faults (keep last: kills the group)
 DETECT_S = 20.0  # generous bound for a loaded 2-core CI machine; detection itself is ~instant
 

@@ -17,6 +17,8 @@ EXPECTED_DEFAULTS = {
     "dro": {"beta": 0.1},
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "stable_reinforce": {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0},
+    "value_mse": {},
+    "ppo_value": {"value_clip": 0.2},
 }
 
 

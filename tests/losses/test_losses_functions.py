@@ -32,7 +32,12 @@ def make_batch(seed: int = 0, lengths=LENGTHS) -> dict[str, np.ndarray]:
     mask *= rng.choice([0.5, 1.0, 3.0], T)  # non-binary values: Tinker uses `mask != 0`
     mask[seg == 2] = 0.0  # a datum whose mask is all zero: s = 1
     weights = rng.normal(0.5, 1.0, T)  # real-valued weights, not just 0/1
-    return dict(logp=logp, q=q, adv=adv, mask=mask, weights=weights, seg=seg)
+    # value losses read `logp` as the values V: returns R, and old values V_old with
+    # V − V_old on both sides of the default clip 0.2
+    returns = logp + rng.normal(0.0, 0.5, T)
+    old_values = logp + rng.normal(0.0, 0.3, T)
+    return dict(logp=logp, q=q, adv=adv, mask=mask, weights=weights, seg=seg, returns=returns,
+                old_values=old_values)
 
 
 # ---------------------------------------------------------------- numpy references
@@ -51,6 +56,10 @@ def np_reference(name: str, b: dict, cfg: dict) -> tuple[np.ndarray, np.ndarray]
     r = np.exp(logp - q)
     if name == "cross_entropy":
         return -b["weights"] * logp, -b["weights"]
+    if name == "value_mse":
+        return 0.5 * b["weights"] * (logp - b["returns"]) ** 2, b["weights"] * (logp - b["returns"])
+    if name == "ppo_value":
+        return _np_ppo_value(logp, b, cfg["value_clip"])
     if name == "importance_sampling":
         return -r * adv, -r * adv
     if name == "ppo":
@@ -73,6 +82,17 @@ def np_reference(name: str, b: dict, cfg: dict) -> tuple[np.ndarray, np.ndarray]
     return _clipped_min(s, adv, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
 
 
+def _np_ppo_value(v, b, eps):
+    w, ret, old = b["weights"], b["returns"], b["old_values"]
+    inside = np.abs(v - old) < eps
+    v_clip = old + np.clip(v - old, -eps, eps)
+    plain, clipped = (v - ret) ** 2, (v_clip - ret) ** 2
+    loss = 0.5 * w * np.maximum(plain, clipped)
+    # the larger branch carries the gradient; the clipped one only inside the band
+    grad = np.where(plain >= clipped, w * (v - ret), np.where(inside, w * (v_clip - ret), 0.0))
+    return loss, grad
+
+
 # ---------------------------------------------------------------- torch (docs-style) refs
 def torch_doc_reference(name: str, logp: torch.Tensor, b: dict, cfg: dict) -> torch.Tensor:
     """Total loss written per datum as in Tinker's docs; autograd gives the gradient."""
@@ -88,8 +108,16 @@ def torch_doc_reference(name: str, logp: torch.Tensor, b: dict, cfg: dict) -> to
 def _doc_datum_loss(name, lp, q, adv, b, tok, cfg):
     low, high = cfg.get("clip_low_threshold"), cfg.get("clip_high_threshold")
     ratio = torch.exp(lp - q)
+    w = torch.from_numpy(b["weights"][tok]).to(lp)
     if name == "cross_entropy":
-        return -(torch.from_numpy(b["weights"][tok]).to(lp) * lp).sum()
+        return -(w * lp).sum()
+    if name in ("value_mse", "ppo_value"):
+        ret, old = (torch.from_numpy(b[k][tok]).to(lp) for k in ("returns", "old_values"))
+        if name == "value_mse":
+            return (0.5 * w * (lp - ret) ** 2).sum()
+        eps = cfg["value_clip"]
+        v_clip = old + torch.clamp(lp - old, -eps, eps)
+        return (0.5 * w * torch.max((lp - ret) ** 2, (v_clip - ret) ** 2)).sum()
     if name == "importance_sampling":
         return -(ratio * adv).sum()
     if name == "ppo":
@@ -111,6 +139,7 @@ def _doc_datum_loss(name, lp, q, adv, b, tok, cfg):
 # ---------------------------------------------------------------- helpers
 def packed_inputs(b: dict, dtype=torch.float64) -> dict[str, torch.Tensor]:
     t = {k: torch.from_numpy(b[k]).to(dtype) for k in ("weights", "adv", "q", "mask")}
+    t.update({k: torch.from_numpy(b[k]).to(dtype) for k in ("returns", "old_values") if k in b})
     return {
         "target_tokens": torch.zeros(len(b["logp"]), dtype=torch.long),
         "weights": t["weights"],
@@ -118,6 +147,7 @@ def packed_inputs(b: dict, dtype=torch.float64) -> dict[str, torch.Tensor]:
         "advantages": t["adv"],
         "sequence_ratio_mask": t["mask"],
         "sampled_mask": t["mask"],
+        **{k: t[k] for k in ("returns", "old_values") if k in t},
     }
 
 
@@ -166,12 +196,14 @@ def test_grad_matches_autograd_of_docs_formula(name):
     torch.testing.assert_close(grad_T, logp.grad, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["ppo", "cispo", "dro", "gspo", "stable_reinforce"])
+@pytest.mark.parametrize("name", ["ppo", "cispo", "dro", "gspo", "stable_reinforce", "ppo_value"])
 def test_custom_config_changes_result(name):
     b = make_batch(seed=3)
     cfg = (
         {"beta": 2.0}
         if name == "dro"
+        else {"value_clip": 0.05}
+        if name == "ppo_value"
         else {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}
     )
     default_T, _ = run_loss(name, b)

@@ -53,6 +53,7 @@ class EngineInfo:
     num_parameters: int
     num_trainable_parameters: int
     packing: str  # "packed" (block-diagonal attention via position_ids) or "padded"
+    head: str = "policy"  # the run's output head (`ember.engine.heads.HEADS`): "policy" | "value"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -63,7 +64,8 @@ class TrainingEngine(abc.ABC):
     def forward_backward(
         self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: LossConfig | None = None
     ) -> types.ForwardBackwardOutput:
-        """Compute the loss, accumulate its gradient; per-datum `logprobs` and `elementwise_loss`."""
+        """Compute the loss, accumulate its gradient; per-datum `logprobs` (the head's output:
+        log-probs of the targets, or values for a value head) and `elementwise_loss`."""
 
     @abc.abstractmethod
     def forward(
@@ -87,6 +89,12 @@ class TrainingEngine(abc.ABC):
         weights only, in PEFT's saved-adapter names (`...q_proj.lora_A.weight`).
         Tensors are detached copies (safe to keep while training continues).
         """
+
+    def head_weights(self) -> dict[str, torch.Tensor]:
+        """The output head's own tensors in transformers' names (a value head: `score.weight`
+        (1, H), `score.bias` (1,)); empty for a policy, whose head is the model's `lm_head`.
+        Detached copies, like `named_weights`."""
+        return {}
 
     @abc.abstractmethod
     def save_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:

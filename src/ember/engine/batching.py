@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from tinker import types
 
-from ember.losses import LossSpec, validate_datum_inputs
+from ember.losses import LOSSES, LossSpec, validate_datum_inputs
 from ember.losses.validation import first_bad_datum
 
 _DTYPES = {"int64": torch.int64, "float32": torch.float32}
@@ -89,14 +89,37 @@ def _loss_input_tensors(index: int, datum: types.Datum) -> dict[str, torch.Tenso
     return out
 
 
+OUTPUT_NAMES = {"logprobs": "a policy head", "values": "a value head"}
+
+
+def head_mismatch(spec: LossSpec, output: str) -> str:
+    """The error for a loss that does not consume what this run's head outputs."""
+    fits = ", ".join(sorted(n for n, s in LOSSES.items() if output in s.consumes))
+    consumed = " and ".join(sorted(spec.consumes))
+    if output == "values":
+        what = ("this run has a value head (user_metadata {'ember.head': 'value'}): "
+                "its per-token outputs are values")
+    else:
+        what = "this run has a policy head: its per-token outputs are log-probs of the targets"
+    note = " (cross_entropy is linear; forward_backward_custom uses it)" if output == "values" else ""
+    return f"loss_fn {spec.name!r} consumes {consumed}, but {what}. Losses for {OUTPUT_NAMES[output]}: {fits}{note}."
+
+
 def prepare_datums(
-    datums: Sequence[types.Datum], spec: LossSpec, vocab_size: int
+    datums: Sequence[types.Datum], spec: LossSpec, vocab_size: int, output: str = "logprobs"
 ) -> list[PreparedDatum]:
     """Validate every datum before any compute (so a bad datum never leaves half a gradient).
 
+    ``output`` is what the run's head computes per token (``"logprobs"`` for a policy,
+    ``"values"`` for a value head); a loss that does not consume it is refused first.
     Keys, shapes and dtypes are checked datum by datum; the value scans (token ids in the
     vocabulary, finite floats) run once per field over the whole request, and the first
-    datum they flag is re-validated in full for its error message."""
+    datum they flag is re-validated in full for its error message. On a value head
+    ``target_tokens`` are checked (the SDK's custom-loss path sends them) but dropped."""
+    if output not in OUTPUT_NAMES:
+        raise ValueError(f"head output must be one of {sorted(OUTPUT_NAMES)}, got {output!r}")
+    if output not in spec.consumes:
+        raise ValueError(head_mismatch(spec, output))
     if len(datums) == 0:
         raise ValueError("forward_backward needs at least one datum; got an empty list")
     prepared = []
@@ -106,7 +129,22 @@ def prepare_datums(
                                        scan_values=False)
         prepared.append(PreparedDatum(index=i, input_ids=ids, inputs=inputs))
     _scan_values(datums, prepared, spec, vocab_size)
-    ranks = {p.inputs["target_tokens"].dim() for p in prepared}
+    return _check_targets(prepared, output)
+
+
+def _check_targets(prepared: list[PreparedDatum], output: str) -> list[PreparedDatum]:
+    with_targets = [p for p in prepared if "target_tokens" in p.inputs]
+    if output == "values":
+        for p in with_targets:
+            shape = tuple(p.inputs["target_tokens"].shape)
+            if len(shape) != 1:
+                raise ValueError(
+                    f"datum {p.index}: loss_fn_inputs['target_tokens'] has shape {shape}; a value head "
+                    f"has one output per position, use ({shape[0]},)"
+                )
+            del p.inputs["target_tokens"]  # a value head reads no targets
+        return prepared
+    ranks = {p.inputs["target_tokens"].dim() for p in with_targets}
     if len(ranks) > 1:
         raise ValueError("all datums of one request must have target_tokens of the same rank ((N,) or (N, K))")
     return prepared

@@ -4,7 +4,12 @@ Layout of a `save_state` directory:
   *.distcp, .metadata   DCP shards: {"model": {name: tensor}, "optim": {name: {slot: tensor}}}
                         (AdamW: step, exp_avg, exp_avg_sq; Dimuon: step, momentum)
   ember_state.json      kind (full | lora), LoRA config, optimizer step, whether optimizer state is
-                        inside, and which optimizer (absent in older checkpoints: adamw)
+                        inside, which optimizer (absent in older checkpoints: adamw), and the
+                        run's head ("policy" | "value"; absent in older checkpoints: policy)
+                        with its shape (`head_config`)
+
+A value head's tensors ride with the model's as `head.score.weight` / `head.score.bias`
+(and their optimizer slots). A checkpoint loads only into a run with the same head.
   rng_rank<r>.pt        torch RNG state of each rank (exact resume)
 
 Tensors are keyed by names independent of the adapter's name, so a checkpoint of one LoRA
@@ -23,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from peft import get_peft_model_state_dict
+
+from ember.engine import hf_export
 
 if TYPE_CHECKING:
     from ember.engine.torch_engine import TorchEngine
@@ -45,7 +52,16 @@ def _meta(engine: "TorchEngine", optimizer: bool) -> dict:
         "step": engine.step,
         "has_optimizer": optimizer,
         "optimizer": engine.optimizer.name,
+        "head": engine.head.name,
+        "head_config": _head_config(engine),
     }
+
+
+def _head_config(engine: "TorchEngine") -> dict | None:
+    state = engine.head_weights()
+    if not state:
+        return None
+    return {"type": "linear", "hidden_size": int(state["score.weight"].shape[1]), "bias": "score.bias" in state}
 
 
 def _optim_state(engine: "TorchEngine", init: bool,
@@ -82,6 +98,10 @@ def read_meta(path: Path) -> dict:
 
 
 def _check_compatible(engine: "TorchEngine", meta: dict, path: Path) -> None:
+    head = meta.get("head", "policy")
+    if head != engine.head.name:
+        raise ValueError(f"checkpoint {str(path)!r} holds a {head}-head run; this run has a {engine.head.name} "
+                         f"head (user_metadata['ember.head'] = {engine.head.name!r})")
     kind = "lora" if engine.is_lora else "full"
     if meta["kind"] != kind:
         raise ValueError(f"checkpoint {str(path)!r} holds {meta['kind']} weights; this run trains {kind} weights")
@@ -123,16 +143,27 @@ def load(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
 
 
 def export_hf(engine: "TorchEngine", path: Path) -> None:
-    """safetensors that `from_pretrained` (full FT) or `PeftModel.from_pretrained` (LoRA) loads."""
+    """safetensors that `from_pretrained` (full FT) or `PeftModel.from_pretrained` (LoRA) loads;
+    a value head's run as a token classifier (`ember.engine.hf_export`)."""
     path.mkdir(parents=True, exist_ok=True)
+    head = engine.head_weights()
     if not engine.is_lora:
         state = {n: t for n, t in engine.named_weights()}
-        if _rank() == 0:
+        if _rank() == 0 and head:
+            config = hf_export.token_classification_config(json.loads(engine.hf_config.to_json_string()))
+            hf_export.write_model(path, hf_export.value_model_weights(state.items(), head), config, None)
+        elif _rank() == 0:
             engine.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         return
     state = get_peft_model_state_dict(engine.model, adapter_name=engine.adapter_name, save_embedding_layers=False)
     # FSDP2/TP: every rank gathers each full tensor (a collective), rank 0 writes them.
     adapter = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).contiguous() for n, t in state.items()}
-    if _rank() == 0:
-        safetensors.torch.save_file(adapter, str(path / "adapter_model.safetensors"))
-        engine.model.peft_config[engine.adapter_name].save_pretrained(str(path))
+    if _rank() != 0:
+        return
+    peft_cfg = engine.model.peft_config[engine.adapter_name]
+    if head:
+        hf_export.write_lora_adapter(path, adapter, rank=peft_cfg.r, alpha=peft_cfg.lora_alpha,
+                                     base_model=peft_cfg.base_model_name_or_path or engine.model_name, head=head)
+        return
+    safetensors.torch.save_file(adapter, str(path / "adapter_model.safetensors"))
+    peft_cfg.save_pretrained(str(path))

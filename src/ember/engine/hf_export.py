@@ -9,6 +9,15 @@
         config.json + model.safetensors (or shards + model.safetensors.index.json when larger
         than `max_shard_bytes`) + generation_config.json + tokenizer files:
         `AutoModelForCausalLM.from_pretrained(out)`.
+    write_value_model(out, weights, head, base_dir)
+        a value-head run (full fine-tuning) as a token classifier with one label: the base
+        config with `architectures` mapped `XForCausalLM -> XForTokenClassification`, the
+        backbone's `model.*` tensors and the head's `score.weight` / `score.bias`, no
+        `lm_head`: `AutoModelForTokenClassification.from_pretrained(out)`.
+    write_lora_adapter(out, adapter, ..., head=head)
+        a value-head LoRA run: a `TOKEN_CLS` adapter with `modules_to_save=["score"]` and the
+        head as `base_model.model.score.*`: `PeftModel.from_pretrained(
+        AutoModelForTokenClassification.from_pretrained(base, num_labels=1), out)`.
 
 `adapter` holds PEFT's saved-adapter names (`base_model.model.<module>.lora_A.weight`), as
 `TrainingEngine.named_weights` yields them for a LoRA run; `weights` the base model's HF
@@ -64,15 +73,36 @@ def lora_target_modules(adapter_names: Iterable[str]) -> list[str]:
     return sorted(targets)
 
 
+VALUE_LABEL = "VALUE"
+HEAD_PREFIX = "score."  # a value head's tensors, as in transformers' XForTokenClassification
+
+
+def _check_head(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    names = sorted(head)
+    if names != ["score.bias", "score.weight"]:
+        raise ValueError(f"a value head holds score.bias and score.weight; got {names}")
+    if head["score.weight"].dim() != 2 or head["score.weight"].shape[0] != 1 or head["score.bias"].shape != (1,):
+        raise ValueError(f"a value head is Linear(hidden, 1): score.weight (1, H) and score.bias (1,); got "
+                         f"{tuple(head['score.weight'].shape)} and {tuple(head['score.bias'].shape)}")
+    return {n: t.detach().to("cpu").contiguous() for n, t in head.items()}
+
+
 def write_lora_adapter(out: Path, adapter: dict[str, torch.Tensor], *, rank: int, alpha: int, base_model: str,
-                       base_dir: Path | None = None) -> None:
-    """A peft adapter directory for `adapter` (LoRA without dropout or bias, scale alpha/rank)."""
+                       base_dir: Path | None = None, head: dict[str, torch.Tensor] | None = None) -> None:
+    """A peft adapter directory for `adapter` (LoRA without dropout or bias, scale alpha/rank).
+
+    With `head` (a value head's `score.weight` / `score.bias`): a `TOKEN_CLS` adapter that
+    saves the head beside it (`modules_to_save=["score"]`, tensors `base_model.model.score.*`)."""
     from peft import LoraConfig
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.detach().to("cpu").contiguous() for n, t in adapter.items()}
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                        target_modules=lora_target_modules(tensors), base_model_name_or_path=base_model)
+    extra = {} if head is None else {"task_type": "TOKEN_CLS", "modules_to_save": ["score"]}
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                        target_modules=lora_target_modules(tensors), base_model_name_or_path=base_model,
+                        **({"task_type": "CAUSAL_LM"} | extra))
+    if head is not None:
+        tensors.update({"base_model.model." + n: t for n, t in _check_head(head).items()})
     config.save_pretrained(str(out))
     safetensors.torch.save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if base_dir is not None:
@@ -83,14 +113,56 @@ def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], bas
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """A transformers model directory: the base model's config (dtype set to the weights'),
     generation config and tokenizer files, and `weights` as safetensors shards."""
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    untie: list[bool] = []
+    kept = _drop_tied_head(weights, config, untie) if config.get("tie_word_embeddings", False) else weights
+    write_model(out, kept, config, base_dir, max_shard_bytes=max_shard_bytes, untie=untie)
+
+
+def token_classification_config(base_config: dict) -> dict:
+    """A causal LM's config as a one-label token classifier's (a value head's export):
+    `architectures` `XForCausalLM -> XForTokenClassification`, label VALUE, `ember_head`."""
+    archs = base_config.get("architectures") or []
+    causal = [a for a in archs if isinstance(a, str) and a.endswith("ForCausalLM")]
+    if not causal:
+        raise ValueError(f"config.json architectures must name an XForCausalLM class to map to "
+                         f"XForTokenClassification; got {archs!r}")
+    config = dict(base_config)
+    config["architectures"] = [causal[0].removesuffix("ForCausalLM") + "ForTokenClassification"]
+    config["id2label"], config["label2id"] = {"0": VALUE_LABEL}, {VALUE_LABEL: 0}
+    config["ember_head"] = "value"
+    return config
+
+
+def write_value_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], head: dict[str, torch.Tensor],
+                      base_dir: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """A value-head run as a transformers token classifier with one label (see the module
+    docstring): `weights` are the backbone's (an `lm_head.weight` among them is left out),
+    `head` the head's `score.weight` / `score.bias`; config and tokenizer from `base_dir`."""
+    config = token_classification_config(json.loads((Path(base_dir) / "config.json").read_text()))
+    write_model(out, value_model_weights(weights, head), config, base_dir, max_shard_bytes=max_shard_bytes)
+
+
+def value_model_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                        head: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The backbone without `lm_head.weight`, then the head's tensors."""
+    head = _check_head(head)
+    for name, t in weights:
+        if name != "lm_head.weight":
+            yield name, t
+    yield from head.items()
+
+
+def write_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], config: dict, base_dir: Path | None, *,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, untie: list[bool] | None = None) -> None:
+    """`weights` as safetensors shards + `config` (dtype set to the weights' when they have one),
+    with the generation config and tokenizer files of `base_dir` when given. `untie` is
+    filled while `weights` streams (see `_drop_tied_head`)."""
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((Path(base_dir) / "config.json").read_text())
     dtypes: set[torch.dtype] = set()
-    untie: list[bool] = []
-    kept = _drop_tied_head(weights, config, untie) if config.get("tie_word_embeddings", False) else weights
-    shards = _write_shards(out, kept, max_shard_bytes, dtypes)
+    shards = _write_shards(out, weights, max_shard_bytes, dtypes)
     if untie:  # the trained head no longer equals the embedding: keep both, untied
         config["tie_word_embeddings"] = False
     if not shards:
@@ -99,7 +171,8 @@ def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], bas
     if len(floating) == 1:  # what from_pretrained loads them as by default ("auto")
         config["torch_dtype"] = floating[0]
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    copy_model_files(base_dir, out, ("generation_config.json", *TOKENIZER_FILES))
+    if base_dir is not None:
+        copy_model_files(base_dir, out, ("generation_config.json", *TOKENIZER_FILES))
     _name_shards(out, shards)
 
 

@@ -304,3 +304,21 @@ class ParallelContext:
         t = torch.tensor(values, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
+
+    def dp_group(self) -> "dist.ProcessGroup":
+        """The process group of this rank's data-parallel peers (same TP rank)."""
+        if self.config.dp_replicate == 1:
+            return self.mesh["dp_shard"].get_group()
+        if "_dp_pg" not in self.__dict__:  # flattened once; every rank gets here on the same call
+            self.__dict__["_dp_pg"] = self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        return self.__dict__["_dp_pg"]
+
+    def sum_over_dp_(self, tensors: list[torch.Tensor]) -> None:
+        """In place: SUM each (plain, replicated) tensor over the data-parallel ranks, in one
+        all-reduce. Every rank of the group must call it; a no-op without data parallelism."""
+        if not tensors or self.config.dp_size == 1 or not self.is_distributed:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group())
+        for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))

@@ -2,7 +2,7 @@
 
 Values are "module:Class" paths imported on first use. A backend class implements
 `ember.engine.base.TrainingEngine` and offers `from_pretrained(model_dir, config,
-lora_config=None, *, model_name=..., parallelism=None)`. Adding a backend = one file + one
+lora_config=None, *, model_name=..., parallelism=None, optimizer_config=None, head="policy")`. Adding a backend = one file + one
 line here.
 """
 

@@ -6,6 +6,11 @@ Exactness is the point (DESIGN.md contract 2): a `forward_backward` adds
 scaling, so any micro-batch budget, packing or split over calls gives the same gradient.
 The model always runs in eval mode (no dropout), like Tinker, so `forward`,
 `forward_backward` and the sampler see the same function.
+
+The run's head (`ember.engine.heads`: "policy" or "value") decides what is computed per
+token — log-probs of the targets, or a scalar value — and which losses apply. The
+per-token outputs come back under ``loss_fn_outputs[i]["logprobs"]`` either way (where
+the SDK reads them): values for a value head.
 """
 # ember: single-process engine complete
 
@@ -24,8 +29,9 @@ from transformers import PreTrainedModel
 
 from ember.engine import checkpoint
 from ember.engine.base import EngineInfo, EngineStatus, LossConfig, NonFiniteGradientError, TrainingEngine
-from ember.engine.batching import MicroBatch, build_micro_batch, plan_micro_batches, prepare_datums
+from ember.engine.batching import MicroBatch, build_micro_batch, head_mismatch, plan_micro_batches, prepare_datums
 from ember.engine.config import EngineConfig
+from ember.engine.heads import OutputHead, build_head, head_output
 from ember.engine.optimizers import Optimizer, build_optimizer
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
@@ -62,6 +68,7 @@ class TorchEngine(TrainingEngine):
         adapter_name: str = DEFAULT_ADAPTER,
         parallel: "ParallelContext | None" = None,
         optimizer_config: types.OptimizerConfig | dict | None = None,
+        head: str = "policy",
     ) -> None:
         self.config = config or EngineConfig()
         self.parallel = parallel
@@ -73,6 +80,8 @@ class TorchEngine(TrainingEngine):
             raise TypeError("a LoRA TorchEngine needs a PeftModel carrying its adapter (see ember.models.add_lora_adapter)")
         self.model.eval()  # no dropout: trainer, forward and sampler compute the same function
         self._activate()
+        seed = lora_config.seed if lora_config is not None and lora_config.seed is not None else self.config.seed
+        self.head: OutputHead = build_head(head, self.hf_config, seed).to(self.device)
         self._params = self._trainable_parameters()
         self.optimizer_config = optimizer_config
         self.optimizer = self._new_optimizer()
@@ -88,16 +97,20 @@ class TorchEngine(TrainingEngine):
         model_name: str | None = None,
         parallelism: "ParallelismConfig | None" = None,
         optimizer_config: types.OptimizerConfig | dict | None = None,
+        head: str = "policy",
     ) -> "TorchEngine":
         """Load a local HF checkpoint; wrap it with a fresh LoRA adapter when `lora_config` is given.
 
         With `parallelism` (world size > 1, torch.distributed initialised — see
-        `ember.workers`), build the DeviceMesh and lay the model out on it.
+        `ember.workers`), build the DeviceMesh and lay the model out on it. `head` names the
+        run's output head (`ember.engine.heads.HEADS`); a value head's LoRA adapter never
+        targets `lm_head`, which it does not use.
         """
         config = config or EngineConfig()
+        head_output(head)  # an unknown head is refused before the model is loaded
         model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
         if lora_config is not None:
-            model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config)
+            model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config, unembed=head == "policy")
         parallel = None
         if parallelism is not None and parallelism.world_size > 1:
             from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
@@ -107,7 +120,7 @@ class TorchEngine(TrainingEngine):
             parallelize_model(model, mesh, parallelism, compute)
             parallel = ParallelContext(parallelism, mesh)
         return cls(model, config, model_name=model_name or str(model_dir), lora_config=lora_config, parallel=parallel,
-                   optimizer_config=optimizer_config)
+                   optimizer_config=optimizer_config, head=head)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -149,13 +162,29 @@ class TorchEngine(TrainingEngine):
             self.model.set_adapter(self.adapter_name)
 
     def _named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's trained parameters, then the head's (`head.` + its parameter name)."""
+        head = [("head." + n, p) for n, p in self.head.named_parameters()]
         if not self.is_lora:
-            return list(self.model.named_parameters())
+            unused = self._unused_output_embedding()
+            return [(n, p) for n, p in self.model.named_parameters() if p is not unused] + head
         tag_a, tag_b = f".lora_A.{self.adapter_name}.", f".lora_B.{self.adapter_name}."
-        return [(n, p) for n, p in self.model.named_parameters() if tag_a in n or tag_b in n]
+        return [(n, p) for n, p in self.model.named_parameters() if tag_a in n or tag_b in n] + head
+
+    def _unused_output_embedding(self) -> torch.nn.Parameter | None:
+        """A value head's full-FT run leaves `lm_head` out (no gradient; not exported) —
+        unless it is tied to the input embedding, which is trained."""
+        if self.head.uses_lm_head:
+            return None
+        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if out is None or (inp is not None and out.weight is inp.weight):
+            return None
+        return out.weight
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         params = [p for _, p in self._named_trainable()]
+        unused = None if self.is_lora else self._unused_output_embedding()
+        if unused is not None:
+            unused.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
         if not params:
@@ -166,34 +195,33 @@ class TorchEngine(TrainingEngine):
         return build_optimizer(self.optimizer_config, self._params, self.lora_config.rank if self.is_lora else None)
 
     # ------------------------------------------------------------------ forward / backward
-    def _target_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+    def _head_outputs(self, mb: MicroBatch) -> torch.Tensor:
+        """The head's per-token output for the real tokens of `mb`: log-probs or values (fp32)."""
         dev = self.device
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
-        logits = self._logits(mb.input_ids.to(dev), mb.position_ids.to(dev), mask)
-        logits = logits.flatten(0, 1).index_select(0, mb.valid_index.to(dev))  # (T, V)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 even for bf16 models
-        targets = mb.inputs["target_tokens"].to(dev)
-        if targets.dim() == 1:
-            return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
-        return logp.gather(1, targets)
+        out = self._model_forward(mb.input_ids.to(dev), mb.position_ids.to(dev), mask)
+        return self.head.outputs(out, mb, dev)
 
-    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
+        """The HF model's output object (always the root module: FSDP2/TP/peft hooks stay in play)."""
         amp = self._autocast
         with torch.autocast(self.device.type, dtype=resolve_dtype(amp) if amp else None, enabled=amp is not None):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
-        return out.logits
+            return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
+                              **self.head.model_kwargs)
 
     def _prepare(self, datums: Sequence[types.Datum], spec) -> tuple[list, list[list[int]], int]:
         """Validate and plan; under data parallelism all ranks agree on errors and pass count."""
         vocab = int(self.hf_config.vocab_size)
         if not self.distributed:
-            prepared = prepare_datums(datums, spec, vocab)
+            prepared = prepare_datums(datums, spec, vocab, output=self.head.output)
             plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
             return prepared, plan, len(plan)
         error: ValueError | None = None
         prepared, plan = [], []
         try:  # a rank may get no datum at all (a batch smaller than the data-parallel degree)
-            prepared = prepare_datums(datums, spec, vocab) if len(datums) else []
+            if self.head.output not in spec.consumes:  # the same refusal on a rank without datums
+                raise ValueError(head_mismatch(spec, self.head.output))
+            prepared = prepare_datums(datums, spec, vocab, output=self.head.output) if len(datums) else []
             plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
         except ValueError as exc:
             error = exc
@@ -210,15 +238,16 @@ class TorchEngine(TrainingEngine):
         """A forward(+backward) that contributes exactly zero: keeps FSDP/TP collectives in step."""
         ids = torch.full((1, 1), self._pad_id, dtype=torch.int64, device=self.device)
         with torch.set_grad_enabled(backward):
-            logits = self._logits(ids, torch.zeros_like(ids), None)
+            out = self._model_forward(ids, torch.zeros_like(ids), None)
             if backward:
-                (logits.float().sum() * 0.0).backward()
+                self.head.zero_contribution(out).backward()
 
     def _run(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: LossConfig | None, backward: bool):
         spec = get_loss(loss_fn)
         cfg = resolve_config(loss_fn, loss_fn_config)
         prepared, plan, passes = self._prepare(datums, spec)
         self._activate()
+        saved = self._stash_head_grads() if backward and self.distributed else None
         outputs: list[dict[str, types.TensorData]] = [None] * len(prepared)  # type: ignore[list-item]
         total = 0.0
         for _ in range(passes - len(plan)):
@@ -228,7 +257,7 @@ class TorchEngine(TrainingEngine):
                 [prepared[i] for i in group], self.config.packing, self._pad_id, single_row=self._varlen_attention
             )
             with torch.set_grad_enabled(backward):
-                logp = self._target_logprobs(mb)
+                logp = self._head_outputs(mb)  # log-probs, or values for a value head
                 inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}
                 elementwise = spec.fn(logp, inputs, cfg, mb.segment_ids.to(logp.device))
                 loss = elementwise.sum()
@@ -240,9 +269,29 @@ class TorchEngine(TrainingEngine):
                 self._acc.accumulated_micro_batches += 1
                 self._acc.accumulated_datums += len(group)
                 self._acc.accumulated_tokens += mb.num_tokens
+        if saved is not None:
+            self._sum_head_grads_over_dp(saved)
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={"loss:sum": total}
         )
+
+    def _stash_head_grads(self) -> list[torch.Tensor | None]:
+        """Set the head's accumulated gradient aside, so only this call's part is reduced."""
+        params = list(self.head.parameters())
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return saved
+
+    def _sum_head_grads_over_dp(self, saved: list[torch.Tensor | None]) -> None:
+        """The head is replicated, not an FSDP unit: SUM this call's gradient over the
+        data-parallel ranks (contract 2; TP ranks already hold the full gradient), then add
+        back what was accumulated before."""
+        params = list(self.head.parameters())
+        fresh = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        self.parallel.sum_over_dp_(fresh)
+        for p, g, old in zip(params, fresh, saved):
+            p.grad = g if old is None else old + g
 
     @staticmethod
     def _scatter_outputs(mb: MicroBatch, logp: torch.Tensor, elementwise: torch.Tensor, outputs: list) -> None:
@@ -255,6 +304,7 @@ class TorchEngine(TrainingEngine):
             }
 
     def forward_backward(self, datums, loss_fn, loss_fn_config=None) -> types.ForwardBackwardOutput:
+        """Per-datum `logprobs` (the head's output: log-probs, or values for a value head)."""
         return self._run(datums, loss_fn, loss_fn_config, backward=True)
 
     def forward(self, datums, loss_fn, loss_fn_config=None) -> types.ForwardBackwardOutput:
@@ -311,6 +361,7 @@ class TorchEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ weights and state
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Backbone (full FT) or adapter (LoRA) weights only; the head's are `head_weights`."""
         if self.is_lora:
             items = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name, save_embedding_layers=False).items()
         else:
@@ -319,8 +370,13 @@ class TorchEngine(TrainingEngine):
             t = _full_tensor(t).detach()
             yield name, t.to(dtype=dtype or t.dtype).clone()
 
+    def head_weights(self) -> dict[str, torch.Tensor]:
+        """The head's tensors in transformers' names (`score.weight`, `score.bias`); {} for a policy."""
+        return self.head.hf_state()
+
     def state_tensors(self) -> dict[str, torch.nn.Parameter]:
-        """Trainable parameters keyed by a name independent of the adapter's name."""
+        """Trainable parameters keyed by a name independent of the adapter's name; the
+        head's as `head.score.weight` / `head.score.bias`."""
         if not self.is_lora:
             return dict(self._named_trainable())
         return {n.replace(f".{self.adapter_name}.", "."): p for n, p in self._named_trainable()}
@@ -342,7 +398,7 @@ class TorchEngine(TrainingEngine):
         self.clear_gradients()
 
     def info(self) -> EngineInfo:
-        n_all = sum(p.numel() for p in self.model.parameters())
+        n_all = sum(p.numel() for p in self.model.parameters()) + sum(p.numel() for p in self.head.parameters())
         return EngineInfo(
             model_name=self.model_name,
             model_type=str(self.hf_config.model_type),
@@ -355,6 +411,7 @@ class TorchEngine(TrainingEngine):
             num_parameters=n_all,
             num_trainable_parameters=sum(p.numel() for p in self._params),
             packing="packed" if self.config.packing else "padded",
+            head=self.head.name,
         )
 
     def status(self) -> EngineStatus:
@@ -370,6 +427,7 @@ class TorchEngine(TrainingEngine):
         if not self.is_lora or self.distributed:
             # FSDP2's `_apply` re-registers its sharded parameters; assigning p.data would not.
             self.model.to(device)
+            self.head.to(device)
         for p in self._params:
             p.data = p.data.to(device)
             if p.grad is not None:

@@ -2,7 +2,7 @@
 
 Rules (a third-party Tinker-compatible executor enforces the same; tinker-protocol.md §5):
 unknown keys are rejected, values must be finite real numbers, clip thresholds are
-absolute ratio bounds with 0 ≤ low ≤ high, and β ≥ 0.
+absolute ratio bounds with 0 ≤ low ≤ high, β ≥ 0, and ``value_clip`` > 0.
 """
 
 from __future__ import annotations
@@ -42,13 +42,19 @@ def _check_ranges(name: str, config: Mapping[str, float]) -> None:
         raise ValueError(
             f"loss {name!r}: loss_fn_config['beta'] must be >= 0, got {config['beta']}"
         )
+    if "value_clip" in config and not config["value_clip"] > 0.0:
+        raise ValueError(
+            f"loss {name!r}: loss_fn_config['value_clip'] must be > 0 (the clip range ε of "
+            f"V − V_old, e.g. 0.2), got {config['value_clip']}"
+        )
 
 
 def resolve_config(name: str, config: ConfigIn) -> dict[str, float]:
     """The loss's config with defaults filled in, as plain floats.
 
     ``ValueError`` on an unknown loss, unknown keys (named, with the accepted keys),
-    non-numeric or non-finite values, clip thresholds out of order, or β < 0.
+    non-numeric or non-finite values, clip thresholds out of order, β < 0, or
+    ``value_clip`` <= 0.
     Idempotent: resolving a resolved config returns an equal dict.
     """
     spec = get_loss(name)

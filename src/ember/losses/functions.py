@@ -20,6 +20,10 @@ term; a datum's loss is the sum over its tokens and the micro-batch loss is ``.s
 no mean over tokens, datums or batches (DESIGN.md contract 1). Normalisation is the
 caller's choice, expressed through ``weights`` / ``advantages``.
 
+Value losses (``value_mse``, ``ppo_value``) take the per-token *values* V_t of a scalar
+head in place of ``target_logprobs``, with ``returns`` R_t (and ``old_values``) as inputs;
+they are sums over tokens like every other loss.
+
 Maths is done in ``promote(target_logprobs.dtype, float32)`` (so bf16 log-probs are
 upcast, fp64 stays fp64). Notation: logp_t = target_logprobs, q_t = sampler logprobs,
 A_t = advantages, w_t = weights, r_t = exp(logp_t − q_t), sg[·] = stop-gradient.
@@ -85,6 +89,8 @@ def cross_entropy(
 
     loss_t = −w_t · logp_t; for top-K targets (T, K): loss_t = −Σ_k w_tk · logp_tk.
     Weights may be any real numbers (0/1 masks for SFT, −dC/dlogp for custom losses).
+    On a value head the first argument holds the values V_t: loss_t = −w_t · V_t, the
+    linear surrogate ``forward_backward_custom`` uses (weights = −dC/dV gives ∇C exactly).
     """
     logp = target_logprobs.to(_compute_dtype(target_logprobs))
     weights = _per_token("weights", inputs, logp)
@@ -234,3 +240,52 @@ def stable_reinforce(
     ratio_T = torch.exp(logp_T - q_T)
     keep_T = (mask_T != 0) & (ratio_T.detach() >= low) & (ratio_T.detach() <= high)
     return -keep_T.to(logp_T.dtype) * ratio_T * adv_T
+
+
+def _value_tensors(
+    values: torch.Tensor, inputs: Inputs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(v_T, returns_T, weights_T) in the compute dtype; v_T keeps its graph.
+
+    ``weights`` defaults to ones (validation fills it in; direct callers may omit it)."""
+    if values.dim() != 1:
+        raise ValueError(f"value losses need values of shape (T,), got {tuple(values.shape)}")
+    v_T = values.to(_compute_dtype(values))
+    w_T = _per_token("weights", inputs, v_T) if "weights" in inputs else torch.ones_like(v_T)
+    return v_T, _per_token("returns", inputs, v_T), w_T
+
+
+def value_mse(
+    values: torch.Tensor,
+    inputs: Inputs,
+    config: Config,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Squared error of a scalar head's values against returns, summed (no normalisation).
+
+    loss_t = ½ · w_t · (V_t − R_t)², R = ``returns``, w = ``weights`` (default 1);
+    d loss_t / d V_t = w_t · (V_t − R_t).
+    """
+    v_T, r_T, w_T = _value_tensors(values, inputs)
+    return 0.5 * w_T * (v_T - r_T) ** 2
+
+
+def ppo_value(
+    values: torch.Tensor,
+    inputs: Inputs,
+    config: Config,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PPO's clipped value loss (Schulman et al. 2017; baselines, verl), summed.
+
+        V^clip_t = V^old_t + clamp(V_t − V^old_t, −ε, ε)      ε = ``value_clip`` (default 0.2)
+        loss_t   = ½ · w_t · max((V_t − R_t)², (V^clip_t − R_t)²)
+
+    V^old = ``old_values`` (the values the returns were computed with), R = ``returns``,
+    w = ``weights`` (default 1). No normalisation.
+    """
+    v_T, r_T, w_T = _value_tensors(values, inputs)
+    old_T = _per_token("old_values", inputs, v_T)
+    eps = float(config["value_clip"])
+    clipped_T = old_T + torch.clamp(v_T - old_T, -eps, eps)
+    return 0.5 * w_T * torch.maximum((v_T - r_T) ** 2, (clipped_T - r_T) ** 2)

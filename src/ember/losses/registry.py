@@ -14,6 +14,18 @@ Sources for names, inputs and defaults: tinker-protocol.md §5.
   ``sampled_mask`` are filled in by the service from stability records
   (``ember.service.stability``); the client sends ``target_tokens``, ``advantages`` and
   provenance spans.
+* ``value_mse`` and ``ppo_value`` (ember's, for scalar-head runs): ``ppo_value``'s
+  ``value_clip`` ε = 0.2 follows baselines / verl (``cliprange_value``). They consume
+  values; ``target_tokens`` is accepted (the SDK's ``forward_backward_custom`` sends it)
+  and ignored.
+
+What a loss consumes (``LossSpec.consumes``): ``"logprobs"`` (a policy head's per-token
+log-probs of the targets) and/or ``"values"`` (a scalar head's per-token values).
+``cross_entropy`` consumes both: on a value head it is the linear surrogate −Σ w·V that
+``forward_backward_custom`` relies on. There is no built-in pairwise (Bradley–Terry)
+loss: a pair spans two datums, which the micro-batch planner may separate, so it could
+not be a per-micro-batch sum (contract 2); train reward models with
+``forward_backward_custom``, which is exact.
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ LossFn = Callable[
 ]
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+LOGPROBS = frozenset({"logprobs"})
+VALUES = frozenset({"values"})
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,7 @@ class LossSpec:
     optional_inputs: tuple[str, ...]
     config_defaults: Mapping[str, float]
     supports_top_k: bool = False  # target_tokens may be (N, K)
+    consumes: frozenset[str] = LOGPROBS  # head outputs it takes: "logprobs" and/or "values"
 
     @property
     def accepted_inputs(self) -> tuple[str, ...]:
@@ -56,6 +71,7 @@ def _spec(
     optional: tuple[str, ...] = (),
     defaults: Mapping[str, float] | None = None,
     top_k: bool = False,
+    consumes: frozenset[str] = LOGPROBS,
 ) -> LossSpec:
     return LossSpec(
         name=fn.__name__,
@@ -64,6 +80,7 @@ def _spec(
         optional_inputs=optional,
         config_defaults=MappingProxyType(dict(defaults or {})),
         supports_top_k=top_k,
+        consumes=consumes,
     )
 
 
@@ -72,7 +89,8 @@ _PPO_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSSES: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
-        _spec(functions.cross_entropy, ("target_tokens",), ("weights",), top_k=True),
+        _spec(functions.cross_entropy, ("target_tokens",), ("weights",), top_k=True,
+              consumes=LOGPROBS | VALUES),
         _spec(functions.importance_sampling, RL_INPUTS),
         _spec(functions.ppo, RL_INPUTS, defaults=_PPO_CLIP),
         _spec(
@@ -86,6 +104,14 @@ LOSSES: dict[str, LossSpec] = {
             functions.stable_reinforce,
             RL_INPUTS + ("sampled_mask",),
             defaults={"clip_low_threshold": 0.5, "clip_high_threshold": 2.0},
+        ),
+        _spec(functions.value_mse, ("returns",), ("weights", "target_tokens"), consumes=VALUES),
+        _spec(
+            functions.ppo_value,
+            ("returns", "old_values"),
+            ("weights", "target_tokens"),
+            defaults={"value_clip": 0.2},
+            consumes=VALUES,
         ),
     )
 }

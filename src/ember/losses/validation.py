@@ -3,7 +3,8 @@
 Alignment (tinker-protocol.md §4.3): ``model_input`` position i predicts token i+1, so
 every loss input has first dimension N = length of ``model_input``. ``target_tokens`` is
 int64 (N,), or (N, K) for top-K ``cross_entropy`` with ``weights`` of the same shape;
-``weights``, ``logprobs``, ``advantages`` and ``sequence_ratio_mask`` are float (N,).
+``weights``, ``logprobs``, ``advantages``, ``sequence_ratio_mask``, ``returns`` and
+``old_values`` are float (N,). Value losses accept ``target_tokens`` but do not require it.
 
 Every error is a ``ValueError`` that names the datum index and the field, e.g.
 ``datum 3: loss_fn_inputs['weights'] has shape (7,), expected (8,) (same as target_tokens)``.
@@ -159,14 +160,19 @@ def validate_datum_inputs(
         raise ValueError(f"{where}: model_input is empty (length {n_tokens}); need >= 1 token")
     _check_keys(spec, where, inputs)
     dense = {key: _as_dense(where, key, value) for key, value in inputs.items()}
-    tokens = _check_target_tokens(spec, where, n_tokens, dense.pop("target_tokens"), vocab_size, scan_values)
-    out = {"target_tokens": tokens}
+    out: dict[str, torch.Tensor] = {}
+    tokens = None  # optional for value losses (required-ness is `_check_keys`'s job)
+    if "target_tokens" in dense:
+        tokens = _check_target_tokens(spec, where, n_tokens, dense.pop("target_tokens"), vocab_size, scan_values)
+        out["target_tokens"] = tokens
+    per_token = torch.Size([n_tokens])
     for key, value in dense.items():
-        if key == "weights":
+        if key == "weights" and tokens is not None:
             expected, note = tokens.shape, "same as target_tokens"
         else:
-            expected, note = torch.Size([n_tokens]), "N = model_input length"
+            expected, note = per_token, "N = model_input length"
         out[key] = _check_float(where, key, value, expected, note, scan_values)
     if "weights" in spec.optional_inputs and "weights" not in out:
-        out["weights"] = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
+        shape = tokens.shape if tokens is not None else per_token
+        out["weights"] = torch.ones(shape, dtype=torch.float32)
     return out

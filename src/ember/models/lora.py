@@ -26,14 +26,17 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _UNEMBED = ("lm_head",)
 
 
-def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig) -> list[str]:
-    """Names (suffixes) of the Linear modules that receive adapters, present in `model`."""
+def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig, unembed: bool = True) -> list[str]:
+    """Names (suffixes) of the Linear modules that receive adapters, present in `model`.
+
+    `unembed=False` (a value-head run, which does not use the LM head) never targets
+    `lm_head`, whatever `train_unembed` says."""
     wanted: list[str] = []
     if config.train_attn:
         wanted += _ATTN
     if config.train_mlp:
         wanted += _MLP
-    if config.train_unembed:
+    if config.train_unembed and unembed:
         wanted += _UNEMBED
     # Suffixes of every module: after peft wrapping, `q_proj` is a LoRA layer, no longer a Linear.
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -47,7 +50,7 @@ def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig) -> lis
     return targets
 
 
-def peft_config(model: PreTrainedModel, config: types.LoraConfig) -> PeftLoraConfig:
+def peft_config(model: PreTrainedModel, config: types.LoraConfig, unembed: bool = True) -> PeftLoraConfig:
     if config.rank < 1:
         raise ValueError(f"LoraConfig.rank must be >= 1, got {config.rank}")
     return PeftLoraConfig(
@@ -55,7 +58,7 @@ def peft_config(model: PreTrainedModel, config: types.LoraConfig) -> PeftLoraCon
         lora_alpha=LORA_ALPHA,
         lora_dropout=0.0,
         bias="none",
-        target_modules=lora_target_modules(model, config),
+        target_modules=lora_target_modules(model, config, unembed),
         task_type="CAUSAL_LM",
     )
 
@@ -69,15 +72,17 @@ def apply_lora(model: PreTrainedModel, config: types.LoraConfig) -> PeftModel:
     return peft_model
 
 
-def add_lora_adapter(model: PreTrainedModel | PeftModel, name: str, config: types.LoraConfig) -> PeftModel:
+def add_lora_adapter(model: PreTrainedModel | PeftModel, name: str, config: types.LoraConfig,
+                     unembed: bool = True) -> PeftModel:
     """Add a named adapter (many tenants on one base model held once in memory).
 
     A plain model is wrapped (its Linear modules become peft LoRA layers, in place); a
     PeftModel gets one more adapter. The caller activates it with `set_adapter(name)`.
+    `unembed=False` leaves `lm_head` out of the targets (value-head runs).
     """
     seed = 0 if config.seed is None else int(config.seed)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    cfg = peft_config(base, config)
+    cfg = peft_config(base, config, unembed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(model, PeftModel):

@@ -46,6 +46,7 @@ class EngineSpec:
     lora_config: types.LoraConfig | None = None
     model_name: str | None = None
     optimizer: str = "adamw"  # `ember.engine.optimizers.OPTIMIZERS` key
+    head: str = "policy"  # `ember.engine.heads.HEADS` key: "policy" | "value"
 
     def layout(self, world_size: int) -> ParallelismConfig:
         p = self.parallelism or ParallelismConfig.for_world(world_size)
@@ -63,7 +64,7 @@ class EngineSpec:
         return engine_class(config.backend).from_pretrained(
             self.model_dir, config, lora_config=self.lora_config,
             model_name=self.model_name or str(self.model_dir), parallelism=self.layout(ctx.world_size),
-            optimizer_config={"type": self.optimizer},
+            optimizer_config={"type": self.optimizer}, head=self.head,
         )
 
 
@@ -76,6 +77,14 @@ def gather_named_weights(engine: Any, dtype: torch.dtype | None = None) -> list[
     return [(n, t) for n, t in engine.named_weights(dtype) if keep]
 
 
+def gather_head_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """The head's tensors (replicated on every rank); only rank 0 returns them."""
+    import torch.distributed as dist
+
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    return engine.head_weights() if keep else {}
+
+
 def vocab_size(engine: Any) -> int:
     return int(engine.hf_config.vocab_size)
 
@@ -84,15 +93,21 @@ def vocab_size(engine: Any) -> int:
 class GroupEngine(TrainingEngine):
     """A `TrainingEngine` whose ranks live in a `WorkerGroup` (object `name`)."""
 
-    def __init__(self, group: WorkerGroup, name: str) -> None:
+    def __init__(self, group: WorkerGroup, name: str, head: str = "policy") -> None:
+        from ember.engine.heads import head_output
+
         self.group = group
         self.name = name
         self._vocab: int | None = None
+        self._output = head_output(head)  # what the ranks' head computes: validated here too
 
     @classmethod
     def create(cls, group: WorkerGroup, name: str, spec: EngineSpec) -> "GroupEngine":
+        from ember.engine.heads import head_output
+
+        head_output(spec.head)  # an unknown head is refused before any rank builds
         group.build(name, spec, dp_size=spec.dp_size(group.world_size))
-        return cls(group, name)
+        return cls(group, name, spec.head)
 
     def _call(self, method: str, *args, dispatch: str = "all", **kwargs) -> Any:
         return self.group.call(self.name, method, *args, dispatch=dispatch, **kwargs)
@@ -104,7 +119,7 @@ class GroupEngine(TrainingEngine):
         if self._vocab is None:
             self._vocab = self.group.run(self.name, vocab_size)
         resolve_config(loss_fn, loss_fn_config)
-        prepare_datums(datums, get_loss(loss_fn), self._vocab)
+        prepare_datums(datums, get_loss(loss_fn), self._vocab, output=self._output)
 
     def forward_backward(self, datums, loss_fn, loss_fn_config=None) -> types.ForwardBackwardOutput:
         self._validate(datums, loss_fn, loss_fn_config)
@@ -122,6 +137,9 @@ class GroupEngine(TrainingEngine):
 
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.group.run(self.name, gather_named_weights, dtype))
+
+    def head_weights(self) -> dict[str, torch.Tensor]:
+        return self.group.run(self.name, gather_head_weights)
 
     def save_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
         self._call("save_state", str(path), optimizer)

@@ -1,0 +1,144 @@
+"""Output heads: what a run's model computes per token (DESIGN.md "Roles").
+
+A training run has one head, chosen by name from `HEADS` (the run's
+``user_metadata['ember.head']``, default ``"policy"``):
+
+* ``policy`` — log p_θ(target token) per position from the LM's logits (Tinker's default);
+  losses that consume ``"logprobs"`` apply.
+* ``value`` — a scalar per position: ``score = Linear(hidden, 1, bias=True)`` on the last
+  hidden state (after the final norm), as transformers' ``XForTokenClassification`` with
+  ``num_labels=1``; losses that consume ``"values"`` apply (`value_mse`, `ppo_value`, and
+  `cross_entropy` as the linear surrogate of ``forward_backward_custom``).
+
+The engine calls the HF model exactly as for a policy (the root module, so FSDP2, TP and
+peft hooks stay in play), adding the head's ``model_kwargs``; the value head asks for the
+hidden states and only one position of logits (no T×V cost). The head's parameters are
+fp32 and replicated on every rank (`ember.engine.torch_engine` sums their gradient over
+data-parallel ranks). Their HF names are `hf_state`'s: ``score.weight`` (1, H),
+``score.bias`` (1,).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from ember.engine.batching import MicroBatch
+
+HEAD_METADATA_KEY = "ember.head"
+
+
+class OutputHead(torch.nn.Module, abc.ABC):
+    """Turns the HF model's output on one micro-batch into the per-token tensor a loss consumes."""
+
+    name: ClassVar[str]  # the `HEADS` key
+    output: ClassVar[str]  # what it outputs, matched against `LossSpec.consumes`
+    model_kwargs: ClassVar[Mapping[str, Any]]  # extra kwargs of the HF forward call
+    uses_lm_head: ClassVar[bool]  # False: a full-FT run leaves an untied lm_head untrained
+
+    @abc.abstractmethod
+    def outputs(self, model_out: Any, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+        """fp32 per real token of `mb`, datum by datum: (T,), or (T, K) for top-K log-probs."""
+
+    @abc.abstractmethod
+    def zero_contribution(self, model_out: Any) -> torch.Tensor:
+        """A scalar equal to 0 whose backward runs the same modules as a real micro-batch."""
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The head's tensors under their transformers names (none for a policy)."""
+        return {}
+
+
+class PolicyHead(OutputHead):
+    """Log-probabilities of the target tokens, from the LM head's logits (fp32 log-softmax)."""
+
+    name, output, model_kwargs, uses_lm_head = "policy", "logprobs", {}, True
+
+    def outputs(self, model_out: Any, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+        logits = model_out.logits.flatten(0, 1).index_select(0, mb.valid_index.to(device))  # (T, V)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 even for bf16 models
+        targets = mb.inputs["target_tokens"].to(device)
+        if targets.dim() == 1:
+            return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+        return logp.gather(1, targets)
+
+    def zero_contribution(self, model_out: Any) -> torch.Tensor:
+        return model_out.logits.float().sum() * 0.0
+
+
+class ValueHead(OutputHead):
+    """V_t = score(h_t): a fp32 `Linear(hidden, 1)` on the last hidden state.
+
+    Initialised from `seed` with weight ~ N(0, 1/H) and bias 0: non-zero, so that with a
+    fresh LoRA adapter (B = 0) the adapter still gets a gradient through the head."""
+
+    name, output, uses_lm_head = "value", "values", False
+    # hidden states for the head; logits for one position only (lm_head is not used)
+    model_kwargs = {"output_hidden_states": True, "logits_to_keep": 1}
+
+    def __init__(self, hidden_size: int, seed: int) -> None:
+        super().__init__()
+        if hidden_size < 1:
+            raise ValueError(f"a value head needs hidden_size >= 1, got {hidden_size}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.score = torch.nn.Linear(hidden_size, 1, bias=True, dtype=torch.float32)
+            torch.nn.init.normal_(self.score.weight, std=hidden_size**-0.5)
+            torch.nn.init.zeros_(self.score.bias)
+
+    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden.float()).squeeze(-1)  # fp32 head even under bf16 / autocast
+
+    def outputs(self, model_out: Any, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+        hidden = model_out.hidden_states[-1].flatten(0, 1).index_select(0, mb.valid_index.to(device))  # (T, H)
+        return self._values(hidden)
+
+    def zero_contribution(self, model_out: Any) -> torch.Tensor:
+        return self._values(model_out.hidden_states[-1]).sum() * 0.0
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        return {f"score.{n}": t.detach().clone() for n, t in self.score.state_dict().items()}
+
+
+def _hidden_size(hf_config: Any) -> int:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return int(text.hidden_size)
+
+
+HEADS: dict[str, Callable[[Any, int], OutputHead]] = {
+    "policy": lambda hf_config, seed: PolicyHead(),
+    "value": lambda hf_config, seed: ValueHead(_hidden_size(hf_config), seed),
+}
+HEAD_OUTPUTS: dict[str, str] = {"policy": PolicyHead.output, "value": ValueHead.output}
+
+
+def _check_name(name: object, field: str) -> str:
+    known = ", ".join(HEADS)
+    if not isinstance(name, str):
+        raise ValueError(f"{field} must be a string, one of {known}; got {type(name).__name__} {name!r}")
+    if name not in HEADS:
+        raise ValueError(f"{field} must be one of {known}; got {name!r}")
+    return name
+
+
+def build_head(name: str, hf_config: Any, seed: int = 0) -> OutputHead:
+    """The head registered as `name` for a model with `hf_config`; ValueError listing the known heads."""
+    return HEADS[_check_name(name, "head")](hf_config, int(seed))
+
+
+def head_output(name: str) -> str:
+    """What head `name` outputs per token ("logprobs" | "values")."""
+    return HEAD_OUTPUTS[_check_name(name, "head")]
+
+
+def head_from_metadata(meta: Mapping[str, Any] | None) -> str:
+    """The head a run's ``user_metadata`` asks for: ``"policy"`` when absent.
+
+    ValueError naming ``user_metadata['ember.head']``, the known heads and what was got,
+    for a value that is not a known head name (wrong type included)."""
+    if meta is None or HEAD_METADATA_KEY not in meta:
+        return "policy"
+    return _check_name(meta[HEAD_METADATA_KEY], f"user_metadata[{HEAD_METADATA_KEY!r}]")
