@@ -31,7 +31,7 @@ from ember.service.config import ServiceConfig
 from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry
 from ember.service.futures import FutureTable
-from ember.service.runs import LiveRun, RunManager
+from ember.service.runs import LiveRun, RunManager, check_samplable
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
 from ember.service.sessions import SessionManager
 from ember.service.stability import StabilityRecords
@@ -249,10 +249,12 @@ class Service(ServiceAPI):
                                     "path (a name) and sampling_session_seq_id", model_id=model_id)
         if path is not None:
             def op(run: LiveRun):
+                check_samplable(run.spec)
                 uri = self.runs.save_checkpoint(run, path, "sampler", True, ttl_seconds, user_metadata)
                 return types.SaveWeightsForSamplerResponseInternal(path=uri)
         else:
             def op(run: LiveRun):
+                check_samplable(run.spec)
                 engine = run.require_engine()
                 sid = self.samplers.create_from_weights(
                     run.owner, run.session_id, sampling_session_seq_id, run.spec.base, engine.named_weights(),

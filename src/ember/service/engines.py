@@ -108,6 +108,7 @@ class RunSpec:
     base: BaseModel
     lora_config: types.LoraConfig | None  # None = full fine-tuning
     optimizer: str = "adamw"  # the run's optimizer (`ember.engine.optimizers.OPTIMIZERS` key)
+    head: str = "policy"  # what the model outputs per token (`ember.engine.heads.HEADS` key)
 
     @property
     def is_lora(self) -> bool:
@@ -157,18 +158,18 @@ class LocalEngineFactory(EngineFactory):
         engine_cls = engine_class(self.config.backend)
         if not spec.is_lora:
             return engine_cls.from_pretrained(spec.base.directory, self.config, None, model_name=spec.base.name,
-                                              optimizer_config={"type": spec.optimizer})
+                                              optimizer_config={"type": spec.optimizer}, head=spec.head)
         base = self._shared.get(spec.base.directory)
         if base is None:
             c = self.config
             base = load_model(spec.base.directory, c.dtype, c.device, c.attn_implementation)
         name = adapter_name(spec.run_id)
-        model = add_lora_adapter(base, name, spec.lora_config)
+        model = add_lora_adapter(base, name, spec.lora_config, unembed=spec.head == "policy")
         self._shared[spec.base.directory] = model
         try:
             return engine_cls(
                 model, self.config, model_name=spec.base.name, lora_config=spec.lora_config, adapter_name=name,
-                optimizer_config={"type": spec.optimizer},
+                optimizer_config={"type": spec.optimizer}, head=spec.head,
             )
         except BaseException:
             # A failed creation leaves the shared model as it found it: the other tenants'
@@ -223,7 +224,7 @@ class WorkerGroupEngineFactory(EngineFactory):
         from ember.workers.engine import EngineSpec, GroupEngine
 
         engine_spec = EngineSpec(str(spec.base.directory), self.config, self.parallelism, spec.lora_config, spec.base.name,
-                                 spec.optimizer)
+                                 spec.optimizer, head=spec.head)
         return GroupEngine.create(self.group, adapter_name(spec.run_id), engine_spec)
 
     def release(self, spec: RunSpec, engine: TrainingEngine) -> None:

@@ -6,7 +6,9 @@ written like every other checkpoint (fresh directory, fsync, the row as commit p
 
 * LoRA run: a peft adapter (adapter_config.json, adapter_model.safetensors) + tokenizer files;
 * full fine-tuning: config.json, model.safetensors (shards above 5 GiB), generation_config.json
-  and tokenizer files.
+  and tokenizer files;
+* a value-head run (critic, reward model): the same, as `<Arch>ForTokenClassification` with
+  one label and the head `score` (in the adapter's `modules_to_save` for LoRA).
 
 Download links. The SDK fetches each file with a plain GET and no API key (its CLI uses
 urllib), so a link carries its authority: `<expires>.<b64(tinker_path)>.<b64(hmac)>`, the
@@ -44,21 +46,31 @@ MERGED_SUFFIX = ".merged"  # an export name ending so asks for LoRA merged into 
 def write_export(engine: TrainingEngine, spec: RunSpec, name: str, out: Path) -> None:
     """The run's current weights in Hugging Face format, into the (new) directory `out`:
     a peft adapter for a LoRA run, or (name ending in ".merged") the adapter merged into
-    the base model's weights; the model itself for full fine-tuning."""
+    the base model's weights; the model itself for full fine-tuning. A value-head run
+    exports as `<Arch>ForTokenClassification` (num_labels 1, the head named `score`): the
+    full model, or a peft TOKEN_CLS adapter with the head in `modules_to_save`."""
     base_dir = Path(spec.base.directory)
+    head = engine.head_weights()
     lora = spec.lora_config
     if lora is None:
-        hf_export.write_full_model(out, engine.named_weights(), base_dir)
+        _write_model(out, engine.named_weights(), head, base_dir)
         return
     adapter = dict(engine.named_weights())
     if name.endswith(MERGED_SUFFIX):
         tied = bool(json.loads((base_dir / "config.json").read_text()).get("tie_word_embeddings", False))
         merged = hf_export.merge_lora(hf_export.read_base_weights(base_dir), adapter, scale=LORA_ALPHA / lora.rank,
                                       tied_head=tied)
-        hf_export.write_full_model(out, merged, base_dir)
+        _write_model(out, merged, head, base_dir)
     else:
         hf_export.write_lora_adapter(out, adapter, rank=lora.rank, alpha=LORA_ALPHA, base_model=spec.base.name,
-                                     base_dir=base_dir)
+                                     base_dir=base_dir, head=head or None)
+
+
+def _write_model(out: Path, weights, head: dict, base_dir: Path) -> None:
+    if head:
+        hf_export.write_value_model(out, weights, head, base_dir)
+    else:
+        hf_export.write_full_model(out, weights, base_dir)
 
 
 def check_export_options(age_encryption_recipients: object) -> None:

@@ -82,6 +82,41 @@ def validate_lora(cfg: types.LoraConfig | None) -> None:
         raise UserError("lora_config must train at least one of attn, mlp, unembed")
 
 
+def validate_head(user_metadata: Mapping[str, Any] | None) -> str:
+    """The run's head, from `user_metadata["ember.head"]` ("policy" when absent)."""
+    from ember.engine.heads import head_from_metadata
+
+    try:
+        return head_from_metadata(user_metadata)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def check_samplable(spec: RunSpec) -> None:
+    """Only a policy has a sampler: a value head outputs a number per token, not a distribution
+    over tokens, and its adapter on the LM would sample from something nobody trained."""
+    if spec.head != "policy":
+        raise UserError(f"run {spec.run_id} has a {spec.head!r} head (user_metadata['ember.head']): it outputs "
+                        "values, not tokens, so it has no sampler; read its values with forward, save it with "
+                        "save_state or save_weights_external")
+
+
+def _saved_head(directory, user_metadata: Mapping[str, Any] | None) -> str:
+    """The head of a run created from a training checkpoint: the checkpoint's (it holds the
+    head's weights). Metadata naming another head is refused rather than ignored."""
+    from ember.engine.checkpoint import read_meta
+    from ember.engine.heads import HEAD_METADATA_KEY
+
+    try:
+        saved = read_meta(Path(directory)).get("head", "policy")
+    except (OSError, ValueError):
+        saved = "policy"  # load_state reports the unreadable checkpoint itself
+    if user_metadata and HEAD_METADATA_KEY in user_metadata and validate_head(user_metadata) != saved:
+        raise UserError(f"user_metadata[{HEAD_METADATA_KEY!r}] is {user_metadata[HEAD_METADATA_KEY]!r}, but the "
+                        f"checkpoint holds a {saved!r}-head run; leave the key out or set it to {saved!r}")
+    return saved
+
+
 def _saved_optimizer(directory) -> dict[str, Any]:
     """The optimizer config a training checkpoint's state belongs to (AdamW for older ones)."""
     from ember.engine.checkpoint import read_meta
@@ -234,7 +269,8 @@ class RunManager:
             validate_lora(lora_config)
             self.limits.check_lora_rank(lora_config)
             optimizer = validate_optimizer(optimizer_config)
-            spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config, optimizer["type"])
+            spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config, optimizer["type"],
+                           validate_head(user_metadata))
             if self.store.get(RunRow, run_id) is not None:
                 raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
             run = self._register(owner, session_id, model_seq_id, spec, 1, optimizer, user_metadata, None)
@@ -281,8 +317,8 @@ class RunManager:
             if self.store.get(RunRow, run_id) is not None:
                 raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
             opt = _resumed_optimizer(crow.directory, optimizer, optimizer_config)
-            run = self._register(owner, session_id, model_seq_id, RunSpec(run_id, base, lora, opt["type"]), 0,
-                                 opt, user_metadata, tp.uri)
+            spec = RunSpec(run_id, base, lora, opt["type"], _saved_head(crow.directory, user_metadata))
+            run = self._register(owner, session_id, model_seq_id, spec, 0, opt, user_metadata, tp.uri)
         except UserError as exc:
             self.futures.fail(sub.request_id, str(exc), User)
             return
