@@ -18,11 +18,16 @@ TOKENS = [5, 9, 14, 22, 31, 40, 7]
 RETURNS = [0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 1.0]
 
 
+def floats(xs) -> types.TensorData:
+    """A float input the SDK's Datum does not know by name (it converts lists by key)."""
+    return types.TensorData(data=[float(x) for x in xs], dtype="float32", shape=[len(xs)])
+
+
 def value_datum(tokens=TOKENS, returns=None, old_values=None, weights=None) -> types.Datum:
     inputs: dict = {"target_tokens": list(tokens)}  # read by the SDK's custom-loss path, ignored by the head
     for key, val in (("returns", returns), ("old_values", old_values), ("weights", weights)):
         if val is not None:
-            inputs[key] = [float(x) for x in val]
+            inputs[key] = floats(val)
     return types.Datum(model_input=types.ModelInput.from_ints(list(tokens)), loss_fn_inputs=inputs)
 
 

@@ -85,7 +85,8 @@ def test_submit_reference_logprobs_and_completion_logprobs():
         submit_reference_logprobs(ref, [([1], [2]), ([1], [])])
     with pytest.raises(ValueError, match="returned no logprobs"):
         completion_logprobs(None, 1, 2)
-    with pytest.raises(ValueError, match=r"2 logprobs for a sequence of 1 prompt \+ 2 completion tokens \(expected 3\)"):
+    with pytest.raises(ValueError,
+                       match=r"2 logprobs for a sequence of 1 prompt \+ 2 completion tokens \(expected 3\)"):
         completion_logprobs([None, -1.0], 1, 2)
     with pytest.raises(ValueError, match=r"no logprob for completion token\(s\) \[0\]"):
         completion_logprobs([None, None, -2.0], 1, 2)

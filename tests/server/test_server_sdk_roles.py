@@ -18,12 +18,17 @@ SEQS = [[5, 9, 14, 22, 31, 40, 7], [3, 8, 13, 2], [40, 41, 42, 43, 44]]
 TARGET = 1.5  # every position's target value
 
 
+def floats(xs) -> types.TensorData:
+    """A float input the SDK's Datum does not know by name (it converts lists by key)."""
+    return types.TensorData(data=[float(x) for x in xs], dtype="float32", shape=[len(xs)])
+
+
 def value_datum(tokens, returns=None, old_values=None) -> types.Datum:
     inputs: dict = {"target_tokens": list(tokens)}
     if returns is not None:
-        inputs["returns"] = [float(x) for x in returns]
+        inputs["returns"] = floats(returns)
     if old_values is not None:
-        inputs["old_values"] = [float(x) for x in old_values]
+        inputs["old_values"] = floats(old_values)
     return types.Datum(model_input=types.ModelInput.from_ints(list(tokens)), loss_fn_inputs=inputs)
 
 
@@ -42,7 +47,7 @@ def error(tc) -> float:
 
 def mse_to_target(data, outputs):
     loss = sum(((v - TARGET) ** 2).mean() for v in outputs) / len(outputs)
-    return loss, {"mse": float(loss)}
+    return loss, {"mse": float(loss.detach())}
 
 
 def test_sdk_critic_forward_gives_one_value_per_position_and_custom_training_lowers_its_error(sc):
@@ -65,7 +70,7 @@ def test_sdk_builtin_value_losses_equal_their_formulas(sc):
     returns = [v + np.linspace(-1.0, 1.0, len(v)) for v in vals]
     old = [v + 0.3 for v in vals]
     data = [value_datum(s, r, o) for s, r, o in zip(SEQS, returns, old)]
-    mse = tc.forward(data, "value_mse").result().metrics["loss:sum"]  # type: ignore[arg-type]
+    mse = tc.forward([value_datum(s, r) for s, r in zip(SEQS, returns)], "value_mse").result().metrics["loss:sum"]  # type: ignore[arg-type]
     assert mse == pytest.approx(sum(0.5 * ((v - r) ** 2).sum() for v, r in zip(vals, returns)), rel=1e-5)
     eps = 0.1
     clipped = tc.forward(data, "ppo_value", {"value_clip": eps}).result().metrics["loss:sum"]  # type: ignore[arg-type]
@@ -108,3 +113,28 @@ def test_sdk_critic_state_round_trip(sc):
     restored = sc.create_training_client_from_state(path).result()
     for a, b in zip(forward_values(tc), forward_values(restored)):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head", [5, ["value"], "v" * 100_000], ids=["int", "list", "huge"])
+def test_raw_http_hostile_head_values_are_user_errors_with_short_messages(ember_server, head):
+    import httpx
+
+    from ember.server.testing import API_KEY
+
+    with httpx.Client(base_url=ember_server.base_url + "/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        session = http.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "x"}).json()
+        r = http.post("/create_model", json={"session_id": session["session_id"], "model_seq_id": 0,
+                                             "base_model": MODEL_NAME, "lora_config": {"rank": 2},
+                                             "user_metadata": {"ember.head": head}})
+        if r.status_code == 200:  # accepted as a request: the create future fails as a user error
+            for _ in range(50):
+                body = http.post("/retrieve_future", json={"request_id": r.json()["request_id"]},
+                                 headers={"Accept": "application/json"}).json()
+                if body.get("type") != "try_again":
+                    break
+        else:
+            assert r.status_code in (400, 422), r.text
+            body = r.json()
+        text = str(body.get("error") or body.get("detail"))
+        assert body.get("category", "user") == "user" and "ember.head" in text or r.status_code == 422, body
+        assert len(text) < 2000, len(text)

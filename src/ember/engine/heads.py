@@ -21,6 +21,7 @@ data-parallel ranks). Their HF names are `hf_state`'s: ``score.weight`` (1, H),
 from __future__ import annotations
 
 import abc
+import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -118,9 +119,9 @@ HEAD_OUTPUTS: dict[str, str] = {"policy": PolicyHead.output, "value": ValueHead.
 def _check_name(name: object, field: str) -> str:
     known = ", ".join(HEADS)
     if not isinstance(name, str):
-        raise ValueError(f"{field} must be a string, one of {known}; got {type(name).__name__} {name!r}")
+        raise ValueError(f"{field} must be a string, one of {known}; got {type(name).__name__} {reprlib.repr(name)}")
     if name not in HEADS:
-        raise ValueError(f"{field} must be one of {known}; got {name!r}")
+        raise ValueError(f"{field} must be one of {known}; got {reprlib.repr(name)}")
     return name
 
 

@@ -17,12 +17,33 @@ the weights this batch trains from, while it trains (sampling and training overl
 separate threads or machines); that batch is then one step stale, which the losses
 correct with the sampler's logprobs. One batch is in flight, so the staleness is 1 for
 any k >= 1; `staleness` is recorded per step. k = 0 is strictly on-policy.
+
+KL to a reference (`kl_coef` = beta > 0): the reward is shaped per token by the k1
+estimator, k_t = log q(c_t) - log p_ref(c_t) on the sampled tokens, centred on the
+mini-batch mean k-bar: completion token t of sequence i carries (A_i + beta*(k-bar - k_t)) / S
+(tinker-cookbook's `incorporate_kl_penalty`), rather than a k3 term in the loss. Why:
+(1) it works with every built-in loss (`importance_sampling`, `ppo`) unchanged, in process
+and over HTTP; a k3 term needs a reference-logprob loss input that Tinker's losses lack (a
+new loss name, or a second round trip through `forward_backward_custom`); (2) it needs
+log p_ref only on the sampled tokens, which the reference sampler's `compute_logprobs`
+returns (q_t are the sampler's logprobs, already at hand); (3) centring keeps the shaped
+advantages' token-mean equal to the unshaped one, so the KL term moves no baseline. The
+reference is a sampler of frozen weights (`kl_reference`: by default the policy's step-0
+weights). Its logprobs for the whole batch are submitted before the policy trains and
+each mini-batch awaits only its own just before building its datums, so the reference
+runs while the policy trains. Groups of constant reward are kept (their KL term is a
+signal). `kl_ref` (mean k1 over the batch's completion tokens: the measured KL) and
+`kl_ref_k3` (mean exp(r)-1-r, r = -k1: >= 0, lower variance) are recorded per step.
+kl_coef = 0 makes no reference call and sends exactly the datums it sent before.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import re
 import statistics
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,7 +51,21 @@ from typing import Any, Literal
 from tinker import types
 
 from ember.metrics import MetricsConfig, get_logger, record_metric, span
-from ember.recipes.common import RL_LOSSES, SCHEDULES, ClientConfig, Evaluator, Schedule, StepHook, learning_rate_at, rl_datum
+from ember.recipes.common import (
+    RL_LOSSES,
+    SCHEDULES,
+    ClientConfig,
+    Evaluator,
+    Schedule,
+    StepHook,
+    completion_logprobs,
+    kl_k1,
+    kl_k3,
+    kl_shaped_advantages,
+    learning_rate_at,
+    rl_datum,
+    submit_reference_logprobs,
+)
 from ember.recipes.env import Environment, Problem
 
 
@@ -53,6 +88,9 @@ class GRPOConfig:
     minibatches: int = 1  # optimizer steps per batch
     max_staleness: int = 0  # k: sample from weights at most k steps old
     std_normalize: bool = False
+    kl_coef: float = 0.0  # beta >= 0: per-token reward -beta*(log pi - log pi_ref), centred; 0 = no reference
+    # KL reference: "" = the policy's step-0 weights; a tinker://<run>/sampler_weights/<name> path; a base model name
+    kl_reference: str = ""
     eval_every: int = 0  # steps between held-out evaluations (0: only the caller's)
     seed: int = 0
     env: str = "digit_sum"
@@ -76,6 +114,27 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.clip_low <= 1 <= self.clip_high:
             raise ValueError(f"GRPOConfig: need 0 <= clip_low <= 1 <= clip_high, got {self.clip_low}, {self.clip_high}")
+        self._check_kl()
+
+    def _check_kl(self) -> None:
+        if isinstance(self.kl_coef, bool) or not isinstance(self.kl_coef, (int, float)) \
+                or not math.isfinite(self.kl_coef) or self.kl_coef < 0:
+            raise ValueError(f"GRPOConfig.kl_coef must be a finite number >= 0, got {self.kl_coef!r}")
+        ref = self.kl_reference
+        if not isinstance(ref, str):
+            raise ValueError(f"GRPOConfig.kl_reference must be a string, got {type(ref).__name__}")
+        if ref and self.kl_coef == 0:
+            raise ValueError(f"GRPOConfig.kl_reference is {ref!r} but kl_coef is 0, so no reference is used; "
+                             "set kl_coef > 0 or leave kl_reference empty")
+        if ref and not (KL_REFERENCE_PATH.fullmatch(ref) or KL_REFERENCE_NAME.fullmatch(ref)):
+            raise ValueError(f"GRPOConfig.kl_reference must be '' (the policy's step-0 weights), a "
+                             f"tinker://<run>/sampler_weights/<name> (or .../weights/<name>) path or a base model "
+                             f"name, got {ref!r}")
+
+
+# kl_reference spellings: a sampler (or state) checkpoint path, or a base model name ("Qwen/Qwen3-8B", "tiny").
+KL_REFERENCE_PATH = re.compile(r"tinker://[^/\s]+/(sampler_weights|weights)/[^/\s]+")
+KL_REFERENCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)?")
 
 
 @dataclass
@@ -84,6 +143,7 @@ class Rollout:
     tokens: list[int]
     logprobs: list[float]
     reward: float
+    ref_logprobs: list[float] | None = None  # the reference's log-probs of `tokens` (kl_coef > 0)
 
 
 def submit_samples(
@@ -119,8 +179,10 @@ def group_advantages(rewards_G: Sequence[float], std_normalize: bool) -> list[fl
     return adv
 
 
-def minibatch_datums(groups: Sequence[list[Rollout]], std_normalize: bool) -> list[types.Datum]:
+def minibatch_datums(groups: Sequence[list[Rollout]], std_normalize: bool, kl_coef: float = 0.0) -> list[types.Datum]:
     n_seqs = sum(len(g) for g in groups)
+    if kl_coef > 0:
+        return kl_minibatch_datums(groups, std_normalize, kl_coef, n_seqs)
     datums = []
     for group in groups:
         advantages_G = group_advantages([r.reward for r in group], std_normalize)
@@ -130,12 +192,69 @@ def minibatch_datums(groups: Sequence[list[Rollout]], std_normalize: bool) -> li
     return datums
 
 
-def train_on_batch(training_client, groups: Sequence[list[Rollout]], cfg: GRPOConfig, lr: float) -> None:
-    """`cfg.minibatches` optimizer steps over the batch's groups (split by group)."""
+def kl_minibatch_datums(
+    groups: Sequence[list[Rollout]], std_normalize: bool, kl_coef: float, n_seqs: int,
+) -> list[types.Datum]:
+    """Datums with KL-shaped per-token advantages (A_i + beta*(k-bar - k_t)) / S; every
+    non-empty rollout is sent, constant-reward groups included (their KL term is a signal)."""
+    rollouts, advantages_N = [], []
+    for group in groups:
+        for rollout, adv in zip(group, group_advantages([r.reward for r in group], std_normalize)):
+            if rollout.tokens:
+                rollouts.append(rollout)
+                advantages_N.append(adv)
+    if any(r.ref_logprobs is None for r in rollouts):
+        raise RuntimeError("kl_minibatch_datums: a rollout has no reference logprobs (await them first)")
+    shaped_N_T = kl_shaped_advantages(advantages_N, [r.logprobs for r in rollouts],
+                                      [r.ref_logprobs for r in rollouts], kl_coef)
+    return [rl_datum(r.problem.tokens, r.tokens, r.logprobs, [a / n_seqs for a in shaped_T])
+            for r, shaped_T in zip(rollouts, shaped_N_T)]
+
+
+def submit_group_references(reference, groups: Sequence[list[Rollout]]) -> list[list]:
+    """The reference's logprobs of every non-empty rollout, all submitted before any is awaited."""
+    sequences = [(r.problem.tokens, r.tokens) for g in groups for r in g if r.tokens]
+    futures = submit_reference_logprobs(reference, sequences)
+    it = iter(futures)
+    return [[next(it) if r.tokens else None for r in g] for g in groups]
+
+
+def await_references(groups: Sequence[list[Rollout]], futures_G: Sequence[list]) -> None:
+    """Fill `ref_logprobs` of the given groups' rollouts from their reference futures."""
+    for group, futures in zip(groups, futures_G):
+        for rollout, future in zip(group, futures):
+            if future is not None:
+                rollout.ref_logprobs = completion_logprobs(future.result(), len(rollout.problem.tokens),
+                                                           len(rollout.tokens))
+
+
+def record_kl_metrics(groups: Sequence[list[Rollout]]) -> None:
+    """`kl_ref`: mean k1 over the batch's completion tokens (the measured KL to the reference);
+    `kl_ref_k3`: mean k3 over the same tokens."""
+    rollouts = [r for g in groups for r in g if r.tokens and r.ref_logprobs is not None]
+    k1 = [k for r in rollouts for k in kl_k1(r.logprobs, r.ref_logprobs)]
+    if k1:
+        record_metric("kl_ref", sum(k1) / len(k1))
+        k3 = [k for r in rollouts for k in kl_k3(r.logprobs, r.ref_logprobs)]
+        record_metric("kl_ref_k3", sum(k3) / len(k3))
+
+
+def train_on_batch(
+    training_client, groups: Sequence[list[Rollout]], cfg: GRPOConfig, lr: float, reference: Any = None,
+) -> None:
+    """`cfg.minibatches` optimizer steps over the batch's groups (split by group).
+
+    With `cfg.kl_coef > 0`, the reference's logprobs of the whole batch are submitted
+    first; each mini-batch awaits only its own, so the reference works while the policy trains.
+    """
     loss_config = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
     bounds = [round(i * len(groups) / cfg.minibatches) for i in range(cfg.minibatches + 1)]
+    ref_futures = submit_group_references(reference, groups) if cfg.kl_coef > 0 else None
     for lo, hi in zip(bounds, bounds[1:]):
-        datums = minibatch_datums(groups[lo:hi], cfg.std_normalize)
+        if ref_futures is not None:
+            with span("reference"):
+                await_references(groups[lo:hi], ref_futures[lo:hi])
+        datums = minibatch_datums(groups[lo:hi], cfg.std_normalize, cfg.kl_coef)
         if not datums:  # every group constant: no signal, no step
             record_metric("skipped_minibatches", 1, reduce="sum")
             continue
@@ -143,6 +262,8 @@ def train_on_batch(training_client, groups: Sequence[list[Rollout]], cfg: GRPOCo
         opt = training_client.optim_step(types.AdamParams(learning_rate=lr, beta2=cfg.adam_beta2))
         record_metric("loss", fb.result().metrics["loss:sum"], reduce="sum")
         opt.result()
+    if ref_futures is not None:
+        record_kl_metrics(groups)
 
 
 def record_batch_metrics(groups: Sequence[list[Rollout]]) -> None:
@@ -163,15 +284,36 @@ def evaluate_greedy(sampling_client, env: Environment, problems: Sequence[Proble
     return sum(g[0].reward for g in groups) / len(groups)
 
 
+def step0_reference(training_client) -> Any:
+    """A sampler of the policy's current weights, saved (`save_weights_for_sampler`) so that it
+    outlives the service's cap on in-memory snapshots per session: evicted, it reloads from disk."""
+    name = f"grpo-kl-reference-{uuid.uuid4().hex[:12]}"
+    path = training_client.save_weights_for_sampler(name).result().path
+    return training_client.create_sampling_client(path).result()
+
+
+def make_reference(service_client, kl_reference: str) -> Any:
+    """The sampler named by `GRPOConfig.kl_reference` (a tinker:// path or a base model name)."""
+    kwargs = {"model_path": kl_reference} if kl_reference.startswith("tinker://") else {"base_model": kl_reference}
+    try:
+        return service_client.create_sampling_client(**kwargs).result()
+    except Exception as e:  # the service's own words (unknown model, missing checkpoint) name what is wrong
+        raise ValueError(f"GRPOConfig.kl_reference {kl_reference!r}: no reference sampler can be made from it: "
+                         f"{type(e).__name__}: {e}") from e
+
+
 def train_grpo(
     training_client, env: Environment, cfg: GRPOConfig, on_step: StepHook | None = None,
-    evaluate: Evaluator | None = None, prefix: str = "grpo/",
+    evaluate: Evaluator | None = None, prefix: str = "grpo/", reference: Any = None,
 ) -> Any:
     """Run `cfg.steps` GRPO steps; returns a sampling client of the final weights.
 
     Metrics are recorded as `<prefix><name>` and flushed once per step; `evaluate` runs
-    every `cfg.eval_every` steps on a fresh snapshot.
+    every `cfg.eval_every` steps on a fresh snapshot. `reference` (a sampling client) is the
+    KL reference when `cfg.kl_coef > 0`; None: the policy's weights at step 0.
     """
+    if cfg.kl_coef > 0 and reference is None:
+        reference = step0_reference(training_client)
     rng, logger = random.Random(cfg.seed), get_logger()
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=env.stop())
 
@@ -199,7 +341,7 @@ def train_grpo(
                     pending = submit(sampler)  # the next batch, sampled while this one trains
             lr = learning_rate_at(step, cfg.steps, cfg.learning_rate, cfg.lr_schedule)
             with span("train"):
-                train_on_batch(training_client, groups, cfg, lr)
+                train_on_batch(training_client, groups, cfg, lr, reference)
             record_batch_metrics(groups)
             record_metric("staleness", step - version, reduce="max")
             record_metric("lr", lr)
@@ -242,8 +384,9 @@ def run_grpo(config: GRPOConfig, on_step: StepHook | None = None) -> str | None:
         training_client = service_client.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed
         ).result()
+    reference = make_reference(service_client, config.kl_reference) if config.kl_reference else None
     env = ENVIRONMENTS[config.env](training_client.get_tokenizer(), **config.env_args)
-    train_grpo(training_client, env, config, on_step=on_step)
+    train_grpo(training_client, env, config, on_step=on_step, reference=reference)
     if not config.save_name:
         return None
     return training_client.save_state(config.save_name).result().path
