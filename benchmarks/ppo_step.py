@@ -97,8 +97,10 @@ def create_roles(sc, args) -> dict:
     else:
         critic = sc.create_lora_training_client(base_model="bench", rank=16, seed=1,
                                                 user_metadata=dict(VALUE_HEAD)).result()
-    sampler = policy.save_weights_and_get_sampling_client().result()
-    roles = {"policy": policy, "critic": critic, "sampler": sampler, "reference": sampler}
+    from ember.recipes.grpo import step0_reference
+
+    roles = {"policy": policy, "critic": critic, "reference": step0_reference(policy),
+             "sampler": policy.save_weights_and_get_sampling_client().result()}
     if args.reward_model:
         roles["reward_model"] = sc.create_full_training_client("bench", user_metadata=dict(VALUE_HEAD)).result()
     return roles

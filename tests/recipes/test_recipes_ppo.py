@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -85,3 +86,19 @@ tensorboard = false
     assert json.loads((tmp_path / "run" / "config.json").read_text())["env_args"] == {"partial_credit": True}
     assert main(["train", "ppo", "--config", str(config), "--env", "nope"]) == 1
     assert "PPOConfig.env: unknown environment 'nope'" in capsys.readouterr().err
+
+
+def test_ppo_kl_reference_outlives_sampler_eviction(digit_model_dir, tmp_path):
+    """The step-0 reference is saved weights: with at most 2 snapshots per session it is evicted
+    and reloaded from disk, and PPO goes on measuring the KL to it."""
+    from ember.service.config import ServiceConfig
+
+    sc = ember.ServiceClient(config=ServiceConfig(data_dir=tmp_path / "data", models={"tiny": str(digit_model_dir)},
+                                                  max_samplers_per_session=2))
+    try:
+        history = run(sc, steps=4, prompts_per_step=2, samples_per_prompt=2, minibatches=1, kl_coef=0.5,
+                      learning_rate=1e-2)
+    finally:
+        sc.close("success")
+    kl = [m["ppo/kl_ref"] for m in history]
+    assert len(kl) == 4 and abs(kl[0]) < 1e-4 and all(math.isfinite(k) for k in kl) and kl[-1] != kl[0]

@@ -2,8 +2,9 @@
 
 Roles are training runs, not engine subclasses: the policy is a LoRA run; the critic is a
 value-head run (`user_metadata={"ember.head": "value"}`) whose per-token outputs (read
-from `loss_fn_outputs[i]["logprobs"]`) are values; the reference is the step-0 sampler
-snapshot (immutable, contract 4) asked for `compute_logprobs`; the optional reward model
+from `loss_fn_outputs[i]["logprobs"]`) are values; the reference is a sampler of the
+policy's step-0 weights (saved, so it outlives snapshot eviction; immutable, contract 4)
+asked for `compute_logprobs`; the optional reward model
 is a value-head run restored from its `save_state` path (`reward_model.py`), whose value
 at the last position scores a whole sequence.
 
@@ -46,7 +47,7 @@ from ember.recipes.common import (
 from ember.recipes.digit_sum import make_env as make_digit_sum_env
 from ember.recipes.env import Environment
 from ember.recipes.grpo import ENVIRONMENTS as GRPO_ENVIRONMENTS
-from ember.recipes.grpo import Rollout, collect_groups, submit_samples
+from ember.recipes.grpo import Rollout, collect_groups, step0_reference, submit_samples
 
 VALUE_HEAD = {"ember.head": "value"}  # user_metadata of a critic / reward-model run
 
@@ -272,14 +273,18 @@ def record_step_metrics(exps: Sequence[Experience]) -> None:
         record_metric("kl_ref", sum(k1) / len(k1))
 
 
-def train_ppo(policy, critic, env: Environment, cfg: PPOConfig, reward_model=None,
+def train_ppo(policy, critic, env: Environment, cfg: PPOConfig, reward_model=None, reference=None,
               on_step: StepHook | None = None, prefix: str = "ppo/") -> Any:
-    """Run `cfg.steps` PPO steps; returns a sampling client of the final policy weights."""
+    """Run `cfg.steps` PPO steps; returns a sampling client of the final policy weights.
+
+    `reference` (a sampling client) is the KL reference when `cfg.kl_coef > 0`; None: the
+    policy's step-0 weights, saved so that the sampler outlives snapshot eviction."""
     rng, logger = random.Random(cfg.seed), get_logger()
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=env.stop())
+    if cfg.kl_coef > 0 and reference is None:
+        reference = step0_reference(policy)
     with logger.prefix(prefix):
         sampler = policy.save_weights_and_get_sampling_client().result()
-        reference = sampler if cfg.kl_coef > 0 else None  # step-0 snapshot: frozen forever (contract 4)
         for step in range(cfg.steps):
             with span("sample"):
                 problems = env.sample_problems(cfg.prompts_per_step, rng)
@@ -289,7 +294,8 @@ def train_ppo(policy, critic, env: Environment, cfg: PPOConfig, reward_model=Non
             if not rollouts:
                 raise ValueError("PPO: every sampled completion was empty")
             with span("roles"):
-                exps = role_forwards(rollouts, critic, reference, reward_model, overlap=cfg.overlap)
+                exps = role_forwards(rollouts, critic, reference if cfg.kl_coef > 0 else None, reward_model,
+                                     overlap=cfg.overlap)
             with span("gae"):
                 compute_advantages(exps, cfg)
             with span("train"):
