@@ -115,7 +115,8 @@ def token_rewards(reward: float, q_T: Sequence[float], ref_T: Sequence[float] | 
     return r_T
 
 
-def gae(rewards_T: Sequence[float], values_T: Sequence[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+def gae(rewards_T: Sequence[float], values_T: Sequence[float], gamma: float,
+        lam: float) -> tuple[list[float], list[float]]:
     """GAE: delta_t = r_t + gamma*V_{t+1} - V_t with V_T = 0; A_t = sum_l (gamma*lam)^l delta_{t+l};
     returns (A_T, R_T) with R_t = A_t + V_t."""
     if len(rewards_T) != len(values_T):
@@ -201,7 +202,8 @@ def role_forwards(rollouts: Sequence[Rollout], critic, reference=None, reward_mo
     def submit(name: str, fn) -> None:
         pending[name] = fn() if overlap else _await(fn())
 
-    submit("values", lambda: critic.forward([value_datum(r.problem.tokens, r.tokens) for r in rollouts], "cross_entropy"))
+    submit("values", lambda: critic.forward([value_datum(r.problem.tokens, r.tokens) for r in rollouts],
+                                            "cross_entropy"))
     if reference is not None:
         submit("ref", lambda: submit_reference_logprobs(reference, [(r.problem.tokens, r.tokens) for r in rollouts]))
     if reward_model is not None:

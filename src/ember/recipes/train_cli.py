@@ -1,9 +1,9 @@
 """`ember train sft|grpo|ppo|reward_model --config file.toml [--key value ...]`: a recipe from a typed config.
 
-The TOML file fills the recipe's config (`SFTConfig`, `GRPOConfig`, `PPOConfig`, `RMConfig`; tables for nested sections such as
-`[client]` and `[metrics]`); `--section.key value` (or `--key=value`) overrides it. A bad
-key, a wrong type, a missing file or an invalid value prints one clear message naming
-the key and exits with status 2. Outputs (config, metrics JSONL, TensorBoard) go to
+The TOML file fills the recipe's config (`SFTConfig`, `GRPOConfig`, `PPOConfig`, `RMConfig`;
+tables for nested sections such as `[client]` and `[metrics]`); `--section.key value` (or
+`--key=value`) overrides it. A bad key, a wrong type, a missing file or an invalid value
+prints one clear message naming the key and exits with status 2. Outputs (config, metrics JSONL, TensorBoard) go to
 `run_dir` (default `runs/<recipe>-<timestamp>`).
 """
 
