@@ -168,21 +168,24 @@ def test_bad_kl_settings_are_refused(service_client):
 def test_grpo_with_kl_over_http(ember_server, digit_count_env):
     """The official SDK's SamplingClient as the reference (a base-model sampler), 2 steps."""
     service_client = make_service_client(ClientConfig(base_url=ember_server, api_key=API_KEY))
-    assert isinstance(service_client, tinker.ServiceClient)
-    tc = service_client.create_lora_training_client(base_model=SERVED_NAME, rank=4, seed=0).result()
-    reference = make_reference(service_client, SERVED_NAME)
-    env = digit_count_env(tc.get_tokenizer())
-    cfg = GRPOConfig(steps=2, prompts_per_step=3, group_size=4, max_tokens=4, learning_rate=1e-2, minibatches=3,
-                     kl_coef=0.5, kl_reference=SERVED_NAME, seed=0)
-    logger = MetricsLogger()
-    with use_logger(logger):
-        train_grpo(tc, env, cfg, reference=reference)
-    history = [m for _, m in logger.history]
-    assert len(history) == 2 and all("grpo/loss" in m for m in history)
-    assert abs(history[0]["grpo/kl_ref"]) < 1e-4  # a fresh LoRA is the base model at step 0
-    assert all(m["grpo/kl_ref_k3"] >= 0 for m in history)
-    with pytest.raises(ValueError, match=r"GRPOConfig.kl_reference 'tinker://nope/sampler_weights/x'"):
-        make_reference(service_client, "tinker://nope/sampler_weights/x")
+    try:
+        assert isinstance(service_client, tinker.ServiceClient)
+        tc = service_client.create_lora_training_client(base_model=SERVED_NAME, rank=4, seed=0).result()
+        reference = make_reference(service_client, SERVED_NAME)
+        env = digit_count_env(tc.get_tokenizer())
+        cfg = GRPOConfig(steps=2, prompts_per_step=3, group_size=4, max_tokens=4, learning_rate=1e-2, minibatches=3,
+                         kl_coef=0.5, kl_reference=SERVED_NAME, seed=0)
+        logger = MetricsLogger()
+        with use_logger(logger):
+            train_grpo(tc, env, cfg, reference=reference)
+        history = [m for _, m in logger.history]
+        assert len(history) == 2 and all("grpo/loss" in m for m in history)
+        assert abs(history[0]["grpo/kl_ref"]) < 1e-4  # a fresh LoRA is the base model at step 0
+        assert all(m["grpo/kl_ref_k3"] >= 0 for m in history)
+        with pytest.raises(ValueError, match=r"GRPOConfig.kl_reference 'tinker://nope/sampler_weights/x'"):
+            make_reference(service_client, "tinker://nope/sampler_weights/x")
+    finally:  # an open SDK client heartbeats its session for ever
+        service_client.close("success")
 
 
 def test_default_reference_outlives_sampler_eviction(digit_model_dir, digit_count_env, tmp_path):

@@ -8,8 +8,8 @@ restart, a snapshot session (`save_weights_and_get_sampling_client`) is not (its
 were never written to disk) and answers category `server`.
 
 Memory: each session keeps its version alive. At most `max_per_session` sessions per
-client session stay loaded; older ones are evicted (and reloaded on use when they have a
-model path).
+client session stay loaded; the least recently used is evicted (and reloaded on use when it
+has a model path), so a sampler used every step, such as a KL reference, stays loaded.
 """
 
 from __future__ import annotations
@@ -203,8 +203,9 @@ class SamplerManager:
     def _resolve(self, owner: str, sampler_id: str) -> LiveSampler:
         with self._lock:  # a loaded session needs no database read (its row is immutable)
             live = self._by_id.get(sampler_id)
-        if live is not None and live.owner == owner:
-            return live
+            if live is not None and live.owner == owner:
+                self._live[live.session_id].move_to_end(sampler_id)  # eviction takes the least recently used
+                return live
         row = self.row(owner, sampler_id)
         with self._lock:
             live = self._live.get(row.session_id, {}).get(sampler_id)
