@@ -344,18 +344,18 @@ def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
 
     if config.env not in ENVIRONMENTS:
         raise ValueError(f"PPOConfig.env: unknown environment {config.env!r}; known: {sorted(ENVIRONMENTS)}")
-    sc = make_service_client(config.client)
-    if config.init_from:
-        policy = sc.create_training_client_from_state(config.init_from).result()
-    else:
-        policy = sc.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank,
-                                                seed=config.seed).result()
-    critic = create_critic(sc, config)
-    rm = value_run_from_state(sc, config.reward_model) if config.reward_model else None
-    env = ENVIRONMENTS[config.env](policy.get_tokenizer(), **config.env_args)
-    train_ppo(policy, critic, env, config, reward_model=rm, on_step=on_step)
-    if not config.save_name:
-        return None
-    # the critic is its own run: its path is printed (PPOConfig.critic_init_from resumes it)
-    print(f"ppo: critic saved {critic.save_state(f'{config.save_name}-critic').result().path}")
-    return policy.save_state(config.save_name).result().path
+    with make_service_client(config.client) as sc:  # closed at the end: an open SDK client heartbeats forever
+        if config.init_from:
+            policy = sc.create_training_client_from_state(config.init_from).result()
+        else:
+            policy = sc.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank,
+                                                    seed=config.seed).result()
+        critic = create_critic(sc, config)
+        rm = value_run_from_state(sc, config.reward_model) if config.reward_model else None
+        env = ENVIRONMENTS[config.env](policy.get_tokenizer(), **config.env_args)
+        train_ppo(policy, critic, env, config, reward_model=rm, on_step=on_step)
+        if not config.save_name:
+            return None
+        # the critic is its own run: its path is printed (PPOConfig.critic_init_from resumes it)
+        print(f"ppo: critic saved {critic.save_state(f'{config.save_name}-critic').result().path}")
+        return policy.save_state(config.save_name).result().path

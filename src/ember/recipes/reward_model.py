@@ -177,14 +177,14 @@ def run_reward_model(config: RMConfig, on_step: StepHook | None = None) -> str |
     """Create a value-head run, train it, save it; returns the saved path (PPO's `reward_model`)."""
     from ember.recipes.common import make_service_client
 
-    sc = make_service_client(config.client)
-    if config.full_ft:
-        rm = full_ft_client(sc, config.base_model, "RMConfig.full_ft")
-    else:
-        rm = sc.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank, seed=config.seed,
-                                            user_metadata=dict(VALUE_HEAD)).result()
-    train, heldout = load_pairs(config, rm.get_tokenizer())
-    train_reward_model(rm, train, heldout, config, on_step=on_step)
-    if not config.save_name:
-        return None
-    return rm.save_state(config.save_name).result().path
+    with make_service_client(config.client) as sc:  # closed at the end: an open SDK client heartbeats forever
+        if config.full_ft:
+            rm = full_ft_client(sc, config.base_model, "RMConfig.full_ft")
+        else:
+            rm = sc.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank,
+                                                seed=config.seed, user_metadata=dict(VALUE_HEAD)).result()
+        train, heldout = load_pairs(config, rm.get_tokenizer())
+        train_reward_model(rm, train, heldout, config, on_step=on_step)
+        if not config.save_name:
+            return None
+        return rm.save_state(config.save_name).result().path
