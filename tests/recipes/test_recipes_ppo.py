@@ -9,7 +9,8 @@ import pytest
 
 import ember
 from ember.metrics import MetricsLogger, read_jsonl, use_logger
-from ember.recipes.ppo import PPOConfig, create_critic, make_digit_sum_env, train_ppo
+from ember.recipes.digit_sum import make_env as make_digit_sum_env
+from ember.recipes.ppo import PPOConfig, create_critic, train_ppo
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ from ember.recipes.common import (
     rl_datum,
     submit_reference_logprobs,
 )
+from ember.recipes.digit_sum import make_env as make_digit_sum_env
 from ember.recipes.env import Environment, Problem
 
 
@@ -361,13 +362,7 @@ def train_grpo(
         return sampler[0] if sampler[1] == cfg.steps else snapshot(cfg.steps)[0]
 
 
-def make_digit_sum_env(tokenizer, **kwargs: Any) -> Environment:
-    from ember.recipes.digit_sum import DigitSumEnv, DigitSumTask
-
-    return DigitSumEnv(DigitSumTask(tokenizer, **kwargs))
-
-
-# name -> factory(tokenizer, **env_args); `ember train grpo --env NAME --env_args '{...}'`
+# name -> factory(tokenizer, **env_args); `ember train grpo|ppo --env NAME --env_args '{...}'`
 ENVIRONMENTS: dict[str, Any] = {"digit_sum": make_digit_sum_env}
 
 

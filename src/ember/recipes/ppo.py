@@ -44,10 +44,8 @@ from ember.metrics import MetricsConfig, get_logger, record_metric, span
 from ember.recipes.common import (
     ClientConfig, StepHook, completion_logprobs, kl_k1, rl_datum, submit_reference_logprobs,
 )
-from ember.recipes.digit_sum import make_env as make_digit_sum_env
 from ember.recipes.env import Environment
-from ember.recipes.grpo import ENVIRONMENTS as GRPO_ENVIRONMENTS
-from ember.recipes.grpo import Rollout, collect_groups, step0_reference, submit_samples
+from ember.recipes.grpo import ENVIRONMENTS, Rollout, collect_groups, step0_reference, submit_samples
 
 VALUE_HEAD = {"ember.head": "value"}  # user_metadata of a critic / reward-model run
 
@@ -309,10 +307,6 @@ def train_ppo(policy, critic, env: Environment, cfg: PPOConfig, reward_model=Non
             if on_step is not None:
                 on_step(step, summary)
     return sampler
-
-
-# name -> factory(tokenizer, **env_args); digit_sum here also takes `partial_credit`
-ENVIRONMENTS: dict[str, Any] = {**GRPO_ENVIRONMENTS, "digit_sum": make_digit_sum_env}
 
 
 def full_ft_client(service_client, base_model: str, field_name: str):
