@@ -8,7 +8,7 @@ import math
 import pytest
 
 import ember
-from ember.metrics import MetricsLogger, read_jsonl, use_logger
+from ember.metrics import MetricsConfig, MetricsLogger, read_jsonl, use_logger
 from ember.recipes.digit_sum import make_env as make_digit_sum_env
 from ember.recipes.ppo import PPOConfig, create_critic, train_ppo
 
@@ -103,3 +103,27 @@ def test_ppo_kl_reference_outlives_sampler_eviction(digit_model_dir, tmp_path):
         sc.close("success")
     kl = [m["ppo/kl_ref"] for m in history]
     assert len(kl) == 4 and abs(kl[0]) < 1e-4 and all(math.isfinite(k) for k in kl) and kl[-1] != kl[0]
+
+
+def test_ppo_critic_on_another_service(digit_model_dir, tmp_path, capsys):
+    """`critic_client` puts the critic on another ember (here a second in-process service with
+    its own data directory, standing in for a second `ember serve` on other devices)."""
+    from ember.recipes.common import ClientConfig
+    from ember.recipes.ppo import run_ppo
+
+    policy_dir, critic_dir = tmp_path / "policy", tmp_path / "critic"
+    cfg = PPOConfig(base_model="tiny", critic_base_model="tiny-critic", lora_rank=4, critic_lora_rank=4, steps=2,
+                    prompts_per_step=2, samples_per_prompt=2, max_tokens=3, seed=0, save_name="done",
+                    env_args={"partial_credit": True}, metrics=MetricsConfig(console=False, tensorboard=False),
+                    client=ClientConfig(models={"tiny": str(digit_model_dir)}, data_dir=str(policy_dir)),
+                    critic_client=ClientConfig(models={"tiny-critic": str(digit_model_dir)}, data_dir=str(critic_dir)))
+    history = []
+    assert run_ppo(cfg, on_step=lambda step, m: history.append(m)).endswith("/weights/done")
+    assert len(history) == 2 and all("ppo/explained_variance" in m or "ppo/value_loss" in m for m in history)
+    critic_path = capsys.readouterr().out.split("ppo: critic saved ")[1].split()[0]
+    with ember.ServiceClient(models={"tiny-critic": str(digit_model_dir)}, data_dir=critic_dir) as sc:
+        restored = sc.create_training_client_from_state(critic_path, user_metadata={"ember.head": "value"}).result()
+        assert restored.get_info().model_data.model_name == "tiny-critic"
+    with ember.ServiceClient(models={"tiny": str(digit_model_dir)}, data_dir=policy_dir) as sc, \
+            pytest.raises(Exception, match="not found|unknown|no checkpoint"):
+        sc.create_training_client_from_state(critic_path).result()  # not the policy's service

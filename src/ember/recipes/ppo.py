@@ -26,11 +26,13 @@ Where overlap happens: a LoRA critic (default) on the policy's base shares the p
 single training lane (one PeftModel, adapters switched per run), so critic and policy
 forwards/updates serialise and only the samplers (rollouts, reference) run beside them;
 a full-FT critic (`critic_full_ft = true`) has its own lane, so its forwards and updates
-overlap with the policy's.
+overlap with the policy's; a critic on another ember (`critic_client`: a second `ember serve`
+on other devices, or another in-process service) runs beside the policy too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import statistics
@@ -83,6 +85,10 @@ class PPOConfig:
     run_dir: str = ""
     save_name: str = "final"
     client: ClientConfig = field(default_factory=ClientConfig)
+    # Another ember (other devices: a second `ember serve`, or another in-process service) for the
+    # critic, so its forwards and updates run beside the policy's; empty: the policy's client.
+    critic_client: ClientConfig = field(default_factory=ClientConfig)
+    critic_base_model: str = ""  # the critic's base model name there (same tokenizer); empty: base_model
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
@@ -323,12 +329,22 @@ def value_run_from_state(service_client, path: str):
 
 
 def create_critic(service_client, cfg: PPOConfig):
+    base = cfg.critic_base_model or cfg.base_model
     if cfg.critic_init_from:
         return value_run_from_state(service_client, cfg.critic_init_from)
     if cfg.critic_full_ft:
-        return full_ft_client(service_client, cfg.base_model, "PPOConfig.critic_full_ft")
-    return service_client.create_lora_training_client(base_model=cfg.base_model, rank=cfg.critic_lora_rank,
+        return full_ft_client(service_client, base, "PPOConfig.critic_full_ft")
+    return service_client.create_lora_training_client(base_model=base, rank=cfg.critic_lora_rank,
                                                       seed=cfg.seed, user_metadata=dict(VALUE_HEAD)).result()
+
+
+def critic_service(cfg: PPOConfig, policy_service, stack: contextlib.ExitStack):
+    """The service client the critic lives on: `critic_client` when it names one, else the policy's."""
+    from ember.recipes.common import make_service_client
+
+    if not (cfg.critic_client.base_url or cfg.critic_client.models):
+        return policy_service
+    return stack.enter_context(make_service_client(cfg.critic_client))
 
 
 def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
@@ -338,13 +354,14 @@ def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
 
     if config.env not in ENVIRONMENTS:
         raise ValueError(f"PPOConfig.env: unknown environment {config.env!r}; known: {sorted(ENVIRONMENTS)}")
-    with make_service_client(config.client) as sc:  # closed at the end: an open SDK client heartbeats forever
+    with contextlib.ExitStack() as stack:  # clients closed at the end: an open SDK client heartbeats forever
+        sc = stack.enter_context(make_service_client(config.client))
         if config.init_from:
             policy = sc.create_training_client_from_state(config.init_from).result()
         else:
             policy = sc.create_lora_training_client(base_model=config.base_model, rank=config.lora_rank,
                                                     seed=config.seed).result()
-        critic = create_critic(sc, config)
+        critic = create_critic(critic_service(config, sc, stack), config)
         rm = value_run_from_state(sc, config.reward_model) if config.reward_model else None
         env = ENVIRONMENTS[config.env](policy.get_tokenizer(), **config.env_args)
         train_ppo(policy, critic, env, config, reward_model=rm, on_step=on_step)
