@@ -63,7 +63,6 @@ def copy_model_files(base_dir: Path, out: Path, names: Iterable[str]) -> list[st
 
 
 VALUE_LABEL = "VALUE"
-HEAD_PREFIX = "score."  # a value head's tensors, as in transformers' XForTokenClassification
 
 
 def _check_head(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

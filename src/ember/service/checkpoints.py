@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,7 +183,3 @@ def read_sampler_weights(path: Path) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(safetensors.torch.load_file(str(f)))
     return out
-
-
-def iter_named(weights: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from weights.items()

@@ -485,10 +485,6 @@ class RunManager:
         if lane is not None:
             lane.close(wait=False)  # lets this task finish; the thread then exits
 
-    def list_live(self) -> list[str]:
-        with self._lock:
-            return list(self._runs)
-
     def queue_depths(self) -> dict[str, int]:
         """run_id -> requests waiting in its sequencer, for every live run (metrics)."""
         with self._lock:
