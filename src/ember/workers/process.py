@@ -24,17 +24,10 @@ import pickle
 import signal
 import threading
 import time
+from typing import Any
 
 from ember.workers.remote import RemoteRuntime, answer, dumps, pid_alive
-from ember.workers.runtime import (
-    RankContext,
-    Reply,
-    Request,
-    WorkerDiedError,
-    WorkerError,
-    free_port,
-    init_rank_process,
-)
+from ember.workers.runtime import RankContext, Reply, Request, WorkerDiedError, WorkerError, free_port, init_rank_process
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "ember.workers.worker", "ember.engine.torch_engine")
 
@@ -99,17 +92,12 @@ class ProcessRuntime(RemoteRuntime):
         world_size: int = 1,
         device: str = "cpu",
         *,
-        torch_threads: int = 1,
-        start_timeout_s: float = 300.0,
-        pg_timeout_s: float = 300.0,
         start_method: str = "forkserver",
         preload: tuple[str, ...] = DEFAULT_PRELOAD,
-        failure_grace_s: float = 30.0,
+        **rank_options: Any,
     ) -> None:
-        super().__init__(world_size, device, failure_grace_s)
-        self.torch_threads = torch_threads
-        self.start_timeout_s = start_timeout_s
-        self.pg_timeout_s = pg_timeout_s
+        """rank_options: `RemoteRuntime`'s (torch_threads, start_timeout_s, pg_timeout_s, failure_grace_s)."""
+        super().__init__(world_size, device, **rank_options)
         self.start_method = start_method
         self.preload = preload
         self._procs: list[multiprocessing.Process] = []

@@ -23,15 +23,7 @@ import time
 from typing import Any
 
 from ember.workers.remote import RemoteRuntime, answer, dumps, pid_alive
-from ember.workers.runtime import (
-    RankContext,
-    Reply,
-    Request,
-    WorkerDiedError,
-    WorkerError,
-    free_port,
-    init_rank_process,
-)
+from ember.workers.runtime import RankContext, Reply, Request, WorkerDiedError, WorkerError, free_port, init_rank_process
 
 
 class _RankActor:
@@ -75,20 +67,15 @@ class RayRuntime(RemoteRuntime):
         address: str | None = None,
         init_kwargs: dict[str, Any] | None = None,
         cpus_per_rank: float = 1.0,
-        torch_threads: int = 1,
         strategy: str = "PACK",
-        start_timeout_s: float = 300.0,
-        pg_timeout_s: float = 300.0,
-        failure_grace_s: float = 30.0,
+        **rank_options: Any,
     ) -> None:
-        super().__init__(world_size, device, failure_grace_s)
+        """rank_options: `RemoteRuntime`'s (torch_threads, start_timeout_s, pg_timeout_s, failure_grace_s)."""
+        super().__init__(world_size, device, **rank_options)
         self.address = address
         self.init_kwargs = dict(init_kwargs or {})
         self.cpus_per_rank = cpus_per_rank
-        self.torch_threads = torch_threads
         self.strategy = strategy
-        self.start_timeout_s = start_timeout_s
-        self.pg_timeout_s = pg_timeout_s
         self._actors: list[Any] = []
         self._pg = None
         self._pids: list[int] = []

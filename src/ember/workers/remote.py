@@ -64,8 +64,14 @@ def _failed(value: Any) -> bool:
 class RemoteRuntime(Runtime):
     """A runtime of out-of-process ranks, with the failure rules of the module docstring."""
 
-    def __init__(self, world_size: int, device: str, failure_grace_s: float) -> None:
+    def __init__(self, world_size: int, device: str, *, torch_threads: int = 1, start_timeout_s: float = 300.0,
+                 pg_timeout_s: float = 300.0, failure_grace_s: float = 30.0) -> None:
+        """torch_threads: per rank. start_timeout_s: for all ranks to start and join.
+        pg_timeout_s: torch.distributed's collective timeout. failure_grace_s: see above."""
         super().__init__(world_size, device)
+        self.torch_threads = torch_threads
+        self.start_timeout_s = start_timeout_s
+        self.pg_timeout_s = pg_timeout_s
         self.failure_grace_s = failure_grace_s
 
     @abc.abstractmethod
