@@ -58,18 +58,6 @@ _shared: dict[str, list] = {}  # database url -> [Service, refcount, ServiceConf
 _shared_lock = threading.Lock()
 
 
-def _new_service(config: ServiceConfig, workers: WorkersConfig):
-    from ember.service.core import Service
-    from ember.service.engines import engine_factory_for
-
-    factory = engine_factory_for(workers, config.engine)
-    try:
-        return Service(config, engine_factory=factory)
-    except BaseException:
-        factory.close()  # never leave a started worker group behind
-        raise
-
-
 def config_differences(running: ServiceConfig, wanted: ServiceConfig) -> list[str]:
     """The fields of `wanted` that differ from the running service's, as "name=value".
 
@@ -92,12 +80,14 @@ def config_differences(running: ServiceConfig, wanted: ServiceConfig) -> list[st
 def _acquire_service(config: ServiceConfig, workers: WorkersConfig | None = None):
     """The process-wide service for config's database; one there must have been started
     with an equal configuration (else ValueError naming what differs)."""
+    from ember.service import build_service
+
     workers = workers or WorkersConfig()
     url = config.resolved_database_url
     with _shared_lock:
         entry = _shared.get(url)
         if entry is None:
-            entry = _shared[url] = [_new_service(config, workers), 0, config, workers]
+            entry = _shared[url] = [build_service(config, workers), 0, config, workers]
         else:
             differences = config_differences(entry[2], config)
             if entry[3] != workers:

@@ -23,7 +23,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -161,9 +160,5 @@ def export_hf(engine: "TorchEngine", path: Path) -> None:
     if _rank() != 0:
         return
     peft_cfg = engine.model.peft_config[engine.adapter_name]
-    if head:
-        hf_export.write_lora_adapter(path, adapter, rank=peft_cfg.r, alpha=peft_cfg.lora_alpha,
-                                     base_model=peft_cfg.base_model_name_or_path or engine.model_name, head=head)
-        return
-    safetensors.torch.save_file(adapter, str(path / "adapter_model.safetensors"))
-    peft_cfg.save_pretrained(str(path))
+    hf_export.write_lora_adapter(path, adapter, rank=peft_cfg.r, alpha=peft_cfg.lora_alpha,
+                                 base_model=peft_cfg.base_model_name_or_path or engine.model_name, head=head or None)

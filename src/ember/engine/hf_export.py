@@ -36,8 +36,10 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+# the adapter's file names and targets, as exports' readers know them from here
+from ember.models.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
+from ember.models.adapter import adapter_target_modules as lora_target_modules
+
 MODEL_WEIGHTS = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
 # Files of a model directory that describe the model or its tokenizer (never weights).
@@ -46,7 +48,6 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
-_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
 def copy_model_files(base_dir: Path, out: Path, names: Iterable[str]) -> list[str]:
@@ -61,20 +62,7 @@ def copy_model_files(base_dir: Path, out: Path, names: Iterable[str]) -> list[st
     return copied
 
 
-def lora_target_modules(adapter_names: Iterable[str]) -> list[str]:
-    """The module suffixes (`q_proj`, ...) an adapter's tensors belong to."""
-    targets = set()
-    for name in adapter_names:
-        for suffix in _LORA_SUFFIXES:
-            if name.endswith(suffix):
-                targets.add(name[: -len(suffix)].rsplit(".", 1)[-1])
-    if not targets:
-        raise ValueError("the adapter holds no lora_A/lora_B tensors")
-    return sorted(targets)
-
-
 VALUE_LABEL = "VALUE"
-HEAD_PREFIX = "score."  # a value head's tensors, as in transformers' XForTokenClassification
 
 
 def _check_head(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,22 +77,17 @@ def _check_head(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def write_lora_adapter(out: Path, adapter: dict[str, torch.Tensor], *, rank: int, alpha: int, base_model: str,
                        base_dir: Path | None = None, head: dict[str, torch.Tensor] | None = None) -> None:
-    """A peft adapter directory for `adapter` (LoRA without dropout or bias, scale alpha/rank).
+    """A peft adapter directory for `adapter` (`ember.models.adapter.write_peft_adapter`),
+    with the tokenizer files of `base_dir` when given.
 
     With `head` (a value head's `score.weight` / `score.bias`): a `TOKEN_CLS` adapter that
     saves the head beside it (`modules_to_save=["score"]`, tensors `base_model.model.score.*`)."""
-    from peft import LoraConfig
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().to("cpu").contiguous() for n, t in adapter.items()}
-    extra = {} if head is None else {"task_type": "TOKEN_CLS", "modules_to_save": ["score"]}
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                        target_modules=lora_target_modules(tensors), base_model_name_or_path=base_model,
-                        **({"task_type": "CAUSAL_LM"} | extra))
-    if head is not None:
-        tensors.update({"base_model.model." + n: t for n, t in _check_head(head).items()})
-    config.save_pretrained(str(out))
-    safetensors.torch.save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if head is None:
+        write_peft_adapter(out, adapter, rank=rank, alpha=alpha, base_model=base_model)
+    else:
+        tensors = dict(adapter) | {"base_model.model." + n: t for n, t in _check_head(head).items()}
+        write_peft_adapter(out, tensors, rank=rank, alpha=alpha, base_model=base_model, task_type="TOKEN_CLS",
+                           modules_to_save=["score"])
     if base_dir is not None:
         copy_model_files(base_dir, out, TOKENIZER_FILES)
 

@@ -21,7 +21,8 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from ember.metrics.accumulator import REDUCTIONS, MetricAccumulator
+from ember.metrics.accumulator import MetricAccumulator
+from ember.metrics.keys import split_metric_key
 from ember.metrics.sinks import MetricSink
 
 
@@ -58,10 +59,8 @@ class MetricsLogger:
         Keys without a known `:reduction` suffix are recorded as means.
         """
         for key, value in metrics.items():
-            name, _, reduce = key.rpartition(":")
-            if not name or reduce not in REDUCTIONS:
-                name, reduce = key, "mean"
-            self.record(prefix + name, value, reduce)
+            name, reduce = split_metric_key(key)
+            self.record(prefix + name, value, reduce or "mean")
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:

@@ -16,7 +16,6 @@ The files are deleted when the version is garbage-collected (`weakref.finalize`)
 from __future__ import annotations
 
 import itertools
-import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +26,7 @@ from tinker import types
 from torch import nn
 
 from ember.models import LORA_ALPHA
+from ember.models.adapter import ADAPTER_WEIGHTS, write_peft_adapter
 from ember.sampling.base import WeightVersion
 from ember.sampling.weights import _LORA_NAME, build_full_version, build_lora_version, parameter_aliases
 
@@ -53,7 +53,7 @@ class VLLMWeightVersion(WeightVersion):
     def named_tensors(self) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        return load_file(self.path / ("adapter_model.safetensors" if self.is_lora else "model.safetensors"))
+        return load_file(self.path / (ADAPTER_WEIGHTS if self.is_lora else "model.safetensors"))
 
 
 def meta_model(model_dir: str | Path) -> nn.Module:
@@ -79,7 +79,7 @@ def write_lora_version(
         raise ValueError(f"load_weights: LoRA rank {lora_config.rank} exceeds the vLLM sampler's max_lora_rank "
                          f"{max_rank} (raise SamplerConfig.max_lora_rank)")
     items = list(named_weights)
-    checked = build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)
+    build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)  # checks only
     tensors = {}
     for name, t in items:
         m = _LORA_NAME.match(name)
@@ -87,13 +87,7 @@ def write_lora_version(
     version = VLLMWeightVersion(sampler_id, Path(), lora_config)
     version.path = scratch / f"lora-{version.lora_id}"
     version.path.mkdir(parents=True)
-    save_file(tensors, str(version.path / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_config.rank, "lora_alpha": LORA_ALPHA,
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in checked.lora}),
-    }
-    (version.path / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    write_peft_adapter(version.path, tensors, rank=lora_config.rank, alpha=LORA_ALPHA)
     return version
 
 

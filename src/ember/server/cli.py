@@ -175,18 +175,11 @@ def build_app(args: argparse.Namespace):
     """(app, server config) from parsed arguments; the service (and its worker group, if
     any) is closed at app shutdown."""
     from ember.server.app import create_app
-    from ember.service import Service
-    from ember.service.engines import engine_factory_for
+    from ember.service import build_service
 
     workers = workers_config_from_args(args)  # first: a bad layout fails before anything starts
     server_config = server_config_from_args(args)
-    service_config = service_config_from_args(args)
-    factory = engine_factory_for(workers, service_config.engine)
-    try:
-        service = Service(service_config, engine_factory=factory)
-    except BaseException:
-        factory.close()  # never leave a started worker group behind
-        raise
+    service = build_service(service_config_from_args(args), workers)
     return create_app(service, server_config, close_service=True), server_config
 
 

@@ -26,6 +26,8 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import TopkLogprobs
 
+from ember.metrics.keys import sdk_metric_key as metric_key  # wire.metric_key: the key a response carries
+
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
 TOPK_SENTINEL_TOKEN = 0
 TOPK_SENTINEL_LOGPROB = -99999.0
@@ -393,22 +395,6 @@ def _topk_rows(
 # ---------------------------------------------------------------------------------------
 # JSON results (everything except ForwardBackward/Forward/Sample, and old JSON-only SDKs)
 # ---------------------------------------------------------------------------------------
-
-
-def metric_key(key: str) -> str:
-    """A metric name the SDK can merge: exactly one colon (`name:reduction`).
-
-    The SDK does `name, reduction = key.split(":")` on every forward_backward metric, so a
-    bad key would crash the client. Extra colons become `_`; a bare name becomes `name:sum`
-    only if it is "loss" (the one metric the SDK itself reads), else `name:mean`.
-    """
-    if key.count(":") == 1 and not key.startswith(":") and not key.endswith(":"):
-        return key
-    name, _, reduction = key.rpartition(":")
-    if not name or not reduction:
-        base = key.replace(":", "_").strip("_") or "metric"
-        return f"{base}:sum" if base == "loss" else f"{base}:mean"
-    return f"{name.replace(':', '_')}:{reduction}"
 
 
 def sanitize_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

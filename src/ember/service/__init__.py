@@ -2,7 +2,7 @@
 sampler snapshots, checkpoints and their persistence. No HTTP here (see `ember.server`).
 
 Public surface: `ServiceAPI` (the interface, `ember.service.api`), `Service` (its
-implementation) and `ServiceConfig`.
+implementation), `build_service` (a Service from its config) and `ServiceConfig`.
 """
 
 from ember.service.api import (
@@ -28,12 +28,13 @@ __all__ = [
     "SessionGoneError",
     "Submission",
     "UserError",
+    "build_service",
 ]
 
 
 def __getattr__(name: str):
-    if name == "Service":
-        from ember.service.core import Service
+    if name in ("Service", "build_service"):
+        from ember.service import core
 
-        return Service
+        return getattr(core, name)
     raise AttributeError(f"module 'ember.service' has no attribute {name!r}")

@@ -64,7 +64,7 @@ import abc
 import concurrent.futures
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tinker import types
@@ -181,17 +181,6 @@ class ExternalWeightsLinks:
     files: list[str]
     token: str
     expires: float
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    session_id: str
-    owner: str
-    tags: list[str] = field(default_factory=list)
-    user_metadata: dict[str, Any] = field(default_factory=dict)
-    project_id: str | None = None
-    display_name: str | None = None
-    status: Literal["active", "finished", "expired"] = "active"
 
 
 class ServiceAPI(abc.ABC):

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,17 +84,17 @@ def run_dir_name(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", run_id)
 
 
-def checkpoint_dir(data_dir: Path, tp: TinkerPath) -> Path:
+def checkpoint_dir(data_dir: Path, tpath: TinkerPath) -> Path:
     root = (data_dir / "checkpoints").resolve()
-    d = (root / run_dir_name(tp.run_id) / SEGMENT_OF_KIND[tp.kind] / tp.name).resolve()
+    d = (root / run_dir_name(tpath.run_id) / SEGMENT_OF_KIND[tpath.kind] / tpath.name).resolve()
     if root not in d.parents:  # defence in depth; validate_name already forbids escapes
-        raise UserError(f"checkpoint path {tp.uri!r} escapes the data directory")
+        raise UserError(f"checkpoint path {tpath.uri!r} escapes the data directory")
     return d
 
 
-def new_version_dir(data_dir: Path, tp: TinkerPath) -> Path:
-    """A fresh directory for one save of `tp`, next to where `<name>` lives; not yet created."""
-    base = checkpoint_dir(data_dir, tp)
+def new_version_dir(data_dir: Path, tpath: TinkerPath) -> Path:
+    """A fresh directory for one save of `tpath`, next to where `<name>` lives; not yet created."""
+    base = checkpoint_dir(data_dir, tpath)
     while True:
         d = base.with_name(f"{base.name}.{uuid.uuid4().hex[:8]}")
         if not d.exists() and not temp_dir_of(d).exists():  # a 2^-32 clash with a name like "ck.0a1b2c3d"
@@ -184,7 +183,3 @@ def read_sampler_weights(path: Path) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(safetensors.torch.load_file(str(f)))
     return out
-
-
-def iter_named(weights: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from weights.items()

@@ -27,9 +27,9 @@ from ember.engine.optimizers import OPTIMIZERS, params_name
 from ember.service import checkpoints as ckpt
 from ember.service import external, lifecycle, rest
 from ember.service.api import ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError
-from ember.service.config import ServiceConfig
+from ember.service.config import ServiceConfig, WorkersConfig
 from ember.service.datadir import DataDirLock
-from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry
+from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry, engine_factory_for
 from ember.service.futures import FutureTable
 from ember.service.runs import LiveRun, RunManager, check_samplable
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
@@ -412,3 +412,15 @@ class Service(ServiceAPI):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def build_service(config: ServiceConfig, workers: WorkersConfig | None = None) -> Service:
+    """The service `config` describes, its engines on the worker group `workers` asks for
+    (in process by default). The one constructor `ember serve` and `ember.ServiceClient`
+    share: a service that fails to start never leaves a started worker group behind."""
+    factory = engine_factory_for(workers or WorkersConfig(), config.engine)
+    try:
+        return Service(config, engine_factory=factory)
+    except BaseException:
+        factory.close()
+        raise

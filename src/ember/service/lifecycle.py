@@ -30,25 +30,25 @@ def expired(row: CheckpointRow, now: float | None = None) -> bool:
 
 
 def _live_row(store: Store, path: object) -> tuple[ckpt.TinkerPath, CheckpointRow | None]:
-    tp = ckpt.parse_tinker_path(path)
-    row = store.get(CheckpointRow, tp.uri)
-    return tp, None if row is None or expired(row) else row
+    tpath = ckpt.parse_tinker_path(path)
+    row = store.get(CheckpointRow, tpath.uri)
+    return tpath, None if row is None or expired(row) else row
 
 
 def readable(store: Store, owner: str, path: object) -> tuple[ckpt.TinkerPath, CheckpointRow]:
     """The checkpoint at `path` if `owner` may read it (owns it, or it is published)."""
-    tp, row = _live_row(store, path)
+    tpath, row = _live_row(store, path)
     if row is None or not (row.owner == owner or row.public):
         raise NotFoundError(READ_REFUSED.format(path=path))
-    return tp, row
+    return tpath, row
 
 
 def owned(store: Store, owner: str, path: object) -> tuple[ckpt.TinkerPath, CheckpointRow]:
     """The checkpoint at `path` if `owner` owns it (publish, unpublish, TTL, delete)."""
-    tp, row = _live_row(store, path)
+    tpath, row = _live_row(store, path)
     if row is None or row.owner != owner:
         raise NotFoundError(WRITE_REFUSED.format(path=path))
-    return tp, row
+    return tpath, row
 
 
 def rest_path(run_id: object, checkpoint_id: object) -> str:

@@ -24,9 +24,9 @@ def _dt(ts: float | None) -> datetime | None:
 
 
 def checkpoint_type(row: CheckpointRow) -> types.Checkpoint:
-    tp = ckpt.parse_tinker_path(row.tinker_path)
+    tpath = ckpt.parse_tinker_path(row.tinker_path)
     return types.Checkpoint(
-        checkpoint_id=tp.checkpoint_id, checkpoint_type=row.kind, time=_dt(row.created_at),
+        checkpoint_id=tpath.checkpoint_id, checkpoint_type=row.kind, time=_dt(row.created_at),
         tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=bool(row.public),
         user_metadata=row.user_metadata or None, expires_at=_dt(row.expires_at),
     )

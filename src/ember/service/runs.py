@@ -285,13 +285,13 @@ class RunManager:
         run.lane.submit(lambda: self.execute(sub.request_id, op))
 
     def _checkpoint(self, owner: str, path: str, kind: str | None = None) -> tuple[ckpt.TinkerPath, CheckpointRow]:
-        tp, row = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
-        if kind is not None and tp.kind != kind:
+        tpath, row = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
+        if kind is not None and tpath.kind != kind:
             raise UserError(
                 f"checkpoint {path!r} holds sampler weights only; load training state from a "
                 "tinker://<run>/weights/<name> path (written by save_state)"
             )
-        return tp, row
+        return tpath, row
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
                                base_model: str | None, user_metadata, optimizer_config=None) -> Submission:
@@ -310,7 +310,7 @@ class RunManager:
         try:
             if not isinstance(model_seq_id, int) or model_seq_id < 0:
                 raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
-            tp, crow = self._checkpoint(owner, path, "training")
+            tpath, crow = self._checkpoint(owner, path, "training")
             src = self.store.get(RunRow, crow.run_id)
             lora = types.LoraConfig(**src.lora_config) if src is not None and src.lora_config else None
             base = self.registry.resolve(base_model or (src.base_model if src else ""))
@@ -318,7 +318,7 @@ class RunManager:
                 raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
             opt = _resumed_optimizer(crow.directory, optimizer, optimizer_config)
             spec = RunSpec(run_id, base, lora, opt["type"], _saved_head(crow.directory, user_metadata))
-            run = self._register(owner, session_id, model_seq_id, spec, 0, opt, user_metadata, tp.uri)
+            run = self._register(owner, session_id, model_seq_id, spec, 0, opt, user_metadata, tpath.uri)
         except UserError as exc:
             self.futures.fail(sub.request_id, str(exc), User)
             return
@@ -326,7 +326,7 @@ class RunManager:
         def op() -> types.LoadWeightsResponse:
             self._build_engine(run)
             run.engine.load_state(crow.directory, optimizer=optimizer)
-            return types.LoadWeightsResponse(path=tp.uri, model_id=run_id)
+            return types.LoadWeightsResponse(path=tpath.uri, model_id=run_id)
 
         run.seq.offer(0, lambda: self.execute(sub.request_id, op), lambda r: self.futures.fail(sub.request_id, r, Server))
 
@@ -382,36 +382,36 @@ class RunManager:
         (crash-consistent: see `ember.service.checkpoints`). A save that replaces a
         checkpoint makes a new one: private, with this save's TTL and metadata."""
         engine = run.require_engine()
-        tp = ckpt.TinkerPath(run.run_id, kind, ckpt.validate_name(name))
+        tpath = ckpt.TinkerPath(run.run_id, kind, ckpt.validate_name(name))
         ttl = lifecycle.check_ttl(ttl_seconds, self.checkpoint_config)
         meta = lifecycle.check_metadata(user_metadata, self.checkpoint_config)
-        existing = self.store.get(CheckpointRow, tp.uri)
+        existing = self.store.get(CheckpointRow, tpath.uri)
         if existing is not None and not overwrite and not lifecycle.expired(existing):
-            raise UserError(f"checkpoint {tp.uri} already exists; pass overwrite=True to replace it")
-        final = ckpt.new_version_dir(self.data_dir, tp)
+            raise UserError(f"checkpoint {tpath.uri} already exists; pass overwrite=True to replace it")
+        final = ckpt.new_version_dir(self.data_dir, tpath)
         tmp = ckpt.temp_dir_of(final)
         failpoints.hit("checkpoint.before_write")
         try:
-            self._write_checkpoint(run, engine, kind, tp.name, tmp)
+            self._write_checkpoint(run, engine, kind, tpath.name, tmp)
             ckpt.publish(tmp, final)
         finally:
             ckpt.remove_dir(tmp)
         failpoints.hit("checkpoint.after_write")
         now = time.time()
         row = CheckpointRow(
-            tinker_path=tp.uri, run_id=run.run_id, owner=run.owner, kind=kind, name=tp.name, directory=str(final),
+            tinker_path=tpath.uri, run_id=run.run_id, owner=run.owner, kind=kind, name=tpath.name, directory=str(final),
             size_bytes=ckpt.dir_size(final), user_metadata=meta, created_at=now,
             expires_at=now + ttl if ttl else None, public=False,
         )
         try:
             self.store.save_checkpoint(row)  # the commit point
         except BaseException:
-            self._drop_uncommitted(tp, final)
+            self._drop_uncommitted(tpath, final)
             raise
         failpoints.hit("checkpoint.after_commit")
         if existing is not None and existing.directory != row.directory:
             ckpt.remove_checkpoint_dir(self.data_dir, existing.directory)
-        return tp.uri
+        return tpath.uri
 
     @staticmethod
     def _write_checkpoint(run: LiveRun, engine: TrainingEngine, kind: str, name: str, tmp: Path) -> None:
@@ -422,11 +422,11 @@ class RunManager:
         else:
             engine.export_hf(tmp)
 
-    def _drop_uncommitted(self, tp: ckpt.TinkerPath, final: Path) -> None:
+    def _drop_uncommitted(self, tpath: ckpt.TinkerPath, final: Path) -> None:
         """The row write failed: remove `final` unless the commit happened after all (a lost
         answer); when even that cannot be read, leave it to the start-up sweep."""
         try:
-            row = self.store.get(CheckpointRow, tp.uri)
+            row = self.store.get(CheckpointRow, tpath.uri)
         except Exception:  # noqa: BLE001 - the original error is what the caller sees
             return
         if row is None or row.directory != str(final):
@@ -434,9 +434,9 @@ class RunManager:
 
     def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool) -> types.LoadWeightsResponse:
         engine = run.require_engine()
-        tp, crow = self._checkpoint(run.owner, path, "training")
+        tpath, crow = self._checkpoint(run.owner, path, "training")
         engine.load_state(crow.directory, optimizer=optimizer)
-        return types.LoadWeightsResponse(path=tp.uri, model_id=run.run_id)
+        return types.LoadWeightsResponse(path=tpath.uri, model_id=run.run_id)
 
     # ------------------------------------------------------------------ info, unload
     def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
@@ -484,10 +484,6 @@ class RunManager:
             lane = self._lanes.pop(key, None)
         if lane is not None:
             lane.close(wait=False)  # lets this task finish; the thread then exits
-
-    def list_live(self) -> list[str]:
-        with self._lock:
-            return list(self._runs)
 
     def queue_depths(self) -> dict[str, int]:
         """run_id -> requests waiting in its sequencer, for every live run (metrics)."""

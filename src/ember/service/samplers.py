@@ -122,17 +122,17 @@ class SamplerManager:
         return self.backend(base).load_weights(weights, lora)
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
-        tp, crow = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
+        tpath, crow = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
         run = self.store.get(RunRow, crow.run_id)
         if run is None:
             raise UserError(f"checkpoint {path!r} has no training run record")
         base = self.registry.resolve(run.base_model)
         lora = types.LoraConfig(**run.lora_config) if run.lora_config else None
         d = Path(crow.directory)
-        if tp.kind == "external":
+        if tpath.kind == "external":
             raise UserError(f"checkpoint {path!r} is an external-weights export (for download); sample from a "
                             "tinker://<run>/sampler_weights/<name> or tinker://<run>/weights/<name> path")
-        weights = ckpt.read_state_weights(d) if tp.kind == "training" else ckpt.read_sampler_weights(d)
+        weights = ckpt.read_state_weights(d) if tpath.kind == "training" else ckpt.read_sampler_weights(d)
         return base, self._load(base, weights.items(), lora)
 
     # ------------------------------------------------------------------ sessions

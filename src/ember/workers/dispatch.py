@@ -28,6 +28,8 @@ from typing import Any
 
 from tinker import types
 
+from ember.metrics.keys import split_metric_key
+
 
 @dataclass(frozen=True)
 class RankLayout:
@@ -117,14 +119,14 @@ def reduce_metrics(per_rank: Sequence[dict[str, float]], weights: Sequence[int])
     for key in dict.fromkeys(k for m in per_rank for k in m):
         present = [(m[key], w) for m, w in zip(per_rank, weights) if key in m]
         values = [float(v) for v, _ in present]
-        suffix = key.rsplit(":", 1)[-1] if ":" in key else ""
-        if suffix == "sum":
+        _, reduce = split_metric_key(key)
+        if reduce == "sum":
             out[key] = sum(values)
-        elif suffix == "max":
+        elif reduce == "max":
             out[key] = max(values)
-        elif suffix == "min":
+        elif reduce == "min":
             out[key] = min(values)
-        elif suffix == "mean":
+        elif reduce == "mean":
             total = sum(w for _, w in present)
             out[key] = (sum(float(v) * w for v, w in present) / total) if total else sum(values) / len(values)
         else:

@@ -26,38 +26,15 @@ import threading
 import time
 from typing import Any
 
-from ember.workers.runtime import (
-    RankContext,
-    Reply,
-    Request,
-    Runtime,
-    WorkerDiedError,
-    WorkerError,
-    WorkerTimeoutError,
-    free_port,
-    init_rank_process,
-)
+from ember.workers.remote import RemoteRuntime, answer, dumps, pid_alive
+from ember.workers.runtime import RankContext, Reply, Request, WorkerDiedError, WorkerError, free_port, init_rank_process
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "ember.workers.worker", "ember.engine.torch_engine")
 
 
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _watchdog(caller_pid: int, period_s: float = 1.0) -> None:
     def loop() -> None:
-        while _pid_alive(caller_pid):
+        while pid_alive(caller_pid):
             time.sleep(period_s)
         os._exit(3)  # the caller is gone: never leave an orphan rank behind
 
@@ -70,18 +47,9 @@ def _serve(conn, worker) -> None:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        try:
-            req: Request = pickle.loads(data)
-        except Exception as exc:  # an unimportable factory, for instance
-            conn.send_bytes(_dumps(Reply.failure(worker.ctx.rank, exc)))
-            continue
-        if req.op == "exit":
+        payload = answer(worker, data)
+        if payload is None:
             return
-        reply = worker.handle(req)
-        try:
-            payload = _dumps(reply)
-        except Exception as exc:
-            payload = _dumps(Reply.failure(worker.ctx.rank, TypeError(f"result cannot be pickled: {exc}")))
         conn.send_bytes(payload)
 
 
@@ -93,9 +61,9 @@ def _child_main(conn, ctx: RankContext, addr: str, port: int, threads: int, pg_t
 
         worker = RankWorker(ctx)
     except BaseException as exc:  # noqa: BLE001
-        conn.send_bytes(_dumps(Reply.failure(ctx.rank, exc)))
+        conn.send_bytes(dumps(Reply.failure(ctx.rank, exc)))
         return
-    conn.send_bytes(_dumps(Reply(rank=ctx.rank, ok=True, value="ready")))
+    conn.send_bytes(dumps(Reply(rank=ctx.rank, ok=True, value="ready")))
     try:
         _serve(conn, worker)
     finally:
@@ -116,7 +84,7 @@ def _exit_reason(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class ProcessRuntime(Runtime):
+class ProcessRuntime(RemoteRuntime):
     name = "process"
 
     def __init__(
@@ -124,20 +92,14 @@ class ProcessRuntime(Runtime):
         world_size: int = 1,
         device: str = "cpu",
         *,
-        torch_threads: int = 1,
-        start_timeout_s: float = 300.0,
-        pg_timeout_s: float = 300.0,
         start_method: str = "forkserver",
         preload: tuple[str, ...] = DEFAULT_PRELOAD,
-        failure_grace_s: float = 30.0,
+        **rank_options: Any,
     ) -> None:
-        super().__init__(world_size, device)
-        self.torch_threads = torch_threads
-        self.start_timeout_s = start_timeout_s
-        self.pg_timeout_s = pg_timeout_s
+        """rank_options: `RemoteRuntime`'s (torch_threads, start_timeout_s, pg_timeout_s, failure_grace_s)."""
+        super().__init__(world_size, device, **rank_options)
         self.start_method = start_method
         self.preload = preload
-        self.failure_grace_s = failure_grace_s
         self._procs: list[multiprocessing.Process] = []
         self._conns: list[multiprocessing.connection.Connection] = []
 
@@ -175,18 +137,18 @@ class ProcessRuntime(Runtime):
     def shutdown(self) -> None:
         for conn in self._conns:
             try:
-                conn.send_bytes(_dumps(Request(op="exit")))
+                conn.send_bytes(dumps(Request(op="exit")))
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + 5.0
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._kill_all()
+        self._stop_ranks()
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
 
-    def _kill_all(self) -> None:
+    def _stop_ranks(self) -> None:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
@@ -201,30 +163,14 @@ class ProcessRuntime(Runtime):
 
     # ------------------------------------------------------------------ calls
     def execute(self, requests: list[Request], timeout_s: float) -> list[Reply]:
-        if self._broken:
-            raise WorkerError(f"this worker group is broken ({self._broken}); build a new one")
-        if not self._procs:
-            raise WorkerError("the process runtime is not started (or was shut down)")
-        payloads = [_dumps(req) for req in requests]  # all or none: a rank alone would block in a collective
+        self._check_callable(started=bool(self._procs))
+        payloads = [dumps(req) for req in requests]  # all or none: a rank alone would block in a collective
         for rank, (conn, payload) in enumerate(zip(self._conns, payloads)):
             try:
                 conn.send_bytes(payload)
             except (BrokenPipeError, ConnectionError, OSError):
                 self._fail(WorkerDiedError, f"rank {rank} {_exit_reason(self._procs[rank].exitcode)}")
         return self._collect(time.monotonic() + timeout_s, f"call {requests[0].op}:{requests[0].method or ''}")
-
-    def _abandon(self, replies: dict[int, Reply], pending: list[int]) -> list[Reply]:
-        """A rank failed and the others are stuck (in a collective): stop them all."""
-        first = next(r for r in replies.values() if not r.ok)
-        self._broken = f"rank {first.rank} failed ({type(first.error).__name__}) while ranks {pending} were blocked"
-        self._kill_all()
-        stuck = Reply(rank=pending[0], ok=False, error=WorkerError(self._broken))
-        return [replies.get(r, stuck) for r in range(self.world_size)]
-
-    def _fail(self, kind: type[WorkerError], message: str):
-        self._broken = message
-        self._kill_all()
-        raise kind(message)
 
     def _collect(self, deadline: float, what: str) -> list[Reply]:
         pending = dict(enumerate(self._conns))
@@ -233,9 +179,7 @@ class ProcessRuntime(Runtime):
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if any(not r.ok for r in replies.values()):
-                    return self._abandon(replies, sorted(pending))
-                self._fail(WorkerTimeoutError, f"{what}: ranks {sorted(pending)} gave no reply in time; group stopped")
+                return self._out_of_time(replies, sorted(pending), what)
             ready = multiprocessing.connection.wait([*pending.values(), *sentinels], timeout=remaining)
             for rank, conn in list(pending.items()):
                 if conn in ready:
@@ -244,8 +188,7 @@ class ProcessRuntime(Runtime):
                     except (EOFError, OSError):
                         continue  # the sentinel below tells why
                     del pending[rank]
-                    if not replies[rank].ok:  # the others may wait forever in a collective
-                        deadline = min(deadline, time.monotonic() + self.failure_grace_s)
+                    deadline = self._deadline_after(replies[rank], deadline)
             for sentinel, rank in sentinels.items():
                 if sentinel in ready:
                     self._procs[rank].join(timeout=1.0)

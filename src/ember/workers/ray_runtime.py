@@ -22,17 +22,8 @@ import pickle
 import time
 from typing import Any
 
-from ember.workers.runtime import (
-    RankContext,
-    Reply,
-    Request,
-    Runtime,
-    WorkerDiedError,
-    WorkerError,
-    WorkerTimeoutError,
-    free_port,
-    init_rank_process,
-)
+from ember.workers.remote import RemoteRuntime, answer, dumps, pid_alive
+from ember.workers.runtime import RankContext, Reply, Request, WorkerDiedError, WorkerError, free_port, init_rank_process
 
 
 class _RankActor:
@@ -55,17 +46,8 @@ class _RankActor:
         self.worker = RankWorker(ctx)
         return os.getpid()
 
-    def handle(self, data: bytes) -> bytes:
-        try:
-            req: Request = pickle.loads(data)
-        except Exception as exc:  # an unimportable factory, for instance
-            return pickle.dumps(Reply.failure(self.worker.ctx.rank, exc), protocol=pickle.HIGHEST_PROTOCOL)
-        reply = self.worker.handle(req)
-        try:
-            return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            failure = Reply.failure(self.worker.ctx.rank, TypeError(f"result cannot be pickled: {exc}"))
-            return pickle.dumps(failure, protocol=pickle.HIGHEST_PROTOCOL)
+    def handle(self, data: bytes) -> bytes | None:
+        return answer(self.worker, data)
 
 
 def _dead_actor_errors():
@@ -74,7 +56,7 @@ def _dead_actor_errors():
     return tuple(getattr(rex, n) for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError") if hasattr(rex, n))
 
 
-class RayRuntime(Runtime):
+class RayRuntime(RemoteRuntime):
     name = "ray"
 
     def __init__(
@@ -85,24 +67,18 @@ class RayRuntime(Runtime):
         address: str | None = None,
         init_kwargs: dict[str, Any] | None = None,
         cpus_per_rank: float = 1.0,
-        torch_threads: int = 1,
         strategy: str = "PACK",
-        start_timeout_s: float = 300.0,
-        pg_timeout_s: float = 300.0,
-        failure_grace_s: float = 30.0,
+        **rank_options: Any,
     ) -> None:
-        super().__init__(world_size, device)
+        """rank_options: `RemoteRuntime`'s (torch_threads, start_timeout_s, pg_timeout_s, failure_grace_s)."""
+        super().__init__(world_size, device, **rank_options)
         self.address = address
         self.init_kwargs = dict(init_kwargs or {})
         self.cpus_per_rank = cpus_per_rank
-        self.torch_threads = torch_threads
         self.strategy = strategy
-        self.start_timeout_s = start_timeout_s
-        self.pg_timeout_s = pg_timeout_s
         self._actors: list[Any] = []
         self._pg = None
         self._pids: list[int] = []
-        self.failure_grace_s = failure_grace_s
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_ray(self):
@@ -183,18 +159,15 @@ class RayRuntime(Runtime):
         self._actors, self._pg = [], None
 
     def alive(self) -> list[bool]:
-        return [_pid_exists(pid) for pid in self._pids] if self._pids else [False] * self.world_size
+        return [pid_alive(pid) for pid in self._pids] if self._pids else [False] * self.world_size
 
     def pids(self) -> list[int]:
         return list(self._pids)
 
     # ------------------------------------------------------------------ calls
     def execute(self, requests: list[Request], timeout_s: float) -> list[Reply]:
-        if self._broken:
-            raise WorkerError(f"this worker group is broken ({self._broken}); build a new one")
-        if not self._actors:
-            raise WorkerError("the ray runtime is not started (or was shut down)")
-        payloads = [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in requests]  # all or none
+        self._check_callable(started=bool(self._actors))
+        payloads = [dumps(r) for r in requests]  # all or none
         refs = [a.handle.remote(p) for a, p in zip(self._actors, payloads)]
         what = f"call {requests[0].op}:{requests[0].method or ''}"
         return self._wait(refs, time.monotonic() + timeout_s, what, decode=pickle.loads)
@@ -208,10 +181,7 @@ class RayRuntime(Runtime):
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                stuck = sorted(index[r] for r in pending)
-                if any(isinstance(v, Reply) and not v.ok for v in results.values()):
-                    return self._abandon(results, stuck)
-                self._fail(WorkerTimeoutError, f"{what}: ranks {stuck} gave no reply in time")
+                return self._out_of_time(results, sorted(index[r] for r in pending), what)
             done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             for ref in done:
                 try:
@@ -219,31 +189,8 @@ class RayRuntime(Runtime):
                 except _dead_actor_errors() as exc:
                     self._fail(WorkerDiedError, f"{what}: rank {index[ref]} died ({type(exc).__name__}: {exc})")
                 results[index[ref]] = decode(value) if decode else value
-                if isinstance(results[index[ref]], Reply) and not results[index[ref]].ok:
-                    deadline = min(deadline, time.monotonic() + self.failure_grace_s)
+                deadline = self._deadline_after(results[index[ref]], deadline)
         return [results[r] for r in range(len(refs))]
 
-    def _abandon(self, replies: dict[int, Reply], pending: list[int]) -> list[Reply]:
-        """A rank failed and the others are stuck (in a collective): stop them all."""
-        first = next(r for r in replies.values() if not r.ok)
-        self._broken = f"rank {first.rank} failed ({type(first.error).__name__}) while ranks {pending} were blocked"
+    def _stop_ranks(self) -> None:
         self.shutdown()
-        stuck = Reply(rank=pending[0], ok=False, error=WorkerError(self._broken))
-        return [replies.get(r, stuck) for r in range(self.world_size)]
-
-    def _fail(self, kind: type[WorkerError], message: str):
-        self._broken = message
-        self.shutdown()
-        raise kind(message)
-
-
-def _pid_exists(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

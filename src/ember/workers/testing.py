@@ -87,15 +87,6 @@ def all_reduce_after_sleep(ctx: Any, sleeper: int, seconds: float) -> float:
     return float(t.item())
 
 
-def all_reduce_sum(ctx: Any, value: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([float(value)])
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return float(t.item())
-
-
 class Counter:
     """A tiny object for group tests: holds a number, reports its rank."""
 
