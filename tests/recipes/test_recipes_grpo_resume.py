@@ -26,7 +26,7 @@ from ember.recipes.common import ClientConfig
 from ember.recipes.grpo import GRPOConfig, load_checkpoint, run_grpo, train_grpo
 from ember.recipes.resume import CHECKPOINT_FILE, Checkpoint, SavedBatch, write_checkpoint
 
-from .conftest import DigitCountEnv
+from .conftest import API_KEY, SERVED_NAME, DigitCountEnv
 
 TOKEN_METRICS = ("reward", "reward_max", "frac_groups_constant", "completion_tokens", "staleness", "lr")
 
@@ -102,6 +102,20 @@ def test_killed_and_resumed_equals_uninterrupted(digit_model_dir, tmp_path, over
     assert "/sampler_weights/grpo-kl-reference-" in saved["reference_path"]
     want_staleness = [0.0] + [float(killed_cfg.max_staleness > 0)] * 5
     assert [uninterrupted[s]["grpo/staleness"] for s in range(6)] == want_staleness
+
+
+def test_killed_and_resumed_over_http(ember_server, tmp_path):
+    """The same through the official SDK against `ember serve`: what a checkpoint holds is all the
+    SDK offers (save_state, create_training_client_from_state_with_optimizer, sampler paths)."""
+    overrides = dict(base_model=SERVED_NAME, steps=4, kl_coef=0.5, max_staleness=1,
+                     client=ClientConfig(base_url=ember_server, api_key=API_KEY))
+    uninterrupted = run(config("", "", tmp_path / "full", **overrides))
+    killed = run(config("", "", tmp_path / "killed", **overrides), kill_after=2)
+    resumed = run(config("", "", tmp_path / "killed", resume_from=str(tmp_path / "killed"), **overrides))
+    assert sorted(killed) == [0, 1, 2] and sorted(resumed) == [2, 3]
+    assert_same_steps(killed, uninterrupted)
+    assert_same_steps(resumed, uninterrupted)
+    assert uninterrupted[2]["grpo/kl_ref"] > 1e-3 and uninterrupted[2]["grpo/staleness"] == 1.0
 
 
 def test_ember_train_grpo_resume_from(digit_model_dir, tmp_path, capsys):
