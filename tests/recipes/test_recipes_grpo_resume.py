@@ -193,6 +193,9 @@ def test_bad_resume_inputs_are_refused(tmp_path):
     written(tmp_path, cfg, state_path="/etc/passwd")
     with pytest.raises(ValueError, match=r"'state_path' must be a tinker:// path, got '/etc/passwd'"):
         load_checkpoint(resume)
+    written(tmp_path, cfg, reference_path="../other-tenant/weights")
+    with pytest.raises(ValueError, match=r"'reference_path' must be '' or a tinker:// path, got '../other-tenant"):
+        load_checkpoint(resume)
     written(tmp_path, cfg, batch=SavedBatch(1, random.Random(0).getstate(), [[("x", [0.5])]]))
     with pytest.raises(ValueError, match=r"'batch': 'samples' must be, per problem, a list of \[tokens, logprobs\]"):
         load_checkpoint(resume)

@@ -448,7 +448,9 @@ def check_resume_settings(cfg: GRPOConfig, checkpoint: Checkpoint | None) -> Non
                          "the optimizer (run_grpo does both)")
 
 
-def kl_reference_for(training_client, cfg: GRPOConfig, reference: Any, checkpoint: Checkpoint | None) -> tuple[Any, str]:
+def kl_reference_for(
+    training_client, cfg: GRPOConfig, reference: Any, checkpoint: Checkpoint | None,
+) -> tuple[Any, str]:
     """The KL reference and the path a checkpoint records for it ("" when none or the caller's).
 
     A resumed run samples from the reference its first run made (the weights at step 0),
@@ -465,8 +467,9 @@ def kl_reference_for(training_client, cfg: GRPOConfig, reference: Any, checkpoin
     return training_client.create_sampling_client(path).result(), path
 
 
-def start_point(cfg: GRPOConfig, env: Environment, checkpoint: Checkpoint | None) -> tuple[int, random.Random,
-                                                                                            Batch | None]:
+def start_point(
+    cfg: GRPOConfig, env: Environment, checkpoint: Checkpoint | None,
+) -> tuple[int, random.Random, Batch | None]:
     """The first step, the RNG and the batch already sampled for that step: step 0, `Random(seed)`
     and none; or the checkpoint's."""
     rng = random.Random(cfg.seed)

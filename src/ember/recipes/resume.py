@@ -5,7 +5,8 @@ Every `save_every` steps the GRPO recipe saves the policy's weights and optimize
 problem/sampling RNG state, the config fields that shape the run, the KL reference's path
 and the batch sampled before the step and not yet trained on (with `max_staleness > 0`
 it was sampled from weights that no state holds any more, so its samples are kept: the
-problems are re-drawn from the RNG state they were drawn with). The JSON is written last
+problems are re-drawn from the RNG state they were drawn with; the file then grows with
+P x G x max_tokens). The JSON is written last
 and atomically, so it never names a state that is not complete. A resumed run creates its
 training client from `state_path` with the optimizer and goes on from `step`.
 """
@@ -70,7 +71,8 @@ def read_checkpoint(directory: str | Path, recipe: str, field: str) -> Checkpoin
     """The checkpoint in `directory`; every problem is a ValueError naming `field` and the file."""
     where = Path(directory)
     if not where.is_dir():
-        raise ValueError(f"{field}: no such directory {str(where)!r} (expected the run_dir of a run with save_every > 0)")
+        raise ValueError(f"{field}: no such directory {str(where)!r} "
+                         "(expected the run_dir of a run with save_every > 0)")
     path = where / CHECKPOINT_FILE
     if not path.is_file():
         raise ValueError(f"{field}: {str(where)!r} holds no {CHECKPOINT_FILE}; a run writes one every save_every steps "
@@ -94,9 +96,12 @@ def _parse(data: Any, recipe: str, where: str) -> Checkpoint:
     state_path = _get(data, "state_path", str, where)
     if not state_path.startswith("tinker://"):
         raise ValueError(f"{where}: 'state_path' must be a tinker:// path, got {state_path!r}")
+    reference_path = _get(data, "reference_path", str, where)
+    if reference_path and not reference_path.startswith("tinker://"):
+        raise ValueError(f"{where}: 'reference_path' must be '' or a tinker:// path, got {reference_path!r}")
     batch = data.get("batch")
     return Checkpoint(recipe, step, state_path, rng_state(data.get("rng_state"), f"{where}: 'rng_state'"),
-                      _get(data, "config", dict, where), _get(data, "reference_path", str, where),
+                      _get(data, "config", dict, where), reference_path,
                       None if batch is None else _parse_batch(batch, f"{where}: 'batch'"))
 
 
