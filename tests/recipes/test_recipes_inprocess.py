@@ -11,7 +11,7 @@ import ember
 from ember.metrics import MetricsLogger, read_jsonl, use_logger
 from ember.recipes.digit_sum import DigitSumEnv, DigitSumTask
 from ember.recipes.grpo import GRPOConfig, evaluate_greedy, train_grpo
-from ember.recipes.sft import train_sft
+from ember.recipes.sft import SFTConfig, train_sft
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,9 @@ def test_sft_recipe_lowers_the_loss(service_client):
     logger = MetricsLogger()
     seen = []
     with use_logger(logger):
-        train_sft(tc, examples, steps=12, batch_size=16, learning_rate=1e-2, prefix="sft/",
+        train_sft(tc, examples, SFTConfig(steps=12, batch_size=16, learning_rate=1e-2, eval_every=6), prefix="sft/",
                   on_step=lambda step, m: seen.append(step),
-                  evaluate=lambda sampler, step: {"probe": float(step)}, eval_every=6)
+                  evaluate=lambda sampler, step: {"probe": float(step)})
     losses = [m["sft/loss"] for _, m in logger.history]
     assert seen == list(range(12))
     assert losses[-1] < 0.6 * losses[0], losses  # token-mean NLL falls on 16 memorisable examples

@@ -15,7 +15,7 @@ from ember.recipes.digit_sum import ALPHABET, DigitSumEnv, DigitSumTask
 from ember.recipes.grpo import GRPOConfig, evaluate_greedy, train_grpo
 from ember.recipes.plotting import plot_demo
 from ember.recipes.progress import PhaseProgress
-from ember.recipes.sft import train_sft
+from ember.recipes.sft import SFTConfig, train_sft
 
 
 def build_demo_model(settings: DemoSettings, out_dir: Path) -> Path:
@@ -80,7 +80,8 @@ def run_phases(service_client, base_model: str, s: DemoSettings, progress: Phase
     data = DemoData(tc.get_tokenizer(), s)
     out["init_accuracy"] = data.accuracy(tc)
     progress.print(f"held-out exact match at random init: {out['init_accuracy']:.3f}")
-    train_sft(tc, data.examples, s.sft_steps, s.sft_batch, s.sft_lr, seed=s.seed, prefix="sft/",
+    warmup = SFTConfig(steps=s.sft_steps, batch_size=s.sft_batch, learning_rate=s.sft_lr, seed=s.seed)
+    train_sft(tc, data.examples, warmup, prefix="sft/",
               on_step=progress.phase("SFT warm-up", s.sft_steps, {"sft/loss": "loss"}))
     out["sft_accuracy"] = data.accuracy(tc)
     progress.print(f"held-out exact match after SFT warm-up on {s.labels} labels: {out['sft_accuracy']:.3f}")
@@ -94,11 +95,12 @@ def run_phases(service_client, base_model: str, s: DemoSettings, progress: Phase
     progress.print(f"held-out exact match after GRPO: {out['grpo_accuracy']:.3f}")
     if control:
         ctc = service_client.create_training_client_from_state(warmup_path).result()
-        train_sft(ctc, data.examples, s.control_steps, s.control_batch, s.control_lr, s.grpo_schedule,
-                  seed=s.seed + 1, prefix="control/",
+        control_cfg = SFTConfig(steps=s.control_steps, batch_size=s.control_batch, learning_rate=s.control_lr,
+                                lr_schedule=s.grpo_schedule, seed=s.seed + 1, eval_every=s.eval_every)
+        train_sft(ctc, data.examples, control_cfg, prefix="control/",
                   on_step=progress.phase("SFT-only control", s.control_steps,
                                          {"control/loss": "loss", "control/heldout_acc": "held-out acc"}),
-                  evaluate=data.evaluate, eval_every=s.eval_every)
+                  evaluate=data.evaluate)
         out["control_accuracy"] = data.accuracy(ctc)
         out["margin_over_control"] = out["grpo_accuracy"] - out["control_accuracy"]
     out["gain_over_sft"] = out["grpo_accuracy"] - out["sft_accuracy"]

@@ -35,10 +35,19 @@ runs while the policy trains. Groups of constant reward are kept (their KL term 
 signal). `kl_ref` (mean k1 over the batch's completion tokens: the measured KL) and
 `kl_ref_k3` (mean exp(r)-1-r, r = -k1: >= 0, lower variance) are recorded per step.
 kl_coef = 0 makes no reference call and sends exactly the datums it sent before.
+
+Resume (`save_every`, `resume_from`; see `ember.recipes.resume`): every `save_every` steps
+the loop saves the weights and optimizer (`save_state`) and writes `<run_dir>/checkpoint.json`
+with the step, the RNG state, the batch already sampled for the next step (when sampling runs
+ahead) and the KL reference's path. `resume_from = <that run_dir>` creates the policy from the
+state with its optimizer and goes on from that step with the same RNG stream and the original
+step-0 reference, so the resumed steps are those of an uninterrupted run (up to the
+floating-point noise of which rows share a decode batch, which two uninterrupted runs show too).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -46,10 +55,11 @@ import statistics
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from tinker import types
 
+from ember.config import to_dict
 from ember.metrics import MetricsConfig, get_logger, record_metric, span
 from ember.recipes.common import (
     RL_LOSSES,
@@ -68,6 +78,16 @@ from ember.recipes.common import (
 )
 from ember.recipes.digit_sum import make_env as make_digit_sum_env
 from ember.recipes.env import Environment, Problem
+from ember.recipes.resume import (
+    Checkpoint,
+    SavedBatch,
+    check_same_run,
+    completed_futures,
+    random_from,
+    read_checkpoint,
+    samples_of,
+    write_checkpoint,
+)
 
 
 @dataclass
@@ -98,6 +118,8 @@ class GRPOConfig:
     env_args: dict[str, Any] = field(default_factory=dict)
     run_dir: str = ""
     save_name: str = "final"
+    save_every: int = 0  # steps between resumable checkpoints (save_state + <run_dir>/checkpoint.json); 0: none
+    resume_from: str = ""  # the run_dir of a run with save_every > 0: go on from its last checkpoint
     client: ClientConfig = field(default_factory=ClientConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -105,6 +127,8 @@ class GRPOConfig:
         for name in ("lora_rank", "steps", "prompts_per_step", "group_size", "max_tokens", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every < 0:
+            raise ValueError(f"GRPOConfig.save_every must be >= 0 (0: no checkpoints), got {self.save_every}")
         if self.minibatches > self.prompts_per_step:
             raise ValueError(f"GRPOConfig.minibatches ({self.minibatches}) > prompts_per_step ({self.prompts_per_step})")
         if self.max_staleness < 0 or self.eval_every < 0 or self.temperature < 0:
@@ -285,12 +309,16 @@ def evaluate_greedy(sampling_client, env: Environment, problems: Sequence[Proble
     return sum(g[0].reward for g in groups) / len(groups)
 
 
-def step0_reference(training_client) -> Any:
-    """A sampler of the policy's current weights, saved (`save_weights_for_sampler`) so that it
-    outlives the service's cap on in-memory snapshots per session: evicted, it reloads from disk."""
+def save_step0_reference(training_client) -> str:
+    """Save the policy's current weights for sampling (`save_weights_for_sampler`); returns the path."""
     name = f"grpo-kl-reference-{uuid.uuid4().hex[:12]}"
-    path = training_client.save_weights_for_sampler(name).result().path
-    return training_client.create_sampling_client(path).result()
+    return training_client.save_weights_for_sampler(name).result().path
+
+
+def step0_reference(training_client) -> Any:
+    """A sampler of the policy's current weights, saved so that it outlives the service's cap on
+    in-memory snapshots per session: evicted, it reloads from disk."""
+    return training_client.create_sampling_client(save_step0_reference(training_client)).result()
 
 
 def make_reference(service_client, kl_reference: str) -> Any:
@@ -303,85 +331,206 @@ def make_reference(service_client, kl_reference: str) -> Any:
                          f"{type(e).__name__}: {e}") from e
 
 
+class Sampler(NamedTuple):
+    """A sampling client of the policy and the number of optimizer steps its weights have seen."""
+
+    client: Any
+    version: int
+
+
+class Batch(NamedTuple):
+    """One step's problems and their `sample` futures (one per problem, G sequences each)."""
+
+    problems: list[Problem]
+    futures: list
+    version: int  # the weights version it is sampled from (staleness = step - version)
+    rng_state: tuple  # the RNG before the batch drew its problems and seeds (what a checkpoint replays)
+
+
+class Snapshots:
+    """The policy's latest sampler snapshot; a new one only when asked for another weights version."""
+
+    def __init__(self, training_client) -> None:
+        self.training_client = training_client
+        self.latest: Sampler | None = None
+
+    def at(self, version: int) -> Sampler:
+        if self.latest is None or self.latest.version != version:
+            with span("sync"):
+                self.latest = Sampler(self.training_client.save_weights_and_get_sampling_client().result(), version)
+        return self.latest
+
+
+def sample_batch(sampler: Sampler, env: Environment, cfg: GRPOConfig, params: types.SamplingParams,
+                 rng: random.Random) -> Batch:
+    """Draw P problems and submit G samples of each; nothing is awaited."""
+    rng_state = rng.getstate()
+    with span("sample"):
+        problems = env.sample_problems(cfg.prompts_per_step, rng)
+        futures = submit_samples(sampler.client, problems, cfg.group_size, params, rng)
+    return Batch(problems, futures, sampler.version, rng_state)
+
+
 def train_grpo(
     training_client, env: Environment, cfg: GRPOConfig, on_step: StepHook | None = None,
     evaluate: Evaluator | None = None, prefix: str = "grpo/", reference: Any = None,
+    checkpoint: Checkpoint | None = None,
 ) -> Any:
-    """Run `cfg.steps` GRPO steps; returns a sampling client of the final weights.
+    """Run GRPO steps up to `cfg.steps`; returns a sampling client of the final weights.
 
     Metrics are recorded as `<prefix><name>` and flushed once per step; `evaluate` runs
     every `cfg.eval_every` steps on a fresh snapshot. `reference` (a sampling client) is the
-    KL reference when `cfg.kl_coef > 0`; None: the policy's weights at step 0.
+    KL reference when `cfg.kl_coef > 0`; None: the policy's weights at step 0. `checkpoint`
+    (`load_checkpoint(cfg)`, with a training client created from its `state_path` with the
+    optimizer, as `run_grpo` does) resumes a run from its step.
     """
-    if cfg.kl_coef > 0 and reference is None:
-        reference = step0_reference(training_client)
-    rng, logger = random.Random(cfg.seed), get_logger()
+    check_resume_settings(cfg, checkpoint)
+    reference, reference_path = kl_reference_for(training_client, cfg, reference, checkpoint)
+    start, rng, batch = start_point(cfg, env, checkpoint)
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=env.stop())
-
-    def snapshot(step: int) -> tuple[Any, int]:
-        with span("sync"):
-            return training_client.save_weights_and_get_sampling_client().result(), step
-
-    def submit(sampler: tuple[Any, int]) -> tuple[list[Problem], list, int]:
-        problems = env.sample_problems(cfg.prompts_per_step, rng)
-        return problems, submit_samples(sampler[0], problems, cfg.group_size, params, rng), sampler[1]
-
+    snapshots, logger = Snapshots(training_client), get_logger()
     with logger.prefix(prefix):
-        sampler = snapshot(0)
-        with span("sample"):
-            pending: tuple | None = submit(sampler)
-        for step in range(cfg.steps):
-            problems, futures, version = pending
+        for step in range(start, cfg.steps):
+            last = step + 1 == cfg.steps
+            if batch is None:  # on-policy (and the first step): sampled now, from the weights about to train
+                batch = sample_batch(snapshots.at(step), env, cfg, params, rng)
             with span("sample"):
-                groups = collect_groups(env, problems, futures)
-            pending = None
-            if cfg.max_staleness > 0 and step + 1 < cfg.steps:
-                if sampler[1] != step:
-                    sampler = snapshot(step)  # the weights this batch trains from
-                with span("sample"):
-                    pending = submit(sampler)  # the next batch, sampled while this one trains
+                groups = collect_groups(env, batch.problems, batch.futures)
+            next_batch = None
+            if cfg.max_staleness > 0 and not last:  # sampled while this batch trains, from the weights it trains
+                next_batch = sample_batch(snapshots.at(step), env, cfg, params, rng)
             lr = learning_rate_at(step, cfg.steps, cfg.learning_rate, cfg.lr_schedule)
             with span("train"):
                 train_on_batch(training_client, groups, cfg, lr, reference)
             record_batch_metrics(groups)
-            record_metric("staleness", step - version, reduce="max")
+            record_metric("staleness", step - batch.version, reduce="max")
             record_metric("lr", lr)
-            last = step + 1 == cfg.steps
-            wants_eval = evaluate is not None and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last)
-            if (pending is None and not last) or wants_eval:
-                sampler = snapshot(step + 1)
-            if pending is None and not last:
-                with span("sample"):
-                    pending = submit(sampler)
-            if wants_eval:
-                for key, value in evaluate(sampler[0], step + 1).items():
+            if evaluate is not None and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
+                for key, value in evaluate(snapshots.at(step + 1).client, step + 1).items():
                     record_metric(key, value)
+            if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0:
+                save_checkpoint(training_client, cfg, step + 1, rng, next_batch, reference_path)
             summary = logger.flush(step)
             if on_step is not None:
                 on_step(step, summary)
-        return sampler[0] if sampler[1] == cfg.steps else snapshot(cfg.steps)[0]
+            batch = next_batch
+        return snapshots.at(cfg.steps).client
+
+
+# ---------------------------------------------------------------------------- resume
+
+# Fields a resumed run may change; every other field shapes the run and must be the checkpoint's.
+# (`steps` may grow or shrink; a decaying lr_schedule then decays over the new count.)
+RESUMABLE_CHANGES = frozenset({"steps", "eval_every", "save_every", "save_name", "run_dir", "resume_from",
+                               "client", "metrics"})
+
+
+def run_identity(cfg: GRPOConfig) -> dict[str, Any]:
+    """The config fields that shape the run, as JSON values (what a checkpoint records)."""
+    return json.loads(json.dumps({k: v for k, v in to_dict(cfg).items() if k not in RESUMABLE_CHANGES}))
+
+
+def load_checkpoint(cfg: GRPOConfig) -> Checkpoint:
+    """The checkpoint in `cfg.resume_from`, checked against `cfg` (same run, a step within `steps`)."""
+    checkpoint = read_checkpoint(cfg.resume_from, "grpo", "GRPOConfig.resume_from")
+    check_same_run(checkpoint, run_identity(cfg), RESUMABLE_CHANGES, cfg.steps,
+                   f"GRPOConfig.resume_from {cfg.resume_from!r}")
+    return checkpoint
+
+
+def check_resume_settings(cfg: GRPOConfig, checkpoint: Checkpoint | None) -> None:
+    if cfg.save_every > 0 and not cfg.run_dir:
+        raise ValueError(f"GRPOConfig.save_every is {cfg.save_every} but run_dir is empty: checkpoints are "
+                         "written to run_dir; set one")
+    if cfg.resume_from and checkpoint is None:
+        raise ValueError("GRPOConfig.resume_from is set but train_grpo got no checkpoint: pass "
+                         "checkpoint=load_checkpoint(cfg) and a training client created from its state_path with "
+                         "the optimizer (run_grpo does both)")
+
+
+def kl_reference_for(
+    training_client, cfg: GRPOConfig, reference: Any, checkpoint: Checkpoint | None,
+) -> tuple[Any, str]:
+    """The KL reference and the path a checkpoint records for it ("" when none or the caller's).
+
+    A resumed run samples from the reference its first run made (the weights at step 0),
+    not from the weights it resumes with."""
+    if cfg.kl_coef == 0 or reference is not None:
+        return reference, ""
+    if checkpoint is None:
+        path = save_step0_reference(training_client)
+    elif checkpoint.reference_path:
+        path = checkpoint.reference_path
+    else:
+        raise ValueError("GRPOConfig.resume_from: the checkpoint's run was given its KL reference by its caller "
+                         "(none is recorded); pass the same reference to train_grpo")
+    return training_client.create_sampling_client(path).result(), path
+
+
+def start_point(
+    cfg: GRPOConfig, env: Environment, checkpoint: Checkpoint | None,
+) -> tuple[int, random.Random, Batch | None]:
+    """The first step, the RNG and the batch already sampled for that step: step 0, `Random(seed)`
+    and none; or the checkpoint's."""
+    rng = random.Random(cfg.seed)
+    if checkpoint is None:
+        return 0, rng, None
+    rng.setstate(checkpoint.rng_state)
+    batch = None if checkpoint.batch is None else restore_batch(checkpoint.batch, env, cfg.prompts_per_step)
+    return checkpoint.step, rng, batch
+
+
+def restore_batch(saved: SavedBatch, env: Environment, n_problems: int) -> Batch:
+    """The saved batch: its problems drawn again from the RNG state they were drawn with, its samples
+    as completed futures."""
+    problems = env.sample_problems(n_problems, random_from(saved.rng_state))
+    if len(problems) != len(saved.samples):
+        raise ValueError(f"GRPOConfig.resume_from: the checkpoint's batch has samples of {len(saved.samples)} "
+                         f"problems, the environment drew {len(problems)} (expected prompts_per_step = {n_problems})")
+    return Batch(problems, completed_futures(saved.samples), saved.version, saved.rng_state)
+
+
+def save_checkpoint(training_client, cfg: GRPOConfig, done: int, rng: random.Random, next_batch: Batch | None,
+                    reference_path: str) -> None:
+    """save_state (weights + optimizer) after `done` steps, then `<run_dir>/checkpoint.json` naming it.
+
+    A batch already sampled for the next step is awaited and its samples kept: the weights it
+    was sampled from (one step behind) are in no saved state."""
+    with span("save"):
+        state_path = training_client.save_state(f"grpo-step-{done:06d}").result().path
+        saved = None
+        if next_batch is not None:
+            saved = SavedBatch(next_batch.version, next_batch.rng_state, samples_of(next_batch.futures))
+        write_checkpoint(cfg.run_dir, Checkpoint("grpo", done, state_path, rng.getstate(), run_identity(cfg),
+                                                 reference_path, saved))
 
 
 # name -> factory(tokenizer, **env_args); `ember train grpo|ppo --env NAME --env_args '{...}'`
 ENVIRONMENTS: dict[str, Any] = {"digit_sum": make_digit_sum_env}
 
 
+def create_policy(service_client, cfg: GRPOConfig, checkpoint: Checkpoint | None) -> Any:
+    """The policy's training client: the checkpoint's state with its optimizer, `init_from`, or a fresh LoRA."""
+    if checkpoint is not None:
+        return service_client.create_training_client_from_state_with_optimizer(checkpoint.state_path).result()
+    if cfg.init_from:
+        return service_client.create_training_client_from_state(cfg.init_from).result()
+    return service_client.create_lora_training_client(base_model=cfg.base_model, rank=cfg.lora_rank,
+                                                      seed=cfg.seed).result()
+
+
 def run_grpo(config: GRPOConfig, on_step: StepHook | None = None) -> str | None:
-    """Create (or restore) the training client, train, save; returns the saved path (or None)."""
+    """Create (restore, or resume) the training client, train, save; returns the saved path (or None)."""
     from ember.recipes.common import make_service_client
 
     if config.env not in ENVIRONMENTS:
         raise ValueError(f"GRPOConfig.env: unknown environment {config.env!r}; known: {sorted(ENVIRONMENTS)}")
-    service_client = make_service_client(config.client)
-    if config.init_from:
-        training_client = service_client.create_training_client_from_state(config.init_from).result()
-    else:
-        training_client = service_client.create_lora_training_client(
-            base_model=config.base_model, rank=config.lora_rank, seed=config.seed
-        ).result()
-    reference = make_reference(service_client, config.kl_reference) if config.kl_reference else None
-    env = ENVIRONMENTS[config.env](training_client.get_tokenizer(), **config.env_args)
-    train_grpo(training_client, env, config, on_step=on_step, reference=reference)
-    if not config.save_name:
-        return None
-    return training_client.save_state(config.save_name).result().path
+    checkpoint = load_checkpoint(config) if config.resume_from else None  # bad input fails before any model loads
+    with make_service_client(config.client) as service_client:  # closed at the end: an open SDK client heartbeats
+        training_client = create_policy(service_client, config, checkpoint)
+        reference = make_reference(service_client, config.kl_reference) if config.kl_reference else None
+        env = ENVIRONMENTS[config.env](training_client.get_tokenizer(), **config.env_args)
+        train_grpo(training_client, env, config, on_step=on_step, reference=reference, checkpoint=checkpoint)
+        if not config.save_name:
+            return None
+        return training_client.save_state(config.save_name).result().path

@@ -42,6 +42,7 @@ class SFTConfig:
     lr_schedule: Schedule = "constant"
     max_length: int = 2048
     seed: int = 0
+    eval_every: int = 0  # steps between evaluations when train_sft gets an `evaluate` (0: none)
     run_dir: str = ""  # empty: runs/sft-<timestamp>
     save_name: str = "final"  # save_state name at the end; empty: do not save
     client: ClientConfig = field(default_factory=ClientConfig)
@@ -51,6 +52,8 @@ class SFTConfig:
         for name in ("lora_rank", "steps", "batch_size", "max_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SFTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"SFTConfig.eval_every must be >= 0, got {self.eval_every}")
         if not self.learning_rate > 0:
             raise ValueError(f"SFTConfig.learning_rate must be > 0, got {self.learning_rate}")
         if self.lr_schedule not in SCHEDULES:
@@ -123,27 +126,27 @@ def sft_step(training_client, examples: Sequence[Example], lr: float) -> float:
 
 
 def train_sft(
-    training_client, examples: Sequence[Example], steps: int, batch_size: int, learning_rate: float,
-    schedule: str = "constant", seed: int = 0, prefix: str = "sft/", on_step: StepHook | None = None,
-    evaluate: Evaluator | None = None, eval_every: int = 0,
+    training_client, examples: Sequence[Example], cfg: SFTConfig, on_step: StepHook | None = None,
+    evaluate: Evaluator | None = None, prefix: str = "sft/",
 ) -> None:
-    """`steps` optimizer steps on batches drawn with replacement from `examples`.
+    """`cfg.steps` optimizer steps on batches of `cfg.batch_size` drawn with replacement from `examples`.
 
     Metrics are recorded as `<prefix><name>` and flushed once per step. With `evaluate`,
-    every `eval_every` steps (and after the last) a sampler snapshot is evaluated.
+    every `cfg.eval_every` steps (and after the last) a sampler snapshot is evaluated.
     """
-    rng = random.Random(seed)
+    rng = random.Random(cfg.seed)
     logger = get_logger()
     with logger.prefix(prefix):
-        for step in range(steps):
-            lr = learning_rate_at(step, steps, learning_rate, schedule)
-            batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        for step in range(cfg.steps):
+            lr = learning_rate_at(step, cfg.steps, cfg.learning_rate, cfg.lr_schedule)
+            batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
             with span("step"):
                 loss = sft_step(training_client, batch, lr)
             record_metric("loss", loss)
             record_metric("lr", lr)
             record_metric("tokens", sum(len(c) for _, c in batch), reduce="sum")
-            if evaluate is not None and eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            last = step + 1 == cfg.steps
+            if evaluate is not None and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
                 sampler = training_client.save_weights_and_get_sampling_client().result()
                 for key, value in evaluate(sampler, step + 1).items():
                     record_metric(key, value)
@@ -162,8 +165,7 @@ def run_sft(config: SFTConfig, on_step: StepHook | None = None) -> str | None:
     ).result()
     tokenizer = training_client.get_tokenizer()
     examples = load_jsonl(config.data_path, tokenizer, config.max_length)
-    train_sft(training_client, examples, config.steps, config.batch_size, config.learning_rate,
-              config.lr_schedule, config.seed, on_step=on_step)
+    train_sft(training_client, examples, config, on_step=on_step)
     if not config.save_name:
         return None
     return training_client.save_state(config.save_name).result().path

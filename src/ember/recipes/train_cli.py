@@ -10,6 +10,7 @@ prints one clear message naming the key and exits with status 2. Outputs (config
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import time
@@ -102,6 +103,7 @@ def run_recipe(recipe: str, config) -> int:
 
     run_dir = Path(config.run_dir or Path("runs") / time.strftime(f"{recipe}-%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.replace(config, run_dir=str(run_dir))  # the recipe writes its checkpoints there
     write_json(run_dir / "config.json", to_dict(config))
     logger = MetricsLogger(build_sinks(config.metrics, run_dir))
     try:
