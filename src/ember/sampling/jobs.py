@@ -28,14 +28,14 @@ class Job:
     @property
     def full_version_id(self) -> int:
         """The full fine-tuning version the forward runs with; 0 = the base module (and its LoRA hooks)."""
-        v = self.version
-        return v.version_id if v is not None and not v.is_lora else 0
+        version = self.version
+        return version.version_id if version is not None and not version.is_lora else 0
 
     @property
     def lora_version_id(self) -> int:
         """The LoRA adapter version applied by hooks on the base module; 0 = none."""
-        v = self.version
-        return v.version_id if v is not None and v.is_lora else 0
+        version = self.version
+        return version.version_id if version is not None and version.is_lora else 0
 
     @property
     def weights_key(self) -> tuple[int, int]:

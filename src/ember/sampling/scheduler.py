@@ -88,8 +88,8 @@ class Scheduler:
     # ================================================================ failures
     def in_flight(self) -> list[RequestState]:
         """Requests holding a slot or being admitted (those to fail if a forward raises)."""
-        held = [r for r in self.slots.request if r is not None] + self.admitting
-        return list({id(r): r for r in held}.values())
+        held = [request for request in self.slots.request if request is not None] + self.admitting
+        return list({id(request): request for request in held}.values())
 
     def fail_in_flight(self, error: Exception) -> None:
         """The shared work of a step raised: fail every request it touched, forget every slot."""
@@ -100,8 +100,8 @@ class Scheduler:
         self._fail_all_of(list(self.waiting) + self.in_flight(), error)
 
     def _fail_all_of(self, requests: list[RequestState], error: Exception) -> None:
-        dead = {id(r) for r in requests}
-        self.waiting = deque(r for r in self.waiting if id(r) not in dead)
+        dead = {id(request) for request in requests}
+        self.waiting = deque(waiting for waiting in self.waiting if id(waiting) not in dead)
         for slot in np.flatnonzero(self.slots.active):
             self.slots.release(int(slot))
         self.admitting = []
@@ -116,8 +116,8 @@ class Scheduler:
         for slot, holder in enumerate(self.slots.request):
             if holder is request:
                 self.slots.release(slot)
-        self.waiting = deque(r for r in self.waiting if r is not request)
-        self.admitting = [r for r in self.admitting if r is not request]
+        self.waiting = deque(other for other in self.waiting if other is not request)
+        self.admitting = [other for other in self.admitting if other is not request]
         error = RuntimeError(f"sampling failed for this request: {type(exc).__name__}: {exc}")
         jobs.settle(request.job.future, error=error)
 
@@ -142,7 +142,8 @@ class Scheduler:
             return
         for batch in self._prefill_batches(self._extend_cached(to_prefill)):
             self._prefill(batch)
-        placements = [p for p in placements if not p.request.failed]  # a prompt's scores may have failed it
+        # A prompt's scores may have failed its request: its samples are not placed.
+        placements = [placed for placed in placements if not placed.request.failed]
         self._copy_prompt_kv(placements)
         self.admitting = []
         self._draw_first_tokens(placements)
@@ -173,7 +174,7 @@ class Scheduler:
         """Group by weights of the forward (and whether full-prompt logits are needed), then
         chunk so rows x longest prompt stays within the budget."""
         batches: list[ToPrefill] = []
-        for key in dict.fromkeys(_prefill_key(r) for r, _ in to_prefill):
+        for key in dict.fromkeys(_prefill_key(request) for request, _ in to_prefill):
             current: ToPrefill = []
             longest = 0
             for item in (it for it in to_prefill if _prefill_key(it[0]) == key):
@@ -188,13 +189,15 @@ class Scheduler:
 
     def _prefill(self, batch: ToPrefill) -> None:
         """One forward over a batch of prompts (left-padded to T), into their first slots."""
-        first = batch[0][0]
+        requests = [request for request, _ in batch]
+        first = requests[0]
         slots_B = torch.tensor([slot for _, slot in batch], device=self.device)
-        ids_B_T, positions_B_T, valid_B_T, mask = prefill_inputs([r.spec.prompt for r, _ in batch], self.device)
+        prompts = [request.spec.prompt for request in requests]
+        ids_B_T, positions_B_T, valid_B_T, mask = prefill_inputs(prompts, self.device)
         keep_all = first.spec.scores_prompt  # batches never mix (see _prefill_batches)
         self.runner.cache.plan_prefill(slots_B, valid_B_T, positions_B_T)
         logits_B_T_V = self.runner.forward(ids_B_T, positions_B_T, mask, 0 if keep_all else 1,
-                                           full=_full_version(first), lora=self._lora_rows([r for r, _ in batch]))
+                                           full=_full_version(first), lora=self._lora_rows(requests))
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += len(batch)
         for row, (request, slot) in enumerate(batch):
@@ -208,20 +211,20 @@ class Scheduler:
 
     def _lora_rows(self, requests: list[RequestState]) -> LoraRows:
         """LoRA hook plan for a prefill batch: [(batch rows, adapter version)] (base rows: none)."""
-        ids = [r.job.lora_version_id for r in requests]
-        versions = {i: r.job.version for i, r in zip(ids, requests) if i}
+        ids = [request.job.lora_version_id for request in requests]
+        versions = {lora_id: request.job.version for lora_id, request in zip(ids, requests) if lora_id}
         if len(versions) == 1 and all(ids):
             return [(None, next(iter(versions.values())))]
         ids_B = np.asarray(ids)
-        return [(torch.as_tensor(np.flatnonzero(ids_B == i), device=self.device), v) for i, v in versions.items()]
+        return [(self._on_device(np.flatnonzero(ids_B == lora_id)), version) for lora_id, version in versions.items()]
 
     def _copy_prompt_kv(self, placements: list[Placement]) -> None:
         """Give every placed sample its prompt's KV and occupy its slot: copied from the slot
         just prefilled (one gather/scatter per layer for all requests), or from the snapshot
         kept for samples placed after their prompt's prefill step."""
         by_request: dict[int, list[Placement]] = {}
-        for p in placements:
-            by_request.setdefault(id(p.request), []).append(p)
+        for placed in placements:
+            by_request.setdefault(id(placed.request), []).append(placed)
         cache = self.runner.cache
         src: list[int] = []
         dst: list[int] = []
@@ -229,10 +232,10 @@ class Scheduler:
         for group in by_request.values():
             request, prompt_len = group[0].request, len(group[0].request.spec.prompt)
             if request.prompt_kv is not None:
-                cache.restore_prefix(request.prompt_kv, self._on_device([p.slot for p in group]))
+                cache.restore_prefix(request.prompt_kv, self._on_device([placed.slot for placed in group]))
             else:
                 src += [group[0].slot] * (len(group) - 1)
-                dst += [p.slot for p in group[1:]]
+                dst += [placed.slot for placed in group[1:]]
                 length = max(length, prompt_len) if len(group) > 1 else length
             if request.samples_unplaced > 0 and request.prompt_kv is None:
                 request.prompt_kv = cache.snapshot_prefix(group[0].slot, prompt_len)
@@ -242,22 +245,22 @@ class Scheduler:
             # Positions past a prompt's end are copied too; they are overwritten before use.
             cache.copy_slots(self._on_device(src), self._on_device(dst), length)
         for group in by_request.values():
-            slots = np.array([p.slot for p in group])
-            self.slots.occupy(slots, group[0].request, np.array([p.sample for p in group]))
+            slots = np.array([placed.slot for placed in group])
+            self.slots.occupy(slots, group[0].request, np.array([placed.sample for placed in group]))
 
     def _draw_first_tokens(self, placements: list[Placement]) -> None:
         """Each placed sample's first token, drawn from its prompt's last logits."""
-        for p in placements:
-            if p.request.spec.max_tokens == 0 and self._holds(p.slot, p.request):
-                self._finish(p.slot, stop=False)
-        live = [p for p in placements if p.request.spec.max_tokens > 0]
+        for placed in placements:
+            if placed.request.spec.max_tokens == 0 and self._holds(placed.slot, placed.request):
+                self._finish(placed.slot, stop=False)
+        live = [placed for placed in placements if placed.request.spec.max_tokens > 0]
         if live:
-            logits_B_V = torch.stack([p.request.last_logits_V for p in live])
-            slots_B = np.array([p.slot for p in live])
+            logits_B_V = torch.stack([placed.request.last_logits_V for placed in live])
+            slots_B = np.array([placed.slot for placed in live])
             self._draw_and_record(logits_B_V, slots_B, np.arange(len(live)))
-        for p in placements:
-            if p.request.samples_unplaced == 0:
-                p.request.last_logits_V = None  # every sample has its first token
+        for placed in placements:
+            if placed.request.samples_unplaced == 0:
+                placed.request.last_logits_V = None  # every sample has its first token
 
     # ================================================================ prefix cache
     def _extend_cached(self, to_prefill: ToPrefill) -> ToPrefill:
@@ -449,16 +452,16 @@ class Scheduler:
         return ids_N_K.cpu().numpy(), values_N_K.cpu().numpy()
 
     def _append_top_logprobs(self, slots_N: np.ndarray, ids_N_K: np.ndarray, values_N_K: np.ndarray) -> None:
-        for n, slot in enumerate(slots_N):
-            self.slots.out_top_logprobs[slot].append((ids_N_K[n], values_N_K[n]))
+        for index, slot in enumerate(slots_N):
+            self.slots.out_top_logprobs[slot].append((ids_N_K[index], values_N_K[index]))
 
     def _by_request(self, slots_N: np.ndarray) -> list[tuple[RequestState, np.ndarray]]:
         """[(request, indices into slots_N)] for the live requests of `slots_N`."""
         groups: dict[int, tuple[RequestState, list[int]]] = {}
-        for n, slot in enumerate(slots_N.tolist()):
+        for index, slot in enumerate(slots_N.tolist()):
             request = self.slots.request[slot]
             if request is not None:
-                groups.setdefault(id(request), (request, []))[1].append(n)
+                groups.setdefault(id(request), (request, []))[1].append(index)
         return [(request, np.asarray(idx)) for request, idx in groups.values()]
 
     # ================================================================ finishing
@@ -467,15 +470,15 @@ class Scheduler:
         reached max_tokens."""
         slots = self.slots
         stop = slots.stop_token_hit(slots_N, tokens_N)
-        for n in np.flatnonzero(slots.has_stop_strings[slots_N] & ~stop):
-            slot = int(slots_N[n])
+        for index in np.flatnonzero(slots.has_stop_strings[slots_N] & ~stop):
+            slot = int(slots_N[index])
             if self._holds(slot):
-                stop[n] = bool(self._guarded(slots.request[slot], self._stop_string_hit, slot))
+                stop[index] = bool(self._guarded(slots.request[slot], self._stop_string_hit, slot))
         done = stop | (slots.num_generated[slots_N] >= slots.max_tokens[slots_N])
-        for n in np.flatnonzero(done):
-            slot = int(slots_N[n])
+        for index in np.flatnonzero(done):
+            slot = int(slots_N[index])
             if self._holds(slot):  # not freed by its request's failure earlier in this step
-                self._finish(slot, bool(stop[n]))
+                self._finish(slot, bool(stop[index]))
 
     def _stop_string_hit(self, slot: int) -> bool:
         failpoints.hit("sampler.decode_request")

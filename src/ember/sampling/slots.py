@@ -30,32 +30,32 @@ class SlotTable:
     sample: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        s = self.num_slots
-        self.request = [None] * s
-        self.sample = np.zeros(s, np.int64)  # which sample of its request
-        self.active = np.zeros(s, bool)
-        self.position = np.zeros(s, np.int64)  # cache length = position of the token fed next
-        self.last_token = np.zeros(s, np.int64)
-        self.num_generated = np.zeros(s, np.int64)
-        self.max_tokens = np.zeros(s, np.int64)
+        size = self.num_slots
+        self.request = [None] * size
+        self.sample = np.zeros(size, np.int64)  # which sample of its request
+        self.active = np.zeros(size, bool)
+        self.position = np.zeros(size, np.int64)  # cache length = position of the token fed next
+        self.last_token = np.zeros(size, np.int64)
+        self.num_generated = np.zeros(size, np.int64)
+        self.max_tokens = np.zeros(size, np.int64)
         # Sampling filters.
-        self.temperature = np.ones(s, np.float32)
-        self.top_k = np.full(s, self.vocab_size, np.int64)  # top-k filter; vocab_size = off
-        self.top_p = np.ones(s, np.float32)
-        self.greedy = np.ones(s, bool)
-        self.rng_key = np.zeros(s, np.uint64)
+        self.temperature = np.ones(size, np.float32)
+        self.top_k = np.full(size, self.vocab_size, np.int64)  # top-k filter; vocab_size = off
+        self.top_p = np.ones(size, np.float32)
+        self.greedy = np.ones(size, bool)
+        self.rng_key = np.zeros(size, np.uint64)
         # What to return.
-        self.processed_logprobs = np.zeros(s, bool)  # logprobs of the sampled distribution, not the raw one
-        self.num_top_logprobs = np.zeros(s, np.int64)  # how many top logprobs to return per token; 0 = none
-        self.stop_token_ids = np.full((s, 1), -1, np.int64)  # [S, widest stop list], -1 padded
-        self.has_stop_strings = np.zeros(s, bool)
+        self.processed_logprobs = np.zeros(size, bool)  # logprobs of the sampled distribution, not the raw one
+        self.num_top_logprobs = np.zeros(size, np.int64)  # how many top logprobs to return per token; 0 = none
+        self.stop_token_ids = np.full((size, 1), -1, np.int64)  # [S, widest stop list], -1 padded
+        self.has_stop_strings = np.zeros(size, bool)
         # Which weights.
-        self.full_version_id = np.zeros(s, np.int64)  # 0: base module (+ LoRA hooks); else a full version id
-        self.lora_version_id = np.zeros(s, np.int64)  # 0: no LoRA adapter
+        self.full_version_id = np.zeros(size, np.int64)  # 0: base module (+ LoRA hooks); else a full version id
+        self.lora_version_id = np.zeros(size, np.int64)  # 0: no LoRA adapter
         # Outputs.
-        self.out_tokens = np.zeros((s, self.max_len), np.int32)
-        self.out_logprobs = np.zeros((s, self.max_len), np.float32)
-        self.out_top_logprobs: list[list] = [[] for _ in range(s)]  # per token: (ids [k], logprobs [k])
+        self.out_tokens = np.zeros((size, self.max_len), np.int32)
+        self.out_logprobs = np.zeros((size, self.max_len), np.float32)
+        self.out_top_logprobs: list[list] = [[] for _ in range(size)]  # per token: (ids [k], logprobs [k])
 
     # ---------------------------------------------------------------- occupancy
     def free_slots(self) -> np.ndarray:
@@ -99,9 +99,9 @@ class SlotTable:
         for value in vars(self).values():
             if isinstance(value, np.ndarray) and value.shape[:1] == (self.num_slots,):
                 value[dst] = value[src]
-        for a, b in zip(src.tolist(), dst.tolist()):
-            self.request[b], self.out_top_logprobs[b] = self.request[a], self.out_top_logprobs[a]
-            self.release(a)
+        for source, target in zip(src.tolist(), dst.tolist()):
+            self.request[target], self.out_top_logprobs[target] = self.request[source], self.out_top_logprobs[source]
+            self.release(source)
 
     def release(self, slot: int) -> None:
         self.request[slot] = None
@@ -113,10 +113,10 @@ class SlotTable:
     # ---------------------------------------------------------------- recording
     def record(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
         """Append one sampled token (and its logprob) to each of `slots`."""
-        n = self.num_generated[slots]
-        self.out_tokens[slots, n] = tokens
-        self.out_logprobs[slots, n] = logprobs
-        self.num_generated[slots] = n + 1
+        column = self.num_generated[slots]
+        self.out_tokens[slots, column] = tokens
+        self.out_logprobs[slots, column] = logprobs
+        self.num_generated[slots] = column + 1
         self.last_token[slots] = tokens
 
     def stop_token_hit(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
