@@ -38,7 +38,7 @@ class RequestState:
     sample_keys: np.ndarray = field(init=False)  # [num_samples] RNG key of each sample
     samples_placed: int = 0  # samples [0, samples_placed) have had a slot
     samples_done: int = 0
-    failed: bool = False  # failed alone mid-step (Scheduler.fail_request): its remaining rows are skipped
+    failed: bool = False  # failed alone mid-step (Scheduler._fail_request): its remaining rows are skipped
     last_logits_V: torch.Tensor | None = None  # logits after the prompt: every sample's first token
     prompt_kv: Snapshot | None = None  # the prompt's KV, for samples placed in a later step
     prompt_scores: PromptScores = field(default_factory=PromptScores)

@@ -2,7 +2,7 @@
 
     scheduler.enqueue(jobs)    # requests join the waiting queue, first come first served
     while scheduler.busy:
-        scheduler.step()       # admit(), then decode()
+        scheduler.step()       # admit(), then decode() (under torch.inference_mode())
 
 - `admit()` places waiting samples in free slots. A request's prompt is prefilled once,
   in the step that places its first samples (one forward for a batch of prompts); each
@@ -16,6 +16,9 @@
 
 The scheduler owns the queue (`waiting`), the slots (`SlotTable`: per-slot arrays) and
 one `RequestState` per request in flight. Only the sampler's worker thread calls it.
+A token is drawn with a uniform that is a function of (seed, sample, step) alone
+(`rng`), so a request's samples do not depend on what shares the batch. The sections
+below follow the loop: failures, admission, prefix cache, decode, drawing, finishing.
 
 Prefix cache (`prefix_cache.PrefixCache`, optional): a prompt whose block-aligned prefix
 was prefilled before under the same weights gets that prefix's KV copied into its slot and
@@ -25,13 +28,14 @@ positions the response must score are never served from the cache
 
 Fault isolation: the work that belongs to one request (its prompt scores, its top
 logprobs when the batched computation fails, its stop-string checks, building its
-response) runs under `_guarded`; if it raises, `fail_request` fails that request alone (its
+response) runs under `_guarded`; if it raises, `_fail_request` fails that request alone (its
 slots are freed, its other rows in the step are skipped) and the step goes on for every
 other row. Only a failure of the shared work (the batched forwards, the draw) escapes
 `step()`, and the sampler then calls `fail_in_flight`.
 
 Shapes are in names' suffixes: B rows of a forward (prompts in prefill, slots in decode),
-T tokens of a row, V vocabulary, K top logprobs.
+T tokens of a row, P prompt tokens, V vocabulary, N rows whose draw is recorded, K top
+logprobs.
 """
 
 from __future__ import annotations
@@ -101,14 +105,14 @@ class Scheduler:
 
     def _fail_all_of(self, requests: list[RequestState], error: Exception) -> None:
         dead = {id(request) for request in requests}
-        self.waiting = deque(waiting for waiting in self.waiting if id(waiting) not in dead)
+        self.waiting = deque(queued for queued in self.waiting if id(queued) not in dead)
         for slot in np.flatnonzero(self.slots.active):
             self.slots.release(int(slot))
         self.admitting = []
         for request in requests:
             jobs.settle(request.job.future, error=error)
 
-    def fail_request(self, request: RequestState, exc: BaseException) -> None:
+    def _fail_request(self, request: RequestState, exc: BaseException) -> None:
         """Fail one request alone: free its slots, drop it from the queues, tell its caller
         (with its own error only). Its rows still in this step's arrays are skipped (`_holds`)."""
         log.error("sampling request failed alone: %s: %s", type(exc).__name__, exc, exc_info=exc)
@@ -126,7 +130,7 @@ class Scheduler:
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - one request's fault is that request's alone
-            self.fail_request(request, exc)
+            self._fail_request(request, exc)
             return None
 
     def _holds(self, slot: int, request: RequestState | None = None) -> bool:
@@ -402,20 +406,20 @@ class Scheduler:
         """Draw a token for every row of `logits_B_V` (row b belongs to slot `slots_B[b]`, a
         slice or an array) and record those of the rows `picked`; then end the finished."""
         slots = self.slots
-        recorded = np.arange(slots.num_slots)[slots_B][picked]  # the slots whose tokens count
+        recorded_N = np.arange(slots.num_slots)[slots_B][picked]  # the slots whose tokens count
         uniforms_B = torch.as_tensor(_uniforms(slots, slots_B), device=self.device)
         params = self._row_params(slots_B)
         draw = draw_tokens(logits_B_V, params, uniforms_B)
         picked_t = self._on_device(picked)
-        tokens = draw.tokens[picked_t]
-        raw_logprobs = draw.raw_logprobs[picked_t].gather(1, tokens[:, None]).squeeze(1)
-        processed = torch.as_tensor(slots.processed_logprobs[recorded], device=self.device)
-        logprobs = torch.where(processed, draw.processed_logprob[picked_t], raw_logprobs)
-        tokens_np = tokens.cpu().numpy()
-        slots.record(recorded, tokens_np, logprobs.cpu().numpy())
-        if (slots.num_top_logprobs[recorded] > 0).any():
-            self._record_top_logprobs(logits_B_V, draw.raw_logprobs, params, recorded, picked)
-        self._end_finished(recorded, tokens_np)
+        tokens_N = draw.tokens[picked_t]
+        raw_logprobs_N = draw.raw_logprobs[picked_t].gather(1, tokens_N[:, None]).squeeze(1)
+        processed_N = torch.as_tensor(slots.processed_logprobs[recorded_N], device=self.device)
+        logprobs_N = torch.where(processed_N, draw.processed_logprob[picked_t], raw_logprobs_N)
+        tokens_np = tokens_N.cpu().numpy()
+        slots.record(recorded_N, tokens_np, logprobs_N.cpu().numpy())
+        if (slots.num_top_logprobs[recorded_N] > 0).any():
+            self._record_top_logprobs(logits_B_V, draw.raw_logprobs, params, recorded_N, picked)
+        self._end_finished(recorded_N, tokens_np)
 
     def _record_top_logprobs(self, logits_B_V, raw_logprobs_B_V, params: RowParams, slots_N: np.ndarray,
                              rows_N: np.ndarray) -> None:
