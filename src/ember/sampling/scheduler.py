@@ -181,12 +181,14 @@ class Scheduler:
         for key in dict.fromkeys(_prefill_key(request) for request, _ in to_prefill):
             current: ToPrefill = []
             longest = 0
-            for item in (it for it in to_prefill if _prefill_key(it[0]) == key):
-                length = len(item[0].spec.prompt)
+            for request, slot in to_prefill:
+                if _prefill_key(request) != key:
+                    continue
+                length = len(request.spec.prompt)
                 if current and (len(current) + 1) * max(longest, length) > self.max_prefill_tokens:
                     batches.append(current)
                     current, longest = [], 0
-                current.append(item)
+                current.append((request, slot))
                 longest = max(longest, length)
             batches.append(current)
         return batches
@@ -209,6 +211,7 @@ class Scheduler:
             self._remember_prefix(request, slot)
 
     def _prefilled(self, request: RequestState, logits_T_V: torch.Tensor) -> None:
+        """A prompt's logits are computed: keep the last row, score the prompt if asked."""
         request.keep_last_logits(logits_T_V)
         if request.spec.scores_prompt:
             self._guarded(request, request.score_prompt, logits_T_V)
