@@ -35,6 +35,7 @@ class PromptScores:
 @dataclass(eq=False)
 class RequestState:
     job: Job
+    spec: ResolvedRequest = field(init=False)  # job.spec (read on every step: a plain attribute)
     sample_keys: np.ndarray = field(init=False)  # [num_samples] RNG key of each sample
     samples_placed: int = 0  # samples [0, samples_placed) have had a slot
     samples_done: int = 0
@@ -46,12 +47,9 @@ class RequestState:
     sequences: list[types.SampledSequence | None] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.spec = self.job.spec
         self.sample_keys = rng.sample_keys(self.spec.seed, self.spec.num_samples)
         self.sequences = [None] * self.spec.num_samples
-
-    @property
-    def spec(self) -> ResolvedRequest:
-        return self.job.spec
 
     @property
     def samples_unplaced(self) -> int:
