@@ -1,79 +1,46 @@
-"""A request in flight (`Job`) and the pure functions that turn its results into
+"""A sampling request (`Job`) and the pure functions that turn its results into
 tinker's `SampleResponse`."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tinker import types
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
-from ember.sampling import prompt_extras as X
-from ember.sampling import rng
+from ember.sampling.prompt_extras import compute as compute_prompt_extras
 from ember.sampling.params import ResolvedRequest
 from ember.sampling.weights import TorchWeightVersion
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Job:
+    """A sampling request as TorchSampler accepted it: what was asked, where to answer, and
+    on which weights. The scheduler keeps its progress apart (`request_state.RequestState`)."""
+
     spec: ResolvedRequest
     future: Future
     version: TorchWeightVersion | None
-    keys: np.ndarray = field(init=False)  # one RNG key per sample
-    next_sample: int = 0  # samples [0, next_sample) have a slot (or are done)
-    done: int = 0
-    prefilled: bool = False
-    failed: bool = False  # failed alone mid-step (Scheduler.fail_job): its remaining rows are skipped
-    last_logits: torch.Tensor | None = None  # [V] logits after the prompt: first token of every sample
-    prefix: list | None = None  # snapshot of the prompt's KV for samples placed later
-    prompt_logprobs: np.ndarray | None = None
-    prompt_topk: TopkLogprobs | None = None
-    target_logprobs: types.TensorData | None = None
-    alt_tokens: types.PromptAltTokens | None = None
-    cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    sequences: list = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.keys = rng.sample_keys(self.spec.seed, self.spec.num_samples)
-        self.sequences = [None] * self.spec.num_samples
 
     @property
-    def remaining(self) -> int:
-        return self.spec.num_samples - self.next_sample
+    def full_version_id(self) -> int:
+        """The full fine-tuning version the forward runs with; 0 = the base module (and its LoRA hooks)."""
+        version = self.version
+        return version.version_id if version is not None and not version.is_lora else 0
 
     @property
-    def group(self) -> int:
-        """Forward group: 0 = the base module (with LoRA hooks); else the full version's id."""
-        v = self.version
-        return v.version_id if v is not None and not v.is_lora else 0
+    def lora_version_id(self) -> int:
+        """The LoRA adapter version applied by hooks on the base module; 0 = none."""
+        version = self.version
+        return version.version_id if version is not None and version.is_lora else 0
 
     @property
-    def lora_id(self) -> int:
-        v = self.version
-        return v.version_id if v is not None and v.is_lora else 0
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.spec.scores_prompt
-
-    def finish_sample(self, sample: int, seq: types.SampledSequence) -> bool:
-        """Store one finished sequence; True when the whole request is done."""
-        self.sequences[sample] = seq
-        self.done += 1
-        return self.done == self.spec.num_samples
-
-    def response(self) -> types.SampleResponse:
-        return types.SampleResponse(
-            sequences=list(self.sequences),
-            prompt_logprobs_np=self.prompt_logprobs if self.spec.include_prompt_logprobs else None,
-            topk_prompt_logprobs_np=self.prompt_topk,
-            target_prompt_logprobs=self.target_logprobs,
-            prompt_alt_tokens=self.alt_tokens,
-            prompt_cache_hit_tokens=self.cache_hit_tokens,
-        )
+    def weights_key(self) -> tuple[int, int]:
+        """Which weights compute this request's KV (the prefix cache's key)."""
+        return self.full_version_id, self.lora_version_id
 
 
 def settle(future: Future, result=None, error: BaseException | None = None) -> None:
@@ -126,8 +93,8 @@ def prompt_extras(logits: torch.Tensor, spec: ResolvedRequest):
     """(target_prompt_logprobs, prompt_alt_tokens) from the prompt's logits [P, V]."""
     if spec.targets is None and spec.prompt_alt_tokens_k == 0:
         return None, None
-    return X.compute(logits[: len(spec.prompt) - 1], spec.targets, spec.prompt_alt_tokens_k, spec.temperature,
-                     spec.seed)
+    return compute_prompt_extras(logits[: len(spec.prompt) - 1], spec.targets, spec.prompt_alt_tokens_k,
+                                 spec.temperature, spec.seed)
 
 
 def sampled_sequence(

@@ -1,11 +1,11 @@
 """A bounded prefix cache for TorchSampler: the KV of prompt prefixes, reused across requests.
 
 An entry is the KV (every layer) of the first L tokens of a prompt that was prefilled,
-L a multiple of `block` tokens. It is keyed by the weights that computed it (the forward
-group and LoRA adapter of `Job`: a full version's id, an adapter version's id, or the base
-model), so no request ever reads KV of other weights. Version ids are never reused; when a
-version is released its entries are dropped (`forget`). Entries are evicted least recently
-used first to keep the total under `max_tokens` positions.
+L a multiple of `block` tokens. It is keyed by the weights that computed it
+(`Job.weights_key`: the full version's id and the LoRA adapter version's id, 0 for the base
+model and for no adapter), so no request ever reads KV of other weights. Version ids are
+never reused; when a version is released its entries are dropped (`forget`). Entries are
+evicted least recently used first to keep the total under `max_tokens` positions.
 
 Only the worker thread reads and fills the cache; `forget` may come from any thread (a
 version's finaliser), hence the lock.

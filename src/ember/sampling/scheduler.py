@@ -1,10 +1,24 @@
-"""Continuous batching over KV-cache slots.
+"""Continuous batching over KV-cache slots: the loop that serves TorchSampler's requests.
 
-One `step()` = admit waiting samples into free slots (prefilling new prompts, one
-prefill per prompt however many samples it has), then one decode forward for every
-active slot. A sequence that finishes frees its slot at once, and the next step fills it
-with a waiting sample — requests of any length share the batch without waiting for the
-longest one. Only the sampler's worker thread calls into a Scheduler.
+    scheduler.enqueue(jobs)    # requests join the waiting queue, first come first served
+    while scheduler.busy:
+        scheduler.step()       # admit(), then decode() (under torch.inference_mode())
+
+- `admit()` places waiting samples in free slots. A request's prompt is prefilled once,
+  in the step that places its first samples (one forward for a batch of prompts); each
+  placed sample gets a copy of the prompt's KV and draws its first token from the
+  prompt's last logits. Samples that find no free slot wait for a later step, which
+  restores the prompt's KV from a snapshot.
+- `decode()` runs one forward over every active slot and draws one token per slot. A
+  sequence that stops or reaches max_tokens frees its slot at once and the next
+  `admit()` refills it: requests of any length share the batch without waiting for the
+  longest one.
+
+The scheduler owns the queue (`waiting`), the slots (`SlotTable`: per-slot arrays) and
+one `RequestState` per request in flight. Only the sampler's worker thread calls it.
+A token is drawn with a uniform that is a function of (seed, sample, step) alone
+(`rng`), so a request's samples do not depend on what shares the batch. The sections
+below follow the loop: failures, admission, prefix cache, decode, drawing, finishing.
 
 Prefix cache (`prefix_cache.PrefixCache`, optional): a prompt whose block-aligned prefix
 was prefilled before under the same weights gets that prefix's KV copied into its slot and
@@ -12,31 +26,40 @@ only the rest computed (one forward of the remaining tokens over the restored pr
 positions the response must score are never served from the cache
 (`ResolvedRequest.first_scored_row`), so results do not depend on a hit.
 
-Fault isolation: the work that belongs to one request (its prompt logprobs, its top-k
+Fault isolation: the work that belongs to one request (its prompt scores, its top
 logprobs when the batched computation fails, its stop-string checks, building its
-response) runs under `_guarded`; if it raises, `fail_job` fails that request alone (its
+response) runs under `_guarded`; if it raises, `_fail_request` fails that request alone (its
 slots are freed, its other rows in the step are skipped) and the step goes on for every
 other row. Only a failure of the shared work (the batched forwards, the draw) escapes
-`step()`, and the sampler then fails the requests in flight.
+`step()`, and the sampler then calls `fail_in_flight`.
+
+Shapes are in names' suffixes: B rows of a forward (prompts in prefill, slots in decode),
+T tokens of a row, P prompt tokens, V vocabulary, N rows whose draw is recorded, K top
+logprobs.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from ember import failpoints
-from ember.sampling import jobs as J
-from ember.sampling import rng
+from ember.sampling import jobs, rng
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
-from ember.sampling.prefix_cache import PrefixCache
+from ember.sampling.prefix_cache import PrefixCache, Snapshot
+from ember.sampling.request_state import RequestState
 from ember.sampling.runner import ModelRunner, decode_mask, extend_inputs, prefill_inputs
 from ember.sampling.slots import Placement, SlotTable
+from ember.sampling.weights import TorchWeightVersion
 
 log = logging.getLogger(__name__)
+
+ToPrefill = list[tuple[RequestState, int]]  # (request, the slot its prompt is prefilled into)
+LoraRows = list[tuple[torch.Tensor | None, TorchWeightVersion]]  # (batch rows or None = all, adapter version)
 
 
 class Scheduler:
@@ -48,10 +71,14 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.decode_text = decode_text  # token ids -> str, for stop strings
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
-        self.waiting: deque[J.Job] = deque()
-        self.admitting: list[J.Job] = []  # jobs between leaving `waiting` and holding slots
+        self.waiting: deque[RequestState] = deque()  # requests with samples still to place
+        self.admitting: list[RequestState] = []  # requests between leaving `waiting` and holding slots
         self.stats = {"prefill_forwards": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0,
                       "sequences": 0, "moves": 0, "prefix_cache_hit_tokens": 0}
+
+    # ================================================================ the loop
+    def enqueue(self, new_jobs: Iterable[jobs.Job]) -> None:
+        self.waiting.extend(RequestState(job) for job in new_jobs)
 
     @property
     def busy(self) -> bool:
@@ -62,412 +89,448 @@ class Scheduler:
         if self.slots.active.any():
             self.decode()
 
-    def in_flight(self) -> list[J.Job]:
-        """Jobs holding a slot or being admitted (those to fail if a forward raises)."""
-        jobs = [j for j in self.slots.job if j is not None] + self.admitting
-        return list({id(j): j for j in jobs}.values())
+    # ================================================================ failures
+    def in_flight(self) -> list[RequestState]:
+        """Requests holding a slot or being admitted (those to fail if a forward raises)."""
+        held = [request for request in self.slots.request if request is not None] + self.admitting
+        return list({id(request): request for request in held}.values())
 
-    def reset(self) -> None:
-        """Forget every slot (after a failed forward; their jobs have been failed)."""
-        for s in np.flatnonzero(self.slots.active):
-            self.slots.release(int(s))
+    def fail_in_flight(self, error: Exception) -> None:
+        """The shared work of a step raised: fail every request it touched, forget every slot."""
+        self._fail_all_of(self.in_flight(), error)
+
+    def fail_everything(self, error: Exception) -> None:
+        """The sampler is closing: fail the waiting requests too."""
+        self._fail_all_of(list(self.waiting) + self.in_flight(), error)
+
+    def _fail_all_of(self, requests: list[RequestState], error: Exception) -> None:
+        dead = {id(request) for request in requests}
+        self.waiting = deque(queued for queued in self.waiting if id(queued) not in dead)
+        for slot in np.flatnonzero(self.slots.active):
+            self.slots.release(int(slot))
         self.admitting = []
+        for request in requests:
+            jobs.settle(request.job.future, error=error)
 
-    def fail_job(self, job: J.Job, exc: BaseException) -> None:
+    def _fail_request(self, request: RequestState, exc: BaseException) -> None:
         """Fail one request alone: free its slots, drop it from the queues, tell its caller
         (with its own error only). Its rows still in this step's arrays are skipped (`_holds`)."""
         log.error("sampling request failed alone: %s: %s", type(exc).__name__, exc, exc_info=exc)
-        job.failed = True
-        for slot, holder in enumerate(self.slots.job):
-            if holder is job:
+        request.fail()
+        for slot, holder in enumerate(self.slots.request):
+            if holder is request:
                 self.slots.release(slot)
-        self.waiting = deque(j for j in self.waiting if j is not job)
-        self.admitting = [j for j in self.admitting if j is not job]
-        job.last_logits = job.prefix = None
-        J.settle(job.future, error=RuntimeError(f"sampling failed for this request: {type(exc).__name__}: {exc}"))
+        self.waiting = deque(other for other in self.waiting if other is not request)
+        self.admitting = [other for other in self.admitting if other is not request]
+        error = RuntimeError(f"sampling failed for this request: {type(exc).__name__}: {exc}")
+        jobs.settle(request.job.future, error=error)
 
-    def _guarded(self, job: J.Job, fn, *args):
+    def _guarded(self, request: RequestState, fn, *args):
         """fn(*args), one request's own work: if it raises, that request fails (→ None)."""
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - one request's fault is that request's alone
-            self.fail_job(job, exc)
+            self._fail_request(request, exc)
             return None
 
-    def _holds(self, slot: int, job: J.Job | None = None) -> bool:
-        """Slot `slot` still runs a live request (`job`, if given): not freed by a failure."""
-        holder = self.slots.job[slot]
-        return holder is not None and (job is None or holder is job)
+    def _holds(self, slot: int, request: RequestState | None = None) -> bool:
+        """Slot `slot` still runs a live request (`request`, if given): not freed by a failure."""
+        holder = self.slots.request[slot]
+        return holder is not None and (request is None or holder is request)
 
     # ================================================================ admission
     def admit(self) -> None:
-        free = list(self.slots.free_slots())
-        placements: list[Placement] = []
-        to_prefill: list[tuple[J.Job, int]] = []
-        while self.waiting and free:
-            job = self.waiting[0]
-            if job.future.cancelled() and job.next_sample == 0:
-                self.waiting.popleft()
-                continue
-            take = min(job.remaining, len(free))
-            first = job.next_sample
-            new = [Placement(job, first + i, free.pop(0)) for i in range(take)]
-            job.next_sample += take
-            if not job.prefilled:
-                to_prefill.append((job, new[0].slot))
-            placements += new
-            if job.remaining == 0:
-                self.waiting.popleft()
-            self.admitting.append(job)
+        """Place waiting samples in free slots, prefill the new prompts, draw first tokens."""
+        placements, to_prefill = self._place_waiting()
         if not placements:
             return
         for batch in self._prefill_batches(self._extend_cached(to_prefill)):
             self._prefill(batch)
-        placements = [p for p in placements if not p.job.failed]  # a prompt's scores may have failed it
-        self._seed_slots(placements)
+        # A prompt's scores may have failed its request: its samples are not placed.
+        placements = [placed for placed in placements if not placed.request.failed]
+        self._copy_prompt_kv(placements)
         self.admitting = []
-        self._first_tokens(placements)
+        self._draw_first_tokens(placements)
 
-    def _prefill_batches(self, items: list[tuple[J.Job, int]]) -> list[list[tuple[J.Job, int]]]:
-        """Group by forward group (and whether full-prompt logits are needed), then chunk so
-        rows x longest prompt stays within the budget."""
-        batches: list[list[tuple[J.Job, int]]] = []
-        key = lambda job: (job.group, job.wants_prompt_logprobs)  # noqa: E731
-        for group in dict.fromkeys(key(j) for j, _ in items):
-            current: list[tuple[J.Job, int]] = []
+    def _place_waiting(self) -> tuple[list[Placement], ToPrefill]:
+        """Samples of waiting requests, in queue order, onto the free slots; and the requests
+        placed for the first time, whose prompt is prefilled into their first slot."""
+        free = list(self.slots.free_slots())
+        placements: list[Placement] = []
+        to_prefill: ToPrefill = []
+        while self.waiting and free:
+            request = self.waiting[0]
+            if request.job.future.cancelled() and request.samples_placed == 0:
+                self.waiting.popleft()
+                continue
+            is_new = request.samples_placed == 0
+            placed = [Placement(request, sample, free.pop(0))
+                      for sample in request.place(min(request.samples_unplaced, len(free)))]
+            if is_new:
+                to_prefill.append((request, placed[0].slot))
+            placements += placed
+            if request.samples_unplaced == 0:
+                self.waiting.popleft()
+            self.admitting.append(request)
+        return placements, to_prefill
+
+    def _prefill_batches(self, to_prefill: ToPrefill) -> list[ToPrefill]:
+        """Group by weights of the forward (and whether full-prompt logits are needed), then
+        chunk so rows x longest prompt stays within the budget."""
+        batches: list[ToPrefill] = []
+        for key in dict.fromkeys(_prefill_key(request) for request, _ in to_prefill):
+            current: ToPrefill = []
             longest = 0
-            for item in (it for it in items if key(it[0]) == group):
-                n = len(item[0].spec.prompt)
-                if current and (len(current) + 1) * max(longest, n) > self.max_prefill_tokens:
+            for request, slot in to_prefill:
+                if _prefill_key(request) != key:
+                    continue
+                length = len(request.spec.prompt)
+                if current and (len(current) + 1) * max(longest, length) > self.max_prefill_tokens:
                     batches.append(current)
                     current, longest = [], 0
-                current.append(item)
-                longest = max(longest, n)
+                current.append((request, slot))
+                longest = max(longest, length)
             batches.append(current)
         return batches
 
-    def _prefill(self, batch: list[tuple[J.Job, int]]) -> None:
-        prompts = [j.spec.prompt for j, _ in batch]
-        slots = torch.tensor([s for _, s in batch], device=self.device)
-        ids, pos, valid, mask = prefill_inputs(prompts, self.device)
-        full = batch[0][0].version if batch[0][0].group else None
-        lora = self._lora_rows([j.version if j.lora_id else None for j, _ in batch])
-        keep_all = batch[0][0].wants_prompt_logprobs  # batches never mix (see _prefill_batches)
-        self.runner.cache.plan_prefill(slots, valid, pos)
-        logits = self.runner.forward(ids, pos, mask, 0 if keep_all else 1, full=full, lora=lora)
+    def _prefill(self, batch: ToPrefill) -> None:
+        """One forward over a batch of prompts (left-padded to T), into their first slots."""
+        requests = [request for request, _ in batch]
+        first = requests[0]
+        slots_B = torch.tensor([slot for _, slot in batch], device=self.device)
+        prompts = [request.spec.prompt for request in requests]
+        ids_B_T, positions_B_T, valid_B_T, mask = prefill_inputs(prompts, self.device)
+        keep_all = first.spec.scores_prompt  # batches never mix (see _prefill_batches)
+        self.runner.cache.plan_prefill(slots_B, valid_B_T, positions_B_T)
+        logits_B_T_V = self.runner.forward(ids_B_T, positions_B_T, mask, 0 if keep_all else 1,
+                                           full=_full_version(first), lora=self._lora_rows(requests))
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += len(batch)
-        for b, (job, slot) in enumerate(batch):
-            self._prefilled(job, logits[b])
-            self._remember(job, slot)
+        for row, (request, slot) in enumerate(batch):
+            self._prefilled(request, logits_B_T_V[row])
+            self._remember_prefix(request, slot)
 
-    def _prefilled(self, job: J.Job, logits_T_V: torch.Tensor) -> None:
-        job.last_logits = logits_T_V[-1].clone()  # not a view: the batch's logits are freed
-        job.prefilled = True
-        if job.wants_prompt_logprobs:
-            self._guarded(job, self._prompt_scores, job, logits_T_V)
+    def _prefilled(self, request: RequestState, logits_T_V: torch.Tensor) -> None:
+        """A prompt's logits are computed: keep the last row, score the prompt if asked."""
+        request.keep_last_logits(logits_T_V)
+        if request.spec.scores_prompt:
+            self._guarded(request, request.score_prompt, logits_T_V)
 
-    # ================================================================ prefix cache
-    def _extend_cached(self, items: list[tuple[J.Job, int]]) -> list[tuple[J.Job, int]]:
-        """Prefill the prompts whose prefix is cached (under the same weights) from that
-        prefix: its KV is copied into the slot and only the rest of the prompt is computed.
-        Returns the others, for a full prefill."""
-        rest = []
-        for job, slot in items:
-            pc = self.prefix_cache
-            hit, snap = (0, None) if pc is None else pc.lookup(_weights_key(job), job.spec.prompt,
-                                                                 job.spec.first_scored_row)
-            if not hit:
-                rest.append((job, slot))
-                continue
-            self._extend(job, slot, hit, snap)
-        return rest
+    def _lora_rows(self, requests: list[RequestState]) -> LoraRows:
+        """LoRA hook plan for a prefill batch: [(batch rows, adapter version)] (base rows: none)."""
+        ids = [request.job.lora_version_id for request in requests]
+        versions = {lora_id: request.job.version for lora_id, request in zip(ids, requests) if lora_id}
+        if len(versions) == 1 and all(ids):
+            return [(None, next(iter(versions.values())))]
+        ids_B = np.asarray(ids)
+        return [(self._on_device(np.flatnonzero(ids_B == lora_id)), version) for lora_id, version in versions.items()]
 
-    def _extend(self, job: J.Job, slot: int, hit: int, snap) -> None:
-        prompt = job.spec.prompt
-        cache = self.runner.cache
-        cache.ensure_capacity(len(prompt))
-        cache.restore_prefix(snap, torch.tensor([slot], device=self.device))
-        ids, pos, mask = extend_inputs(prompt, hit, self.device)
-        cache.plan_extend(slot, hit, len(prompt) - hit, self.device)
-        keep_all = job.wants_prompt_logprobs
-        lora = self._lora_rows([job.version if job.lora_id else None])
-        logits = self.runner.forward(ids, pos, mask, 0 if keep_all else 1, full=job.version if job.group else None,
-                                     lora=lora)[0]
-        self.stats["prefill_forwards"] += 1
-        self.stats["prefill_prompts"] += 1
-        self.stats["prefix_cache_hit_tokens"] += hit
-        job.cache_hit_tokens = hit
-        if keep_all:  # rows before the hit are never read (hit <= spec.first_scored_row)
-            full = logits.new_full((len(prompt), logits.shape[-1]), float("nan"))
-            full[hit:] = logits
-            logits = full
-        self._prefilled(job, logits)
-        self._remember(job, slot)
-
-    def _remember(self, job: J.Job, slot: int) -> None:
-        """Keep the KV of this prompt's block-aligned prefix for later requests."""
-        pc = self.prefix_cache
-        if pc is None or job.failed:
-            return
-        n = pc.wanted_length(len(job.spec.prompt))
-        prefix = job.spec.prompt[:n]
-        if n > 0 and not pc.contains(_weights_key(job), prefix):
-            pc.insert(_weights_key(job), prefix, self.runner.cache.snapshot_prefix(slot, n), job.version)
-
-    @staticmethod
-    def _prompt_scores(job: J.Job, logits_T_V: torch.Tensor) -> None:
-        p = len(job.spec.prompt)
-        spec = job.spec
-        if spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0:
-            job.prompt_logprobs, job.prompt_topk = J.prompt_scores(logits_T_V[-p:], spec.prompt, spec)
-        job.target_logprobs, job.alt_tokens = J.prompt_extras(logits_T_V[-p:], spec)
-
-    def _lora_rows(self, versions: list) -> list[tuple[torch.Tensor | None, object]]:
-        """[(batch rows, version)] for the LoRA versions among `versions` (None = base row)."""
-        ids = [v.version_id if v is not None else 0 for v in versions]
-        distinct = {i: v for i, v in zip(ids, versions) if i}
-        if len(distinct) == 1 and all(ids):
-            return [(None, next(iter(distinct.values())))]
-        arr = np.asarray(ids)
-        return [(torch.as_tensor(np.flatnonzero(arr == i), device=self.device), v) for i, v in distinct.items()]
-
-    def _seed_slots(self, placements: list[Placement]) -> None:
-        """Give every placed sample its prompt's KV: copied from the slot just prefilled
-        (one gather/scatter per layer for all jobs), or from a snapshot for samples
-        placed after their prompt's prefill step."""
-        by_job: dict[int, list[Placement]] = {}
-        for p in placements:
-            by_job.setdefault(id(p.job), []).append(p)
+    def _copy_prompt_kv(self, placements: list[Placement]) -> None:
+        """Give every placed sample its prompt's KV and occupy its slot: copied from the slot
+        just prefilled (one gather/scatter per layer for all requests), or from the snapshot
+        kept for samples placed after their prompt's prefill step."""
+        by_request: dict[int, list[Placement]] = {}
+        for placed in placements:
+            by_request.setdefault(id(placed.request), []).append(placed)
         cache = self.runner.cache
         src: list[int] = []
         dst: list[int] = []
         length = 0
-        for group in by_job.values():
-            job, n = group[0].job, len(group[0].job.spec.prompt)
-            if job.prefix is not None:
-                cache.restore_prefix(job.prefix, torch.tensor([p.slot for p in group], device=self.device))
+        for group in by_request.values():
+            request, prompt_len = group[0].request, len(group[0].request.spec.prompt)
+            if request.prompt_kv is not None:
+                cache.restore_prefix(request.prompt_kv, self._on_device([placed.slot for placed in group]))
             else:
                 src += [group[0].slot] * (len(group) - 1)
-                dst += [p.slot for p in group[1:]]
-                length = max(length, n) if len(group) > 1 else length
-            if job.remaining > 0 and job.prefix is None:
-                job.prefix = cache.snapshot_prefix(group[0].slot, n)
-            elif job.remaining == 0:
-                job.prefix = None
+                dst += [placed.slot for placed in group[1:]]
+                length = max(length, prompt_len) if len(group) > 1 else length
+            if request.samples_unplaced > 0 and request.prompt_kv is None:
+                request.prompt_kv = cache.snapshot_prefix(group[0].slot, prompt_len)
+            elif request.samples_unplaced == 0:
+                request.prompt_kv = None
         if dst:
             # Positions past a prompt's end are copied too; they are overwritten before use.
-            as_t = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
-            cache.copy_slots(as_t(src), as_t(dst), length)
-        for group in by_job.values():
-            job = group[0].job
-            slots = np.array([p.slot for p in group])
-            self.slots.occupy(slots, job, np.array([p.sample for p in group]), job.group, job.lora_id)
+            cache.copy_slots(self._on_device(src), self._on_device(dst), length)
+        for group in by_request.values():
+            slots = np.array([placed.slot for placed in group])
+            self.slots.occupy(slots, group[0].request, np.array([placed.sample for placed in group]))
 
-    def _first_tokens(self, placements: list[Placement]) -> None:
+    def _draw_first_tokens(self, placements: list[Placement]) -> None:
         """Each placed sample's first token, drawn from its prompt's last logits."""
-        for p in placements:
-            if p.job.spec.max_tokens == 0 and self._holds(p.slot, p.job):
-                self._finish(p.slot, stop=False)
-        live = [p for p in placements if p.job.spec.max_tokens > 0]
+        for placed in placements:
+            if placed.request.spec.max_tokens == 0 and self._holds(placed.slot, placed.request):
+                self._finish(placed.slot, stop=False)
+        live = [placed for placed in placements if placed.request.spec.max_tokens > 0]
         if live:
-            logits = torch.stack([p.job.last_logits for p in live])
-            self._sample_and_record(logits, np.array([p.slot for p in live]))
-        for p in placements:
-            if p.job.remaining == 0:
-                p.job.last_logits = None  # every sample has its first token
+            logits_B_V = torch.stack([placed.request.last_logits_V for placed in live])
+            slots_B = np.array([placed.slot for placed in live])
+            self._draw_and_record(logits_B_V, slots_B, np.arange(len(live)))
+        for placed in placements:
+            if placed.request.samples_unplaced == 0:
+                placed.request.last_logits_V = None  # every sample has its first token
+
+    # ================================================================ prefix cache
+    def _extend_cached(self, to_prefill: ToPrefill) -> ToPrefill:
+        """Prefill the prompts whose prefix is cached (under the same weights) from that
+        prefix: its KV is copied into the slot and only the rest of the prompt is computed.
+        Returns the others, for a full prefill."""
+        rest: ToPrefill = []
+        for request, slot in to_prefill:
+            hit, snapshot = 0, None
+            if self.prefix_cache is not None:
+                hit, snapshot = self.prefix_cache.lookup(request.job.weights_key, request.spec.prompt,
+                                                         request.spec.first_scored_row)
+            if not hit:
+                rest.append((request, slot))
+                continue
+            self._extend(request, slot, hit, snapshot)
+        return rest
+
+    def _extend(self, request: RequestState, slot: int, hit: int, snapshot: Snapshot) -> None:
+        """Restore the first `hit` prompt tokens' KV into `slot`; one forward over the rest."""
+        prompt = request.spec.prompt
+        cache = self.runner.cache
+        cache.ensure_capacity(len(prompt))
+        cache.restore_prefix(snapshot, torch.tensor([slot], device=self.device))
+        ids_1_T, positions_1_T, mask = extend_inputs(prompt, hit, self.device)
+        cache.plan_extend(slot, hit, len(prompt) - hit, self.device)
+        keep_all = request.spec.scores_prompt
+        logits_T_V = self.runner.forward(ids_1_T, positions_1_T, mask, 0 if keep_all else 1,
+                                         full=_full_version(request), lora=self._lora_rows([request]))[0]
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_prompts"] += 1
+        self.stats["prefix_cache_hit_tokens"] += hit
+        request.cache_hit_tokens = hit
+        if keep_all:  # rows before the hit are never read (hit <= spec.first_scored_row)
+            prompt_logits_P_V = logits_T_V.new_full((len(prompt), logits_T_V.shape[-1]), float("nan"))
+            prompt_logits_P_V[hit:] = logits_T_V
+            logits_T_V = prompt_logits_P_V
+        self._prefilled(request, logits_T_V)
+        self._remember_prefix(request, slot)
+
+    def _remember_prefix(self, request: RequestState, slot: int) -> None:
+        """Keep the KV of this prompt's block-aligned prefix for later requests."""
+        cache = self.prefix_cache
+        if cache is None or request.failed:
+            return
+        length = cache.wanted_length(len(request.spec.prompt))
+        prefix = request.spec.prompt[:length]
+        key = request.job.weights_key
+        if length > 0 and not cache.contains(key, prefix):
+            cache.insert(key, prefix, self.runner.cache.snapshot_prefix(slot, length), request.job.version)
 
     # ================================================================ decode
     def decode(self) -> None:
+        """One forward over the active slots (one per set of full weights), one token each."""
         self._compact()
-        s = self.slots
-        hi = s.high()
-        act = np.flatnonzero(s.active[:hi])
-        kv_len = int(s.pos[act].max()) + 1
-        groups = np.unique(s.group[act])
-        if len(groups) == 1:
-            logits = self._decode_forward(slice(0, hi), np.arange(hi), kv_len, int(groups[0]))
+        slots = self.slots
+        num_rows = slots.high()
+        active = np.flatnonzero(slots.active[:num_rows])
+        kv_len = int(slots.position[active].max()) + 1
+        full_ids = np.unique(slots.full_version_id[active])
+        if len(full_ids) == 1:
+            logits_B_V = self._decode_forward(slice(0, num_rows), np.arange(num_rows), kv_len, int(full_ids[0]))
         else:
-            logits = None
-            for g in groups:
-                rows = act[s.group[act] == g]
-                part = self._decode_forward(torch.as_tensor(rows, device=self.device), rows, kv_len, int(g))
-                if logits is None:
-                    logits = part.new_zeros((hi, part.shape[-1]))
-                logits[torch.as_tensor(rows, device=self.device)] = part
-        s.pos[act] += 1
+            logits_B_V = None
+            for full_id in full_ids:
+                rows = active[slots.full_version_id[active] == full_id]
+                rows_t = self._on_device(rows)
+                part_B_V = self._decode_forward(rows_t, rows, kv_len, int(full_id))
+                if logits_B_V is None:
+                    logits_B_V = part_B_V.new_zeros((num_rows, part_B_V.shape[-1]))
+                logits_B_V[rows_t] = part_B_V
+        slots.position[active] += 1
         self.stats["decode_steps"] += 1
-        self.stats["decode_rows"] += len(act)
-        self._sample_and_record(logits, act, hi)
+        self.stats["decode_rows"] += len(active)
+        self._draw_and_record(logits_B_V, slice(0, num_rows), active)
 
     def _compact(self) -> None:
         """Move the highest active sequences into the free slots below them, so the decode
         rows are exactly slots 0..n-1: no forward work for finished sequences (when no
         waiting sample refilled their slot) and the KV read stays a view. Each move copies
         one sequence's KV once; it happens only as the batch drains."""
-        s = self.slots
-        act = np.flatnonzero(s.active)
-        movers = act[act >= act.size]
+        slots = self.slots
+        active = np.flatnonzero(slots.active)
+        movers = active[active >= active.size]
         if not movers.size:
             return
-        holes = np.flatnonzero(~s.active[: act.size])
-        length = int(s.pos[movers].max())
-        as_t = lambda xs: torch.as_tensor(xs, device=self.device)  # noqa: E731
-        self.runner.cache.copy_slots(as_t(movers), as_t(holes), length)
-        s.move(movers, holes)
+        holes = np.flatnonzero(~slots.active[: active.size])
+        length = int(slots.position[movers].max())
+        self.runner.cache.copy_slots(self._on_device(movers), self._on_device(holes), length)
+        slots.move(movers, holes)
         self.stats["moves"] += int(movers.size)
 
-    def _decode_forward(self, slot_rows, rows: np.ndarray, kv_len: int, group: int) -> torch.Tensor:
-        """Logits [len(rows), V] of one decode forward over the given slots."""
-        s = self.slots
-        positions = torch.as_tensor(s.pos[rows], device=self.device)
-        ids = torch.as_tensor(s.last_tok[rows], device=self.device)[:, None]
-        active = s.active[rows]
-        full = s.job[rows[active][0]].version if group else None
-        lora = self._decode_lora(rows, active)
-        self.runner.cache.plan_decode(slot_rows, positions, kv_len)
-        logits = self.runner.forward(ids, positions[:, None], decode_mask(positions, kv_len), 1, full=full, lora=lora)
-        return logits[:, -1]
+    def _decode_forward(self, slot_rows, rows: np.ndarray, kv_len: int, full_id: int) -> torch.Tensor:
+        """Logits [len(rows), V] of one decode forward over the slots `rows` (`slot_rows`:
+        the same on the device, or a slice) that all run on full version `full_id` (0: base)."""
+        slots = self.slots
+        positions_B = torch.as_tensor(slots.position[rows], device=self.device)
+        ids_B_1 = torch.as_tensor(slots.last_token[rows], device=self.device)[:, None]
+        active = slots.active[rows]
+        full = slots.request[rows[active][0]].job.version if full_id else None
+        lora = self._decode_lora_rows(rows, active)
+        self.runner.cache.plan_decode(slot_rows, positions_B, kv_len)
+        logits_B_1_V = self.runner.forward(ids_B_1, positions_B[:, None], decode_mask(positions_B, kv_len), 1,
+                                           full=full, lora=lora)
+        return logits_B_1_V[:, -1]
 
-    def _decode_lora(self, rows: np.ndarray, active: np.ndarray) -> list:
+    def _decode_lora_rows(self, rows: np.ndarray, active: np.ndarray) -> LoraRows:
         """LoRA hook plan for decode rows: one adapter for all rows in the common case."""
-        s = self.slots
-        ids = np.where(active, s.lora[rows], 0)
-        live = ids[active]
+        slots = self.slots
+        ids_B = np.where(active, slots.lora_version_id[rows], 0)
+        live = ids_B[active]
         if not live.any():
             return []
 
-        def version(i):
-            return s.job[rows[int(np.argmax(ids == i))]].version
+        def version(lora_id) -> TorchWeightVersion:
+            return slots.request[rows[int(np.argmax(ids_B == lora_id))]].job.version
 
         if live[0] and (live == live[0]).all():
             return [(None, version(live[0]))]  # idle rows take the delta too; their output is unused
-        return [(torch.as_tensor(np.flatnonzero(ids == i), device=self.device), version(i))
-                for i in np.unique(live[live > 0])]
+        return [(self._on_device(np.flatnonzero(ids_B == lora_id)), version(lora_id))
+                for lora_id in np.unique(live[live > 0])]
 
-    # ================================================================ sampling + bookkeeping
-    def _params(self, index) -> RowParams:
-        """Sampling parameters of the slots `index` (a slice or an array of slots)."""
-        s, d = self.slots, self.device
-        greedy = s.greedy[index]
-        filt = (s.top_k[index] < s.vocab_size) | (s.top_p[index] < 1.0)
+    # ================================================================ drawing tokens
+    def _row_params(self, slots_B) -> RowParams:
+        """Sampling parameters of the slots `slots_B` (a slice or an array of slots)."""
+        slots, device = self.slots, self.device
+        greedy = slots.greedy[slots_B]
+        filtered = (slots.top_k[slots_B] < slots.vocab_size) | (slots.top_p[slots_B] < 1.0)
         return RowParams(
-            temperature=torch.as_tensor(s.temperature[index], device=d),
-            top_k=torch.as_tensor(s.top_k[index], device=d),
-            top_p=torch.as_tensor(s.top_p[index], device=d),
-            greedy=torch.as_tensor(greedy, device=d),
+            temperature=torch.as_tensor(slots.temperature[slots_B], device=device),
+            top_k=torch.as_tensor(slots.top_k[slots_B], device=device),
+            top_p=torch.as_tensor(slots.top_p[slots_B], device=device),
+            greedy=torch.as_tensor(greedy, device=device),
             all_greedy=bool(greedy.all()),
-            any_filter=bool((filt & ~greedy).any()),
+            any_filter=bool((filtered & ~greedy).any()),
         )
 
-    def _sample_and_record(self, logits: torch.Tensor, rows: np.ndarray, hi: int | None = None) -> None:
-        """Draw one token for each of `rows` (logits are per row, or per slot 0..hi-1 if hi)."""
-        s = self.slots
-        if hi is None:  # logits row i belongs to slot rows[i]: gather the slot state by rows
-            params = self._params(rows)
-            keys, steps, sel = s.keys[rows], s.n_gen[rows], np.arange(len(rows))
-        else:
-            params = self._params(slice(0, hi))
-            keys, steps, sel = s.keys[:hi], s.n_gen[:hi], rows
-        u = torch.as_tensor(rng.uniforms(keys, steps), device=self.device)
-        draw = draw_tokens(logits, params, u)
-        processed = torch.as_tensor(s.processed[rows], device=self.device)
-        sel_t = torch.as_tensor(sel, device=self.device)
-        tok = draw.tokens[sel_t]
-        raw_lp = draw.raw_logprobs[sel_t].gather(1, tok[:, None]).squeeze(1)
-        lp = torch.where(processed, draw.processed_logprob[sel_t], raw_lp)
-        tok_np = tok.cpu().numpy()
-        s.record(rows, tok_np, lp.cpu().numpy())
-        if (s.topk[rows] > 0).any():
-            self._record_topk(logits, draw.raw_logprobs, params, rows, sel)
-        self._check_finished(rows, tok_np)
+    def _draw_and_record(self, logits_B_V: torch.Tensor, slots_B, picked: np.ndarray) -> None:
+        """Draw a token for every row of `logits_B_V` (row b belongs to slot `slots_B[b]`, a
+        slice or an array) and record those of the rows `picked`; then end the finished."""
+        slots = self.slots
+        recorded_N = np.arange(slots.num_slots)[slots_B][picked]  # the slots whose tokens count
+        uniforms_B = torch.as_tensor(_uniforms(slots, slots_B), device=self.device)
+        params = self._row_params(slots_B)
+        draw = draw_tokens(logits_B_V, params, uniforms_B)
+        picked_t = self._on_device(picked)
+        tokens_N = draw.tokens[picked_t]
+        raw_logprobs_N = draw.raw_logprobs[picked_t].gather(1, tokens_N[:, None]).squeeze(1)
+        processed_N = torch.as_tensor(slots.processed_logprobs[recorded_N], device=self.device)
+        logprobs_N = torch.where(processed_N, draw.processed_logprob[picked_t], raw_logprobs_N)
+        tokens_np = tokens_N.cpu().numpy()
+        slots.record(recorded_N, tokens_np, logprobs_N.cpu().numpy())
+        if (slots.num_top_logprobs[recorded_N] > 0).any():
+            self._record_top_logprobs(logits_B_V, draw.raw_logprobs, params, recorded_N, picked)
+        self._end_finished(recorded_N, tokens_np)
 
-    def _record_topk(self, logits, raw, params: RowParams, rows: np.ndarray, sel: np.ndarray) -> None:
-        """Top-k logprobs of the rows that want them: one batched computation; if it raises
-        (e.g. one request's k is too large to allocate), again per request, so that only the
-        request(s) whose own computation raises fail."""
-        want = self.slots.topk[rows] > 0
-        rows, sel = rows[want], sel[want]
+    def _record_top_logprobs(self, logits_B_V, raw_logprobs_B_V, params: RowParams, slots_N: np.ndarray,
+                             rows_N: np.ndarray) -> None:
+        """Top logprobs of the slots that want them (slot slots_N[n] drew from row rows_N[n]):
+        one batched computation; if it raises (e.g. one request's k is too large to allocate),
+        again per request, so that only the request(s) whose own computation raises fail."""
+        want = self.slots.num_top_logprobs[slots_N] > 0
+        slots_N, rows_N = slots_N[want], rows_N[want]
         try:
-            found = self._topk(logits, raw, params, rows, sel)
+            found = self._top_logprobs(logits_B_V, raw_logprobs_B_V, params, slots_N, rows_N)
         except Exception:  # noqa: BLE001 - retried per request below
             log.warning("batched top-k logprobs failed; computing them per request", exc_info=True)
-            for job, idx in self._by_job(rows):
-                self._guarded(job, self._record_topk_rows, logits, raw, params, rows[idx], sel[idx])
+            for request, idx in self._by_request(slots_N):
+                self._guarded(request, self._record_top_logprobs_of, logits_B_V, raw_logprobs_B_V, params,
+                              slots_N[idx], rows_N[idx])
             return
-        self._append_topk(rows, *found)
+        self._append_top_logprobs(slots_N, *found)
 
-    def _record_topk_rows(self, logits, raw, params: RowParams, rows: np.ndarray, sel: np.ndarray) -> None:
-        self._append_topk(rows, *self._topk(logits, raw, params, rows, sel))
+    def _record_top_logprobs_of(self, logits_B_V, raw_logprobs_B_V, params: RowParams, slots_N: np.ndarray,
+                                rows_N: np.ndarray) -> None:
+        self._append_top_logprobs(slots_N, *self._top_logprobs(logits_B_V, raw_logprobs_B_V, params, slots_N, rows_N))
 
-    def _topk(self, logits, raw, params: RowParams, rows: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, logprobs) [len(rows), k] of the k most likely tokens, k = the rows' largest."""
-        s = self.slots
-        sel_t = torch.as_tensor(sel, device=self.device)
-        mats = raw[sel_t]
-        if s.processed[rows].any():
-            proc = processed_logprobs(logits[sel_t], _subset(params, sel_t))
-            mats = torch.where(torch.as_tensor(s.processed[rows], device=self.device)[:, None], proc, mats)
-        ids, vals = top_logprobs(mats, int(s.topk[rows].max()))
-        return ids.cpu().numpy(), vals.cpu().numpy()
+    def _top_logprobs(self, logits_B_V, raw_logprobs_B_V, params: RowParams, slots_N: np.ndarray,
+                      rows_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, logprobs) [N, K] of the K most likely tokens, K = the slots' largest count."""
+        slots = self.slots
+        rows_t = self._on_device(rows_N)
+        logprobs_N_V = raw_logprobs_B_V[rows_t]
+        if slots.processed_logprobs[slots_N].any():
+            processed_N_V = processed_logprobs(logits_B_V[rows_t], _subset(params, rows_t))
+            processed_N = torch.as_tensor(slots.processed_logprobs[slots_N], device=self.device)
+            logprobs_N_V = torch.where(processed_N[:, None], processed_N_V, logprobs_N_V)
+        ids_N_K, values_N_K = top_logprobs(logprobs_N_V, int(slots.num_top_logprobs[slots_N].max()))
+        return ids_N_K.cpu().numpy(), values_N_K.cpu().numpy()
 
-    def _append_topk(self, rows: np.ndarray, ids_np: np.ndarray, vals_np: np.ndarray) -> None:
-        for i, r in enumerate(rows):
-            self.slots.out_topk[r].append((ids_np[i], vals_np[i]))
+    def _append_top_logprobs(self, slots_N: np.ndarray, ids_N_K: np.ndarray, values_N_K: np.ndarray) -> None:
+        for index, slot in enumerate(slots_N):
+            self.slots.out_top_logprobs[slot].append((ids_N_K[index], values_N_K[index]))
 
-    def _by_job(self, rows: np.ndarray) -> list[tuple[J.Job, np.ndarray]]:
-        """[(job, indices into rows)] for the live jobs of `rows`."""
-        groups: dict[int, tuple[J.Job, list[int]]] = {}
-        for i, r in enumerate(rows.tolist()):
-            job = self.slots.job[r]
-            if job is not None:
-                groups.setdefault(id(job), (job, []))[1].append(i)
-        return [(job, np.asarray(idx)) for job, idx in groups.values()]
+    def _by_request(self, slots_N: np.ndarray) -> list[tuple[RequestState, np.ndarray]]:
+        """[(request, indices into slots_N)] for the live requests of `slots_N`."""
+        groups: dict[int, tuple[RequestState, list[int]]] = {}
+        for index, slot in enumerate(slots_N.tolist()):
+            request = self.slots.request[slot]
+            if request is not None:
+                groups.setdefault(id(request), (request, []))[1].append(index)
+        return [(request, np.asarray(idx)) for request, idx in groups.values()]
 
-    def _check_finished(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        s = self.slots
-        stop = s.stop_token_hit(rows, tokens)
-        for i in np.flatnonzero(s.stop_str[rows] & ~stop):
-            slot = int(rows[i])
+    # ================================================================ finishing
+    def _end_finished(self, slots_N: np.ndarray, tokens_N: np.ndarray) -> None:
+        """Finish the sequences of `slots_N` that drew a stop token, ended a stop string, or
+        reached max_tokens."""
+        slots = self.slots
+        stop = slots.stop_token_hit(slots_N, tokens_N)
+        for index in np.flatnonzero(slots.has_stop_strings[slots_N] & ~stop):
+            slot = int(slots_N[index])
             if self._holds(slot):
-                stop[i] = bool(self._guarded(s.job[slot], self._stop_string_hit, slot))
-        done = stop | (s.n_gen[rows] >= s.max_new[rows])
-        for i in np.flatnonzero(done):
-            slot = int(rows[i])
+                stop[index] = bool(self._guarded(slots.request[slot], self._stop_string_hit, slot))
+        done = stop | (slots.num_generated[slots_N] >= slots.max_tokens[slots_N])
+        for index in np.flatnonzero(done):
+            slot = int(slots_N[index])
             if self._holds(slot):  # not freed by its request's failure earlier in this step
-                self._finish(slot, bool(stop[i]))
+                self._finish(slot, bool(stop[index]))
 
     def _stop_string_hit(self, slot: int) -> bool:
         failpoints.hit("sampler.decode_request")
-        s = self.slots
-        text = self.decode_text(s.out_tok[slot, : s.n_gen[slot]].tolist())
-        return any(stop in text for stop in s.job[slot].spec.stop_strings)
+        slots = self.slots
+        text = self.decode_text(slots.out_tokens[slot, : slots.num_generated[slot]].tolist())
+        return any(stop in text for stop in slots.request[slot].spec.stop_strings)
 
     def _finish(self, slot: int, stop: bool) -> None:
         """Slot `slot`'s sequence is done: store it, free the slot, answer its request if complete."""
-        job = self.slots.job[slot]
-        self._guarded(job, self._finish_sequence, job, slot, stop)
+        request = self.slots.request[slot]
+        self._guarded(request, self._finish_sequence, request, slot, stop)
 
-    def _finish_sequence(self, job: J.Job, slot: int, stop: bool) -> None:
+    def _finish_sequence(self, request: RequestState, slot: int, stop: bool) -> None:
         failpoints.hit("sampler.decode_request")
-        s = self.slots
-        sample, n = int(s.sample[slot]), int(s.n_gen[slot])
-        spec = job.spec
-        seq = J.sampled_sequence(
-            s.out_tok[slot, :n], s.out_lp[slot, :n], s.out_topk[slot], spec.topk_sample_logprobs, stop,
-            spec.sequence_ids[sample],
+        slots = self.slots
+        sample, length = int(slots.sample[slot]), int(slots.num_generated[slot])
+        spec = request.spec
+        sequence = jobs.sampled_sequence(
+            slots.out_tokens[slot, :length], slots.out_logprobs[slot, :length], slots.out_top_logprobs[slot],
+            spec.topk_sample_logprobs, stop, spec.sequence_ids[sample],
         )
-        s.release(slot)
+        slots.release(slot)
         self.stats["sequences"] += 1
-        if job.finish_sample(sample, seq):
-            job.last_logits = None
-            J.settle(job.future, result=job.response())
+        if request.finish_sample(sample, sequence):
+            jobs.settle(request.job.future, result=request.response())
+
+    def _on_device(self, values) -> torch.Tensor:
+        return torch.as_tensor(values, device=self.device)
 
 
-def _weights_key(job: J.Job) -> tuple[int, int]:
-    """Which weights computed a job's KV: (full version id or 0, LoRA version id or 0)."""
-    return job.group, job.lora_id
+def _prefill_key(request: RequestState) -> tuple[int, bool]:
+    """Prompts prefilled in one forward share their full weights and whether every position's logits are kept."""
+    return request.job.full_version_id, request.spec.scores_prompt
 
 
-def _subset(p: RowParams, idx: torch.Tensor) -> RowParams:
-    return RowParams(p.temperature[idx], p.top_k[idx], p.top_p[idx], p.greedy[idx], p.all_greedy, p.any_filter)
+def _full_version(request: RequestState) -> TorchWeightVersion | None:
+    """The full version a request's forward runs with (None: the base module)."""
+    return request.job.version if request.job.full_version_id else None
+
+
+def _uniforms(slots: SlotTable, slots_B) -> np.ndarray:
+    """The uniform draw of each of the slots `slots_B` at its current step."""
+    return rng.uniforms(slots.rng_key[slots_B], slots.num_generated[slots_B])
+
+
+def _subset(params: RowParams, rows: torch.Tensor) -> RowParams:
+    return RowParams(params.temperature[rows], params.top_k[rows], params.top_p[rows], params.greedy[rows],
+                     params.all_greedy, params.any_filter)

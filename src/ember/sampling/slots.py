@@ -1,5 +1,8 @@
 """Per-slot decoding state, held in numpy arrays so a decode step costs a handful of
-vectorised operations whatever the number of sequences (no per-token Python loop)."""
+vectorised operations whatever the number of sequences (no per-token Python loop).
+
+Every array has one entry per slot (`[S]`, S = `num_slots`), or one row per slot for the
+outputs (`[S, max_len]`)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ import numpy as np
 
 @dataclass
 class Placement:
-    """Sample `sample` of `job` decodes in `slot`."""
+    """Sample `sample` of `request` (a scheduler `RequestState`) decodes in `slot`."""
 
-    job: Any
+    request: Any
     sample: int
     slot: int
 
@@ -23,32 +26,36 @@ class SlotTable:
     num_slots: int
     max_len: int
     vocab_size: int
-    job: list = field(init=False)
+    request: list = field(init=False)  # the RequestState decoding in each slot, None if free
     sample: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        s = self.num_slots
-        self.job = [None] * s
-        self.sample = np.zeros(s, np.int64)
-        self.active = np.zeros(s, bool)
-        self.pos = np.zeros(s, np.int64)  # cache length = position of the token fed next
-        self.last_tok = np.zeros(s, np.int64)
-        self.n_gen = np.zeros(s, np.int64)
-        self.max_new = np.zeros(s, np.int64)
-        self.temperature = np.ones(s, np.float32)
-        self.top_k = np.full(s, self.vocab_size, np.int64)
-        self.top_p = np.ones(s, np.float32)
-        self.greedy = np.ones(s, bool)
-        self.processed = np.zeros(s, bool)
-        self.topk = np.zeros(s, np.int64)
-        self.keys = np.zeros(s, np.uint64)
-        self.group = np.zeros(s, np.int64)  # 0: base module (+ LoRA hooks); else a full version id
-        self.lora = np.zeros(s, np.int64)  # LoRA version id, 0 if none
-        self.stop_ids = np.full((s, 1), -1, np.int64)
-        self.stop_str = np.zeros(s, bool)
-        self.out_tok = np.zeros((s, self.max_len), np.int32)
-        self.out_lp = np.zeros((s, self.max_len), np.float32)
-        self.out_topk: list[list] = [[] for _ in range(s)]
+        size = self.num_slots
+        self.request = [None] * size
+        self.sample = np.zeros(size, np.int64)  # which sample of its request
+        self.active = np.zeros(size, bool)
+        self.position = np.zeros(size, np.int64)  # cache length = position of the token fed next
+        self.last_token = np.zeros(size, np.int64)
+        self.num_generated = np.zeros(size, np.int64)
+        self.max_tokens = np.zeros(size, np.int64)
+        # Sampling filters.
+        self.temperature = np.ones(size, np.float32)
+        self.top_k = np.full(size, self.vocab_size, np.int64)  # top-k filter; vocab_size = off
+        self.top_p = np.ones(size, np.float32)
+        self.greedy = np.ones(size, bool)
+        self.rng_key = np.zeros(size, np.uint64)
+        # What to return.
+        self.processed_logprobs = np.zeros(size, bool)  # logprobs of the sampled distribution, not the raw one
+        self.num_top_logprobs = np.zeros(size, np.int64)  # how many top logprobs to return per token; 0 = none
+        self.stop_token_ids = np.full((size, 1), -1, np.int64)  # [S, widest stop list], -1 padded
+        self.has_stop_strings = np.zeros(size, bool)
+        # Which weights.
+        self.full_version_id = np.zeros(size, np.int64)  # 0: base module (+ LoRA hooks); else a full version id
+        self.lora_version_id = np.zeros(size, np.int64)  # 0: no LoRA adapter
+        # Outputs.
+        self.out_tokens = np.zeros((size, self.max_len), np.int32)
+        self.out_logprobs = np.zeros((size, self.max_len), np.float32)
+        self.out_top_logprobs: list[list] = [[] for _ in range(size)]  # per token: (ids [k], logprobs [k])
 
     # ---------------------------------------------------------------- occupancy
     def free_slots(self) -> np.ndarray:
@@ -56,34 +63,35 @@ class SlotTable:
 
     def high(self) -> int:
         """1 + the highest active slot (decode rows are slots 0..high-1)."""
-        idx = np.flatnonzero(self.active)
-        return int(idx[-1]) + 1 if idx.size else 0
+        active_slots = np.flatnonzero(self.active)
+        return int(active_slots[-1]) + 1 if active_slots.size else 0
 
-    def occupy(self, slots: np.ndarray, job, samples: np.ndarray, group: int, lora: int) -> None:
-        """Start samples `samples` of `job` in `slots` (vectorised over one request's samples)."""
-        spec = job.spec
-        for s in slots.tolist():
-            self.job[s] = job
-            self.out_topk[s] = []
+    def occupy(self, slots: np.ndarray, request, samples: np.ndarray) -> None:
+        """Start samples `samples` of `request` in `slots` (vectorised over one request's samples)."""
+        spec, job = request.spec, request.job
+        for slot in slots.tolist():
+            self.request[slot] = request
+            self.out_top_logprobs[slot] = []
         self.sample[slots], self.active[slots] = samples, True
-        self.pos[slots], self.n_gen[slots], self.max_new[slots] = len(spec.prompt), 0, spec.max_tokens
+        self.position[slots], self.num_generated[slots], self.max_tokens[slots] = len(spec.prompt), 0, spec.max_tokens
         self.temperature[slots] = spec.temperature if spec.temperature > 0 else 1.0
         self.greedy[slots] = spec.greedy
         self.top_k[slots] = self.vocab_size if spec.top_k == -1 else spec.top_k
         self.top_p[slots] = spec.top_p
-        self.processed[slots] = spec.logprobs_mode == "processed"
-        self.topk[slots] = spec.topk_sample_logprobs
-        self.keys[slots], self.group[slots], self.lora[slots] = job.keys[samples], group, lora
+        self.processed_logprobs[slots] = spec.logprobs_mode == "processed"
+        self.num_top_logprobs[slots] = spec.topk_sample_logprobs
+        self.rng_key[slots] = request.sample_keys[samples]
+        self.full_version_id[slots], self.lora_version_id[slots] = job.full_version_id, job.lora_version_id
         self._set_stops(slots, spec.stop_token_ids)
-        self.stop_str[slots] = bool(spec.stop_strings)
+        self.has_stop_strings[slots] = bool(spec.stop_strings)
 
-    def _set_stops(self, s: np.ndarray, ids: tuple[int, ...]) -> None:
-        if len(ids) > self.stop_ids.shape[1]:
+    def _set_stops(self, slots: np.ndarray, ids: tuple[int, ...]) -> None:
+        if len(ids) > self.stop_token_ids.shape[1]:
             wider = np.full((self.num_slots, len(ids)), -1, np.int64)
-            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
-            self.stop_ids = wider
-        self.stop_ids[s] = -1
-        self.stop_ids[s, : len(ids)] = ids
+            wider[:, : self.stop_token_ids.shape[1]] = self.stop_token_ids
+            self.stop_token_ids = wider
+        self.stop_token_ids[slots] = -1
+        self.stop_token_ids[slots, : len(ids)] = ids
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Move the sequences of slots `src` to the free slots `dst` (all per-slot state;
@@ -91,25 +99,25 @@ class SlotTable:
         for value in vars(self).values():
             if isinstance(value, np.ndarray) and value.shape[:1] == (self.num_slots,):
                 value[dst] = value[src]
-        for a, b in zip(src.tolist(), dst.tolist()):
-            self.job[b], self.out_topk[b] = self.job[a], self.out_topk[a]
-            self.release(a)
+        for source, target in zip(src.tolist(), dst.tolist()):
+            self.request[target], self.out_top_logprobs[target] = self.request[source], self.out_top_logprobs[source]
+            self.release(source)
 
-    def release(self, s: int) -> None:
-        self.job[s] = None
-        self.active[s] = False
-        self.greedy[s] = True  # idle rows take the cheap greedy path
-        self.pos[s] = 0
-        self.out_topk[s] = []
+    def release(self, slot: int) -> None:
+        self.request[slot] = None
+        self.active[slot] = False
+        self.greedy[slot] = True  # idle rows take the cheap greedy path
+        self.position[slot] = 0
+        self.out_top_logprobs[slot] = []
 
     # ---------------------------------------------------------------- recording
-    def record(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
-        """Append one sampled token (and its logprob) to each of `rows`."""
-        n = self.n_gen[rows]
-        self.out_tok[rows, n] = tokens
-        self.out_lp[rows, n] = logprobs
-        self.n_gen[rows] = n + 1
-        self.last_tok[rows] = tokens
+    def record(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """Append one sampled token (and its logprob) to each of `slots`."""
+        column = self.num_generated[slots]
+        self.out_tokens[slots, column] = tokens
+        self.out_logprobs[slots, column] = logprobs
+        self.num_generated[slots] = column + 1
+        self.last_token[slots] = tokens
 
-    def stop_token_hit(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        return (self.stop_ids[rows] == tokens[:, None]).any(axis=1)
+    def stop_token_hit(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        return (self.stop_token_ids[slots] == tokens[:, None]).any(axis=1)

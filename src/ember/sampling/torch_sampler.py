@@ -39,7 +39,7 @@ from ember.models import load_model, load_tokenizer
 from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
-from ember.sampling.jobs import Job, settle
+from ember.sampling.jobs import Job
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.layout import column_major_linears
 from ember.sampling.prefix_cache import PrefixCache
@@ -60,6 +60,17 @@ def _check_supported(model: PreTrainedModel) -> None:
         raise ValueError(
             f"TorchSampler supports full-attention decoders only; this model has layer types {sorted(set(layer_types))}"
         )
+
+
+def _text_decoder(tokenizer: PreTrainedTokenizerBase | None):
+    """token ids -> text, for stop strings (None without a tokenizer: stop strings are refused)."""
+    if tokenizer is None:
+        return None
+
+    def decode_text(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    return decode_text
 
 
 class TorchSampler(Sampler):
@@ -96,10 +107,9 @@ class TorchSampler(Sampler):
         cache = SlotCache(model.config.num_hidden_layers, self.config.max_slots, self.max_len)
         runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
-        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_cache_block)
-        self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens, decode,
-                                    self.prefix_cache)
+        self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens,
+                                    _text_decoder(tokenizer), self.prefix_cache)
         self._versions: weakref.WeakSet[WeightVersion] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._incoming: list[Job] = []
@@ -197,31 +207,24 @@ class TorchSampler(Sampler):
         return Job(spec, future, version)
 
     def _work(self) -> None:
-        sched = self._scheduler
+        """The worker thread: hand new requests to the scheduler, step it until idle."""
+        scheduler = self._scheduler
         while True:
             with self._lock:
-                sched.waiting.extend(self._incoming)
+                scheduler.enqueue(self._incoming)
                 self._incoming.clear()
-                if self._closed or not sched.busy:
+                if self._closed or not scheduler.busy:
                     if self._closed:
-                        self._fail(list(sched.waiting) + sched.in_flight(), RuntimeError("the sampler was closed"))
+                        scheduler.fail_everything(RuntimeError("the sampler was closed"))
                     self._thread = None
                     return
             try:
                 with torch.inference_mode():
-                    sched.step()
+                    scheduler.step()
             except Exception as exc:  # noqa: BLE001 - a fault fails the requests it touched, not the sampler
                 # Per-request faults are failed alone inside step(); what escapes is the shared
                 # batched work, which no single request can be blamed for. The message names no
                 # request's shapes: those stay in the log.
-                log.exception("sampler step failed; failing %d in-flight request(s)", len(sched.in_flight()))
-                self._fail(sched.in_flight(),
-                           RuntimeError(f"sampling failed: the batched model forward raised {type(exc).__name__}"))
-
-    def _fail(self, jobs: list[Job], exc: Exception) -> None:
-        sched = self._scheduler
-        dead = {id(j) for j in jobs}
-        sched.waiting = type(sched.waiting)(j for j in sched.waiting if id(j) not in dead)
-        sched.reset()
-        for job in jobs:
-            settle(job.future, error=exc)
+                log.exception("sampler step failed; failing %d in-flight request(s)", len(scheduler.in_flight()))
+                scheduler.fail_in_flight(
+                    RuntimeError(f"sampling failed: the batched model forward raised {type(exc).__name__}"))
