@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import tinker
 
 from ember.metrics import MetricsLogger, use_logger
@@ -31,8 +32,16 @@ def test_sft_recipe_over_http(ember_server, tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
-def test_grpo_recipe_over_http(ember_server, digit_count_env):
-    service_client = make_service_client(ClientConfig(base_url=ember_server, api_key=API_KEY))
+@pytest.fixture
+def sdk_service_client(ember_server):
+    """The recipe's SDK client, closed afterwards (an open one heartbeats its session for ever)."""
+    client = make_service_client(ClientConfig(base_url=ember_server, api_key=API_KEY))
+    yield client
+    client.close("success")
+
+
+def test_grpo_recipe_over_http(sdk_service_client, digit_count_env):
+    service_client = sdk_service_client
     assert isinstance(service_client, tinker.ServiceClient)  # the official SDK, not ember's client
     tc = service_client.create_lora_training_client(base_model=SERVED_NAME, rank=4, seed=0).result()
     assert isinstance(tc, tinker.TrainingClient)
