@@ -68,7 +68,7 @@ def test_another_session_or_tenant_cannot_name_the_sequence(client, owner):
     sampler = client.create_sampling_client(base_model=MODEL, record_stability_info=True).result()
     seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params(5)).result().sequences[0]
     tc.forward([stable_datum(PROMPT, seq)], "stable_reinforce").result()  # its own session: fine
-    second = ember.ServiceClient(service=client._service, owner=owner if owner != "local" else client._owner)
+    second = ember.ServiceClient(service=client.service, owner=owner if owner != "local" else client.owner)
     try:
         tc2 = second.create_lora_training_client(base_model=MODEL, rank=4).result()
         with pytest.raises(tinker.RequestFailedError) as info:
@@ -79,7 +79,7 @@ def test_another_session_or_tenant_cannot_name_the_sequence(client, owner):
 
 
 def test_finishing_a_session_drops_its_records(client):
-    service = client._service
+    service = client.service
     mine = client.create_sampling_client(base_model=MODEL, record_stability_info=True).result()
     mine.sample(types.ModelInput.from_ints(PROMPT), 2, params(1)).result()
     second = ember.ServiceClient(service=service)
