@@ -31,6 +31,7 @@ def client(tmp_path, tiny_model_dir):
     sc.close("success")
 
 
+@pytest.mark.slow
 def test_in_process_end_to_end_and_refusals(client):
     tc = client.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()

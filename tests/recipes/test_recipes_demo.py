@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import argparse
 import io
 import json
@@ -40,6 +41,7 @@ def test_demo_arguments_map_to_settings():
     assert settings_from_args(parser.parse_args([])) == DemoSettings()
 
 
+@pytest.mark.slow
 def test_fast_demo_reward_rises_and_writes_the_run_directory(tmp_path):
     from ember.recipes.demo_run import run_demo
 
@@ -62,6 +64,7 @@ def test_fast_demo_reward_rises_and_writes_the_run_directory(tmp_path):
         assert name in text, text
 
 
+@pytest.mark.slow
 def test_demo_on_an_existing_checkpoint_directory(digit_model_dir, tmp_path, capsys):
     """`ember demo --model DIR` (a real HF checkpoint on GPU; here the tiny one, a few steps)."""
     from ember.cli import main

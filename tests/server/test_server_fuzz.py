@@ -50,6 +50,9 @@ from ember.server.app import create_app
 from ember.server.config import ServerConfig
 from ember.server.testing import API_KEY, MODEL_NAME, ServerProc, memory_cap, sft_datum, start_server, wait_until
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 # Torch on CPU maps ~1.6 GB at rest and the thread pool adds stacks and malloc arenas;
 # 4 GiB serves normally and stops a runaway count long before it hurts the shared host.
 MEMORY_CAP_BYTES = 4 * 1024**3

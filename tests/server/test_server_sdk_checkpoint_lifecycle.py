@@ -23,6 +23,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server, wait_until
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PROMPT = types.ModelInput.from_ints([3, 9, 27, 81, 4])
 LOGPROBS = types.SamplingParams(max_tokens=1)
 SWEEP = ["--checkpoints.sweep_interval_s", "0.3"]

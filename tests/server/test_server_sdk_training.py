@@ -13,6 +13,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 LR = types.AdamParams(learning_rate=2e-2)
 METRIC_KEY = re.compile(r"^[^:]+:[^:]+$")
 SEEN_METRIC_KEYS: set[str] = set()
