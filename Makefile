@@ -1,4 +1,5 @@
 # Two entry points that work on a fresh machine: `make demo` and `make test`.
+# `make test-fast` is the development loop: the suite without the tests marked `slow`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ember-installed
@@ -9,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 # `import vllm` fails until they are gone, and nothing of ours uses them.
 VLLM_STRAYS := torchvision torchaudio torchcodec
 
-.PHONY: setup setup-vllm test demo bench clean
+.PHONY: setup setup-vllm test test-fast demo bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +33,9 @@ $(VLLM_STAMP): $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 demo: $(STAMP)
 	$(VENV)/bin/ember demo

@@ -135,6 +135,7 @@ def test_ember_train_cli_config_errors_exit_non_zero(tmp_path, capsys):
         assert message in err, (argv, err)
 
 
+@pytest.mark.slow
 def test_ember_train_exit_status_in_a_real_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ember.cli", "train", "grpo", "--config", str(tmp_path / "nope.toml")],

@@ -136,7 +136,7 @@ def test_publish_unpublish_and_ttl_in_process(make_client):
     """The RestClient lifecycle calls in process: another owner of the same service samples a
     published checkpoint, and is refused like for a path never saved once unpublished."""
     alice = make_client(owner="alice")
-    bob = make_client(service=alice._service, owner="bob")
+    bob = make_client(service=alice.service, owner="bob")
     tc = alice.create_lora_training_client(BASE, rank=4, seed=1).result()
     _step(tc, random_sft_datums(2, VOCAB, seed=0))
     path = tc.save_weights_for_sampler("shared", ttl_seconds=3600, user_metadata={"k": "v"}).result().path

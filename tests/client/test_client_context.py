@@ -30,7 +30,7 @@ def test_sub_clients_never_touch_service_client_privates(module):
 def test_sub_clients_share_the_service_clients_context(make_client):
     sc = make_client()
     ctx = sc._context
-    assert isinstance(ctx, ClientContext) and ctx.service is sc._service and ctx.owner == "local"
+    assert isinstance(ctx, ClientContext) and ctx.service is sc.service and ctx.owner == "local"
     with pytest.raises(AttributeError):
         ctx.owner = "other"  # frozen
     rest = sc.create_rest_client()
@@ -44,7 +44,7 @@ def test_sub_clients_share_the_service_clients_context(make_client):
 def test_an_equal_configuration_shares_the_service(make_client, tmp_path):
     a = make_client(data_dir=tmp_path / "d")
     b = make_client(data_dir=str(tmp_path / "d"))  # same directory, other spelling
-    assert a._service is b._service
+    assert a.service is b.service
 
 
 def test_a_different_configuration_is_refused_naming_the_field(make_client, tmp_path, tiny_model_dir):
@@ -55,7 +55,7 @@ def test_a_different_configuration_is_refused_naming_the_field(make_client, tmp_
         ember.ServiceClient(config=config)
     with pytest.raises(ValueError, match=r"sampler="):
         make_client(data_dir=tmp_path / "d", sampler={"max_len": 77})
-    assert a._service is make_client(data_dir=tmp_path / "d")._service  # still serving
+    assert a.service is make_client(data_dir=tmp_path / "d").service  # still serving
 
 
 def test_a_model_name_may_not_change_directory_on_a_shared_service(make_client, tmp_path, tiny_llama_dir):

@@ -71,7 +71,7 @@ def test_owner_check_and_refusals_match_http(make_client, tmp_path):
     path = tc.save_weights_external("ex").result().path
     rest = sc.create_rest_client()
     assert set(rest.get_external_weights_urls(path).result().urls) >= {"adapter_config.json", "adapter_model.safetensors"}
-    other = ember.ServiceClient(service=sc._service, owner="someone-else").create_rest_client()
+    other = ember.ServiceClient(service=sc.service, owner="someone-else").create_rest_client()
     with pytest.raises(Exception, match="not owned by this API key"):
         other.get_external_weights_urls(path).result()
     with pytest.raises(Exception, match="is an external-weights export"):

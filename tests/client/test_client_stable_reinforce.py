@@ -31,6 +31,7 @@ def client(tmp_path, tiny_model_dir):
     sc.close("success")
 
 
+@pytest.mark.slow
 def test_in_process_end_to_end_and_refusals(client):
     tc = client.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
@@ -68,7 +69,7 @@ def test_another_session_or_tenant_cannot_name_the_sequence(client, owner):
     sampler = client.create_sampling_client(base_model=MODEL, record_stability_info=True).result()
     seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params(5)).result().sequences[0]
     tc.forward([stable_datum(PROMPT, seq)], "stable_reinforce").result()  # its own session: fine
-    second = ember.ServiceClient(service=client._service, owner=owner if owner != "local" else client._owner)
+    second = ember.ServiceClient(service=client.service, owner=owner if owner != "local" else client.owner)
     try:
         tc2 = second.create_lora_training_client(base_model=MODEL, rank=4).result()
         with pytest.raises(tinker.RequestFailedError) as info:
@@ -79,7 +80,7 @@ def test_another_session_or_tenant_cannot_name_the_sequence(client, owner):
 
 
 def test_finishing_a_session_drops_its_records(client):
-    service = client._service
+    service = client.service
     mine = client.create_sampling_client(base_model=MODEL, record_stability_info=True).result()
     mine.sample(types.ModelInput.from_ints(PROMPT), 2, params(1)).result()
     second = ember.ServiceClient(service=service)

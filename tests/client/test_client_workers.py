@@ -32,7 +32,7 @@ def sft(sc, steps: int = 3):
 
 def test_worker_group_engines_match_local_engines_and_close_with_the_client(make_client, tmp_path):
     grouped = make_client(tmp_path / "group", workers={"runtime": "inline"})
-    factory = grouped._service.runs.factory
+    factory = grouped.service.runs.factory
     assert isinstance(factory, WorkerGroupEngineFactory) and factory.owns_group
     tc, on_group = sft(grouped)
     _, local = sft(make_client(tmp_path / "local"))
@@ -51,7 +51,7 @@ def test_worker_group_engines_match_local_engines_and_close_with_the_client(make
 
 
 def test_default_is_the_local_factory(make_client):
-    assert isinstance(make_client()._service.runs.factory, LocalEngineFactory)
+    assert isinstance(make_client().service.runs.factory, LocalEngineFactory)
 
 
 def test_clients_sharing_a_service_must_agree_on_workers(make_client, tmp_path):
@@ -75,4 +75,4 @@ def test_bad_workers_are_rejected_before_anything_starts(make_client, workers, w
 
 def test_service_and_workers_are_exclusive(make_client):
     with pytest.raises(ValueError, match="either service or workers"):
-        ember.ServiceClient(service=make_client()._service, workers={"runtime": "inline"})
+        ember.ServiceClient(service=make_client().service, workers={"runtime": "inline"})

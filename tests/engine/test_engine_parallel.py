@@ -26,6 +26,9 @@ from ember.engine.testing import random_rl_datums, random_sft_datums
 from ember.workers import EngineSpec, GroupEngine, WorkerDiedError, WorkerError, WorkerGroup
 from ember.workers import testing as wt
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 CONFIG = EngineConfig(micro_batch_tokens=16)  # several micro-batches per rank, unequal counts
 TP_CONFIG = EngineConfig(micro_batch_tokens=64)  # DTensor ops are slow on CPU: fewer passes
 LR = 1e-3  # a step of ~1% of the weights: large steps make the tiny model chaotic (noise amplified)

@@ -12,6 +12,9 @@ from ember.engine.testing import random_sft_datums
 from ember.workers import EngineSpec, GroupEngine, WorkerGroup
 from ember.workers import testing as wt
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 CONFIG = EngineConfig(micro_batch_tokens=32)
 LAYOUTS = {
     "fsdp-x-tp": (ParallelismConfig(dp_shard=2, tp=2), None),

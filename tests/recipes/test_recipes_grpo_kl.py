@@ -27,6 +27,9 @@ from ember.recipes.train_cli import load_recipe_config
 
 from .conftest import API_KEY, SERVED_NAME
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def service_client(digit_model_dir, tmp_path_factory):

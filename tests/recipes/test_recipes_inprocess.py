@@ -13,6 +13,9 @@ from ember.recipes.digit_sum import DigitSumEnv, DigitSumTask
 from ember.recipes.grpo import GRPOConfig, evaluate_greedy, train_grpo
 from ember.recipes.sft import SFTConfig, train_sft
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def service_client(digit_model_dir, tmp_path_factory):

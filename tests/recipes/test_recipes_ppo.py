@@ -12,6 +12,9 @@ from ember.metrics import MetricsConfig, MetricsLogger, read_jsonl, use_logger
 from ember.recipes.digit_sum import make_env as make_digit_sum_env
 from ember.recipes.ppo import PPOConfig, create_critic, train_ppo
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def service_client(digit_model_dir, tmp_path_factory):

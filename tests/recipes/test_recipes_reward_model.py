@@ -14,6 +14,9 @@ from ember.recipes.reward_model import RMConfig, load_pairs, run_reward_model, t
 
 from .conftest import API_KEY, SERVED_NAME
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def client_config(digit_model_dir, tmp_path_factory):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import random
 
@@ -14,6 +15,9 @@ from ember.recipes.grpo import GRPOConfig, train_grpo
 from ember.recipes.sft import SFTConfig, run_sft
 
 from .conftest import API_KEY, SERVED_NAME
+
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
 
 
 def test_sft_recipe_over_http(ember_server, tmp_path):

@@ -15,7 +15,8 @@ from ember.recipes.demo import DemoSettings
 from ember.sampling.registry import backend_missing
 from ember.server.testing import API_KEY, start_server
 
-pytestmark = pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]
 
 # The fast demo of test_recipes_demo.py (its calibration: +0.03..+0.10 reward over 60 steps
 # with TorchSampler); vLLM draws other samples from the same distributions.

@@ -25,6 +25,12 @@ def tiny_model_dir(tiny_vllm_model_dir):
 BACKENDS = ["direct", "transformers", "vllm"]  # TorchSampler's two forwards, then vLLM
 
 
+def backend_param(backend: str, *marks):
+    """A `sampler` parameter; vLLM's are `slow` (its engine takes 20-50 s to start), so
+    `make test-fast` runs the sampler tests on TorchSampler only."""
+    return pytest.param(backend, marks=[*marks, *([pytest.mark.slow] if backend == "vllm" else [])])
+
+
 def vllm_missing() -> str | None:
     """Why vLLM cannot run here, or None."""
     return backend_missing("vllm")
@@ -32,7 +38,7 @@ def vllm_missing() -> str | None:
 
 def not_on(backend: str, reason: str):
     """Run a `sampler` test on every backend but `backend`, which is skipped with `reason`."""
-    values = [pytest.param(b, marks=pytest.mark.skip(reason=f"{backend}: {reason}")) if b == backend else b
+    values = [backend_param(b, pytest.mark.skip(reason=f"{backend}: {reason}")) if b == backend else backend_param(b)
               for b in BACKENDS]
     return pytest.mark.parametrize("sampler", values, indirect=True)
 
@@ -51,7 +57,7 @@ def vllm_sampler(tiny_model_dir):
     s.close()
 
 
-@pytest.fixture(scope="session", params=BACKENDS)
+@pytest.fixture(scope="session", params=[backend_param(b) for b in BACKENDS])
 def sampler(tiny_model_dir, request):
     """Every test that takes it runs on each backend (see BACKENDS)."""
     if request.param == "vllm":

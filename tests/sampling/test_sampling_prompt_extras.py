@@ -11,6 +11,8 @@ from tinker import types
 from ember.sampling import SamplingRequest
 from ember.sampling.prompt_extras import MAX_PROMPT_ALT_TOKENS_K
 
+from .conftest import backend_param
+
 PROMPT = [3, 17, 42, 9, 60, 5, 77, 12]
 
 
@@ -44,7 +46,7 @@ def _check_targets(sampler, ref_model, td_in, dense: np.ndarray) -> None:
         assert abs(float(got[i, j]) - want) <= 1e-4, (i, j, got[i, j], want)
 
 
-@pytest.mark.parametrize("sampler", ["direct", "transformers", "vllm"], indirect=True)
+@pytest.mark.parametrize("sampler", ["direct", "transformers", backend_param("vllm")], indirect=True)
 def test_target_prompt_logprobs_dense_match_full_forward(sampler, ref_model):
     dense = _targets(len(PROMPT) - 1, 3, sampler.vocab_size)
     dense[:, 2] = PROMPT[1:]  # the prompt's own tokens: also prompt_logprobs
@@ -60,7 +62,7 @@ def test_target_prompt_logprobs_sparse_keeps_layout(sampler, ref_model):
     _check_targets(sampler, ref_model, td, dense)
 
 
-@pytest.mark.parametrize("sampler", ["direct", "vllm"], indirect=True)
+@pytest.mark.parametrize("sampler", ["direct", backend_param("vllm")], indirect=True)
 def test_prompt_alt_tokens_logprobs_match_full_forward_and_are_seeded(sampler, ref_model):
     k = 4
     resp = sampler.submit(_request(prompt_alt_tokens_k=k)).result(120)
@@ -109,7 +111,7 @@ def _bad(vocab: int):
     ]
 
 
-@pytest.mark.parametrize("sampler", ["direct", "vllm"], indirect=True)
+@pytest.mark.parametrize("sampler", ["direct", backend_param("vllm")], indirect=True)
 def test_hostile_values_are_refused_naming_the_field(sampler):
     for kw, needle in _bad(sampler.vocab_size):
         with pytest.raises(ValueError, match="sample request") as err:

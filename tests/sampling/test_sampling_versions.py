@@ -23,7 +23,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14], [30, 31]]
 ADAM = types.AdamParams(learning_rate=2e-2)
 
 
-@pytest.fixture(params=["torch", "vllm"])
+@pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.slow)])  # vLLM: see backend_param
 def versioned(request, tiny_model_dir):
     """A sampler of each backend (vLLM: the session's engine, whose start-up is too slow
     to repeat per test)."""

@@ -22,6 +22,9 @@ from ember.sampling.weight_gate import WeightGate
 
 from .conftest import params, prompt, vllm_missing
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 needs_vllm = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 
 

@@ -15,6 +15,9 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from ember.server.testing import API_KEY, MODEL_NAME, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PROTO = {"Content-Type": "application/x-protobuf"}
 
 

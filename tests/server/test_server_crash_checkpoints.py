@@ -17,6 +17,9 @@ from tinker import types
 from ember.server.testing import API_KEY, MODEL_NAME, sft_datum, start_server
 from ember.service.checkpoints import read_state_weights
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 DATA = [sft_datum([3, 1, 4, 1, 5, 9, 2, 6]), sft_datum([2, 7, 1, 8, 2, 8])]
 ADAM = types.AdamParams(learning_rate=2e-2)
 

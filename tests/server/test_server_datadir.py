@@ -3,6 +3,7 @@ the first's pid, before it touches the database; the first loses nothing."""
 
 from __future__ import annotations
 
+import pytest
 import subprocess
 import sys
 
@@ -10,6 +11,9 @@ import tinker
 from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, server_env, sft_datum, start_server
+
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
 
 
 def test_a_second_server_on_a_data_directory_in_use_exits_2_and_the_first_loses_nothing(tiny_model_dir, tmp_path):

@@ -23,6 +23,9 @@ from ember.models.testing import target_logprobs
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY
 from ember.service.unsupported import UNSUPPORTED
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PROBE = [5, 9, 14, 22, 31, 40, 7]
 ATOL = 1e-5  # fp32 on CPU, same weights
 

@@ -23,6 +23,9 @@ from ember.server import wire
 from ember.server.deps import model_response
 from ember.server.testing import API_KEY, MODEL_NAME, sft_datum, start_server
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 RETRY_S, LOCK_S = 1.0, 0.3
 BOUND_S = RETRY_S + 2 * LOCK_S + 3.0  # the stated bound plus HTTP polling and a busy 2-core machine
 DATA = [sft_datum([3, 5, 7, 9, 11])]

@@ -19,6 +19,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, paths, sft_datum, start_server, wait_until
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PREFIX = "/tinker-prefix"
 ADAM = types.AdamParams(learning_rate=2e-2)
 DATA = [sft_datum([3, 5, 7, 9, 11]), sft_datum([2, 4, 6, 8, 10, 12, 14])]

@@ -19,6 +19,9 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from ember.server.testing import API_KEY, MODEL_NAME, memory_cap, sft_datum, start_server
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 LIMITS = {
     "max_num_samples": 16, "max_sample_tokens": 64, "max_prompt_tokens": 64, "max_topk_logprobs": 5,
     "max_datums_per_request": 8, "max_datum_tokens": 64, "max_request_tokens": 200, "max_seq_ahead": 8,

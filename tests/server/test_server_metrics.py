@@ -16,6 +16,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, sft_datum, start_server, wait_until
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 FB_ROUTE = "/api/v1/forward_backward"
 REQUEST_ID = re.compile(r"req-[0-9a-f]{32}")
 

@@ -19,6 +19,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, server_env, sft_datum, start_server
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 def _finished(http: httpx.Client, request_id: str) -> dict:
     deadline = time.monotonic() + 120

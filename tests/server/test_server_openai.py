@@ -12,6 +12,9 @@ from tinker import types
 from ember.models import load_tokenizer
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PROMPT_TEXT = "Hello, what is 2+2?"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
 

@@ -15,6 +15,9 @@ from ember.sampling.config import SamplerConfig
 from ember.server.cli import add_arguments, service_config_from_args
 from ember.server.serve_config import field_types
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 def _parse(argv):
     parser = argparse.ArgumentParser()

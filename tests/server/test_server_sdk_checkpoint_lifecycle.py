@@ -23,6 +23,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server, wait_until
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PROMPT = types.ModelInput.from_ints([3, 9, 27, 81, 4])
 LOGPROBS = types.SamplingParams(max_tokens=1)
 SWEEP = ["--checkpoints.sweep_interval_s", "0.3"]
@@ -61,15 +64,34 @@ def other_rest(server):
     return tinker.RestClient(base_url=server.base_url, api_key=OTHER_KEY)
 
 
-@pytest.fixture(scope="module")
-def trained(owner):
+def train_and_save(client):
     """A LoRA run after one step; (training client, state path, sampler path)."""
-    tc = owner.create_lora_training_client(base_model=MODEL_NAME, rank=3, seed=2).result()
+    tc = client.create_lora_training_client(base_model=MODEL_NAME, rank=3, seed=2).result()
     tc.forward_backward([sft_datum([5, 17, 30, 42, 8, 61])], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     state = tc.save_state("pub-state", user_metadata={"step": "1"}).result().path
     sampler = tc.save_weights_for_sampler("pub-sampler").result().path
     return tc, state, sampler
+
+
+@pytest.fixture(scope="module")
+def trained(owner):
+    return train_and_save(owner)
+
+
+@pytest.fixture
+def restarted_later(tiny_model_dir, tmp_path_factory):
+    """A server of its own for the restart test, so the module's server keeps its live runs
+    for the other tests in any order: (server, its RestClient, train_and_save's triple)."""
+    workdir = tmp_path_factory.mktemp("lifecycle-restart")
+    srv = start_server(Path(tiny_model_dir), workdir, extra_args=SWEEP)
+    srv.workdir = workdir
+    client = tinker.ServiceClient(base_url=srv.base_url, api_key=API_KEY)
+    try:
+        yield srv, tinker.RestClient(base_url=srv.base_url, api_key=API_KEY), train_and_save(client)
+    finally:
+        client.close("success").result(timeout=30)
+        srv.stop()
 
 
 def prompt_logprobs(sampler) -> np.ndarray:
@@ -234,8 +256,8 @@ def test_the_sdk_cli_publishes_sets_ttl_and_unpublishes(server, rest, trained):
     assert not listed(rest, state).public and listed(rest, state).expires_at is None
 
 
-def test_a_restart_keeps_publish_and_ttl_state(server, rest, trained, tiny_model_dir):
-    tc, state, sampler = trained
+def test_a_restart_keeps_publish_and_ttl_state(restarted_later, tiny_model_dir):
+    server, rest, (tc, state, sampler) = restarted_later
     rest.publish_checkpoint_from_tinker_path(sampler).result()
     rest.set_checkpoint_ttl_from_tinker_path(state, 7200).result()
     before = {p: (listed(rest, p).public, listed(rest, p).expires_at) for p in (state, sampler)}

@@ -9,6 +9,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 DATA = [sft_datum([4, 8, 15, 16, 23, 42]), sft_datum([7, 14, 21, 28])]
 ADAM = types.AdamParams(learning_rate=3e-2)
 

@@ -10,6 +10,9 @@ from tinker import types
 
 from ember.server.testing import MODEL_NAME, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 def _step(tc, params):
     tc.forward_backward([sft_datum([5, 6, 7, 8, 9, 10]), sft_datum([11, 12, 13, 14])], "cross_entropy").result()

@@ -13,6 +13,9 @@ from tinker import types
 import ember
 from ember.server.testing import MODEL_NAME, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 TOKENS = [5, 17, 30, 42, 8, 61, 9, 3, 22, 14]
 PROMPT = types.ModelInput.from_ints(TOKENS)
 

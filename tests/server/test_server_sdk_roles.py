@@ -13,6 +13,9 @@ from tinker import types
 
 from ember.server.testing import MODEL_NAME
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 VALUE = {"ember.head": "value"}
 SEQS = [[5, 9, 14, 22, 31, 40, 7], [3, 8, 13, 2], [40, 41, 42, 43, 44]]
 TARGET = 1.5  # every position's target value

@@ -9,6 +9,9 @@ from tinker import types
 
 from ember.server.testing import MODEL_NAME, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PROMPT = types.ModelInput.from_ints([5, 17, 30, 42, 8, 61])
 
 

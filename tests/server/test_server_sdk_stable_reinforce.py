@@ -13,6 +13,9 @@ from tinker import types
 
 from ember.server.testing import MODEL_NAME, OTHER_KEY, sft_datum, stable_datum, stable_reinforce_loss
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 17, 30, 42, 8]
 RTOL = 1e-4  # float32 trainer logprobs vs a float64 recomputation
 

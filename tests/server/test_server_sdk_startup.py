@@ -10,6 +10,9 @@ import tinker
 
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, paths, wait_until
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def background_clients(ember_server):

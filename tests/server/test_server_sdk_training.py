@@ -13,6 +13,9 @@ from tinker import types
 
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 LR = types.AdamParams(learning_rate=2e-2)
 METRIC_KEY = re.compile(r"^[^:]+:[^:]+$")
 SEEN_METRIC_KEYS: set[str] = set()
@@ -167,13 +170,16 @@ def _rl_expected(loss_fn, lp, q, adv, cfg) -> float:
     return float(-(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2).sum())
 
 
-@pytest.mark.parametrize("loss_fn, cfg", [
+RL_CASES = [
     ("importance_sampling", {}),
     ("ppo", {}),
     ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}),
     ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.1}),
     ("dro", {"beta": 0.5}),
-])
+]
+
+
+@pytest.mark.parametrize("loss_fn, cfg", RL_CASES)
 def test_rl_losses_match_formulas(ember_server, sc, loss_fn, cfg):
     tc = new_client(sc)
     tokens = [3, 9, 27, 41, 7, 15, 60]
@@ -297,6 +303,20 @@ def test_in_process_and_http_give_identical_losses(ember_server, sc, tiny_model_
     assert over_http[2] < over_http[0]
 
 
-def test_every_metric_key_has_exactly_one_colon():
+def _record_metric_keys_of_every_call(sc) -> None:
+    """Forward, SFT forward_backward, optim_step and each RL loss once, their metric keys into
+    SEEN_METRIC_KEYS: the check below sees every kind of call even when it runs alone."""
+    tc = new_client(sc)
+    tokens = [3, 9, 27, 41, 7, 15, 60]
+    base = fwd(tc, [sft_datum(tokens)])[0]
+    logprobs_of(tc.forward_backward(batch(), "cross_entropy").result())
+    step(tc)
+    adv = np.ones_like(base)
+    for loss_fn, cfg in RL_CASES:
+        logprobs_of(tc.forward_backward([_rl_datum(tokens, base, adv)], loss_fn, loss_fn_config=cfg or None).result())
+
+
+def test_every_metric_key_has_exactly_one_colon(sc):
+    _record_metric_keys_of_every_call(sc)
     assert SEEN_METRIC_KEYS and "loss:sum" in SEEN_METRIC_KEYS
     assert all(METRIC_KEY.match(k) for k in SEEN_METRIC_KEYS), SEEN_METRIC_KEYS

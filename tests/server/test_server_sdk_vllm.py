@@ -14,7 +14,8 @@ from tinker import types
 from ember.sampling.registry import backend_missing
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server
 
-pytestmark = pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]
 
 VLLM_ARGS = ["--sampler.backend", "vllm", "--sampler.max_len", "256", "--sampler.max_lora_rank", "8",
              "--sampler.max_slots", "16"]

@@ -14,6 +14,9 @@ from ember.sampling.config import SamplerConfig
 from ember.server import cli
 from ember.service.limits import Limits
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve.toml"
 
 

@@ -23,6 +23,9 @@ from ember.server import cli
 from ember.server.config import ServerConfig
 from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 HEADER_TIMEOUT_S = 1.5
 BODY_TIMEOUT_S = 1.5
 BODY_DEADLINE_S = 4.0

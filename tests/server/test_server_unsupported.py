@@ -20,6 +20,7 @@ def test_every_unsupported_endpoint_is_exercised():
     assert {method for _, _, method in ENDPOINTS} == set(CALLS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(CALLS))
 def test_unsupported_call_raises_the_same_over_http_and_in_process(ember_server, make_in_process_rest, method):
     rest = tinker.RestClient(base_url=ember_server.base_url, api_key=API_KEY)

@@ -22,6 +22,9 @@ from tinker import types
 import ember
 from ember.server.testing import API_KEY, MODEL_NAME, server_env, sft_datum, start_server, wait_until
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 LR = types.AdamParams(learning_rate=2e-2)
 PROMPT = [5, 17, 30, 42, 8, 61]
 

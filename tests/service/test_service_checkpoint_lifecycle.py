@@ -95,6 +95,7 @@ def test_published_checkpoint_is_readable_by_another_owner_until_unpublished(mak
     assert svc.get_weights_info("alice", state).lora_rank == 4  # the owner always reads
 
 
+@pytest.mark.slow
 def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service, database_url):
     svc = make_service(database_url=database_url)
     sid, mid, state, _ = _trained(svc)

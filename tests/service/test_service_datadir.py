@@ -39,6 +39,7 @@ def test_a_second_service_on_the_data_directory_is_refused_naming_the_holder(mak
     again.close()  # released on close
 
 
+@pytest.mark.slow
 def test_another_process_holding_the_directory_is_named_and_its_death_releases_it(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "d")], stdout=subprocess.PIPE, text=True)
     try:

@@ -126,6 +126,7 @@ def test_a_write_lock_held_longer_than_the_retry_ends_the_future_as_server(svc):
     assert _row(svc, sub).status == "failed"
 
 
+@pytest.mark.slow
 def test_a_create_whose_work_cannot_be_queued_fails_its_recorded_future(svc):
     sid, model_id = new_run(svc)
     failpoints.arm("futures.after_create", "raise", times=1)

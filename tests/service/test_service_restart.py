@@ -3,6 +3,7 @@ and database (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import signal
@@ -16,6 +17,9 @@ from tinker import types
 from ember.engine.testing import random_sft_datums
 
 from .conftest import result, wait
+
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
 
 VOCAB = 84
 

@@ -13,6 +13,9 @@ import pytest
 from ember.workers import WorkerError, WorkerGroup, WorkerTimeoutError
 from ember.workers import testing as wt
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 DETECT_S = 20.0  # generous bound for a loaded 2-core CI machine; detection itself is ~instant
 
 

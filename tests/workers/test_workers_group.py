@@ -16,6 +16,9 @@ from ember.workers import EngineSpec, GroupEngine, WorkerGroup, make_runtime
 from ember.workers import testing as wt
 from ember.workers.memory import state_bytes
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests").
+pytestmark = pytest.mark.slow
+
 CONFIG = EngineConfig(micro_batch_tokens=32)
 ADAM = types.AdamParams(learning_rate=1e-2)
 

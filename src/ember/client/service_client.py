@@ -201,6 +201,17 @@ class ServiceClient:
                                       next_sampling_seq=self._next_sampling_seq, callbacks=self._callbacks,
                                       tokenizer=self._tokenizer)
 
+    @property
+    def service(self) -> ServiceAPI:
+        """The in-process service this client talks to (read-only). Pass it as `service=` to
+        another ServiceClient, e.g. with another `owner`, to share one service."""
+        return self._service
+
+    @property
+    def owner(self) -> str:
+        """The caller's identity in the service (read-only; `"local"` unless given)."""
+        return self._owner
+
     # ------------------------------------------------------------------ plumbing
     def _session(self) -> str:
         with self._lock:

@@ -40,6 +40,12 @@ class PrefixCache:
     def cached_tokens(self) -> int:
         return self._tokens
 
+    def snapshots(self) -> list[Snapshot]:
+        """The stored snapshots, least recently used first (a new list of the cached tensors
+        themselves, not copies: for tests and memory accounting; do not write to them)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def lookup(self, key: WeightsKey, prompt: tuple[int, ...], limit: int) -> tuple[int, Snapshot | None]:
         """(h, KV) of the longest cached block-aligned prefix of `prompt` of at most `limit` tokens."""
         limit = (limit // self.block) * self.block

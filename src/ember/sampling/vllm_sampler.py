@@ -299,6 +299,11 @@ class VLLMSampler(Sampler):
         return pids
 
     # ------------------------------------------------------------------ colocation (CUDA)
+    @property
+    def asleep(self) -> bool:
+        """True while a colocated engine has released the GPU to the trainer (read-only)."""
+        return self._asleep
+
     def sleep(self) -> None:
         """Give the GPU to the trainer: wait for running requests, then release the engine's
         weights (offloaded to host memory) and KV cache (vLLM sleep mode, level 1). The next

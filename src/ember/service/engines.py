@@ -199,6 +199,11 @@ class LocalEngineFactory(EngineFactory):
         """The shared (peft-wrapped) model of a LoRA base, for tests and memory accounting."""
         return self._shared.get(spec.base.directory)
 
+    def shared_models(self) -> list[object]:
+        """Every shared (peft-wrapped) model, one per LoRA base directory in use (a new list;
+        for tests and memory accounting)."""
+        return list(self._shared.values())
+
 
 class WorkerGroupEngineFactory(EngineFactory):
     """Engines on an `ember.workers.WorkerGroup` (inline | process | ray runtimes).
