@@ -59,3 +59,10 @@ def test_heads(tiny_model_dir):
     assert isinstance(value, ValueHead) and value.output == "values" and value.score.in_features == config.hidden_size
     with pytest.raises(ValueError, match=r"head must be one of policy, value; got 'critic'"):
         build_head("critic", config)
+
+
+def test_model_families():
+    from ember.models.families import FAMILIES, family_of
+
+    assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert all(family_of(type("Cfg", (), {"model_type": name})()) is FAMILIES[name] for name in FAMILIES)

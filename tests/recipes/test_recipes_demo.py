@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 import argparse
 import io
 import json
 import statistics
 
+import pytest
 from rich.console import Console
 
 from ember.metrics import read_jsonl

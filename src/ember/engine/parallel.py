@@ -7,7 +7,7 @@ own datums; the `tp` ranks of one data-parallel rank receive the same datums.
 
 Order of application (as torchtitan): tensor parallel → activation checkpointing → FSDP2.
 
-* **TP** (`tp > 1`, Llama/Qwen3 family): DTensor `parallelize_module` per decoder layer —
+* **TP** (`tp > 1`, the families of `ember.models.families` with a `tp_plan`): DTensor `parallelize_module` per decoder layer —
   `ColwiseParallel` for q/k/v/gate/up, `RowwiseParallel` for o/down. The attention modules
   of these families read head counts only through `view(..., -1, head_dim)` and the
   ratio `num_key_value_groups` (unchanged by TP), so nothing in the model needs to be
@@ -47,11 +47,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ember.models.families import LLAMA_TP_PLAN, TensorParallelPlan, family_of, tp_families
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
-_TP_FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
 
 
 @dataclass
@@ -147,9 +145,10 @@ def _mixed_precision(device_type: str, dtype: torch.dtype):
 
 # ---------------------------------------------------------------------- tensor parallel
 def _check_tp_divisibility(config, tp: int) -> None:
-    model_type = str(getattr(config, "model_type", "?"))
-    if model_type not in _TP_FAMILIES:
-        raise ValueError(f"tensor parallelism supports {_TP_FAMILIES}; this model is {model_type!r}")
+    family = family_of(config)
+    if family is None or family.tp_plan is None:
+        model_type = str(getattr(config, "model_type", "?"))
+        raise ValueError(f"tensor parallelism supports {tp_families()}; this model is {model_type!r}")
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -182,16 +181,17 @@ def _projection_plan(layer: nn.Module, path: str, rowwise: bool) -> dict:
     return plan
 
 
-def layer_tp_plan(layer: nn.Module) -> dict:
-    """The `parallelize_module` plan of one Llama/Qwen3 decoder layer."""
+def layer_tp_plan(layer: nn.Module, family_plan: TensorParallelPlan = LLAMA_TP_PLAN) -> dict:
+    """The `parallelize_module` plan of one decoder layer (`ember.models.families` says how
+    each family's layer is split)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     plan: dict = {}
-    for path in _COLWISE:
+    for path in family_plan.colwise:
         plan.update(_projection_plan(layer, path, rowwise=False))
-    for path in _ROWWISE:
+    for path in family_plan.rowwise:
         plan.update(_projection_plan(layer, path, rowwise=True))
-    for path in _HEAD_NORMS:
+    for path in family_plan.head_norms:
         try:
             layer.get_submodule(path)
         except AttributeError:
@@ -204,11 +204,13 @@ def layer_tp_plan(layer: nn.Module) -> dict:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    _check_tp_divisibility(hf_model(model).config, tp_mesh.size())
+    config = hf_model(model).config
+    _check_tp_divisibility(config, tp_mesh.size())
+    family_plan = family_of(config).tp_plan
     # parallelize_module re-registers parameters; keep frozen ones frozen (LoRA base weights).
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, layer_tp_plan(layer))
+        parallelize_module(layer, tp_mesh, layer_tp_plan(layer, family_plan))
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)

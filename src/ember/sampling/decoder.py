@@ -23,22 +23,20 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ember.models.families import direct_decode_families, family_of, uses_sliding_window
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.weights import LoraDelta, add_lora
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LoraPlan = dict[str, list[tuple[torch.Tensor | None, LoraDelta]]]
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """None when `DirectDecoder` reproduces this model's forward, else why not."""
     cfg = model.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {cfg.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or getattr(cfg, "sliding_window", None) and (
-        cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
-    ):
+    family = family_of(cfg)
+    if family is None or not family.direct_decode:
+        return f"model_type {cfg.model_type!r} is not one of {direct_decode_families()}"
+    if uses_sliding_window(cfg):
         return "sliding-window attention"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -36,6 +36,7 @@ from tinker import types
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.models import load_model, load_tokenizer
+from ember.models.families import non_full_attention_layers
 from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
@@ -56,7 +57,7 @@ _sampler_ids = itertools.count(1)
 
 def _check_supported(model: PreTrainedModel) -> None:
     layer_types = getattr(model.config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
+    if non_full_attention_layers(model.config):
         raise ValueError(
             f"TorchSampler supports full-attention decoders only; this model has layer types {sorted(set(layer_types))}"
         )

@@ -1,0 +1,44 @@
+"""`ember.models.families`: the one place that says what ember knows about each decoder family."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from ember.engine.parallel import _check_tp_divisibility
+from ember.models import families
+from ember.models.families import FAMILIES, family_of, non_full_attention_layers, uses_sliding_window
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+             vocab_size=100)
+
+
+@pytest.mark.parametrize("config_cls", [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config])
+def test_every_supported_architecture_has_a_family(config_cls):
+    family = family_of(config_cls(**SMALL))
+    assert family is not None and family.tp_plan is not None and family.direct_decode
+
+
+def test_unknown_model_type_has_no_family():
+    assert family_of(dataclasses.make_dataclass("Cfg", [("model_type", str)])("gpt2")) is None
+    assert family_of(object()) is None
+
+
+def test_sliding_window_rules():
+    assert uses_sliding_window(MistralConfig(**SMALL, sliding_window=16))  # Mistral: a set window is used
+    assert not uses_sliding_window(MistralConfig(**SMALL, sliding_window=None))
+    assert not uses_sliding_window(Qwen2Config(**SMALL, sliding_window=16, use_sliding_window=False))
+    mixed = Qwen3Config(**SMALL, layer_types=["full_attention", "sliding_attention"])
+    assert non_full_attention_layers(mixed) == ["sliding_attention"] and uses_sliding_window(mixed)
+    assert non_full_attention_layers(Qwen3Config(**SMALL)) == []
+
+
+def test_a_family_without_a_tp_plan_is_refused_by_tensor_parallelism(monkeypatch):
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], tp_plan=None))
+    with pytest.raises(ValueError, match=r"tensor parallelism supports \('mistral', 'qwen2', 'qwen3'\); this "
+                                         r"model is 'llama'"):
+        _check_tp_divisibility(LlamaConfig(**SMALL), 2)
+    _check_tp_divisibility(Qwen3Config(**SMALL), 2)
+    assert families.tp_families() == ("mistral", "qwen2", "qwen3")
