@@ -116,35 +116,35 @@ def _no_default(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
-def _fail(key: str, where: str, tp: Any, value: Any) -> ConfigError:
+def _fail(key: str, where: str, annotation: Any, value: Any) -> ConfigError:
     return ConfigError(
-        f"config key {key!r}{where}: expected {_type_name(tp)}, got {type(value).__name__} {str(value)!r}"
+        f"config key {key!r}{where}: expected {_type_name(annotation)}, got {type(value).__name__} {str(value)!r}"
     )
 
 
-def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where, prefix=key + ".")
+def _coerce(value: Any, annotation: Any, key: str, where: str) -> Any:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, where, prefix=key + ".")
     if origin in (typing.Union, pytypes.UnionType):
-        return _coerce_union(value, args, tp, key, where)
+        return _coerce_union(value, args, annotation, key, where)
     if origin is typing.Literal:
         for choice in args:
             if value == choice or (isinstance(value, _CliValue) and str(choice) == value):
                 return choice
         raise ConfigError(f"config key {key!r}{where}: expected one of {list(args)}, got {value!r}")
     if origin in (list, tuple, dict):
-        return _coerce_container(value, tp, origin, args, key, where)
-    if tp is Any:
+        return _coerce_container(value, annotation, origin, args, key, where)
+    if annotation is Any:
         return value
-    return _coerce_scalar(value, tp, key, where)
+    return _coerce_scalar(value, annotation, key, where)
 
 
-def _coerce_union(value: Any, args: tuple, tp: Any, key: str, where: str) -> Any:
+def _coerce_union(value: Any, args: tuple, annotation: Any, key: str, where: str) -> Any:
     if type(None) in args and (value is None or (isinstance(value, _CliValue) and value.lower() in ("none", "null"))):
         return None
     for arg in (a for a in args if a is not type(None)):
@@ -152,19 +152,19 @@ def _coerce_union(value: Any, args: tuple, tp: Any, key: str, where: str) -> Any
             return _coerce(value, arg, key, where)
         except ConfigError:
             continue
-    raise _fail(key, where, tp, value)
+    raise _fail(key, where, annotation, value)
 
 
-def _coerce_container(value: Any, tp: Any, origin: type, args: tuple, key: str, where: str) -> Any:
+def _coerce_container(value: Any, annotation: Any, origin: type, args: tuple, key: str, where: str) -> Any:
     if isinstance(value, _CliValue):
         value = _parse_toml_literal(value, key)
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise _fail(key, where, tp, value)
+            raise _fail(key, where, annotation, value)
         value_tp = args[1] if len(args) == 2 else Any
         return {str(k): _coerce(v, value_tp, f"{key}.{k}", where) for k, v in value.items()}
     if not isinstance(value, (list, tuple)):
-        raise _fail(key, where, tp, value)
+        raise _fail(key, where, annotation, value)
     item_tp = args[0] if args else Any
     items = [_coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
     return tuple(items) if origin is tuple else items
@@ -180,48 +180,48 @@ def _parse_toml_literal(text: str, key: str) -> Any:
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def _coerce_scalar(value: Any, tp: Any, key: str, where: str) -> Any:
+def _coerce_scalar(value: Any, annotation: Any, key: str, where: str) -> Any:
     if isinstance(value, _CliValue):
-        return _parse_cli_scalar(str(value), tp, key, where)
-    if tp is bool:
+        return _parse_cli_scalar(str(value), annotation, key, where)
+    if annotation is bool:
         if isinstance(value, bool):
             return value
-    elif tp is int:
+    elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    elif tp is float:
+    elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-    elif tp is str:
+    elif annotation is str:
         if isinstance(value, str):
             return value
-    elif tp is Path:
+    elif annotation is Path:
         if isinstance(value, str):
             return Path(value)
     else:
-        raise ConfigError(f"config key {key!r}: field type {_type_name(tp)} is not supported by ember.config")
-    raise _fail(key, where, tp, value)
+        raise ConfigError(f"config key {key!r}: field type {_type_name(annotation)} is not supported by ember.config")
+    raise _fail(key, where, annotation, value)
 
 
-def _parse_cli_scalar(text: str, tp: Any, key: str, where: str) -> Any:
+def _parse_cli_scalar(text: str, annotation: Any, key: str, where: str) -> Any:
     try:
-        if tp is bool:
+        if annotation is bool:
             if text.lower() in _TRUE:
                 return True
             if text.lower() in _FALSE:
                 return False
             raise ValueError
-        if tp is int:
+        if annotation is int:
             return int(text)
-        if tp is float:
+        if annotation is float:
             return float(text)
-        if tp is str:
+        if annotation is str:
             return text
-        if tp is Path:
+        if annotation is Path:
             return Path(text)
     except ValueError:
-        raise _fail(key, " (command line)", tp, text) from None
-    raise ConfigError(f"config key {key!r}: field type {_type_name(tp)} is not supported by ember.config")
+        raise _fail(key, " (command line)", annotation, text) from None
+    raise ConfigError(f"config key {key!r}: field type {_type_name(annotation)} is not supported by ember.config")
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
@@ -246,20 +246,20 @@ def describe_keys(cls: type, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            lines.extend(describe_keys(tp, prefix + f.name + "."))
+        annotation = hints[f.name]
+        if dataclasses.is_dataclass(annotation):
+            lines.extend(describe_keys(annotation, prefix + f.name + "."))
             continue
         if _no_default(f):
             default = "required"
         else:
             value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             default = f"default: {value!r}"
-        lines.append(f"--{prefix}{f.name} {_key_type(tp)} ({default})")
+        lines.append(f"--{prefix}{f.name} {_key_type(annotation)} ({default})")
     return lines
 
 
-def _key_type(tp: Any) -> str:
-    if typing.get_origin(tp) is typing.Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
-    return _type_name(tp)
+def _key_type(annotation: Any) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
+    return _type_name(annotation)
