@@ -1,4 +1,4 @@
-"""tinker-protocol.md §9 sampling items 21-27: the unmodified official SDK against
+"""docs/protocol.md §9 sampling items 21-27: the unmodified official SDK against
 `ember serve`, protobuf SampleResponse, sample_sequence_ids, snapshots."""
 
 from __future__ import annotations
