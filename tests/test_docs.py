@@ -19,6 +19,7 @@ SCANNED = ("README.md", "docs/**/*.md", "src/**/*.py", "tests/**/*.py", "tests/*
 PACKAGES = ("client", "engine", "losses", "metrics", "models", "recipes", "sampling", "server", "service", "workers")
 # the notes outside the repository (assembled so that this file does not cite them itself)
 OUTSIDE = ("DESIGN" + ".md", "tinker-protocol" + ".md")
+_OUTSIDE = re.compile(r"\b(?:DESIGN(?:\.md)?|tinker-protocol(?:\.md)?)(?=[\s,.:;)\"']|$)")
 
 _PATH = re.compile(r"(?<![\w/.<-])((?:docs|src|tests|examples|benchmarks)/[\w./*<>{}-]*[\w*>}]"
                    r"|(?:ember/)?(?:" + "|".join(PACKAGES) + r")/[\w./*<>{}-]*\.(?:py|md|toml|json|ini))")
@@ -77,9 +78,8 @@ def bad_references(path: Path, root: Path = ROOT) -> list[str]:
     protocol, architecture = root / "docs" / "protocol.md", root / "docs" / "architecture.md"
     for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         where = f"{path.relative_to(root) if path.is_relative_to(root) else path}:{lineno}"
-        for name in OUTSIDE:
-            if name in line:
-                problems.append(f"{where}: cites {name}, which is not in the repository (cite docs/)")
+        for m in _OUTSIDE.finditer(line):
+            problems.append(f"{where}: cites {m.group(0)}, which is not in the repository (cite docs/)")
         for m in _PATH.finditer(line):
             if not _path_exists(m.group(1), root):
                 problems.append(f"{where}: {m.group(1)} does not exist")
@@ -127,6 +127,7 @@ def test_the_docs_the_code_cites_are_there():
     ("docs/architecture.md contract 12", "docs/architecture.md has no contract 12"),
     ("(" + OUTSIDE[0] + " contract 2)", "cites " + OUTSIDE[0]),
     ("(" + OUTSIDE[1] + " §3.3)", "cites " + OUTSIDE[1]),
+    ("losses are sums (" + "DESIGN contract 1)", "cites DESIGN,"),
 ])
 def test_a_planted_bad_reference_is_reported(tmp_path, planted, expected):
     bad = tmp_path / "planted.py"

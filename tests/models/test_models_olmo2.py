@@ -107,7 +107,7 @@ def trained(olmo2_dir, vocab):
     return engines
 
 
-def assert_contract_5(sampler, engine: TorchEngine, lora: types.LoraConfig | None) -> None:
+def assert_contract_5(sampler, engine: TorchEngine, lora: types.LoraConfig | None, timeout: float = 120) -> None:
     """Sampled-token logprobs of a version made from `engine`'s weights equal the engine's
     `forward` logprobs of the same tokens (abs 1e-4)."""
     version = sampler.load_weights(engine.named_weights(), lora_config=lora)
@@ -115,7 +115,7 @@ def assert_contract_5(sampler, engine: TorchEngine, lora: types.LoraConfig | Non
                                 sampling_params=types.SamplingParams(max_tokens=8, seed=i, temperature=1.0))
                 for i, p in enumerate(PROMPTS)]
     worst = 0.0
-    for p, resp in zip(PROMPTS, sampler.sample_many(requests, timeout=120)):
+    for p, resp in zip(PROMPTS, sampler.sample_many(requests, timeout=timeout)):
         for seq in resp.sequences:
             assert seq.tokens, "no token sampled"
             out = engine.forward([sft_datum(p + seq.tokens)], "cross_entropy")
@@ -132,9 +132,9 @@ def test_torch_sampler_agrees_with_the_engine(olmo2_dir, trained, forward, kind)
         assert_contract_5(s, trained[kind], LORA if kind == "lora" else None)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["full", "lora"])
-def test_vllm_sampler_agrees_with_the_engine(olmo2_dir, trained, kind):
+@pytest.fixture(scope="module")
+def olmo2_vllm(olmo2_dir):
+    """One vLLM engine for the module (it takes minutes to start on a loaded 2-core machine)."""
     from ember.sampling.registry import backend_missing
 
     reason = backend_missing("vllm")
@@ -144,10 +144,15 @@ def test_vllm_sampler_agrees_with_the_engine(olmo2_dir, trained, kind):
 
     cfg = SamplerConfig(backend="vllm", max_slots=8, max_len=64, max_logprobs=16, max_loras=2, max_lora_rank=8)
     s = VLLMSampler.from_pretrained(olmo2_dir, cfg)
-    try:
-        assert_contract_5(s, trained[kind], LORA if kind == "lora" else None)
-    finally:
-        s.close()
+    yield s
+    s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_vllm_sampler_agrees_with_the_engine(olmo2_vllm, trained, kind):
+    """vLLM serves OLMo 2 through its transformers backend (no native OLMo 2 model)."""
+    assert_contract_5(olmo2_vllm, trained[kind], LORA if kind == "lora" else None, timeout=900)
 
 
 def test_tensor_parallelism_and_value_model_export_refuse_it_with_the_reason(olmo2_dir):
