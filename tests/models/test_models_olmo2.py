@@ -24,6 +24,8 @@ from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
 
 RTOL = 1e-5
 LORA = types.LoraConfig(rank=4, seed=1)
+LORA_BODY = types.LoraConfig(rank=4, seed=1, train_unembed=False)  # what vLLM's transformers backend serves
+KINDS = {"full": None, "lora": LORA, "lora-body": LORA_BODY}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [30]]
 
 
@@ -95,10 +97,11 @@ def test_rl_loss_gradient_is_invariant_too(olmo2_dir, vocab):
 
 @pytest.fixture(scope="module")
 def trained(olmo2_dir, vocab):
-    """A full fine-tuning engine and a LoRA engine, two optimizer steps each (weights moved)."""
+    """A full fine-tuning engine and LoRA engines (with and without lm_head), two optimizer
+    steps each (weights moved)."""
     datums = random_sft_datums(4, vocab=vocab, seed=4)
     engines = {}
-    for name, lora in (("full", None), ("lora", LORA)):
+    for name, lora in KINDS.items():
         e = _engine(olmo2_dir, lora=lora)
         for _ in range(2):
             e.forward_backward(datums, "cross_entropy")
@@ -129,7 +132,7 @@ def assert_contract_5(sampler, engine: TorchEngine, lora: types.LoraConfig | Non
 def test_torch_sampler_agrees_with_the_engine(olmo2_dir, trained, forward, kind):
     # forward="direct" raises unless the direct decoder serves the family (families.olmo2's layer)
     with TorchSampler.from_pretrained(olmo2_dir, SamplerConfig(max_slots=8, max_len=64, forward=forward)) as s:
-        assert_contract_5(s, trained[kind], LORA if kind == "lora" else None)
+        assert_contract_5(s, trained[kind], KINDS[kind])
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +152,20 @@ def olmo2_vllm(olmo2_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize("kind", ["full", "lora-body"])
 def test_vllm_sampler_agrees_with_the_engine(olmo2_vllm, trained, kind):
     """vLLM serves OLMo 2 through its transformers backend (no native OLMo 2 model)."""
-    assert_contract_5(olmo2_vllm, trained[kind], LORA if kind == "lora" else None, timeout=900)
+    assert_contract_5(olmo2_vllm, trained[kind], KINDS[kind], timeout=900)
+
+
+@pytest.mark.slow
+def test_vllm_refuses_an_lm_head_adapter_it_cannot_serve_and_keeps_serving(olmo2_vllm, trained):
+    """vLLM's transformers backend has no LoRA on lm_head (loading one would kill its engine):
+    the version is refused with the reason, and the sampler keeps serving."""
+    with pytest.raises(ValueError, match=r"vLLM serves Olmo2ForCausalLM through its transformers backend, which "
+                                         r"has no LoRA on \['lm_head'\]; train with LoraConfig\(train_unembed=False\)"):
+        olmo2_vllm.load_weights(trained["lora"].named_weights(), lora_config=LORA)
+    assert_contract_5(olmo2_vllm, trained["lora-body"], LORA_BODY, timeout=900)
 
 
 def test_tensor_parallelism_and_value_model_export_refuse_it_with_the_reason(olmo2_dir):
