@@ -201,8 +201,10 @@ def estimate_memory(
     tokens: int,
     lora_rank: int | None = None,
     optimizer: str = "adamw",
+    meta: torch.nn.Module | None = None,
 ) -> MemoryEstimate:
-    """The per-rank `MemoryEstimate` of training `model_dir` (or `hf_config`) with these settings."""
+    """The per-rank `MemoryEstimate` of training `model_dir` (or `hf_config`) with these settings
+    (`meta`: the model already built by `meta_model`, to estimate several settings at once)."""
     engine = engine or EngineConfig()
     parallel = parallel or ParallelismConfig()
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
@@ -211,12 +213,12 @@ def estimate_memory(
         raise ValueError(f"optimizer must be 'adamw' or 'dimuon', got {optimizer!r}")
     hf_config = hf_config if hf_config is not None else load_config(model_dir)
     lora = types.LoraConfig(rank=lora_rank) if lora_rank else None
-    counts = _count(meta_model(hf_config), parallel.tp, lora_rank, lora)
+    counts = _count(meta if meta is not None else meta_model(hf_config), parallel.tp, lora_rank, lora)
     param_bytes = resolve_dtype(engine.dtype).itemsize
     compute_bytes = resolve_dtype(engine.autocast_dtype or engine.dtype).itemsize
     shard = parallel.dp_shard
     params = (counts.layer + counts.root) * param_bytes // shard
-    trained = counts.trained * param_bytes // (shard if lora is None else 1)
+    trained = counts.trained * param_bytes // shard  # FSDP2 shards the adapter too
     moments = {"adamw": 2, "dimuon": 1}[optimizer] * trained
     working = (counts.root + 2 * counts.largest_layer) * param_bytes if shard > 1 else 0
     acts, host_acts, notes = _activations(hf_config, engine, parallel.tp, tokens, compute_bytes)
@@ -231,7 +233,9 @@ def estimate_memory(
 
 def longest_datum(fits_bytes: int, step: int = 256, limit: int = 1 << 21, **kwargs) -> int:
     """The most tokens (a multiple of `step`) whose estimated peak is within `fits_bytes`; 0 if none."""
-    kwargs.setdefault("hf_config", load_config(kwargs.pop("model_dir")) if "model_dir" in kwargs else None)
+    if "model_dir" in kwargs:
+        kwargs["hf_config"] = load_config(kwargs.pop("model_dir"))
+    kwargs.setdefault("meta", meta_model(kwargs["hf_config"]))
     lo, hi = 0, limit // step
     while lo < hi:  # the peak grows with the tokens: bisect
         mid = (lo + hi + 1) // 2
@@ -240,3 +244,54 @@ def longest_datum(fits_bytes: int, step: int = 256, limit: int = 1 << 21, **kwar
         else:
             hi = mid - 1
     return lo * step
+
+
+# ---------------------------------------------------------------------- ember serve's start-up check
+def available_memory(device: str) -> int:
+    """Bytes one rank may use: free memory of the CUDA device, or the host's MemAvailable."""
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def check_fits(models: dict[str, str | os.PathLike], engine: EngineConfig, parallel: ParallelismConfig | None,
+               log=None, available: int | None = None) -> None:
+    """`ember serve`'s start-up check: log each model's estimate for one micro-batch of
+    `engine.micro_batch_tokens` tokens (a LoRA rank-32 run and full fine-tuning) and raise
+    ValueError, with the numbers, when even the smallest run (LoRA rank 1) cannot fit in
+    `available` bytes (default: `available_memory`; on the CPU every rank shares the host)."""
+    parallel = parallel or ParallelismConfig()
+    avail = available_memory(engine.device) if available is None else available
+    share = parallel.world_size if not engine.device.startswith("cuda") else 1
+    for name, directory in models.items():
+        try:  # advisory for what cannot be estimated: the run that names it gets the loading error
+            smallest = _log_estimates(name, directory, engine, parallel, log)
+        except Exception as exc:  # noqa: BLE001 (an unknown architecture must not stop ember serve)
+            if log is not None:
+                log(f"memory estimate for {name}: skipped ({type(exc).__name__}: {exc})")
+            continue
+        if smallest.peak * share > avail:
+            raise ValueError(
+                f"model {name!r} does not fit: one micro-batch of {engine.micro_batch_tokens} tokens needs an "
+                f"estimated {smallest.peak / GiB:.2f} GiB per rank x {share} rank(s) even as a LoRA rank-1 run "
+                f"(parameters {smallest.parameters / GiB:.2f}, activations {smallest.activations / GiB:.2f}, "
+                f"output head {smallest.output_head / GiB:.2f} GiB), and {avail / GiB:.2f} GiB is available on "
+                f"{engine.device}; lower --engine.micro_batch_tokens, set --engine.logprob_chunk_tokens / "
+                "--engine.activation_checkpointing, or shard with --parallel.* (see `ember estimate`)")
+
+
+def _log_estimates(name: str, directory, engine: EngineConfig, parallel: ParallelismConfig, log) -> MemoryEstimate:
+    """Log a LoRA rank-32 and a full fine-tuning estimate; return the smallest run's (LoRA rank 1)."""
+    hf_config = load_config(directory)
+    common = dict(hf_config=hf_config, engine=engine, parallel=parallel, tokens=engine.micro_batch_tokens,
+                  meta=meta_model(hf_config))
+    if log is not None:
+        for what, rank in (("LoRA rank 32", 32), ("full fine-tuning", None)):
+            est = estimate_memory(lora_rank=rank, **common)
+            log(f"memory estimate for {name} ({what}): " + "; ".join(x.strip() for x in est.lines()[1:]))
+    return estimate_memory(lora_rank=1, **common)
