@@ -127,3 +127,39 @@ def test_chunk_tokens_must_be_a_nonnegative_integer(bad):
 def test_offload_keys_need_cuda(key):
     with pytest.raises(ValueError, match=f"EngineConfig.{key} needs a CUDA device"):
         EngineConfig(device="cpu", **{key: True})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", ["activation_offload", "optimizer_offload", "activation_checkpointing"])
+def test_offload_and_checkpointing_equal_the_plain_engine_on_cuda(tiny_model_dir, key):
+    """Written for a GPU machine (skipped on CPU-only CI): two AdamW steps with the setting
+    give the plain engine's outputs, gradients and weights; the optimizer state of
+    `optimizer_offload` is on the host between steps."""
+    datums = _datums("cross_entropy")
+    plain = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(device="cuda"))
+    other = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(device="cuda", **{key: True}))
+    for _ in range(2):
+        _compare(other.forward_backward(datums, "cross_entropy"), plain.forward_backward(datums, "cross_entropy"), key)
+        assert_tensors_close({n: p.grad for n, p in other.state_tensors().items()},
+                             {n: p.grad for n, p in plain.state_tensors().items()})
+        other.optim_step(types.AdamParams(learning_rate=1e-3)), plain.optim_step(types.AdamParams(learning_rate=1e-3))
+    assert_tensors_close(dict(other.named_weights()), dict(plain.named_weights()))
+    if key == "optimizer_offload":
+        assert all(v.device.type == "cpu" for s in other.optimizer.state.values() for k, v in s.items() if k != "step")
+
+
+def test_activation_checkpointing_on_the_local_engine(tiny_model_dir):
+    """`EngineConfig.activation_checkpointing` without a mesh: every decoder layer is
+    checkpointed (once, also when a second engine shares the model), same numbers."""
+    from torch.distributed._composable.contract import _get_registry
+
+    from ember.engine.parallel import decoder_layers
+
+    config = EngineConfig(micro_batch_tokens=40, logprob_chunk_tokens=CHUNK, activation_checkpointing=True)
+    ac = TorchEngine.from_pretrained(tiny_model_dir, config)
+    TorchEngine(ac.model, config)  # a second engine over the same model: applied once, no error
+    assert all("checkpoint" in (_get_registry(layer) or {}) for layer in decoder_layers(ac.model))
+    plain = _engine(tiny_model_dir, CHUNK, lora=False, packing=True)
+    datums = _datums("ppo")
+    _compare(ac.forward_backward(datums, "ppo"), plain.forward_backward(datums, "ppo"), "ppo")
+    assert_tensors_close(_grads(ac), _grads(plain))
