@@ -248,10 +248,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype, cpu_of
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Composable checkpoint on every decoder layer; layers that already have it are left
+    as they are (a LoRA base shared by several engines, or one laid out on a mesh)."""
     from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.contract import _get_registry
 
     for layer in decoder_layers(model):
-        checkpoint(layer)
+        if "checkpoint" not in (_get_registry(layer) or {}):
+            checkpoint(layer)
 
 
 def parallelize_model(
