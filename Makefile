@@ -4,13 +4,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ember-installed
 VLLM_STAMP := $(VENV)/.ember-vllm-installed
+COOKBOOK_STAMP := $(VENV)/.ember-cookbook-installed
+# tinker-cookbook for tests/recipes/test_recipes_cookbook.py: its PyPI release requires
+# tml-renderers, which is not on PyPI (only its Inkling/Kimi renderers use it), so it is
+# installed without dependencies on top of the `cookbook` extra (its other requirements).
+COOKBOOK := tinker-cookbook==0.6.1
 # The CPU build of torch; GPU users install their own torch first and we keep it.
 TORCH_CPU ?= torch==2.13.0
 # vLLM's CPU build pulls in torchvision/torchaudio/torchcodec built for another torch;
 # `import vllm` fails until they are gone, and nothing of ours uses them.
 VLLM_STRAYS := torchvision torchaudio torchcodec
 
-.PHONY: setup setup-vllm test test-fast demo bench clean
+.PHONY: setup setup-vllm setup-cookbook test test-fast demo bench clean
 
 setup: $(STAMP)
 
@@ -31,7 +36,14 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -c "import vllm" 2>/dev/null || echo "vllm is not importable: vLLM tests will be skipped with the reason"
 	touch $(VLLM_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP)
+setup-cookbook: $(COOKBOOK_STAMP)
+
+$(COOKBOOK_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test,cookbook]"
+	$(PY) -m pip install -q --no-deps "$(COOKBOOK)"
+	touch $(COOKBOOK_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP) $(VLLM_STAMP)

@@ -89,3 +89,30 @@ def test_finishing_a_session_drops_its_records(client):
     assert len(service.records) == 5
     second.close("success")
     assert len(service.records) == 2
+
+
+def test_the_cookbook_rl_loop_datum_is_accepted(client):
+    """tinker-cookbook 0.6.1's rl_loop builds targets ``[0] * ob_len + sampled_tokens`` with
+    a prompt run over the zeros (its own `with_sampled_provenance`): the placeholders are
+    accepted and the loss equals that of the datum with the true prompt tokens."""
+    rl_loop = pytest.importorskip("tinker_cookbook.recipes.rl_loop",
+                                  reason="tinker-cookbook is not installed (make test installs it)")
+    tc = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params(7)).result().sequences[0]
+    ob_len = len(PROMPT) - 1
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(PROMPT + list(seq.tokens[:-1])),
+        loss_fn_inputs={"target_tokens": [0] * ob_len + list(seq.tokens),
+                        "advantages": [0.0] * ob_len + [1.0] * len(seq.tokens)})
+    cookbook = rl_loop.with_sampled_provenance(datum, len(PROMPT), len(seq.tokens), seq.sequence_id)
+    got, want = (tc.forward([d], "stable_reinforce").result() for d in (cookbook, stable_datum(PROMPT, seq)))
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
+    wrong = list(seq.tokens)
+    wrong[0] = (wrong[0] + 1) % 50
+    bad = types.Datum(model_input=datum.model_input,
+                      loss_fn_inputs={**datum.loss_fn_inputs, "target_tokens": [0] * ob_len + wrong})
+    with pytest.raises(tinker.RequestFailedError) as info:
+        tc.forward([rl_loop.with_sampled_provenance(bad, len(PROMPT), len(wrong), seq.sequence_id)],
+                   "stable_reinforce").result()
+    assert "datum 0: loss_fn_input_spans[1]" in str(info.value) and "recorded sampled token 0" in str(info.value)

@@ -96,19 +96,26 @@ def test_a_model_directory_under_a_model_root_works_by_path(setup):
     assert out.loss_fn_outputs
 
 
-def test_an_unregistered_directory_outside_the_roots_is_refused(setup, tiny_model_dir):
+def test_an_unregistered_directory_outside_the_roots_is_refused(setup, tiny_model_dir, tmp_path):
     _, b, *_ = setup
+    outside = tmp_path / "outside"  # tiny_model_dir itself is registered: its path names that model
+    shutil.copytree(tiny_model_dir, outside)
     with pytest.raises(Exception, match="unknown base model"):
-        b.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
+        b.create_lora_training_client(base_model=str(outside), rank=2).result()
 
 
 def test_without_a_model_root_only_registered_names_work(tiny_model_dir, tmp_path):
     server = start_server(tiny_model_dir, tmp_path)
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+    unregistered = tmp_path / "unregistered"
+    shutil.copytree(tiny_model_dir, unregistered)
     try:
         with pytest.raises(Exception, match="needs the operator's --model-root"):
-            sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
+            sc.create_lora_training_client(base_model=str(unregistered), rank=2).result()
         sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()  # the name still works
+        # and so does the directory it was registered with (tinker-cookbook's model_name)
+        tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=2).result()
+        assert tc.get_info().model_data.model_name == MODEL_NAME
     finally:
         sc.close("success").result(timeout=30)
         server.stop()

@@ -57,8 +57,15 @@ def test_models_toml_and_registry(tmp_path, tiny_model_dir):
     reg = ModelRegistry(cfg.models)
     assert reg.names() == ["org/tiny", "rel/model", "x"]
     assert reg.resolve("org/tiny").directory == tiny_model_dir
+    (tmp_path / "unregistered").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "unregistered")
     with pytest.raises(UserError, match="unknown base model .*needs the operator's --model-root"):
-        reg.resolve(str(tiny_model_dir))  # no model root: a path is not a name
+        reg.resolve(str(tmp_path / "unregistered"))  # no model root: a path is not a name
+    # ... except the directory a model was registered with, which names that model
+    # (tinker-cookbook loads the tokenizer from model_name: a directory, not a served name)
+    for spelling in (str(tiny_model_dir), str(tiny_model_dir) + "/./"):
+        by_dir = reg.resolve(spelling)
+        assert by_dir.directory == tiny_model_dir and by_dir.name in ("org/tiny", "x")  # both registered there
     rooted = ModelRegistry(cfg.models, roots=[tiny_model_dir.parent])
     assert rooted.resolve(str(tiny_model_dir)).directory == tiny_model_dir.resolve()
     with pytest.raises(UserError, match="unknown base model 'nope'.*org/tiny"):

@@ -144,6 +144,29 @@ def test_tokens_must_match_the_record(records):
             "sampled token 2 is 9")
 
 
+def test_prompt_targets_are_placeholders_but_sampled_targets_must_match(records):
+    """tinker-cookbook's rl_loop sends ``[0] * ob_len + sampled`` as targets, with a prompt run
+    over the zeros: prompt targets carry no loss, so any ids pass there (the resolution is
+    the same as with the true prompt tokens); a wrong sampled target is still refused."""
+    d = datum()
+    targets = d.loss_fn_inputs["target_tokens"].tolist()
+    zeros = dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs, "target_tokens": [0, 0] + targets[2:]})
+    got, want = records.resolve("alice", "sess-a", [zeros, d])
+    for key in ("logprobs", "sampled_mask"):
+        np.testing.assert_array_equal(got.loss_fn_inputs[key].to_numpy(), want.loss_fn_inputs[key].to_numpy())
+    wrong = [0, 0] + targets[2:4] + [1] + targets[5:]
+    refused(records, [dataclasses.replace(d, loss_fn_inputs={**d.loss_fn_inputs, "target_tokens": wrong})],
+            "datum 0: loss_fn_input_spans[1]", "position 4 holds 1", "sampled token 2 is 9")
+    # the input tokens are what the model computes on: a placeholder there is refused
+    refused(records, [dataclasses.replace(d, model_input=types.ModelInput.from_ints([0, 0, 0, 7, 8, 9]))],
+            "datum 0: model_input_spans[0]", "position 0 holds 0", "prompt token 0 is 3")
+    # a placeholder run still has to lie within the recorded prompt
+    out_of_range = dataclasses.replace(zeros, loss_fn_input_spans=[
+        types.PromptProvenanceSpan(sequence_id="s:0", offset=2, length=2),
+        types.SampledProvenanceSpan(sequence_id="s:0", length=4)])
+    refused(records, [out_of_range], "datum 0: loss_fn_input_spans[0]", "offset 2 + length 2 = 4 exceeds")
+
+
 def test_runs_must_tile_and_stay_in_range(records):
     d = datum()
     refused(records, [dataclasses.replace(d, loss_fn_input_spans=d.loss_fn_input_spans[1:])],

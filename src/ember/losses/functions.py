@@ -231,7 +231,11 @@ def stable_reinforce(
 
     ``q`` (``logprobs``) and ``m`` (``sampled_mask``) are filled in by the service from the
     records the datum's provenance names (``ember.service.stability``), never taken from
-    the client. ``low``/``high`` are ``clip_low_threshold`` / ``clip_high_threshold``
+    the client. Provenance rule: every ``model_input`` token and every target under a
+    ``SampledProvenanceSpan`` must equal the record (their recorded q_t is what the loss
+    uses); targets under a ``PromptProvenanceSpan`` carry no loss (m_t = 0) and may be
+    placeholders (tinker-cookbook's ``rl_loop`` sends 0s there). See docs/architecture.md.
+    ``low``/``high`` are ``clip_low_threshold`` / ``clip_high_threshold``
     (default 0.5 / 2.0). Normalisation: none (sum over tokens and datums, contract 1).
     """
     logp_T, q_T, adv_T = _rl_tensors(target_logprobs, inputs)

@@ -4,6 +4,11 @@ It writes an ordinary Hugging Face model directory (config.json, model.safetenso
 tokenizer files with a chat template) that loads with `from_pretrained` and can be given
 to `ember serve --model NAME=DIR` or `ember.ServiceClient(models={NAME: DIR})`. Nothing is
 downloaded; any real checkpoint directory is used the same way.
+
+The defaults are what a first user needs: a byte-level tokenizer (any text round-trips)
+with the chat markers tinker-cookbook's renderers expect as single tokens (`<|im_start|>`,
+`<|im_end|>`, `<|endoftext|>`, Llama 3's `<|eot_id|>`, ...), 4096 positions, and
+head_dim 32, which every sampler backend serves (vLLM's CPU attention needs >= 32).
 """
 
 from __future__ import annotations
@@ -12,13 +17,44 @@ import argparse
 import sys
 from pathlib import Path
 
+# (flag, attribute, lowest, highest): a value outside is refused before anything is built
+SIZES = (
+    ("--hidden-size", "hidden_size", 1, 4096),
+    ("--layers", "layers", 1, 4096),
+    ("--heads", "heads", 1, 256),
+    ("--max-positions", "max_positions", 16, 1 << 20),
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="directory to write (must not exist, or be empty)")
     parser.add_argument("--family", choices=("qwen3", "llama"), default="qwen3", help="architecture (default qwen3)")
     parser.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="attention heads (default hidden size / 32, i.e. head_dim 32: vLLM's CPU "
+                             "attention serves head_dim 32, 64, 80, ...)")
+    parser.add_argument("--max-positions", type=int, default=4096,
+                        help="max_position_embeddings, the longest sequence (default 4096)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sizes asked for, or None."""
+    for flag, name, low, high in SIZES:
+        value = getattr(args, name)
+        if value is not None and not low <= value <= high:
+            return f"{flag} must be in [{low}, {high}], got {value}"
+    if args.heads is None and args.hidden_size % 32:
+        return f"--hidden-size must be a multiple of 32 (heads of 32; or give --heads), got {args.hidden_size}"
+    if args.heads is not None and args.hidden_size % (2 * args.heads):
+        return (f"--hidden-size must be a multiple of 2 x --heads (an even head size, for rotary "
+                f"embeddings), got {args.hidden_size} with {args.heads} heads")
+    return None
+
+
+def _heads(args: argparse.Namespace) -> int:
+    return args.heads or args.hidden_size // 32
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,19 +62,17 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         print(f"ember tiny-model: {str(out)!r} exists and is not an empty directory", file=sys.stderr)
         return 2
-    for name in ("hidden_size", "layers"):
-        if not 1 <= getattr(args, name) <= 4096:
-            print(f"ember tiny-model: --{name.replace('_', '-')} must be in [1, 4096], got {getattr(args, name)}",
-                  file=sys.stderr)
-            return 2
-    if args.hidden_size % 4:
-        print(f"ember tiny-model: --hidden-size must be a multiple of 4 (4 heads), got {args.hidden_size}",
-              file=sys.stderr)
+    problem = _problem(args)
+    if problem:
+        print(f"ember tiny-model: {problem}", file=sys.stderr)
         return 2
     from ember.models.testing import build_tiny_model
 
-    build_tiny_model(out, family=args.family, seed=args.seed, hidden_size=args.hidden_size,
-                     num_layers=args.layers, head_dim=args.hidden_size // 4)
-    print(f"ember tiny-model: wrote a random-weight {args.family} (hidden {args.hidden_size}, "
-          f"{args.layers} layers) and its tokenizer to {out}")
+    heads = _heads(args)
+    build_tiny_model(out, family=args.family, seed=args.seed, tokenizer="bytes", hidden_size=args.hidden_size,
+                     num_layers=args.layers, num_heads=heads, num_kv_heads=heads,
+                     head_dim=args.hidden_size // heads, max_position_embeddings=args.max_positions)
+    print(f"ember tiny-model: wrote a random-weight {args.family} (hidden {args.hidden_size}, {args.layers} "
+          f"layers, {heads} heads of {args.hidden_size // heads}, {args.max_positions} positions) and a "
+          f"byte-level tokenizer with a ChatML template to {out}")
     return 0

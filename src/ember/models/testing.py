@@ -13,7 +13,7 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from ember.models.families import FAMILIES
@@ -67,6 +67,55 @@ def build_tokenizer(
     return fast
 
 
+# The byte-level tokenizer of `ember tiny-model`: every byte is a token, so any text
+# round-trips (`\\ { } < > | _ [ ] #`, any unicode), plus the chat markers the common
+# chat formats (and tinker-cookbook's renderers: role_colon, qwen3, llama3) expect to be
+# single tokens. ChatML (Qwen) markers first: EOS ends an assistant turn, as in Qwen3.
+BYTE_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",                          # ChatML / Qwen
+    "<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",  # Llama 3
+]
+# Qwen3 keeps these as added (not special) tokens: text markers the model emits itself.
+BYTE_ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_byte_tokenizer(
+    out_dir: str | os.PathLike, corpus: list[str] | None = None, merges: int = 0,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer in code and save it (ChatML template, EOS `<|im_end|>`).
+
+    The 256 byte symbols are the initial alphabet, so every byte sequence encodes and
+    decodes back exactly; with `merges=0` (the default) no merges are learned (one token
+    per byte). `BYTE_SPECIAL_TOKENS` are single tokens; there is no BOS (as in Qwen3).
+    """
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(BYTE_SPECIAL_TOKENS) + len(alphabet) + merges, special_tokens=BYTE_SPECIAL_TOKENS,
+        initial_alphabet=alphabet, show_progress=False,
+    )
+    tok.train_from_iterator(corpus or [], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=BYTE_SPECIAL_TOKENS[1:])
+    fast.add_tokens(BYTE_ADDED_TOKENS)
+    fast.chat_template = CHATML_TEMPLATE
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+TOKENIZERS = {"chars": "one token per character of an alphabet (`build_tokenizer`)",
+              "bytes": "byte-level, every byte a token, chat markers (`build_byte_tokenizer`)"}
+
+
 def tiny_config(
     family: str,
     vocab_size: int,
@@ -106,14 +155,19 @@ def build_tiny_model(
     family: str = "qwen3",
     seed: int = 0,
     tokenizer_alphabet: str = DEFAULT_ALPHABET,
+    tokenizer: str = "chars",
     **config_kwargs,
 ) -> Path:
     """Build a tokenizer and a random-weight model in `out_dir`; return the directory.
 
+    `tokenizer` is a key of `TOKENIZERS`: "chars" (the default: tests and the demo are
+    calibrated on it) uses `tokenizer_alphabet`; "bytes" is `ember tiny-model`'s.
     Load it back with `ember.models.load_model(out_dir)` / `load_tokenizer(out_dir)`.
     """
     out = Path(out_dir)
-    tok = build_tokenizer(out, alphabet=tokenizer_alphabet)
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; expected one of {', '.join(TOKENIZERS)}")
+    tok = build_byte_tokenizer(out) if tokenizer == "bytes" else build_tokenizer(out, alphabet=tokenizer_alphabet)
     cfg = tiny_config(
         family, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         **config_kwargs,

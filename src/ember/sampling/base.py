@@ -124,8 +124,21 @@ class SamplingRequest:
     prompt_alt_tokens_k: int = 0
 
 
+class UnsupportedModelError(ValueError):
+    """A backend cannot serve a model: the message names the model's field (a config.json
+    key), its value and what the backend supports."""
+
+
 class Sampler(abc.ABC):
     """A sampling backend for one base model (see the module docstring for semantics)."""
+
+    @classmethod
+    def check_model(cls, model_dir, config) -> None:
+        """Raise `UnsupportedModelError` when this backend cannot serve the model in
+        `model_dir` with `config` (a resolved `SamplerConfig`). Called when a sampler is
+        created and, for registered models, at service start-up, so a model the backend
+        cannot run is refused with its reason instead of failing at the first sample.
+        The default accepts every model (the trainer's transformers classes serve it)."""
 
     # ------------------------------------------------------------------ abstract
     @abc.abstractmethod

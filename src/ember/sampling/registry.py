@@ -2,7 +2,8 @@
 
 Values are "module:Class" paths imported on first use, so `vllm` is imported only when a
 vLLM sampler is asked for. A backend class provides `from_pretrained(model_dir, config,
-scratch_dir=None)`. Adding a backend = one file + one line here.
+scratch_dir=None)`, and `check_model(model_dir, config)` (raising `UnsupportedModelError`)
+when it cannot serve every model. Adding a backend = one file + one line here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def backend_missing(name: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def check_model(model_dir: str | os.PathLike, config: SamplerConfig) -> None:
+    """Raise `UnsupportedModelError` (a ValueError naming the field) when backend
+    `config.backend` cannot serve the model in `model_dir` (`Sampler.check_model`)."""
+    sampler_class(config.backend).check_model(model_dir, config)
 
 
 def create_sampler(model_dir: str | os.PathLike, config: SamplerConfig, scratch_dir: str | os.PathLike | None = None):

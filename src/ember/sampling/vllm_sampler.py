@@ -65,6 +65,7 @@ from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import sampled_sequence
 from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
+from ember.sampling.vllm_support import check_vllm_model, engine_fault_message
 from ember.sampling.vllm_versions import (
     BASE_KEY, VLLMWeightVersion, lora_refused_modules, meta_model, remove_version_files, write_full_version,
     write_lora_version,
@@ -94,6 +95,7 @@ class VLLMSampler(Sampler):
                  scratch_dir: str | os.PathLike | None = None) -> None:
         self.config = config or SamplerConfig(backend="vllm")
         self.model_dir = Path(model_dir)
+        self.check_model(self.model_dir, self.config)  # before an engine process is started
         self.dtype = resolve_dtype(self.config.resolved_dtype)
         self._id = next(_sampler_ids)
         self._meta = meta_model(self.model_dir)
@@ -122,6 +124,10 @@ class VLLMSampler(Sampler):
     def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
                         scratch_dir: str | os.PathLike | None = None) -> "VLLMSampler":
         return cls(model_dir, config, scratch_dir)
+
+    @classmethod
+    def check_model(cls, model_dir: str | os.PathLike, config: SamplerConfig) -> None:
+        check_vllm_model(model_dir, config.resolved_device)  # see vllm_support.py
 
     # ------------------------------------------------------------------ Sampler API
     @property
@@ -207,7 +213,7 @@ class VLLMSampler(Sampler):
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - an engine fault: category server, without its frames
-            error = RuntimeError(f"sampling failed in the vLLM engine ({type(exc).__name__}: {exc})")
+            error = RuntimeError(engine_fault_message(exc))
         # raised here, outside the handler, so the failed request keeps no reference to a dead engine
         raise error
 

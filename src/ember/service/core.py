@@ -88,6 +88,7 @@ class Service(ServiceAPI):
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
             config.max_samplers_per_session, records=self.records,
         )
+        self.samplers.check_registered()
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
         self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end)

@@ -56,19 +56,30 @@ class ModelRegistry:
     by default) and not under any of `private` (the data directory: other tenants'
     checkpoints and exports live there). Anything else gets the same "unknown base model"
     error, so the answer never tells whether a path exists.
+
+    A registered model may also be named by the directory it was registered with
+    (`--model tiny=./tiny-model`: `./tiny-model`, `tiny-model` or its absolute path): code
+    that loads the tokenizer client-side from `model_name` (tinker-cookbook's recipes) then
+    finds it on disk instead of asking the Hugging Face hub. The comparison is on strings
+    (normalised), so a tenant's name never makes the server look at the filesystem.
     """
 
     def __init__(self, models: Mapping[str, str], roots: Sequence[str | Path] = (),
                  private: Sequence[str | Path] = ()) -> None:
-        self._models = {name: Path(d).expanduser() for name, d in models.items()}
+        self._models: dict[str, Path] = {}
+        self._by_directory: dict[str, str] = {}  # a spelling of a registered directory -> its name
         self._roots = [real_path(r) for r in roots]
         self._private = [real_path(p) for p in private]
+        self.add_all(models)
 
     def resolve(self, name: str) -> BaseModel:
         if not isinstance(name, str) or not name:
             raise UserError(f"base_model must be a non-empty string, got {name!r}")
         if name in self._models:
             return BaseModel(name, self._models[name])
+        registered = self._by_directory.get(os.path.normpath(name)) if "\x00" not in name else None
+        if registered is not None:
+            return BaseModel(registered, self._models[registered])
         directory = self._allowed_directory(name)
         if directory is not None:
             return BaseModel(name, directory)
@@ -97,6 +108,8 @@ class ModelRegistry:
             if name in self._models and self._models[name].resolve() != p.resolve():
                 raise ValueError(f"base model {name!r} is already registered as {self._models[name]}, not {p}")
             self._models[name] = p
+            for spelling in {os.path.normpath(str(p)), os.path.abspath(p), str(real_path(p))}:
+                self._by_directory.setdefault(spelling, name)  # the first name registered for a directory
 
     def names(self) -> list[str]:
         return sorted(self._models)

@@ -4,8 +4,12 @@
 ``loss_fn_inputs["target_tokens"]``, run after run in order (``Datum.with_provenance``).
 A run claims that its positions hold tokens ``[offset, offset + length)`` of the named
 sequence's prompt (`PromptProvenanceSpan`) or sampled tokens (`SampledProvenanceSpan`);
-ember checks that claim token by token. See `ember.service.stability` for what is recorded
-and which choices are ember's.
+ember checks that claim token by token, with one exception: a prompt run of
+``loss_fn_input_spans`` may hold any token ids (placeholders), because prompt positions
+carry no loss (no sampler log-prob exists there; ``sampled_mask`` is 0). tinker-cookbook's
+``rl_loop`` sends zeros there (``[0] * ob_len + sampled_tokens``). Every input token and
+every sampled target, whose recorded log-prob the loss uses, must equal the record. See
+`ember.service.stability` for what is recorded and which choices are ember's.
 """
 
 from __future__ import annotations
@@ -80,13 +84,17 @@ def _match(where: str, got: np.ndarray, want: np.ndarray, start: int, span) -> N
 
 def _walk(records, owner, session_id, index: int, field: str, spans: list, tokens: np.ndarray,
           q_T: np.ndarray | None, mask_T: np.ndarray | None) -> None:
-    """Check every run of `field` against the records; fill q/mask (for the loss rows)."""
+    """Check every run of `field` against the records; fill q/mask (for the loss rows).
+
+    With `q_T` given (the target rows), a prompt run's tokens are placeholders and are not
+    compared (see the module docstring); its range is still checked against the record."""
     pos = 0
     for j, span in enumerate(spans):
         where = f"datum {index}: {field}[{j}]"
         ids, logprobs = _span_source(records, owner, session_id, where, span)
         end = pos + int(span.length)
-        _match(where, tokens[pos:end], ids, pos, span)
+        if q_T is None or isinstance(span, types.SampledProvenanceSpan):
+            _match(where, tokens[pos:end], ids, pos, span)
         if q_T is not None and logprobs is not None:
             q_T[pos:end] = logprobs
             mask_T[pos:end] = 1.0

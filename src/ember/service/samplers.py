@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from tinker import types
 
+from ember.sampling.base import UnsupportedModelError
 from ember.service import checkpoints as ckpt
 from ember.service import lifecycle
 from ember.service.api import NotFoundError, Submission, UserError
@@ -48,6 +49,10 @@ class SamplerFactory(abc.ABC):
     @abc.abstractmethod
     def create(self, base: BaseModel) -> Any:
         """A `ember.sampling.Sampler` serving `base`."""
+
+    def check(self, base: BaseModel) -> None:
+        """Raise `UnsupportedModelError` when `create(base)` would get a backend that cannot
+        serve `base` (called at start-up for registered models). Default: no check."""
 
 
 class LocalSamplerFactory(SamplerFactory):
@@ -72,6 +77,11 @@ class LocalSamplerFactory(SamplerFactory):
         device = "cuda" if engine.device.startswith("cuda") else engine.device
         return resolve_sampler_config(self.config, device=device, dtype=engine.dtype,
                                       max_position_embeddings=max_positions(base.directory))
+
+    def check(self, base: BaseModel) -> None:
+        from ember.sampling.registry import check_model
+
+        check_model(base.directory, self.resolved_config(base))
 
     def create(self, base: BaseModel) -> Any:
         from ember.sampling import create_sampler
@@ -115,8 +125,21 @@ class SamplerManager:
         with self._lock:
             sampler = self._samplers.get(base.directory)
             if sampler is None:
-                sampler = self._samplers[base.directory] = self.factory.create(base)
+                try:
+                    sampler = self._samplers[base.directory] = self.factory.create(base)
+                except UnsupportedModelError as exc:  # the model asked for, not ember, is the cause
+                    raise UserError(f"base model {base.name!r}: the sampler backend cannot serve it: {exc}") from exc
             return sampler
+
+    def check_registered(self) -> None:
+        """Refuse to start (ValueError naming model, field and what is supported) when a
+        registered model cannot be served by the sampler backend: at start-up, not at the
+        first sample (`Sampler.check_model`)."""
+        for name in self.registry.names():
+            try:
+                self.factory.check(self.registry.resolve(name))
+            except UnsupportedModelError as exc:
+                raise ValueError(f"model {name!r}: the sampler backend cannot serve it: {exc}") from exc
 
     def _load(self, base: BaseModel, weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None):
         return self.backend(base).load_weights(weights, lora)

@@ -25,7 +25,9 @@ What is ember's choice (the docs do not say):
   and reason): provenance present; runs tile their field; every named sequence is
   recorded for this owner *and* session (another tenant's or session's id reads exactly
   like an unknown one); not expired; ``offset + length`` within the recorded prompt /
-  sampled tokens; the datum's tokens equal the recorded ones.
+  sampled tokens; the datum's input tokens and its *sampled* target tokens equal the
+  recorded ones. Target tokens under a prompt run are placeholders, not compared: prompt
+  positions carry no loss (below), and tinker-cookbook's ``rl_loop`` sends zeros there.
 * Records of a session are dropped when it finishes or expires. Losses other than
   ``stable_reinforce`` ignore provenance spans.
 * **Resolution**: target position t covered by a sampled run gets the recorded sampler
