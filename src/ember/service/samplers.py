@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from tinker import types
 
-from ember.service import checkpoints as ckpt
-from ember.service import lifecycle
+from ember.service import checkpoint_files as ckpt
+from ember.service.checkpoint_store import readable
 from ember.service.api import NotFoundError, Submission, UserError
-from ember.service.engines import BaseModel, ModelRegistry
+from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.stability import StabilityRecords
@@ -122,7 +122,7 @@ class SamplerManager:
         return self.backend(base).load_weights(weights, lora)
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
-        tpath, crow = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
+        tpath, crow = readable(self.store, owner, path)  # the owner's, or a published one
         run = self.store.get(RunRow, crow.run_id)
         if run is None:
             raise UserError(f"checkpoint {path!r} has no training run record")
@@ -252,7 +252,7 @@ class SamplerManager:
             row = self.store.get(SamplerRow, sampler_id)
             path = row.model_path if row is not None and row.owner == owner else None  # else: _resolve's 404
         if path is not None:
-            lifecycle.readable(self.store, owner, path)
+            readable(self.store, owner, path)
 
     def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any],
                       record: bool) -> None:
