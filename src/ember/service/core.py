@@ -35,7 +35,7 @@ from ember.service.futures import FutureTable
 from ember.service.run_validation import check_samplable
 from ember.service.runs import LiveRun, RunManager
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
-from ember.service.sessions import SessionManager
+from ember.service.sessions import SessionManager, session_of
 from ember.service.stability import StabilityRecords
 from ember.service.store import Store
 
@@ -92,7 +92,10 @@ class Service(ServiceAPI):
         )
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
-        self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end)
+        self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end,
+                                       idle_ttl_s=config.sessions.idle_ttl_s,
+                                       max_per_key=config.limits.max_sessions_per_key)
+        self.futures.on_session_activity = self.sessions.touch
         self._closed = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
         self._housekeeper.start()
@@ -115,8 +118,9 @@ class Service(ServiceAPI):
 
     def _housekeeping_loop(self) -> None:
         interval = self.config.housekeeping_interval_s
-        if self.config.session_timeout_s is not None:
-            interval = min(interval, max(0.5, self.config.session_timeout_s / 4))
+        for timeout in (self.config.session_timeout_s, self.config.sessions.idle_ttl_s):
+            if timeout is not None:
+                interval = min(interval, max(0.5, timeout / 4))
         sweep_every = self.config.checkpoints.sweep_interval_s
         last = time.monotonic()
         while not self._closed.wait(min(interval, sweep_every)):
@@ -130,13 +134,13 @@ class Service(ServiceAPI):
                 log.exception("housekeeping failed")
 
     def housekeeping(self) -> None:
-        """Expire silent sessions, end stuck futures, delete old finished futures and
-        checkpoints past their TTL."""
+        """Expire silent and idle sessions, end stuck futures, delete old finished futures
+        and checkpoints past their TTL."""
         durability = self.config.durability
         ended = self.futures.sweep(durability.future_deadline_s, durability.orphan_grace_s)
         if ended:
             log.warning("housekeeping ended %d stuck future(s)", ended)
-        self.sessions.expire()
+        self.sessions.expire(busy=self.futures.pending_sessions())
         self.records.expire()
         now = time.time()
         if self.config.future_retention_s is not None:
@@ -161,7 +165,7 @@ class Service(ServiceAPI):
             self._on_session_end(session_id)
 
     def expire_sessions(self) -> list[str]:
-        return self.sessions.expire()
+        return self.sessions.expire(busy=self.futures.pending_sessions())
 
     def get_session(self, owner, session_id) -> types.GetSessionResponse:
         return self.sessions.get(owner, session_id)
@@ -258,6 +262,7 @@ class Service(ServiceAPI):
             def op(run: LiveRun):
                 check_samplable(run.spec)
                 engine = run.require_engine()
+                self._check_new_sampler(run.owner, run.session_id, sampling_session_seq_id)
                 sid = self.samplers.create_from_weights(
                     run.owner, run.session_id, sampling_session_seq_id, run.spec.base, engine.named_weights(),
                     run.spec.lora_config, run.run_id,
@@ -291,8 +296,23 @@ class Service(ServiceAPI):
     def create_sampling_session(self, owner, session_id, sampling_session_seq_id, *, base_model=None,
                                 model_path=None) -> types.CreateSamplingSessionResponse:
         self.sessions.require_active(owner, session_id)
+        self.sessions.touch(session_id)
+        self._check_new_sampler(owner, session_id, sampling_session_seq_id)
         sid = self.samplers.create(owner, session_id, sampling_session_seq_id, base_model, model_path)
         return types.CreateSamplingSessionResponse(sampling_session_id=sid)
+
+    def _check_new_sampler(self, owner: str, session_id: str, seq: Any) -> None:
+        """`limits.max_sampling_sessions_per_key`, for a sampling session not made yet (a
+        retry of one that was made passes)."""
+        if isinstance(seq, int) and self.store.sampler_by_seq(session_id, seq) is not None:
+            return
+        quota = self.config.limits.max_sampling_sessions_per_key
+        n = self.samplers.loaded_count(owner)
+        if n >= quota:
+            raise UserError(f"sampling sessions quota: this API key has {n} sampling sessions loaded, the quota is "
+                            f"limits.max_sampling_sessions_per_key={quota}; close ServiceClients you no longer use "
+                            f"(their sessions' samplers are released), or wait for idle sessions to expire "
+                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s})")
 
     def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
         return self.samplers.get(owner, sampling_session_id)
@@ -312,7 +332,10 @@ class Service(ServiceAPI):
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
             target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
-        return self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
+        sub = self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
+        self.futures.tag_session(sub.request_id, session_of(sampling_session_id))  # busy until it finishes
+        self.sessions.touch(session_of(sampling_session_id))
+        return sub
 
     # ------------------------------------------------------------------ futures
     def retrieve(self, owner, request_id, timeout_s=0.0) -> FutureState:

@@ -37,6 +37,7 @@ from ember.service.run_validation import (
     validate_optimizer,
 )
 from ember.service.sequencer import Lane, RunSequencer
+from ember.service.sessions import session_of
 from ember.service.store import CheckpointRow, RunRow, Store
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,8 @@ class RunManager:
         """The one creation path: the future (idempotent on the run id), the checks of
         `plan`, the run registered, then its engine built (and loaded) as its seq_id 0."""
         run_id = f"{session_id}:train:{model_seq_id}"
-        sub, created = self.futures.create(owner, rtype, model_id=run_id, dedup_key=f"create:{run_id}")
+        sub, created = self.futures.create(owner, rtype, model_id=run_id, dedup_key=f"create:{run_id}",
+                                           session=session_of(run_id))
         if not created:
             return sub
         with self.futures.accepting(sub.request_id):
@@ -247,7 +249,8 @@ class RunManager:
         """Queue `fn(run)` as request `seq_id` of `model_id` (idempotent on (model_id, seq_id))."""
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
             return self.reject(owner, rtype, f"seq_id must be an integer >= 0, got {seq_id!r}", model_id=model_id)
-        sub, created = self.futures.create(owner, rtype, model_id=model_id, dedup_key=f"op:{model_id}:{seq_id}")
+        sub, created = self.futures.create(owner, rtype, model_id=model_id, dedup_key=f"op:{model_id}:{seq_id}",
+                                           session=session_of(model_id))
         if created:
             with self.futures.accepting(sub.request_id):
                 self._queue_op(sub.request_id, owner, model_id, seq_id, fn)

@@ -194,6 +194,11 @@ class SamplerManager:
         self._remember(LiveSampler(row.id, owner, session_id, base, version))
         return row.id
 
+    def loaded_count(self, owner: str) -> int:
+        """Sampling sessions of `owner` loaded now (`limits.max_sampling_sessions_per_key`)."""
+        with self._lock:
+            return sum(1 for live in self._by_id.values() if live.owner == owner)
+
     def row(self, owner: str, sampler_id: str) -> SamplerRow:
         row = self.store.get(SamplerRow, sampler_id)
         if row is None or row.owner != owner:
