@@ -65,7 +65,7 @@ class Limits:
     max_seq_ahead: int = 1024
     max_lora_rank: int = 512
     max_runs_per_key: int = 16
-    max_sessions_per_key: int = 64
+    max_sessions_per_key: int = 256
     max_sampling_sessions_per_key: int = 64
     max_checkpoint_bytes_per_key: int = 200 * 1024**3
 
