@@ -16,6 +16,9 @@ or in process with `arm(name, action, times)` / `disarm()`. Actions:
     raise         RuntimeError("fail point <name>")
     enospc        OSError(ENOSPC): a full disk
     dblocked      sqlalchemy OperationalError "database is locked"
+    oom           MemoryError
+    mmap          RuntimeError "unable to mmap ... from file <a server path>" (torch's words when
+                  loading safetensors runs out of memory)
     sleep:S       sleep S seconds, then continue
 
 `*N` fires the action on the first N hits only (default: every hit); `@K` lets the first
@@ -43,6 +46,7 @@ POINTS = {
     "futures.finish_write": "the database write that finishes a future (result or error)",
     "futures.after_create": "a create call's future row is committed, its work is not queued yet",
     "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs)",
+    "run.create_engine": "a training run's engine is about to be built (on its lane)",
 }
 
 
@@ -85,7 +89,7 @@ def _check(name: str) -> str:
 
 def _check_action(action: str) -> str:
     kind, _, arg = action.partition(":")
-    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep") or (kind == "sleep") != bool(arg):
+    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap") or (kind == "sleep") != bool(arg):
         raise ValueError(f"unknown fail point action {action!r}")
     if arg:
         float(arg)
@@ -150,4 +154,9 @@ def _fire(name: str, action: str) -> None:
         from sqlalchemy.exc import OperationalError
 
         raise OperationalError(f"/* fail point {name} */ UPDATE futures SET ...", {}, Exception("database is locked"))
+    if kind == "oom":
+        raise MemoryError()
+    if kind == "mmap":
+        path = os.path.join(os.getcwd(), "models", "tiny", "model.safetensors")
+        raise RuntimeError(f"unable to mmap 342000 bytes from file <{path}>: Cannot allocate memory (12)")
     raise FailPointError(f"fail point {name}")

@@ -123,7 +123,7 @@ def test_resuming_with_state_refuses_another_optimizer_type(tmp_path):
     import json
 
     from ember.service.api import UserError
-    from ember.service.runs import _resumed_optimizer
+    from ember.service.run_validation import resumed_optimizer as _resumed_optimizer
 
     (tmp_path / "ember_state.json").write_text(json.dumps({"optimizer": "adamw"}))
     assert _resumed_optimizer(tmp_path, True, None) == {"type": "adamw"}

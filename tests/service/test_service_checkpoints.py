@@ -11,9 +11,9 @@ from tinker import types
 
 from ember.engine.testing import random_sft_datums, sft_datum
 from ember.service import UserError
-from ember.service.checkpoints import TinkerPath, checkpoint_dir, parse_tinker_path, validate_name
+from ember.service.checkpoint_files import TinkerPath, checkpoint_dir, parse_tinker_path, validate_name
 from ember.service.config import ServiceConfig, load_models_toml
-from ember.service.engines import ModelRegistry
+from ember.service.model_registry import ModelRegistry
 
 from .conftest import new_run, result
 
@@ -233,6 +233,6 @@ def test_a_failed_save_leaves_rows_naming_complete_directories_after_restart(mak
 
 
 def ckpt_read(directory):
-    from ember.service.checkpoints import read_state_weights
+    from ember.service.checkpoint_files import read_state_weights
 
     return len(read_state_weights(Path(directory))) > 0

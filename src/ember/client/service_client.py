@@ -186,8 +186,9 @@ class ServiceClient:
             data_dir = data_dir or os.environ.get("EMBER_DATA_DIR") or DEFAULT_DATA_DIR
             if sampler is not None and config is not None:
                 raise ValueError("pass the sampler settings inside config (ServiceConfig.sampler), not both")
+            # sessions.idle_ttl_s off: a session in this process lives as long as its client
             config = config or ServiceConfig(data_dir=data_dir, models=models or {}, model_roots=[IN_PROCESS_ROOT],
-                                             sampler=_sampler_config(sampler))
+                                             sampler=_sampler_config(sampler), sessions={"idle_ttl_s": None})
             self._service, self._shared_url = _acquire_service(config, workers)
         self._session_id: str | None = None
         self._lock = threading.Lock()

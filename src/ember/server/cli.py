@@ -73,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_component_flags(p, "durability", "futures under database and disk faults (lock waits, finish retries, sweep)")
     add_component_flags(p, "stability", "records of record_stability_info=True samples, for stable_reinforce")
     add_component_flags(p, "checkpoints", "checkpoint TTL sweep and user_metadata bounds")
+    add_component_flags(p, "sessions", "when idle client sessions end (their runs unloaded, samplers released)")
 
 
 def sampler_config_from_args(args: argparse.Namespace):
@@ -154,7 +155,7 @@ def service_config_from_args(args: argparse.Namespace):
         database_url=args.database_url, engine=component_config(args, "engine"),
         sampler=sampler_config_from_args(args), limits=component_config(args, "limits"),
         durability=component_config(args, "durability"), stability=component_config(args, "stability"),
-        checkpoints=component_config(args, "checkpoints"),
+        checkpoints=component_config(args, "checkpoints"), sessions=component_config(args, "sessions"),
         seq_gap_timeout_s=args.seq_gap_timeout_s, session_timeout_s=args.session_timeout_s,
         retrieve_max_wait_s=args.long_poll_s,
     )

@@ -5,7 +5,7 @@ The file has the server's own keys at the top level (the long flag names with `_
 `[client_config]`, ...) and one table per component config: `[engine]` (EngineConfig),
 `[sampler]` (SamplerConfig), `[limits]` (Limits, per-request bounds), `[durability]` (database lock waits, future
 finishing retries, the stuck-future sweep), `[stability]` (expiry and memory bounds of the
-`record_stability_info` records), `[checkpoints]` (TTL sweep, metadata bounds), `[workers]`
+`record_stability_info` records), `[checkpoints]` (TTL sweep, metadata bounds), `[sessions]` (idle expiry), `[workers]`
 (runtime, world_size, ray_address, call_timeout_s) and
 `[parallel]` (dp_replicate, dp_shard, tp). `--engine.KEY` / `--sampler.KEY` flags are
 generated from the dataclasses; every value goes through `ember.config`, so a bad key,
@@ -31,6 +31,7 @@ COMPONENTS = {
     "durability": "ember.service.config:DurabilityConfig",
     "stability": "ember.service.stability:StabilityConfig",
     "checkpoints": "ember.service.config:CheckpointConfig",
+    "sessions": "ember.service.config:SessionsConfig",
 }
 COMPONENT_SECTIONS = tuple(COMPONENTS)
 FLAG_SECTIONS = ("workers", "parallel")  # plain flags: --workers.runtime, --parallel.tp

@@ -109,6 +109,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class SessionsConfig:
+    """When client sessions end by themselves (`[sessions]`, `--sessions.*`).
+
+    idle_ttl_s: a session that no request has named (itself, one of its training runs or
+        sampling sessions) for this long, with nothing of it pending, is ended: its runs
+        are unloaded and its samplers released, and its client's next call is told so.
+        Heartbeats do not count (the SDK sends them for as long as the client object
+        lives). Default 2 hours: a training loop names its session every step, and a
+        run left untouched that long on a shared server holds memory others wait for
+        (recreate it from its last checkpoint). None = never.
+    """
+
+    idle_ttl_s: float | None = 2 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.idle_ttl_s is not None and (isinstance(self.idle_ttl_s, bool) or not self.idle_ttl_s > 0):
+            raise ValueError(f"sessions.idle_ttl_s must be > 0 seconds or None, got {self.idle_ttl_s!r}")
+
+
+@dataclass
 class ServiceConfig:
     """Configuration of one `Service`.
 
@@ -140,6 +160,7 @@ class ServiceConfig:
         keep for `stable_reinforce` (`ember.service.stability.StabilityConfig`).
     checkpoints: checkpoint TTL sweep and bounds of ttl_seconds / user_metadata
         (`CheckpointConfig`).
+    sessions: when idle client sessions end (`SessionsConfig`).
     """
 
     data_dir: str | os.PathLike
@@ -159,6 +180,7 @@ class ServiceConfig:
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -175,6 +197,8 @@ class ServiceConfig:
             self.stability = StabilityConfig(**self.stability)
         if isinstance(self.checkpoints, Mapping):
             self.checkpoints = CheckpointConfig(**self.checkpoints)
+        if isinstance(self.sessions, Mapping):
+            self.sessions = SessionsConfig(**self.sessions)
         if self.seq_gap_timeout_s <= 0:
             raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
         if self.session_timeout_s is not None and self.session_timeout_s <= 0:

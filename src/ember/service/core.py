@@ -1,7 +1,8 @@
 """`Service`: the `ServiceAPI` implementation, composed of small managers.
 
     SessionManager  (sessions.py)  sessions, heartbeats, expiry
-    RunManager      (runs.py)      training runs, ordered ops on lanes, checkpoints
+    RunManager      (runs.py)      training runs, ordered ops on lanes
+    CheckpointStore (checkpoint_store.py) checkpoints: save, access, publish, TTL, delete, links, sweeps
     SamplerManager  (samplers.py)  sampling sessions (immutable weight versions), samples
     FutureTable     (futures.py)   futures, persisted
     rest.py                        REST listings
@@ -18,25 +19,25 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 from tinker import types
 
 from ember.engine.optimizers import OPTIMIZERS, params_name
-from ember.service import checkpoints as ckpt
-from ember.service import external, lifecycle, rest
+from ember.service import external, rest
+from ember.service.checkpoint_store import CheckpointStore, check_ttl
 from ember.service.api import ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError
 from ember.service.config import ServiceConfig, WorkersConfig
 from ember.service.datadir import DataDirLock
-from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry, engine_factory_for
+from ember.service.engines import EngineFactory, LocalEngineFactory, engine_factory_for
+from ember.service.model_registry import ModelRegistry
 from ember.service.futures import FutureTable
-from ember.service.runs import LiveRun, RunManager, RunNotLoadedError, check_samplable
+from ember.service.run_validation import check_samplable
+from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
-from ember.service.sessions import SessionManager
+from ember.service.sessions import SessionManager, session_of
 from ember.service.stability import StabilityRecords
-from ember.service.store import CheckpointRow, Store
-from ember.service.sweep import sweep_data_dir
+from ember.service.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +75,14 @@ class Service(ServiceAPI):
         unloaded = self.store.unload_active_runs()
         if failed or unloaded:
             log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
-        sweep_data_dir(config.data_dir, self.store.checkpoint_directories())  # before any run or sampler exists
-        self._links = external.LinkSigner(external.load_secret(config.data_dir))
+        self.checkpoints = CheckpointStore(self.store, config.data_dir, config.checkpoints,
+                                           quota_bytes=config.limits.max_checkpoint_bytes_per_key)
+        self.checkpoints.sweep_interrupted()  # before any run or sampler exists
         self.registry = ModelRegistry(config.models, roots=config.model_roots, private=[config.data_dir])
         self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s)
         self.runs = RunManager(
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
-            config.data_dir, config.seq_gap_timeout_s, config.limits, config.checkpoints,
+            self.checkpoints, config.seq_gap_timeout_s, config.limits,
         )
         self.records = StabilityRecords(config.stability)
         self.samplers = SamplerManager(
@@ -91,7 +93,10 @@ class Service(ServiceAPI):
         self.samplers.check_registered()
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
-        self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end)
+        self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end,
+                                       idle_ttl_s=config.sessions.idle_ttl_s,
+                                       max_per_key=config.limits.max_sessions_per_key)
+        self.futures.on_session_activity = self.sessions.touch
         self._closed = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
         self._housekeeper.start()
@@ -114,8 +119,9 @@ class Service(ServiceAPI):
 
     def _housekeeping_loop(self) -> None:
         interval = self.config.housekeeping_interval_s
-        if self.config.session_timeout_s is not None:
-            interval = min(interval, max(0.5, self.config.session_timeout_s / 4))
+        for timeout in (self.config.session_timeout_s, self.config.sessions.idle_ttl_s):
+            if timeout is not None:
+                interval = min(interval, max(0.5, timeout / 4))
         sweep_every = self.config.checkpoints.sweep_interval_s
         last = time.monotonic()
         while not self._closed.wait(min(interval, sweep_every)):
@@ -129,13 +135,13 @@ class Service(ServiceAPI):
                 log.exception("housekeeping failed")
 
     def housekeeping(self) -> None:
-        """Expire silent sessions, end stuck futures, delete old finished futures and
-        checkpoints past their TTL."""
+        """Expire silent and idle sessions, end stuck futures, delete old finished futures
+        and checkpoints past their TTL."""
         durability = self.config.durability
         ended = self.futures.sweep(durability.future_deadline_s, durability.orphan_grace_s)
         if ended:
             log.warning("housekeeping ended %d stuck future(s)", ended)
-        self.sessions.expire()
+        self.sessions.expire(busy=self.futures.pending_sessions())
         self.records.expire()
         now = time.time()
         if self.config.future_retention_s is not None:
@@ -160,7 +166,7 @@ class Service(ServiceAPI):
             self._on_session_end(session_id)
 
     def expire_sessions(self) -> list[str]:
-        return self.sessions.expire()
+        return self.sessions.expire(busy=self.futures.pending_sessions())
 
     def get_session(self, owner, session_id) -> types.GetSessionResponse:
         return self.sessions.get(owner, session_id)
@@ -246,8 +252,8 @@ class Service(ServiceAPI):
     def save_weights(self, owner, model_id, seq_id, path, *, overwrite=False, ttl_seconds=None,
                      user_metadata=None) -> Submission:
         def op(run: LiveRun) -> types.SaveWeightsResponse:
-            uri = self.runs.save_checkpoint(run, path, "training", overwrite, ttl_seconds, user_metadata)
-            return types.SaveWeightsResponse(path=uri)
+            row = self.runs.save_checkpoint(run, path, "training", overwrite, ttl_seconds, user_metadata)
+            return types.SaveWeightsResponse(path=row.tinker_path)
 
         return self.runs.submit_op(owner, model_id, seq_id, "SaveWeights", op)
 
@@ -260,12 +266,13 @@ class Service(ServiceAPI):
         if path is not None:
             def op(run: LiveRun):
                 check_samplable(run.spec)
-                uri = self.runs.save_checkpoint(run, path, "sampler", True, ttl_seconds, user_metadata)
-                return types.SaveWeightsForSamplerResponseInternal(path=uri)
+                row = self.runs.save_checkpoint(run, path, "sampler", True, ttl_seconds, user_metadata)
+                return types.SaveWeightsForSamplerResponseInternal(path=row.tinker_path)
         else:
             def op(run: LiveRun):
                 check_samplable(run.spec)
                 engine = run.require_engine()
+                self._check_new_sampler(run.owner, run.session_id, sampling_session_seq_id)
                 sid = self.samplers.create_from_weights(
                     run.owner, run.session_id, sampling_session_seq_id, run.spec.base, engine.named_weights(),
                     run.spec.lora_config, run.run_id,
@@ -279,14 +286,13 @@ class Service(ServiceAPI):
                               age_encryption_recipients=None) -> Submission:
         try:
             external.check_export_options(age_encryption_recipients)
-            lifecycle.check_ttl(ttl_seconds, self.config.checkpoints)
+            check_ttl(ttl_seconds, self.config.checkpoints)
         except UserError as exc:
             return self.runs.reject(owner, "SaveWeightsExternal", str(exc), model_id=model_id)
 
         def op(run: LiveRun) -> types.SaveWeightsExternalResponseInternal:
-            uri = self.runs.save_checkpoint(run, path, "external", True, ttl_seconds, None)
-            row = self.store.get(CheckpointRow, uri)
-            return types.SaveWeightsExternalResponseInternal(path=uri, size_bytes=row.size_bytes if row else None)
+            row = self.runs.save_checkpoint(run, path, "external", True, ttl_seconds, None)
+            return types.SaveWeightsExternalResponseInternal(path=row.tinker_path, size_bytes=row.size_bytes)
 
         return self.runs.submit_op(owner, model_id, seq_id, "SaveWeightsExternal", op)
 
@@ -300,8 +306,23 @@ class Service(ServiceAPI):
     def create_sampling_session(self, owner, session_id, sampling_session_seq_id, *, base_model=None,
                                 model_path=None) -> types.CreateSamplingSessionResponse:
         self.sessions.require_active(owner, session_id)
+        self.sessions.touch(session_id)
+        self._check_new_sampler(owner, session_id, sampling_session_seq_id)
         sid = self.samplers.create(owner, session_id, sampling_session_seq_id, base_model, model_path)
         return types.CreateSamplingSessionResponse(sampling_session_id=sid)
+
+    def _check_new_sampler(self, owner: str, session_id: str, seq: Any) -> None:
+        """`limits.max_sampling_sessions_per_key`, for a sampling session not made yet (a
+        retry of one that was made passes)."""
+        if isinstance(seq, int) and self.store.sampler_by_seq(session_id, seq) is not None:
+            return
+        quota = self.config.limits.max_sampling_sessions_per_key
+        n = self.samplers.loaded_count(owner)
+        if n >= quota:
+            raise UserError(f"sampling sessions quota: this API key has {n} sampling sessions loaded, the quota is "
+                            f"limits.max_sampling_sessions_per_key={quota}; close ServiceClients you no longer use "
+                            f"(their sessions' samplers are released), or wait for idle sessions to expire "
+                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s})")
 
     def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
         return self.samplers.get(owner, sampling_session_id)
@@ -321,7 +342,10 @@ class Service(ServiceAPI):
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
             target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
-        return self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
+        sub = self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
+        self.futures.tag_session(sub.request_id, session_of(sampling_session_id))  # busy until it finishes
+        self.sessions.touch(session_of(sampling_session_id))
+        return sub
 
     # ------------------------------------------------------------------ futures
     def retrieve(self, owner, request_id, timeout_s=0.0) -> FutureState:
@@ -336,69 +360,40 @@ class Service(ServiceAPI):
 
     # ------------------------------------------------------------------ REST
     def list_training_runs(self, owner, limit=20, offset=0) -> types.TrainingRunsResponse:
-        return rest.list_training_runs(self.store, owner, limit, offset)
+        return rest.list_training_runs(self.store, self.checkpoints, owner, limit, offset)
 
     def get_training_run(self, owner, run_id) -> types.TrainingRun:
-        return rest.training_run(self.store, rest.run_row(self.store, owner, run_id))
+        return rest.training_run(self.checkpoints, rest.run_row(self.store, owner, run_id))
 
     def list_checkpoints(self, owner, run_id) -> types.CheckpointsListResponse:
-        return rest.list_checkpoints(self.store, owner, run_id)
+        rest.run_row(self.store, owner, run_id)
+        return self.checkpoints.list_run(run_id)
 
     def list_user_checkpoints(self, owner, limit=100, offset=0) -> types.CheckpointsListResponse:
-        return rest.list_user_checkpoints(self.store, owner, limit, offset)
+        limit, offset = rest.page(limit, offset)
+        return self.checkpoints.list_owner(owner, limit, offset)
 
     def delete_checkpoint(self, owner, run_id, checkpoint_id) -> None:
-        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))
-        if not self._remove_checkpoint(row):
-            raise NotFoundError(lifecycle.WRITE_REFUSED.format(path=row.tinker_path))
-
-    def _remove_checkpoint(self, row) -> bool:
-        """Delete the row (if it still names the same save), then its directory."""
-        if not self.store.delete_checkpoint(row.tinker_path, row.directory):
-            return False
-        ckpt.remove_checkpoint_dir(self.config.data_dir, row.directory)
-        return True
+        self.checkpoints.delete(owner, run_id, checkpoint_id)
 
     def set_checkpoint_public(self, owner, run_id, checkpoint_id, public: bool) -> None:
-        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))
-        if not self.store.update_checkpoint(row.tinker_path, row.directory, public=bool(public)):
-            raise NotFoundError(lifecycle.WRITE_REFUSED.format(path=row.tinker_path))
+        self.checkpoints.set_public(owner, run_id, checkpoint_id, public)
 
     def set_checkpoint_ttl(self, owner, run_id, checkpoint_id, ttl_seconds) -> None:
-        ttl = lifecycle.check_ttl(ttl_seconds, self.config.checkpoints)
-        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))
-        expires_at = None if ttl is None else time.time() + ttl
-        if not self.store.update_checkpoint(row.tinker_path, row.directory, expires_at=expires_at):
-            raise NotFoundError(lifecycle.WRITE_REFUSED.format(path=row.tinker_path))
+        self.checkpoints.set_ttl(owner, run_id, checkpoint_id, ttl_seconds)
 
     def sweep_expired_checkpoints(self) -> int:
         """Delete every checkpoint past its expiry (row, then files); how many."""
-        removed = 0
-        for row in self.store.expired_checkpoints(time.time()):
-            if self._remove_checkpoint(row):
-                removed += 1
-                log.info("checkpoint %s expired (ttl)", row.tinker_path)
-        return removed
+        return self.checkpoints.sweep_expired()
 
     def external_weights_links(self, owner, run_id, checkpoint_id) -> ExternalWeightsLinks:
-        if not isinstance(checkpoint_id, str) or not checkpoint_id.startswith("external_weights/"):
-            raise UserError(f"checkpoint_id: expected 'external_weights/<name>' (a save_weights_external export), "
-                            f"got {checkpoint_id!r}")
-        _, row = lifecycle.owned(self.store, owner, lifecycle.rest_path(run_id, checkpoint_id))  # expired = gone
-        token, expires = self._links.sign(row.tinker_path, row.owner, row.directory)
-        return ExternalWeightsLinks(tinker_path=row.tinker_path, directory=row.directory,
-                                    files=external.export_files(Path(row.directory)), token=token, expires=expires)
+        return self.checkpoints.external_links(owner, run_id, checkpoint_id)
 
     def open_external_weights_file(self, token, file) -> str:
-        path, expires, mac = self._links.tinker_path_of(token)
-        row = self.store.get(CheckpointRow, path)
-        if row is None or row.kind != "external" or lifecycle.expired(row):
-            raise NotFoundError(external.REFUSED)
-        self._links.check(row.tinker_path, row.owner, row.directory, expires, mac)
-        return str(external.resolve_file(Path(row.directory), file))
+        return self.checkpoints.open_external_file(token, file)
 
     def get_weights_info(self, owner, tinker_path) -> types.WeightsInfoResponse:
-        return rest.weights_info(self.store, owner, tinker_path)
+        return self.checkpoints.weights_info(owner, tinker_path)
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         return rest.capabilities(self.registry, self.config.limits)

@@ -2,7 +2,7 @@
 
 An export is a checkpoint of kind "external" (`tinker://<run>/external_weights/<name>`),
 written like every other checkpoint (fresh directory, fsync, the row as commit point; see
-`ember.service.checkpoints`) in Hugging Face format by `ember.engine.hf_export`:
+`ember.service.checkpoint_files`) in Hugging Face format by `ember.engine.hf_export`:
 
 * LoRA run: a peft adapter (adapter_config.json, adapter_model.safetensors) + tokenizer files;
 * full fine-tuning: config.json, model.safetensors (shards above 5 GiB), generation_config.json
@@ -75,7 +75,7 @@ def _write_model(out: Path, weights, head: dict, base_dir: Path) -> None:
 
 def check_export_options(age_encryption_recipients: object) -> None:
     """What an export request may ask for beyond a checkpoint save (whose ttl_seconds is
-    checked by `lifecycle.check_ttl`, like every save's)."""
+    checked by `checkpoint_store.check_ttl`, like every save's)."""
     if age_encryption_recipients:
         raise UserError("age_encryption_recipients: ember does not encrypt exports; expected none, got "
                         f"{len(age_encryption_recipients) if isinstance(age_encryption_recipients, list) else 1} "

@@ -53,6 +53,7 @@ class _Entry:
     callbacks: list[Callable[[FutureState], None]] = field(default_factory=list)
     finishing: bool = False
     created: float = field(default_factory=time.monotonic)
+    session: str | None = None  # the client session whose request this is (idle expiry)
 
 
 ORPHAN_MESSAGE = ("this request was recorded but no work of the running server will finish it "
@@ -76,6 +77,8 @@ class FutureTable:
         self._cache_size = cache_size
         # Observers of every finished future (metrics): called on the finishing thread.
         self._listeners: list[Callable[[FutureState], None]] = []
+        # Told the session of every finished future that has one (its last activity).
+        self.on_session_activity: Callable[[str], None] | None = None
 
     def add_listener(self, fn: Callable[[FutureState], None]) -> None:
         """Call `fn(final_state)` after every future finishes (complete or failed). Lets
@@ -91,10 +94,13 @@ class FutureTable:
         model_id: str | None = None,
         dedup_key: str | None = None,
         num_sequences: int | None = None,
+        session: str | None = None,
     ) -> tuple[Submission, bool]:
         """A new pending future, or the existing one for `dedup_key`. Returns (submission, created).
 
         The row is committed before this returns: an accepted request survives a crash.
+        `session`: the client session the request belongs to (kept in memory only: a
+        session with a pending future is never idle).
         """
         with self._create_lock:  # not self._lock: workers finishing futures must not wait on this insert
             if dedup_key is not None:
@@ -120,8 +126,20 @@ class FutureTable:
                     self._keys.popitem(last=False)
         state = FutureState(request_id=rid, request_type=request_type, status="pending", model_id=model_id)
         with self._lock:
-            self._live[rid] = _Entry(owner=owner, state=state)
+            self._live[rid] = _Entry(owner=owner, state=state, session=session)
         return sub, True
+
+    def tag_session(self, request_id: str, session: str) -> None:
+        """Count a pending future as work of `session` (when its creator could not say)."""
+        with self._lock:
+            entry = self._live.get(request_id)
+            if entry is not None:
+                entry.session = session
+
+    def pending_sessions(self) -> set[str]:
+        """Sessions with a future still pending (busy: not idle, whatever their last request)."""
+        with self._lock:
+            return {e.session for e in self._live.values() if e.session is not None}
 
     # ------------------------------------------------------------------ completion
     def complete(self, request_id: str, result: Any) -> None:
@@ -194,6 +212,8 @@ class FutureTable:
                 delay = min(2 * delay, 1.0)
 
     def _publish(self, request_id: str, entry: _Entry, final: FutureState, unsaved: dict[str, Any] | None) -> None:
+        if entry.session is not None and self.on_session_activity is not None:
+            self.on_session_activity(entry.session)  # before anyone sees it: no idle gap in between
         with self._lock:
             entry.state = final
             self._live.pop(request_id, None)

@@ -1,4 +1,5 @@
-"""`Limits`: every count and size a request carries, bounded before anything is allocated.
+"""`Limits`: every count and size a request carries, bounded before anything is allocated,
+and the quotas of one API key.
 
 An untrusted request names counts (samples, tokens, datums, top-k sizes, how far ahead a
 `seq_id` is) that decide how much memory and time the service will spend on it. Each is
@@ -40,6 +41,18 @@ class Limits:
         run expects (further would wait, then skip every request in between).
     max_lora_rank: `lora_config.rank` of a new training run (its adapters' memory grows
         with it).
+
+    Quotas per API key (owner), so that one tenant cannot take a shared server's memory or
+    disk from the others; each refusal names the quota and how to free it:
+    max_runs_per_key: training runs loaded at once (created and not yet unloaded: a
+        run is unloaded when its session ends, is finished or expires idle).
+    max_sessions_per_key: client sessions active at once (one per `ServiceClient`; ended
+        by closing it, or after `sessions.idle_ttl_s` without requests).
+    max_sampling_sessions_per_key: sampling sessions (weight versions) loaded at once,
+        over all the key's sessions (each session also keeps at most
+        `max_samplers_per_session`).
+    max_checkpoint_bytes_per_key: bytes of the key's saved checkpoints not past their
+        TTL (a save that would go beyond it is refused and its files removed).
     """
 
     max_num_samples: int = 256
@@ -51,6 +64,10 @@ class Limits:
     max_request_tokens: int = 1048576
     max_seq_ahead: int = 1024
     max_lora_rank: int = 512
+    max_runs_per_key: int = 16
+    max_sessions_per_key: int = 256
+    max_sampling_sessions_per_key: int = 64
+    max_checkpoint_bytes_per_key: int = 200 * 1024**3
 
     def __post_init__(self) -> None:
         for f in fields(self):

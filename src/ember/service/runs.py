@@ -1,20 +1,20 @@
-"""Training runs: creation (fresh or from a checkpoint), ordered ops, checkpoints.
+"""Training runs: creation (fresh or from a checkpoint, one path), ordered ops, saves.
 
 A live run is a `LiveRun`: its spec, its lane (shared by every LoRA run of one base
-model), its `RunSequencer` and, once created on the lane, its engine. Every op is
-executed on the lane by `execute`, which turns the outcome into a finished future:
-ValueError (bad input, with the engine's message) and NonFiniteGradientError are `user`
-failures; anything else is a `server` failure, logged with its traceback. A failing op
-never stops the lane or the run.
+model; `ember.service.lanes`), its `RunSequencer` and, once created on the lane, its
+engine. Every op is executed on the lane by `execute`, which turns the outcome into a
+finished future: ValueError (bad input, with the engine's message) and
+NonFiniteGradientError are `user` failures; anything else is a `server` failure, logged
+with its traceback. A failing op never stops the lane or the run. What a run is created
+with is checked in `ember.service.run_validation`; checkpoints are `CheckpointStore`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,21 @@ from tinker import types
 
 from ember import failpoints
 from ember.engine.base import NonFiniteGradientError, TrainingEngine
-from ember.service import checkpoints as ckpt
-from ember.service import external, lifecycle
-from ember.service.config import CheckpointConfig
+from ember.service import external
 from ember.service.api import NotFoundError, RequestType, Submission, UserError
+from ember.service.checkpoint_store import CheckpointStore
+from ember.service.engines import EngineFactory, RunSpec
 from ember.service.faults import public_message
-from ember.service.engines import BaseModel, EngineFactory, ModelRegistry, RunSpec
-from ember.service.futures import Server, User, FutureTable
-from ember.service.sequencer import Lane, RunSequencer
+from ember.service.futures import FutureTable, Server, User
+from ember.service.lanes import LanePool
 from ember.service.limits import Limits
+from ember.service.model_registry import BaseModel, ModelRegistry
+from ember.service.run_validation import (
+    model_arch, resumed_optimizer, saved_head, validate_head, validate_lora, validate_model_seq_id,
+    validate_optimizer,
+)
+from ember.service.sequencer import Lane, RunSequencer
+from ember.service.sessions import session_of
 from ember.service.store import CheckpointRow, RunRow, Store
 
 log = logging.getLogger(__name__)
@@ -73,93 +79,21 @@ def classify(exc: BaseException) -> tuple[str, types.RequestErrorCategory]:
     return public_message(exc), Server
 
 
-def validate_lora(cfg: types.LoraConfig | None) -> None:
-    if cfg is None:
-        return
-    if not isinstance(cfg.rank, int) or cfg.rank < 1:
-        raise UserError(f"lora_config.rank must be an integer >= 1, got {cfg.rank!r}")
-    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
-        raise UserError("lora_config must train at least one of attn, mlp, unembed")
+RUNS_QUOTA = ("training runs quota: this API key has {n} training runs loaded, the quota is "
+              "limits.max_runs_per_key={quota}; free one by ending the session that holds it (close its "
+              "ServiceClient) or wait for idle sessions to expire (sessions.idle_ttl_s)")
 
 
-def validate_head(user_metadata: Mapping[str, Any] | None) -> str:
-    """The run's head, from `user_metadata["ember.head"]` ("policy" when absent)."""
-    from ember.engine.heads import head_from_metadata
+@dataclass
+class CreatePlan:
+    """What a create call resolved before the run exists: its spec and optimizer, where it
+    came from, and what its first op (seq_id 0) does once the engine is built."""
 
-    try:
-        return head_from_metadata(user_metadata)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-
-def check_samplable(spec: RunSpec) -> None:
-    """Only a policy has a sampler: a value head outputs a number per token, not a distribution
-    over tokens, and its adapter on the LM would sample from something nobody trained."""
-    if spec.head != "policy":
-        raise UserError(f"run {spec.run_id} has a {spec.head!r} head (user_metadata['ember.head']): it outputs "
-                        "values, not tokens, so it has no sampler; read its values with forward, save it with "
-                        "save_state or save_weights_external")
-
-
-def _saved_head(directory, user_metadata: Mapping[str, Any] | None) -> str:
-    """The head of a run created from a training checkpoint: the checkpoint's (it holds the
-    head's weights). Metadata naming another head is refused rather than ignored."""
-    from ember.engine.checkpoint import read_meta
-    from ember.engine.heads import HEAD_METADATA_KEY
-
-    try:
-        saved = read_meta(Path(directory)).get("head", "policy")
-    except (OSError, ValueError):
-        saved = "policy"  # load_state reports the unreadable checkpoint itself
-    if user_metadata and HEAD_METADATA_KEY in user_metadata and validate_head(user_metadata) != saved:
-        raise UserError(f"user_metadata[{HEAD_METADATA_KEY!r}] is {user_metadata[HEAD_METADATA_KEY]!r}, but the "
-                        f"checkpoint holds a {saved!r}-head run; leave the key out or set it to {saved!r}")
-    return saved
-
-
-def _saved_optimizer(directory) -> dict[str, Any]:
-    """The optimizer config a training checkpoint's state belongs to (AdamW for older ones)."""
-    from ember.engine.checkpoint import read_meta
-
-    try:
-        kind = read_meta(Path(directory)).get("optimizer", "adamw")
-    except (OSError, ValueError):
-        kind = "adamw"  # load_state reports the unreadable checkpoint itself
-    return validate_optimizer({"type": kind})
-
-
-def _resumed_optimizer(directory, with_state: bool, requested: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The optimizer of a run created from a checkpoint: the saved one with its state, or
-    the requested one (default AdamW) started fresh."""
-    if not with_state:
-        return validate_optimizer(requested)
-    saved = _saved_optimizer(directory)
-    if requested is not None and validate_optimizer(requested)["type"] != saved["type"]:
-        raise UserError(f"optimizer_config: the checkpoint's optimizer state is {saved['type']!r}, "
-                        f"got a {requested.get('type')!r} config; load it without optimizer state to switch")
-    return saved
-
-
-def validate_optimizer(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The run's optimizer config: AdamW (default) or Dimuon version 1, nothing else."""
-    from ember.engine.optimizers import OPTIMIZERS
-
-    cfg = dict(cfg or {"type": "adamw"})
-    kind = cfg.pop("type", "adamw")
-    if kind not in OPTIMIZERS:
-        raise UserError(f"optimizer {kind!r} is not supported by ember; use {{'type': 'adamw'}} or {{'type': 'dimuon'}}")
-    if kind == "dimuon" and cfg.pop("version", 1) != 1:
-        raise UserError("optimizer 'dimuon': only version 1 is supported")
-    if cfg:
-        raise UserError(f"optimizer {kind!r}: unknown fields {sorted(cfg)}")
-    return {"type": kind, "version": 1} if kind == "dimuon" else {"type": "adamw"}
-
-
-def model_arch(directory: Path) -> str | None:
-    try:
-        return json.loads((directory / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
+    spec: RunSpec
+    optimizer: dict
+    user_metadata: Any
+    finish: Callable[[TrainingEngine], Any]  # engine -> the create call's response
+    created_from: str | None = None
 
 
 class RunManager:
@@ -167,17 +101,14 @@ class RunManager:
 
     def __init__(
         self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: EngineFactory,
-        data_dir: Path, gap_timeout_s: float, limits: Limits | None = None,
-        checkpoints: CheckpointConfig | None = None,
+        checkpoints: CheckpointStore, gap_timeout_s: float, limits: Limits | None = None,
     ) -> None:
         self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
-        self.data_dir = data_dir
+        self.checkpoints = checkpoints
         self.gap_timeout_s = gap_timeout_s
         self.limits = limits or Limits()
-        self.checkpoint_config = checkpoints or CheckpointConfig()
         self._runs: dict[str, LiveRun] = {}
-        self._lanes: dict[str, Lane] = {}
-        self._lane_users: dict[str, int] = {}  # lane key -> runs (live or draining) that may still use it
+        self._lanes = LanePool()
         self._lock = threading.Lock()
         # Colocation (SamplerConfig.colocate): called on the run's lane around every op, so
         # the samplers sleep and the engine is on its device while it trains, offloaded after.
@@ -202,15 +133,6 @@ class RunManager:
         else:
             self.futures.complete(request_id, result)
 
-    def _acquire_lane_locked(self, spec: RunSpec) -> Lane:
-        """The lane of `spec` (created on first use); counts the run as one of its users."""
-        key = self.factory.lane_key(spec)
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = Lane(f"{len(self._lanes)}")
-        self._lane_users[key] = self._lane_users.get(key, 0) + 1
-        return lane
-
     def live(self, owner: str, model_id: str) -> LiveRun:
         with self._lock:
             run = self._runs.get(model_id)
@@ -221,114 +143,105 @@ class RunManager:
             raise NotFoundError(f"unknown model_id {model_id!r}")
         raise RunNotLoadedError(RESTARTED.format(run=model_id))
 
-    # ------------------------------------------------------------------ creation
-    def _register(self, owner: str, session_id: str, model_seq_id: int, spec: RunSpec, next_seq: int,
-                  optimizer: dict, user_metadata, created_from: str | None) -> LiveRun:
-        now = time.time()
-        self.store.add(
-            RunRow(
-                id=spec.run_id, owner=owner, session_id=session_id, model_seq_id=model_seq_id,
-                base_model=spec.base.name, is_lora=spec.is_lora,
-                lora_config=spec.lora_config.model_dump() if spec.lora_config else None,
-                optimizer_config=optimizer, user_metadata=dict(user_metadata or {}) or None,
-                created_from=created_from, status="active", created_at=now, last_request_time=now,
-            )
-        )
+    def loaded_runs(self, owner: str) -> int:
+        """Runs of `owner` loaded now (created, or being created; not failed)."""
         with self._lock:
-            lane = self._acquire_lane_locked(spec)
-            run = LiveRun(spec.run_id, owner, session_id, spec, lane,
-                          RunSequencer(spec.run_id, lane, self.gap_timeout_s, next_seq))
-            self._runs[spec.run_id] = run
-        return run
+            return sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
 
-    def _build_engine(self, run: LiveRun) -> None:
-        try:
-            run.engine = self.factory.create(run.spec)
-        except BaseException as exc:
-            run.error = classify(exc)[0]
-            self.store.update(RunRow, run.run_id, status="failed")
-            raise
-
+    # ------------------------------------------------------------------ creation (one path)
     def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str,
                      lora_config: types.LoraConfig | None, optimizer_config, user_metadata) -> Submission:
-        run_id = f"{session_id}:train:{model_seq_id}"
-        sub, created = self.futures.create(owner, "CreateModel", model_id=run_id, dedup_key=f"create:{run_id}")
-        if not created:
-            return sub
-        with self.futures.accepting(sub.request_id):
-            self._start_create(sub, owner, session_id, model_seq_id, base_model, lora_config, optimizer_config,
-                               user_metadata)
-        return sub
-
-    def _start_create(self, sub: Submission, owner: str, session_id: str, model_seq_id: int, base_model: str,
-                      lora_config: types.LoraConfig | None, optimizer_config, user_metadata) -> None:
-        run_id = f"{session_id}:train:{model_seq_id}"
-        try:
-            if not isinstance(model_seq_id, int) or model_seq_id < 0:
-                raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
+        def plan(run_id: str) -> CreatePlan:
             validate_lora(lora_config)
             self.limits.check_lora_rank(lora_config)
             optimizer = validate_optimizer(optimizer_config)
             spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config, optimizer["type"],
                            validate_head(user_metadata))
-            if self.store.get(RunRow, run_id) is not None:
-                raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
-            run = self._register(owner, session_id, model_seq_id, spec, 1, optimizer, user_metadata, None)
-        except UserError as exc:
-            self.futures.fail(sub.request_id, str(exc), User)
-            return
+            return CreatePlan(spec, optimizer, user_metadata, lambda _: types.CreateModelResponse(model_id=run_id))
 
-        def op() -> types.CreateModelResponse:
-            self._build_engine(run)
-            return types.CreateModelResponse(model_id=run_id)
-
-        run.lane.submit(lambda: self.execute(sub.request_id, op))
-
-    def _checkpoint(self, owner: str, path: str, kind: str | None = None) -> tuple[ckpt.TinkerPath, CheckpointRow]:
-        tpath, row = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
-        if kind is not None and tpath.kind != kind:
-            raise UserError(
-                f"checkpoint {path!r} holds sampler weights only; load training state from a "
-                "tinker://<run>/weights/<name> path (written by save_state)"
-            )
-        return tpath, row
+        return self._create(owner, session_id, model_seq_id, "CreateModel", plan)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
                                base_model: str | None, user_metadata, optimizer_config=None) -> Submission:
-        run_id = f"{session_id}:train:{model_seq_id}"
-        sub, created = self.futures.create(owner, "LoadWeights", model_id=run_id, dedup_key=f"create:{run_id}")
-        if not created:
-            return sub
-        with self.futures.accepting(sub.request_id):
-            self._start_create_from(sub, owner, session_id, model_seq_id, path, optimizer, base_model, user_metadata,
-                                    optimizer_config)
-        return sub
-
-    def _start_create_from(self, sub: Submission, owner: str, session_id: str, model_seq_id: int, path: str,
-                           optimizer: bool, base_model: str | None, user_metadata, optimizer_config=None) -> None:
-        run_id = f"{session_id}:train:{model_seq_id}"
-        try:
-            if not isinstance(model_seq_id, int) or model_seq_id < 0:
-                raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
-            tpath, crow = self._checkpoint(owner, path, "training")
+        def plan(run_id: str) -> CreatePlan:
+            tpath, crow = self.checkpoints.training_state(owner, path)  # the owner's, or a published one
             src = self.store.get(RunRow, crow.run_id)
             lora = types.LoraConfig(**src.lora_config) if src is not None and src.lora_config else None
             base = self.registry.resolve(base_model or (src.base_model if src else ""))
-            if self.store.get(RunRow, run_id) is not None:
-                raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
-            opt = _resumed_optimizer(crow.directory, optimizer, optimizer_config)
-            spec = RunSpec(run_id, base, lora, opt["type"], _saved_head(crow.directory, user_metadata))
-            run = self._register(owner, session_id, model_seq_id, spec, 0, opt, user_metadata, tpath.uri)
-        except UserError as exc:
-            self.futures.fail(sub.request_id, str(exc), User)
-            return
+            opt = resumed_optimizer(crow.directory, optimizer, optimizer_config)
+            spec = RunSpec(run_id, base, lora, opt["type"], saved_head(crow.directory, user_metadata))
 
-        def op() -> types.LoadWeightsResponse:
-            self._build_engine(run)
-            run.engine.load_state(crow.directory, optimizer=optimizer)
-            return types.LoadWeightsResponse(path=tpath.uri, model_id=run_id)
+            def finish(engine: TrainingEngine) -> types.LoadWeightsResponse:
+                engine.load_state(crow.directory, optimizer=optimizer)
+                return types.LoadWeightsResponse(path=tpath.uri, model_id=run_id)
 
-        run.seq.offer(0, lambda: self.execute(sub.request_id, op), lambda r: self.futures.fail(sub.request_id, r, Server))
+            return CreatePlan(spec, opt, user_metadata, finish, created_from=tpath.uri)
+
+        return self._create(owner, session_id, model_seq_id, "LoadWeights", plan)
+
+    def _create(self, owner: str, session_id: str, model_seq_id: Any, rtype: RequestType,
+                plan: Callable[[str], CreatePlan]) -> Submission:
+        """The one creation path: the future (idempotent on the run id), the checks of
+        `plan`, the run registered, then its engine built (and loaded) as its seq_id 0."""
+        run_id = f"{session_id}:train:{model_seq_id}"
+        sub, created = self.futures.create(owner, rtype, model_id=run_id, dedup_key=f"create:{run_id}",
+                                           session=session_of(run_id))
+        if not created:
+            return sub
+        with self.futures.accepting(sub.request_id):
+            try:
+                validate_model_seq_id(model_seq_id)
+                resolved = plan(run_id)
+                if self.store.get(RunRow, run_id) is not None:
+                    raise UserError(f"model {run_id} already exists (model_seq_id {model_seq_id} reused in this session)")
+                run = self._register(owner, session_id, model_seq_id, resolved)
+            except UserError as exc:
+                self.futures.fail(sub.request_id, str(exc), User)
+                return sub
+
+            def op() -> Any:
+                self._build_engine(run)
+                return resolved.finish(run.engine)
+
+            run.seq.offer(0, lambda: self.execute(sub.request_id, op),
+                          lambda r: self.futures.fail(sub.request_id, r, Server))
+        return sub
+
+    def _register(self, owner: str, session_id: str, model_seq_id: int, plan: CreatePlan) -> LiveRun:
+        """The run's live state (counted against `limits.max_runs_per_key`), then its row."""
+        spec = plan.spec
+        with self._lock:
+            n = sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
+            if n >= self.limits.max_runs_per_key:
+                raise UserError(RUNS_QUOTA.format(n=n, quota=self.limits.max_runs_per_key))
+            lane = self._lanes.acquire(self.factory.lane_key(spec))
+            run = LiveRun(spec.run_id, owner, session_id, spec, lane,
+                          RunSequencer(spec.run_id, lane, self.gap_timeout_s, next_seq=0))
+            self._runs[spec.run_id] = run
+        now = time.time()
+        try:
+            self.store.add(RunRow(
+                id=spec.run_id, owner=owner, session_id=session_id, model_seq_id=model_seq_id,
+                base_model=spec.base.name, is_lora=spec.is_lora,
+                lora_config=spec.lora_config.model_dump() if spec.lora_config else None,
+                optimizer_config=plan.optimizer, user_metadata=dict(plan.user_metadata or {}) or None,
+                created_from=plan.created_from, status="active", created_at=now, last_request_time=now,
+            ))
+        except BaseException:
+            with self._lock:
+                self._runs.pop(spec.run_id, None)
+            self._lanes.release(self.factory.lane_key(spec))
+            raise
+        return run
+
+    def _build_engine(self, run: LiveRun) -> None:
+        try:
+            failpoints.hit("run.create_engine")
+            run.engine = self.factory.create(run.spec)
+        except BaseException as exc:
+            run.error = classify(exc)[0]
+            self.store.update(RunRow, run.run_id, status="failed")
+            raise
 
     # ------------------------------------------------------------------ ordered ops
     def submit_op(self, owner: str, model_id: str, seq_id: Any, rtype: RequestType,
@@ -336,7 +249,8 @@ class RunManager:
         """Queue `fn(run)` as request `seq_id` of `model_id` (idempotent on (model_id, seq_id))."""
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
             return self.reject(owner, rtype, f"seq_id must be an integer >= 0, got {seq_id!r}", model_id=model_id)
-        sub, created = self.futures.create(owner, rtype, model_id=model_id, dedup_key=f"op:{model_id}:{seq_id}")
+        sub, created = self.futures.create(owner, rtype, model_id=model_id, dedup_key=f"op:{model_id}:{seq_id}",
+                                           session=session_of(model_id))
         if created:
             with self.futures.accepting(sub.request_id):
                 self._queue_op(sub.request_id, owner, model_id, seq_id, fn)
@@ -377,64 +291,26 @@ class RunManager:
                 log.warning("run %s: last_request_time not recorded (%s)", run.run_id, public_message(exc))
 
     # ------------------------------------------------------------------ checkpoint ops (run on the lane)
-    def save_checkpoint(self, run: LiveRun, name: Any, kind: str, overwrite: bool, ttl_seconds, user_metadata) -> str:
-        """Write a fresh directory, commit the row naming it, then drop the replaced one
-        (crash-consistent: see `ember.service.checkpoints`). A save that replaces a
-        checkpoint makes a new one: private, with this save's TTL and metadata."""
+    def save_checkpoint(self, run: LiveRun, name: Any, kind: str, overwrite: bool, ttl_seconds,
+                        user_metadata) -> CheckpointRow:
+        """Save the run's current state (`kind`: training | sampler | external) as checkpoint
+        `name` through the `CheckpointStore`; its committed row."""
         engine = run.require_engine()
-        tpath = ckpt.TinkerPath(run.run_id, kind, ckpt.validate_name(name))
-        ttl = lifecycle.check_ttl(ttl_seconds, self.checkpoint_config)
-        meta = lifecycle.check_metadata(user_metadata, self.checkpoint_config)
-        existing = self.store.get(CheckpointRow, tpath.uri)
-        if existing is not None and not overwrite and not lifecycle.expired(existing):
-            raise UserError(f"checkpoint {tpath.uri} already exists; pass overwrite=True to replace it")
-        final = ckpt.new_version_dir(self.data_dir, tpath)
-        tmp = ckpt.temp_dir_of(final)
-        failpoints.hit("checkpoint.before_write")
-        try:
-            self._write_checkpoint(run, engine, kind, tpath.name, tmp)
-            ckpt.publish(tmp, final)
-        finally:
-            ckpt.remove_dir(tmp)
-        failpoints.hit("checkpoint.after_write")
-        now = time.time()
-        row = CheckpointRow(
-            tinker_path=tpath.uri, run_id=run.run_id, owner=run.owner, kind=kind, name=tpath.name, directory=str(final),
-            size_bytes=ckpt.dir_size(final), user_metadata=meta, created_at=now,
-            expires_at=now + ttl if ttl else None, public=False,
-        )
-        try:
-            self.store.save_checkpoint(row)  # the commit point
-        except BaseException:
-            self._drop_uncommitted(tpath, final)
-            raise
-        failpoints.hit("checkpoint.after_commit")
-        if existing is not None and existing.directory != row.directory:
-            ckpt.remove_checkpoint_dir(self.data_dir, existing.directory)
-        return tpath.uri
 
-    @staticmethod
-    def _write_checkpoint(run: LiveRun, engine: TrainingEngine, kind: str, name: str, tmp: Path) -> None:
-        if kind == "training":
-            engine.save_state(tmp, optimizer=True)
-        elif kind == "external":
-            external.write_export(engine, run.spec, name, tmp)
-        else:
-            engine.export_hf(tmp)
+        def write(tmp: Path) -> None:
+            if kind == "training":
+                engine.save_state(tmp, optimizer=True)
+            elif kind == "external":
+                external.write_export(engine, run.spec, name, tmp)
+            else:
+                engine.export_hf(tmp)
 
-    def _drop_uncommitted(self, tpath: ckpt.TinkerPath, final: Path) -> None:
-        """The row write failed: remove `final` unless the commit happened after all (a lost
-        answer); when even that cannot be read, leave it to the start-up sweep."""
-        try:
-            row = self.store.get(CheckpointRow, tpath.uri)
-        except Exception:  # noqa: BLE001 - the original error is what the caller sees
-            return
-        if row is None or row.directory != str(final):
-            ckpt.remove_dir(final)
+        return self.checkpoints.save(run.run_id, run.owner, kind, name, write, overwrite=overwrite,
+                                     ttl_seconds=ttl_seconds, user_metadata=user_metadata)
 
     def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool) -> types.LoadWeightsResponse:
         engine = run.require_engine()
-        tpath, crow = self._checkpoint(run.owner, path, "training")
+        tpath, crow = self.checkpoints.training_state(run.owner, path)
         engine.load_state(crow.directory, optimizer=optimizer)
         return types.LoadWeightsResponse(path=tpath.uri, model_id=run.run_id)
 
@@ -473,17 +349,7 @@ class RunManager:
         if run.engine is not None:
             self.factory.release(run.spec, run.engine)
             run.engine = None
-        key = self.factory.lane_key(run.spec)
-        with self._lock:
-            # The service may have closed meanwhile (close() forgets every lane): nothing to do.
-            users = self._lane_users.get(key, 0) - 1
-            if users > 0:
-                self._lane_users[key] = users
-                return
-            self._lane_users.pop(key, None)
-            lane = self._lanes.pop(key, None)
-        if lane is not None:
-            lane.close(wait=False)  # lets this task finish; the thread then exits
+        self._lanes.release(self.factory.lane_key(run.spec))
 
     def queue_depths(self) -> dict[str, int]:
         """run_id -> requests waiting in its sequencer, for every live run (metrics)."""
@@ -494,12 +360,7 @@ class RunManager:
     def close(self) -> None:
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
-            lanes, self._lanes, self._lane_users = list(self._lanes.values()), {}, {}
         for run in runs:
             run.seq.close("the server is shutting down")
-        for lane in lanes:
-            lane.close(wait=False)
+        self._lanes.close()
         self.factory.close()
-
-    def checkpoints_of_run(self, run_id: str) -> list[CheckpointRow]:
-        return self.store.checkpoints_of_run(run_id, time.time())

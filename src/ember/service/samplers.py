@@ -31,10 +31,10 @@ import torch
 from tinker import types
 
 from ember.sampling.base import UnsupportedModelError
-from ember.service import checkpoints as ckpt
-from ember.service import lifecycle
+from ember.service import checkpoint_files as ckpt
+from ember.service.checkpoint_store import readable
 from ember.service.api import NotFoundError, Submission, UserError
-from ember.service.engines import BaseModel, ModelRegistry
+from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.stability import StabilityRecords
@@ -145,7 +145,7 @@ class SamplerManager:
         return self.backend(base).load_weights(weights, lora)
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
-        tpath, crow = lifecycle.readable(self.store, owner, path)  # the owner's, or a published one
+        tpath, crow = readable(self.store, owner, path)  # the owner's, or a published one
         run = self.store.get(RunRow, crow.run_id)
         if run is None:
             raise UserError(f"checkpoint {path!r} has no training run record")
@@ -217,6 +217,11 @@ class SamplerManager:
         self._remember(LiveSampler(row.id, owner, session_id, base, version))
         return row.id
 
+    def loaded_count(self, owner: str) -> int:
+        """Sampling sessions of `owner` loaded now (`limits.max_sampling_sessions_per_key`)."""
+        with self._lock:
+            return sum(1 for live in self._by_id.values() if live.owner == owner)
+
     def row(self, owner: str, sampler_id: str) -> SamplerRow:
         row = self.store.get(SamplerRow, sampler_id)
         if row is None or row.owner != owner:
@@ -275,7 +280,7 @@ class SamplerManager:
             row = self.store.get(SamplerRow, sampler_id)
             path = row.model_path if row is not None and row.owner == owner else None  # else: _resolve's 404
         if path is not None:
-            lifecycle.readable(self.store, owner, path)
+            readable(self.store, owner, path)
 
     def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any],
                       record: bool) -> None:

@@ -1,11 +1,21 @@
-"""Sessions: one per client, owner of its training runs and sampling sessions."""
+"""Sessions: one per client, owner of its training runs and sampling sessions.
+
+A session ends when its client finishes it, when its heartbeats stop for
+`session_timeout_s` (off by default), or when it is idle for `sessions.idle_ttl_s`: no
+request named it, one of its training runs or one of its sampling sessions, and no
+future of it was pending, for that long. Heartbeats alone do not keep a session alive
+(the SDK sends them from a background thread for as long as the client object lives, so
+a forgotten client would otherwise hold its runs' memory for ever). An ended session's
+runs are unloaded and its samplers released (`Service._on_session_end`); its next
+request is told why (410).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from tinker import types
@@ -18,11 +28,36 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = ("success", "errored", "interrupted")
 
 
+SESSIONS_QUOTA = ("sessions quota: this API key has {n} sessions active, the quota is "
+                  "limits.max_sessions_per_key={quota}; close ServiceClients you no longer use (their sessions "
+                  "end), or wait for idle ones to expire (sessions.idle_ttl_s={ttl})")
+
+
+def session_of(resource_id: object) -> str | None:
+    """The session a training run or sampling session id belongs to
+    (`<session>:train:<n>`, `<session>:sample:<n>`); None for anything else."""
+    if not isinstance(resource_id, str) or ":" not in resource_id:
+        return None
+    return resource_id.split(":", 1)[0] or None
+
+
 class SessionManager:
-    def __init__(self, store: Store, timeout_s: float | None, on_expire: Callable[[str], None]) -> None:
+    def __init__(self, store: Store, timeout_s: float | None, on_expire: Callable[[str], None],
+                 idle_ttl_s: float | None = None, max_per_key: int | None = None) -> None:
         self._store = store
         self._timeout_s = timeout_s
         self._on_expire = on_expire
+        self._idle_ttl_s = idle_ttl_s
+        self._max_per_key = max_per_key
+        self._active: dict[str, float] = {}  # session id -> time of its last request (this lifetime)
+        self._started = time.time()
+
+    def touch(self, session_id: str | None) -> None:
+        """A request (or a finished future) of `session_id`: it is not idle now. Only
+        sessions already tracked are (an id from a request may name nothing: the map stays
+        bounded by the active sessions)."""
+        if session_id in self._active:
+            self._active[session_id] = time.time()
 
     def create(
         self,
@@ -33,8 +68,13 @@ class SessionManager:
         display_name: str | None = None,
         sdk_version: str | None = None,
     ) -> types.CreateSessionResponse:
+        if self._max_per_key is not None:
+            n = self._store.count_active_sessions(owner)
+            if n >= self._max_per_key:
+                raise UserError(SESSIONS_QUOTA.format(n=n, quota=self._max_per_key, ttl=self._idle_ttl_s))
         now = time.time()
         sid = f"sess-{uuid.uuid4().hex[:20]}"
+        self._active[sid] = now
         self._store.add(
             SessionRow(
                 id=sid, owner=owner, tags=[str(t) for t in tags], user_metadata=dict(user_metadata or {}),
@@ -53,7 +93,8 @@ class SessionManager:
     def require_active(self, owner: str, session_id: str) -> SessionRow:
         row = self.row(owner, session_id)
         if row.status != "active":
-            raise SessionGoneError(f"session {session_id} is {row.status}; start a new ServiceClient")
+            why = f" ({row.finish_detail})" if row.status == "expired" and row.finish_detail else ""
+            raise SessionGoneError(f"session {session_id} is {row.status}{why}; start a new ServiceClient")
         return row
 
     def heartbeat(self, owner: str, session_id: str) -> None:
@@ -68,18 +109,39 @@ class SessionManager:
         if row.status != "active":
             return False
         self._store.update(SessionRow, session_id, status="finished", finish_reason=reason, finish_detail=detail)
+        self._active.pop(session_id, None)
         return True
 
-    def expire(self) -> list[str]:
-        if self._timeout_s is None:
-            return []
-        cutoff = time.time() - self._timeout_s
-        stale = self._store.stale_sessions(cutoff)
-        for row in stale:
-            self._store.update(SessionRow, row.id, status="expired")
-            log.info("session %s expired (no heartbeat for %.0fs)", row.id, self._timeout_s)
-            self._on_expire(row.id)
-        return [r.id for r in stale]
+    def expire(self, busy: Collection[str] = ()) -> list[str]:
+        """End sessions without a heartbeat for `timeout_s`, and those idle for
+        `idle_ttl_s` that are not in `busy` (sessions with pending work); their ids."""
+        ended: list[str] = []
+        if self._timeout_s is not None:
+            for row in self._store.stale_sessions(time.time() - self._timeout_s):
+                self._end(row.id, f"no heartbeat for more than {self._timeout_s:g} s")
+                ended.append(row.id)
+        if self._idle_ttl_s is not None:
+            for sid in self._idle(busy):
+                if sid not in ended:
+                    self._end(sid, f"idle for more than {self._idle_ttl_s:g} s: sessions.idle_ttl_s")
+                    ended.append(sid)
+        return ended
+
+    def _idle(self, busy: Collection[str]) -> list[str]:
+        now = time.time()
+        idle = []
+        for row in self._store.active_sessions():
+            # a session of an earlier lifetime is tracked from this one's start
+            last = self._active.setdefault(row.id, max(row.created_at, self._started))
+            if now - last > self._idle_ttl_s and row.id not in busy:
+                idle.append(row.id)
+        return idle
+
+    def _end(self, session_id: str, why: str) -> None:
+        self._store.update(SessionRow, session_id, status="expired", finish_detail=why)
+        self._active.pop(session_id, None)
+        log.info("session %s expired (%s)", session_id, why)
+        self._on_expire(session_id)
 
     def get(self, owner: str, session_id: str) -> types.GetSessionResponse:
         row = self.row(owner, session_id)

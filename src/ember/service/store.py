@@ -194,6 +194,13 @@ class Store(_Db):
             select(SessionRow).where(SessionRow.status == "active", SessionRow.last_heartbeat < heartbeat_before)
         )
 
+    def count_active_sessions(self, owner: str) -> int:
+        return int(self._all(select(func.count()).select_from(SessionRow)
+                             .where(SessionRow.owner == owner, SessionRow.status == "active"))[0])
+
+    def active_sessions(self) -> list[SessionRow]:
+        return self._all(select(SessionRow).where(SessionRow.status == "active"))
+
     def list_session_ids(self, owner: str, limit: int, offset: int) -> list[str]:
         return self._all(
             select(SessionRow.id).where(SessionRow.owner == owner)
@@ -254,6 +261,11 @@ class Store(_Db):
 
     def count_checkpoints(self, owner: str, now: float) -> int:
         return int(self._all(select(func.count()).select_from(CheckpointRow)
+                             .where(CheckpointRow.owner == owner, _unexpired(now)))[0])
+
+    def checkpoint_bytes(self, owner: str, now: float) -> int:
+        """Total `size_bytes` of `owner`'s checkpoints not expired at `now` (the bytes quota)."""
+        return int(self._all(select(func.coalesce(func.sum(CheckpointRow.size_bytes), 0))
                              .where(CheckpointRow.owner == owner, _unexpired(now)))[0])
 
     def list_checkpoints(self, owner: str, limit: int, offset: int, now: float) -> list[CheckpointRow]:

@@ -2,7 +2,7 @@
 
 A save killed before its row was committed leaves `.<name>.<hex8>.tmp` (older versions:
 `.<name>.tmp-<hex8>`) or a complete `<name>.<hex8>` that no row names; one killed after
-committing an overwrite leaves the directory it replaced (see `ember.service.checkpoints`).
+committing an overwrite leaves the directory it replaced (see `ember.service.checkpoint_files`).
 Samplers of the killed lifetime leave `scratch/sampler-<hex8>` (`LocalSamplerFactory`).
 
 `sweep_data_dir` runs once, under the data-directory lock, after the database is open and
@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from ember.service.checkpoints import SEGMENT_OF_KIND
+from ember.service.checkpoint_files import SEGMENT_OF_KIND
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,112 @@
+"""What a training run is created with, checked: LoRA config, optimizer, head, ids.
+
+Pure functions over the request's values (and, for a run created from a checkpoint, the
+checkpoint's `meta.json`); each refuses with a `UserError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from ember.service.api import UserError
+from ember.service.engines import RunSpec
+
+
+def validate_model_seq_id(model_seq_id: Any) -> int:
+    if isinstance(model_seq_id, bool) or not isinstance(model_seq_id, int) or model_seq_id < 0:
+        raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
+    return model_seq_id
+
+
+def validate_lora(cfg: types.LoraConfig | None) -> None:
+    if cfg is None:
+        return
+    if not isinstance(cfg.rank, int) or cfg.rank < 1:
+        raise UserError(f"lora_config.rank must be an integer >= 1, got {cfg.rank!r}")
+    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
+        raise UserError("lora_config must train at least one of attn, mlp, unembed")
+
+
+def validate_head(user_metadata: Mapping[str, Any] | None) -> str:
+    """The run's head, from `user_metadata["ember.head"]` ("policy" when absent)."""
+    from ember.engine.heads import head_from_metadata
+
+    try:
+        return head_from_metadata(user_metadata)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def check_samplable(spec: RunSpec) -> None:
+    """Only a policy has a sampler: a value head outputs a number per token, not a distribution
+    over tokens, and its adapter on the LM would sample from something nobody trained."""
+    if spec.head != "policy":
+        raise UserError(f"run {spec.run_id} has a {spec.head!r} head (user_metadata['ember.head']): it outputs "
+                        "values, not tokens, so it has no sampler; read its values with forward, save it with "
+                        "save_state or save_weights_external")
+
+
+def saved_head(directory, user_metadata: Mapping[str, Any] | None) -> str:
+    """The head of a run created from a training checkpoint: the checkpoint's (it holds the
+    head's weights). Metadata naming another head is refused rather than ignored."""
+    from ember.engine.checkpoint import read_meta
+    from ember.engine.heads import HEAD_METADATA_KEY
+
+    try:
+        saved = read_meta(Path(directory)).get("head", "policy")
+    except (OSError, ValueError):
+        saved = "policy"  # load_state reports the unreadable checkpoint itself
+    if user_metadata and HEAD_METADATA_KEY in user_metadata and validate_head(user_metadata) != saved:
+        raise UserError(f"user_metadata[{HEAD_METADATA_KEY!r}] is {user_metadata[HEAD_METADATA_KEY]!r}, but the "
+                        f"checkpoint holds a {saved!r}-head run; leave the key out or set it to {saved!r}")
+    return saved
+
+
+def saved_optimizer(directory) -> dict[str, Any]:
+    """The optimizer config a training checkpoint's state belongs to (AdamW for older ones)."""
+    from ember.engine.checkpoint import read_meta
+
+    try:
+        kind = read_meta(Path(directory)).get("optimizer", "adamw")
+    except (OSError, ValueError):
+        kind = "adamw"  # load_state reports the unreadable checkpoint itself
+    return validate_optimizer({"type": kind})
+
+
+def resumed_optimizer(directory, with_state: bool, requested: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The optimizer of a run created from a checkpoint: the saved one with its state, or
+    the requested one (default AdamW) started fresh."""
+    if not with_state:
+        return validate_optimizer(requested)
+    saved = saved_optimizer(directory)
+    if requested is not None and validate_optimizer(requested)["type"] != saved["type"]:
+        raise UserError(f"optimizer_config: the checkpoint's optimizer state is {saved['type']!r}, "
+                        f"got a {requested.get('type')!r} config; load it without optimizer state to switch")
+    return saved
+
+
+def validate_optimizer(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run's optimizer config: AdamW (default) or Dimuon version 1, nothing else."""
+    from ember.engine.optimizers import OPTIMIZERS
+
+    cfg = dict(cfg or {"type": "adamw"})
+    kind = cfg.pop("type", "adamw")
+    if kind not in OPTIMIZERS:
+        raise UserError(f"optimizer {kind!r} is not supported by ember; use {{'type': 'adamw'}} or {{'type': 'dimuon'}}")
+    if kind == "dimuon" and cfg.pop("version", 1) != 1:
+        raise UserError("optimizer 'dimuon': only version 1 is supported")
+    if cfg:
+        raise UserError(f"optimizer {kind!r}: unknown fields {sorted(cfg)}")
+    return {"type": kind, "version": 1} if kind == "dimuon" else {"type": "adamw"}
+
+
+def model_arch(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
