@@ -82,7 +82,7 @@ def write_lora_version(
     build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)  # checks only
     tensors = {}
     for name, t in items:
-        m = _LORA_NAME.match(name)
+        m = _LORA_NAME.fullmatch(name)
         tensors[f"base_model.model.{m['module']}.lora_{m['ab']}.weight"] = _cpu(t, dtype)
     version = VLLMWeightVersion(sampler_id, Path(), lora_config)
     version.path = scratch / f"lora-{version.lora_id}"

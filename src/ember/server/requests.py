@@ -4,17 +4,28 @@ The SDK's types forbid unknown fields (`StrictBase`), also in nested models (Lor
 chunks, SamplingParams...). A server must accept and ignore fields it does not know
 (tinker-protocol.md §8 item 13), so `parse` validates with `extra="ignore"` (pydantic
 >= 2.11 applies it to nested models too).
+
+Bodies are decoded and validated off the event loop (`read`, `read_json`), and bounded
+before they are parsed (`decode_json`): the parser holds the interpreter lock whichever
+thread runs it, so a body may carry at most `Limits.max_json_values` values, and its
+nesting (`Limits.max_json_depth`) and strings (no lone surrogates) are checked before any
+route, database or tokenizer sees it (docs/architecture.md, "Limits").
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, TypeVar
 
 import pydantic
+from fastapi import Request
 from pydantic import ConfigDict
+from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from ember.server.errors import BadRequest
+from ember.service.api import UserError
+from ember.service.limits import Limits, check_json_tree
 
 _LENIENT = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -31,6 +42,52 @@ def parse(model: type[M], data: Any) -> M:
         raise BadRequest(f"body: expected a JSON object, got {type(data).__name__}")
     _check_int64_fields(data)
     return model.model_validate(data, extra="ignore")
+
+
+def limits_of(request: Request) -> Limits:
+    """The service's `Limits` (the defaults for a service that has none, e.g. a test's)."""
+    limits = getattr(getattr(request.app.state.service, "config", None), "limits", None)
+    return limits if isinstance(limits, Limits) else Limits()
+
+
+def decode_json(raw: bytes, limits: Limits) -> Any:
+    """A JSON body, bounded before and checked after parsing (pure; `BadRequest` -> 400).
+
+    The value count is bounded from the bytes (every value but the first follows a comma
+    or opens a container; brackets and commas inside strings only over-count)."""
+    if not raw:
+        return {}
+    values = 1 + raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > limits.max_json_values:
+        raise BadRequest(f"body: holds up to {values} JSON values; the limit is "
+                         f"max_json_values={limits.max_json_values}")
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"body: JSON nested deeper than max_json_depth={limits.max_json_depth}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body: invalid JSON ({exc})") from exc
+    try:
+        check_json_tree(doc, limits.max_json_depth)
+    except UserError as exc:
+        raise BadRequest(str(exc)) from None
+    return doc
+
+
+async def read_json(request: Request) -> Any:
+    """The body as checked JSON (`decode_json`), decoded in the thread pool."""
+    raw = await request.body()
+    return await run_in_threadpool(decode_json, raw, limits_of(request))
+
+
+async def read(request: Request, model: type[M]) -> M:
+    """The body as `model` (`read_json`, then `parse`), all of it off the event loop."""
+    raw = await request.body()
+    return await run_in_threadpool(_decode_and_parse, raw, limits_of(request), model)
+
+
+def _decode_and_parse(raw: bytes, limits: Limits, model: type[M]) -> M:
+    return parse(model, decode_json(raw, limits))
 
 
 # Ids and times the service keeps as 64-bit database integers: a bigger JSON number

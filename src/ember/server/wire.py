@@ -85,12 +85,15 @@ def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -
 
 
 def decode_forward_backward_request(
-    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES
+    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES, max_dense_bytes: int | None = None
 ) -> ForwardBackwardCall:
     """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config.
 
-    `max_dense_values` bounds what the sparse CSR tensors of the request densify to, all
-    together: their dense shape comes from the request, not from its bytes.
+    `max_dense_values` and `max_dense_bytes` (the server passes its body limit: a request
+    may densify to no more than it could have sent densely) bound what the sparse CSR
+    tensors of the request densify to, all together: their dense shape comes from the
+    request, not from its bytes. The vocabulary bounds each one's columns later
+    (`ember.losses.validation`), once the run's model is known.
     """
     msg = pb.ForwardBackwardRequest()
     try:
@@ -99,7 +102,7 @@ def decode_forward_backward_request(
         raise WireError(f"body: not a valid tinker_public.ForwardBackwardRequest protobuf ({exc})") from exc
     if not msg.model_id:
         raise WireError("model_id: expected a non-empty string, got ''")
-    _check_sparse_budget(msg, max_dense_values)
+    _check_sparse_budget(msg, max_dense_values, max_dense_bytes)
     data = [_decode_datum(i, d) for i, d in enumerate(msg.data)]
     return ForwardBackwardCall(
         model_id=msg.model_id,
@@ -112,18 +115,24 @@ def decode_forward_backward_request(
     )
 
 
-def _check_sparse_budget(msg: pb.ForwardBackwardRequest, max_values: int) -> None:
+def _check_sparse_budget(msg: pb.ForwardBackwardRequest, max_values: int, max_bytes: int | None) -> None:
     """Refuse sparse tensors whose dense form is too big *before* allocating it (a 20-byte
-    tensor can claim shape [1, 2**40])."""
-    total = 0
+    tensor can claim shape [1, 2**40]); counted in values and in bytes (an int64 value is
+    8 bytes: a values-only bound let 64M of them, 512 MB, through a 64 MB body limit)."""
+    values = nbytes = 0
     for i, datum in enumerate(msg.data):
         for name, tensor in datum.loss_fn_inputs.items():
-            if tensor.HasField("sparse_csr"):
-                total += math.prod(max(int(s), 0) for s in tensor.shape)
-                if total > max_values:
-                    raise WireError(
-                        f"datum {i}: loss_fn_inputs[{name!r}]: sparse CSR shape {list(tensor.shape)} brings the "
-                        f"request's densified sparse tensors to {total} values; the limit is {max_values}")
+            if not tensor.HasField("sparse_csr"):
+                continue
+            count = math.prod(max(int(s), 0) for s in tensor.shape)
+            values += count
+            nbytes += count * _DTYPE_TO_NUMPY.get(tensor.dtype, np.dtype("<i8")).itemsize
+            if values > max_values or (max_bytes is not None and nbytes > max_bytes):
+                bound = (f"{values} values; the limit is {max_values}" if values > max_values
+                         else f"{nbytes} bytes; the limit is {max_bytes} (the body limit)")
+                raise WireError(
+                    f"datum {i}: loss_fn_inputs[{name!r}]: sparse CSR shape {list(tensor.shape)} brings the "
+                    f"request's densified sparse tensors to {bound}")
 
 
 def merge_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
