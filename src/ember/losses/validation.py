@@ -61,7 +61,7 @@ def _as_dense(where: str, key: str, value: object, n_tokens: int, vocab_size: in
         )
     # No input is larger than (N, vocab_size) (top-K targets at most K = vocab_size): a
     # sparse tensor's declared shape is checked before `to_dense` allocates it.
-    if math.prod(value.shape) > n_tokens * max(vocab_size, 1):
+    if value.layout != torch.strided and math.prod(value.shape) > n_tokens * max(vocab_size, 1):
         raise ValueError(
             f"{where}: loss_fn_inputs[{key!r}] has shape {_shape(value.shape)}, more values than "
             f"model_input length x vocab_size = {n_tokens} x {vocab_size}"

@@ -28,8 +28,9 @@ LOG_STATE_KEY = "ember_log"  # routes put decoded facts (seq_id, ...) in request
 
 
 class BodyTooLarge(Exception):
-    def __init__(self, limit: int):
-        super().__init__(f"body: request body exceeds the limit of {limit} bytes")
+    def __init__(self, limit: int, name: str | None = None):
+        named = f" ({name}={limit})" if name else ""
+        super().__init__(f"body: request body exceeds the limit of {limit} bytes{named}")
         self.limit = limit
 
 

@@ -19,6 +19,7 @@ import functools
 import json
 import itertools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pydantic
@@ -121,7 +122,8 @@ def _parse(model: type[pydantic.BaseModel], body: Any, limits: Limits, default_m
 
 async def _read_request(request: Request, model: type[pydantic.BaseModel], default_max_tokens: int):
     """The body decoded (`rq.decode_json`) and validated in the thread pool, not the event loop."""
-    raw, limits = await request.body(), rq.limits_of(request)
+    limits = rq.limits_of(request)
+    raw = await rq.read_body(request, limits)
     return await run_in_threadpool(lambda: _parse(model, rq.decode_json(raw, limits), limits, default_max_tokens))
 
 
@@ -129,13 +131,41 @@ def _answer(body: dict[str, Any], limits: Limits) -> Response:
     """The JSON answer, refused (400) when it is over `max_openai_response_bytes`. Runs in the
     thread pool: an answer of a few hundred thousand logprob entries takes seconds to build."""
     try:
-        raw = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        raw = b"".join(_json_pieces(body))
     except ValueError:  # a -inf logprob: JSON has no infinity (see wire.json_safe)
-        raw = json.dumps(json_safe(body), ensure_ascii=False, separators=(",", ":")).encode()
+        raw = b"".join(_json_pieces(json_safe(body)))
     if len(raw) > limits.max_openai_response_bytes:
         raise BadRequest(f"the answer is {len(raw)} bytes; the limit is max_openai_response_bytes="
                          f"{limits.max_openai_response_bytes} (ask for fewer choices, tokens or logprobs)")
     return Response(raw, media_type="application/json")
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
+    """`value` as JSON, in pieces: the envelope, choices and logprobs objects are walked,
+    and lists below them (token entries) encoded 64 items per `json.dumps` call. One call
+    over a whole 8 MB answer held the interpreter lock, and so the event loop, for seconds."""
+    if isinstance(value, dict) and depth < 4:
+        yield b"{"
+        for i, (key, item) in enumerate(value.items()):
+            yield (b"," if i else b"") + _dumps(str(key)) + b":"
+            yield from _json_pieces(item, depth + 1)
+        yield b"}"
+    elif isinstance(value, list) and depth < 4:
+        yield b"["
+        if depth < 3:
+            for i, item in enumerate(value):
+                yield b"," if i else b""
+                yield from _json_pieces(item, depth + 1)
+        else:
+            for i in range(0, len(value), 64):
+                yield (b"," if i else b"") + _dumps(value[i:i + 64])[1:-1]
+        yield b"]"
+    else:
+        yield _dumps(value)
 
 
 async def _sample(request: Request, owner: str, service: ServiceAPI, model: str, prompt: list[int],

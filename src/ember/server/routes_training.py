@@ -40,14 +40,15 @@ async def _decode_forward_backward(request: Request) -> wire.ForwardBackwardCall
         )
     body = await request.body()
     limit = get_config(request).max_body_bytes
-    return await run_in_threadpool(_decode_protobuf, body, request.headers.get("content-encoding"), limit)
+    return await run_in_threadpool(_decode_protobuf, body, request.headers.get("content-encoding"), limit,
+                                   rq.limits_of(request).max_protobuf_fields)
 
 
-def _decode_protobuf(body: bytes, content_encoding: str | None, limit: int) -> wire.ForwardBackwardCall:
+def _decode_protobuf(body: bytes, content_encoding: str | None, limit: int, max_fields: int) -> wire.ForwardBackwardCall:
     """Decompression and decoding, off the event loop; sparse tensors may densify to as many
     bytes as a body may have (`wire.decode_forward_backward_request`)."""
     raw = wire.decompress_body(body, content_encoding, max_bytes=limit)
-    return wire.decode_forward_backward_request(raw, max_dense_bytes=limit)
+    return wire.decode_forward_backward_request(raw, max_dense_bytes=limit, max_fields=max_fields)
 
 
 @router.post("/forward_backward")

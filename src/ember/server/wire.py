@@ -85,7 +85,8 @@ def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -
 
 
 def decode_forward_backward_request(
-    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES, max_dense_bytes: int | None = None
+    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES, max_dense_bytes: int | None = None,
+    max_fields: int | None = None,
 ) -> ForwardBackwardCall:
     """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config.
 
@@ -93,8 +94,11 @@ def decode_forward_backward_request(
     may densify to no more than it could have sent densely) bound what the sparse CSR
     tensors of the request densify to, all together: their dense shape comes from the
     request, not from its bytes. The vocabulary bounds each one's columns later
-    (`ember.losses.validation`), once the run's model is known.
+    (`ember.losses.validation`), once the run's model is known. `max_fields` bounds the
+    fields of the message at every level before it is parsed (`_check_field_count`).
     """
+    if max_fields is not None:
+        _check_field_count(body, max_fields)
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -113,6 +117,51 @@ def decode_forward_backward_request(
         forward_only=bool(msg.forward_only),
         sparse_inputs=sum(t.HasField("sparse_csr") for d in msg.data for t in d.loss_fn_inputs.values()),
     )
+
+
+def _check_field_count(body: bytes, max_fields: int) -> None:
+    """Count the body's fields (tags) at every level, following the schema into
+    sub-messages, and refuse more than `max_fields` before `ParseFromString` runs: the
+    parser holds the interpreter lock, and 47 MB of two-byte fields kept every other
+    request waiting for seconds. Plain Python (the lock is shared) stopping at the bound;
+    malformed bytes stop the count and are left to the parser to name."""
+    if len(body) < 2 * max_fields:
+        return  # every field takes two bytes or more
+    count, stack = 0, [(pb.ForwardBackwardRequest.DESCRIPTOR, 0, len(body))]
+    while stack:
+        desc, pos, end = stack.pop()
+        while pos < end:
+            tag, pos = _varint(body, pos)
+            count += 1
+            if count > max_fields:
+                raise WireError(f"body: the protobuf message has more than {max_fields} fields; the limit is "
+                                f"max_protobuf_fields={max_fields}")
+            kind = tag & 7
+            if kind == 0:
+                pos = _varint(body, pos)[1]
+            elif kind in (1, 5):
+                pos += 8 if kind == 1 else 4
+            elif kind == 2:
+                size, pos = _varint(body, pos)
+                field = desc.fields_by_number.get(tag >> 3)
+                if field is not None and field.message_type is not None:
+                    stack.append((field.message_type, pos, min(pos + size, end)))
+                pos += size
+            else:
+                return
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """A protobuf varint at `pos`: (value, next position); past the end reads as 0."""
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    return value, len(buf) + 1
 
 
 def _check_sparse_budget(msg: pb.ForwardBackwardRequest, max_values: int, max_bytes: int | None) -> None:

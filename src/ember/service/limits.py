@@ -38,9 +38,15 @@ class Limits:
         with it).
     max_result_bytes: the stored (pickled) result of one request; a bigger one fails as a
         user error instead of being kept as a future row (e.g. a forward with a huge top-K).
+    max_json_body_bytes: a JSON request body (the body limit, `--max-body-mb`, is for the
+        protobuf `forward_backward`): one 47 MB string takes the parser, which holds the
+        interpreter lock, too long.
     max_json_values: values (and object entries) of one JSON request body, counted from its
         bytes before it is parsed: parsing holds the interpreter lock, so this bounds how
         long one body can keep every other request waiting (~1 s per million on one core).
+    max_protobuf_fields: fields of one protobuf request body (forward_backward) at every
+        level, counted before it is parsed, for the same reason (a datum with one chunk
+        and two inputs is about 10; 32 for each of `max_datums_per_request`).
     max_json_depth: nesting depth of a JSON request body (deeper is refused before any
         recursive code sees it).
     max_metadata_bytes: `user_metadata` of a session or training run, as compact JSON.
@@ -64,8 +70,10 @@ class Limits:
     max_seq_ahead: int = 1024
     max_lora_rank: int = 512
     max_result_bytes: int = 64 * 1024 * 1024
+    max_json_body_bytes: int = 16 * 1024 * 1024
     max_json_values: int = 1_000_000
     max_json_depth: int = 64
+    max_protobuf_fields: int = 131072
     max_metadata_bytes: int = 65536
     max_metadata_keys: int = 1024
     max_metadata_depth: int = 8
@@ -197,7 +205,8 @@ def _path_text(where: str, path: Any) -> str:
     while path is not None:
         path, key = path
         parts.append(f"[{key}]" if isinstance(key, int) else f".{_safe(key)}")
-    return where + "".join(reversed(parts))
+    parts.reverse()
+    return where + "".join(parts[:8]) + (f"...({len(parts) - 8} more levels)" if len(parts) > 8 else "")
 
 
 def _safe(key: str) -> str:
