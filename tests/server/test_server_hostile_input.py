@@ -200,7 +200,7 @@ def test_the_152_byte_chat_request_is_refused_at_once(server, http):
         message = user_error(http.post("/v1/chat/completions", json=ATTACK_CHAT), "n", "max_openai_n")
         took = time.perf_counter() - t0
     assert took < 30, took  # refused before sampling (the old server sampled 256 x 1015 tokens)
-    assert max(latencies) < HEALTHZ_BOUND_S, (max(latencies), message)
+    assert max(latencies, default=0.0) < HEALTHZ_BOUND_S, (latencies, message)  # none: refused within 50 ms
     # each bound on its own
     user_error(http.post("/v1/chat/completions", json={**ATTACK_CHAT, "n": 1}), "top_logprobs", "20")
     user_error(http.post("/v1/chat/completions", json={**ATTACK_CHAT, "n": 16, "top_logprobs": 20}),
@@ -214,6 +214,8 @@ def test_a_heavy_openai_answer_does_not_stall_the_event_loop(server, http, path)
     common = {"model": MODEL_NAME, "max_tokens": 400, "temperature": 0, "n": 16}
     body = ({**common, "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 20}
             if "chat" in path else {**common, "prompt": "a", "logprobs": 20})
+    warm = http.post(path, json={**body, "n": 1, "max_tokens": 2})  # the sampler's first load is not measured
+    assert warm.status_code == 200, warm.text[:300]
     with healthz_watch(server.base_url) as latencies:
         t0 = time.perf_counter()
         r = http.post(path, json=body)

@@ -149,5 +149,5 @@ def _maybe_json(raw: bytes | bytearray) -> Any:
         return None
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # 64 kB may nest 32,000 deep
         return None

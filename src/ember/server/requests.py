@@ -9,7 +9,7 @@ Bodies are decoded and validated off the event loop (`read`, `read_json`), and b
 before they are parsed (`decode_json`): the parser holds the interpreter lock whichever
 thread runs it, so a body may carry at most `Limits.max_json_values` values, and its
 nesting (`Limits.max_json_depth`) and strings (no lone surrogates) are checked before any
-route, database or tokenizer sees it (docs/architecture.md, "Limits").
+route, database or tokenizer sees it (docs/architecture.md, "Trust boundaries").
 """
 
 from __future__ import annotations

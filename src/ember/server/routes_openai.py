@@ -154,7 +154,7 @@ def _json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
             yield (b"," if i else b"") + _dumps(str(key)) + b":"
             yield from _json_pieces(item, depth + 1)
         yield b"}"
-    elif isinstance(value, list) and depth < 4:
+    elif isinstance(value, list):
         yield b"["
         if depth < 3:
             for i, item in enumerate(value):

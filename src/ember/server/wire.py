@@ -127,28 +127,36 @@ def _check_field_count(body: bytes, max_fields: int) -> None:
     malformed bytes stop the count and are left to the parser to name."""
     if len(body) < 2 * max_fields:
         return  # every field takes two bytes or more
-    count, stack = 0, [(pb.ForwardBackwardRequest.DESCRIPTOR, 0, len(body))]
+    count = 0
+    # Depth-first, one frame per open sub-message (freed when it ends): a scan that kept a
+    # frame for each of 100k sub-messages set off full garbage collections, which hold the lock.
+    stack = [[pb.ForwardBackwardRequest.DESCRIPTOR, 0, len(body)]]
     while stack:
-        desc, pos, end = stack.pop()
-        while pos < end:
-            tag, pos = _varint(body, pos)
-            count += 1
-            if count > max_fields:
-                raise WireError(f"body: the protobuf message has more than {max_fields} fields; the limit is "
-                                f"max_protobuf_fields={max_fields}")
-            kind = tag & 7
-            if kind == 0:
-                pos = _varint(body, pos)[1]
-            elif kind in (1, 5):
-                pos += 8 if kind == 1 else 4
-            elif kind == 2:
-                size, pos = _varint(body, pos)
-                field = desc.fields_by_number.get(tag >> 3)
-                if field is not None and field.message_type is not None:
-                    stack.append((field.message_type, pos, min(pos + size, end)))
-                pos += size
-            else:
-                return
+        frame = stack[-1]
+        desc, pos, end = frame
+        if pos >= end:
+            stack.pop()
+            continue
+        tag, pos = _varint(body, pos)
+        kind = tag & 7
+        if tag >> 3 == 0 or kind not in (0, 1, 2, 5):
+            return  # malformed: the parser names it
+        count += 1
+        if count > max_fields:
+            raise WireError(f"body: the protobuf message has more than {max_fields} fields; the limit is "
+                            f"max_protobuf_fields={max_fields}")
+        if kind == 0:
+            pos = _varint(body, pos)[1]
+        elif kind != 2:
+            pos += 8 if kind == 1 else 4
+        else:
+            size, pos = _varint(body, pos)
+            field = desc.fields_by_number.get(tag >> 3)
+            frame[1] = pos + size
+            if size and field is not None and field.message_type is not None:
+                stack.append([field.message_type, pos, min(pos + size, end)])
+            continue
+        frame[1] = pos
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:

@@ -43,7 +43,8 @@ class Limits:
         interpreter lock, too long.
     max_json_values: values (and object entries) of one JSON request body, counted from its
         bytes before it is parsed: parsing holds the interpreter lock, so this bounds how
-        long one body can keep every other request waiting (~1 s per million on one core).
+        long one body can keep every other request waiting (~1 s per million on one core);
+        the default fits a sampling prompt of `max_prompt_tokens` with its target logprobs.
     max_protobuf_fields: fields of one protobuf request body (forward_backward) at every
         level, counted before it is parsed, for the same reason (a datum with one chunk
         and two inputs is about 10; 32 for each of `max_datums_per_request`).
@@ -71,7 +72,7 @@ class Limits:
     max_lora_rank: int = 512
     max_result_bytes: int = 64 * 1024 * 1024
     max_json_body_bytes: int = 16 * 1024 * 1024
-    max_json_values: int = 1_000_000
+    max_json_values: int = 400_000
     max_json_depth: int = 64
     max_protobuf_fields: int = 131072
     max_metadata_bytes: int = 65536
@@ -167,26 +168,26 @@ def check_json_tree(doc: Any, max_depth: int, where: str = "body", limit_name: s
     a lone surrogate (JSON's `"\\udcff"`: no UTF-8 encoding, so the database, the
     tokenizer and the log could not take it) are refused naming the path. Returns how
     many object keys the document holds."""
+    if isinstance(doc, str):
+        _check_text(doc, where, None)
     keys = 0
-    stack: list[tuple[Any, int, Any]] = [(doc, 0, None)]  # (value, depth, path as (parent path, key))
+    # Only containers are pushed (scalars are checked in place): no object per value, so a
+    # big document sets off no extra garbage collection, which would hold the lock.
+    stack: list[tuple[Any, int, Any]] = [(doc, 0, None)] if isinstance(doc, (Mapping, list, tuple)) else []
     while stack:
-        value, depth, path = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, where, path)
-            continue
-        if not isinstance(value, (Mapping, list, tuple)):
-            continue
+        value, depth, path = stack.pop()  # path: (parent path, key), built out only for an error
         if depth + 1 > max_depth:
             raise UserError(f"{_path_text(where, path)}: nested deeper than {max_depth} levels "
                             f"({limit_name}={max_depth})")
-        if isinstance(value, Mapping):
-            keys += len(value)
-            for key, item in value.items():
-                if isinstance(key, str):
-                    _check_text(key, where, (path, key))
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        keys += len(value) if isinstance(value, Mapping) else 0
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, where, (path, key))
+            if isinstance(item, str):
+                _check_text(item, where, (path, key))
+            elif isinstance(item, (Mapping, list, tuple)):
                 stack.append((item, depth + 1, (path, key)))
-        else:
-            stack.extend((item, depth + 1, (path, i)) for i, item in enumerate(value))
     return keys
 
 
