@@ -181,37 +181,52 @@ def completion_text(tokenizer: Any, seq: types.SampledSequence, stop: Sequence[s
     return text
 
 
-def _token_str(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
+class _Tokens:
+    """Token id -> its text and UTF-8 bytes, decoded once per answer: a logprobs answer
+    names the same few thousand tokens 100k times."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self._seen = tokenizer, {}
+
+    def entry(self, token: int) -> tuple[str, list[int]]:
+        found = self._seen.get(token)
+        if found is None:
+            text = self.tokenizer.decode([token])
+            found = self._seen[token] = (text, list(text.encode("utf-8")))
+        return found
+
+    def text(self, token: int) -> str:
+        return self.entry(token)[0]
 
 
 def completion_logprobs(tokenizer: Any, seq: types.SampledSequence, text_offset0: int) -> dict[str, Any]:
     """OpenAI's legacy `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [_token_str(tokenizer, t) for t in seq.tokens]
+    names = _Tokens(tokenizer)
+    tokens = [names.text(t) for t in seq.tokens]
     offsets, at = [], text_offset0
     for s in tokens:
         offsets.append(at)
         at += len(s)
     top = None
     if seq.topk_logprobs is not None:
-        top = [{_token_str(tokenizer, t): lp for t, lp in sorted(row or [], key=lambda r: -r[1])}
-               for row in seq.topk_logprobs]
+        top = [{names.text(t): lp for t, lp in sorted(row or [], key=lambda r: -r[1])} for row in seq.topk_logprobs]
     return {"tokens": tokens, "token_logprobs": list(seq.logprobs or []), "top_logprobs": top,
             "text_offset": offsets}
 
 
-def _chat_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
-    s = _token_str(tokenizer, token)
-    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+def _chat_entry(names: _Tokens, token: int, logprob: float) -> dict[str, Any]:
+    text, raw = names.entry(token)
+    return {"token": text, "logprob": logprob, "bytes": raw}
 
 
 def chat_logprobs(tokenizer: Any, seq: types.SampledSequence) -> dict[str, Any]:
     """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    names = _Tokens(tokenizer)
     tops = seq.topk_logprobs or [None] * len(seq.tokens)
     content = []
     for token, lp, row in zip(seq.tokens, seq.logprobs or [], tops, strict=False):
-        entry = _chat_entry(tokenizer, token, lp)
-        entry["top_logprobs"] = [_chat_entry(tokenizer, t, v) for t, v in (row or [])]
+        entry = _chat_entry(names, token, lp)
+        entry["top_logprobs"] = [_chat_entry(names, t, v) for t, v in (row or [])]
         content.append(entry)
     return {"content": content}
 
