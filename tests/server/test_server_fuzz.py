@@ -285,10 +285,21 @@ def targets(fuzz):
     sc.close("success").result(timeout=30)
 
 
+def deep(levels: int, leaf: Any = 1) -> Any:
+    for _ in range(levels):
+        leaf = [leaf]
+    return leaf
+
+
+# Lone surrogates (JSON "\udcff": no UTF-8 encoding) and deep nesting: both were 500s (issue 24).
+SURROGATES = ["\udcff", "a\ud800b", "\udfff" * 3]
+DEEP = [deep(70), deep(300), {"a": deep(200)}]  # 1,000 deep goes as raw bytes (json.dumps recurses)
+
 # What a hostile client puts in a field. The huge counts are for the size limits.
 HOSTILE_VALUES = st.one_of(
     st.sampled_from([None, True, False, 0, -1, 1, 2**31 - 1, -(2**31), 2**63, 10**30, -(10**30),
-                     math.nan, math.inf, -math.inf, 1e308, "", "x", "\x00", "ü" * 5, [], [None], {}, {"a": [1]}]),
+                     math.nan, math.inf, -math.inf, 1e308, "", "x", "\x00", "ü" * 5, [], [None], {}, {"a": [1]},
+                     *SURROGATES, *DEEP]),
     st.integers(), st.floats(), st.text(max_size=20),
 )
 
@@ -568,6 +579,18 @@ def m_sparse_huge(msg, draw):
         t.shape.extend([1, draw(st.sampled_from([2**31, 2**40, 2**62]))])
 
 
+def m_sparse_topk(msg, draw):
+    """Top-K `target_tokens` as an empty CSR tensor: the issue's 114-byte [1, 67108864] and
+    K just over the vocabulary (each row of a real request's N)."""
+    if msg.data:
+        t = msg.data[0].loss_fn_inputs["target_tokens"]
+        rows = draw(st.sampled_from([1, 4]))
+        t.Clear()
+        t.dtype = pb.DTYPE_INT64
+        t.sparse_csr.crow_indices = np.zeros(rows + 1, "<i8").tobytes()
+        t.shape.extend([rows, draw(st.sampled_from([2**26, 85, 10**6]))])
+
+
 def m_inputs(msg, draw):
     if msg.data:
         inputs = msg.data[0].loss_fn_inputs
@@ -589,7 +612,7 @@ def m_spans(msg, draw):
 
 PROTO_MUTATIONS = [m_seq_id, m_model_id, m_loss_fn, m_loss_config, m_forward_only, m_datum_count, m_tokens,
                    m_chunk_kind, m_tensor_dtype, m_tensor_shape, m_tensor_dense, m_tensor_sparse, m_sparse_huge,
-                   m_inputs, m_spans]
+                   m_sparse_topk, m_inputs, m_spans]
 
 
 @st.composite
@@ -643,6 +666,48 @@ def test_mutated_forward_backward(fuzz, targets):
 
     attack()
     drain(fuzz, accepted)
+    assert_server_healthy(fuzz)
+
+
+def _seeded_bodies(path: str) -> list[bytes]:
+    """The issue's hostile JSON, in every body: a lone surrogate in a value and in a key,
+    2 kB of nesting 1,000 deep, and nesting under a field."""
+    bodies = [json.dumps({"request_id": s, "model_id": s, "session_id": s}).encode() for s in SURROGATES]
+    bodies += [b'{"x\\ud800":1}', b"[" * 1000 + b"]" * 1000, b'{"a":' + b"[" * 3000 + b"]" * 3000 + b"}"]
+    return bodies + [json.dumps({"user_metadata": d, "events": d, "prompt": d}).encode() for d in DEEP]
+
+
+@pytest.mark.parametrize("path", sorted(BODY_MODELS))
+def test_seeded_surrogates_and_nesting(fuzz, path):
+    """Every JSON route answers the seeded cases with a 4xx (no 5xx, no traceback)."""
+    for body in _seeded_bodies(path):
+        r = httpx.post(fuzz.server.base_url + path, content=body, timeout=60,
+                       headers={**AUTH, "Content-Type": "application/json"})
+        fuzz.saw("POST", path, r, body[:100])
+        assert 400 <= r.status_code < 500, (path, body[:80], r.status_code, r.text[:300])
+    problems = server_problems(fuzz)
+    assert not problems, "\n".join(problems)
+
+
+def test_seeded_sparse_shapes(fuzz):
+    """The 114-byte forward (sparse [1, 67108864]) and K over the vocabulary: refused as
+    the user's error, never a MemoryError in the capped server."""
+    sc = tinker.ServiceClient(base_url=fuzz.server.base_url, api_key=API_KEY)
+    model_id = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result(timeout=60).get_info().model_id
+    accepted: list[str] = []
+    for shape in [[1, 2**26], [4, 85], [1, 2**40], [4, 10**6], [4, 2**20]]:
+        msg = fb_message(model_id, len(accepted) + 1)  # in order: refused ones never reached the run
+        t = msg.data[0].loss_fn_inputs["target_tokens"]
+        t.Clear()
+        t.dtype, t.sparse_csr.crow_indices = pb.DTYPE_INT64, np.zeros(shape[0] + 1, "<i8").tobytes()
+        t.shape.extend(shape)
+        r = httpx.post(fuzz.server.base_url + "/api/v1/forward_backward", content=msg.SerializeToString(),
+                       headers={**AUTH, "Content-Type": PROTO}, timeout=60)
+        fuzz.saw("POST", "/forward_backward", r, shape)
+        if rid := accepted_id(r):
+            accepted.append(rid)
+    drain(fuzz, accepted)
+    sc.close("success").result(timeout=30)
     assert_server_healthy(fuzz)
 
 

@@ -12,6 +12,7 @@ Every error is a ``ValueError`` that names the datum index and the field, e.g.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -53,10 +54,17 @@ def _check_keys(spec: LossSpec, where: str, inputs: Mapping[str, object]) -> Non
         )
 
 
-def _as_dense(where: str, key: str, value: object) -> torch.Tensor:
+def _as_dense(where: str, key: str, value: object, n_tokens: int, vocab_size: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(
             f"{where}: loss_fn_inputs[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
+        )
+    # No input is larger than (N, vocab_size) (top-K targets at most K = vocab_size): a
+    # sparse tensor's declared shape is checked before `to_dense` allocates it.
+    if value.layout != torch.strided and math.prod(value.shape) > n_tokens * max(vocab_size, 1):
+        raise ValueError(
+            f"{where}: loss_fn_inputs[{key!r}] has shape {_shape(value.shape)}, more values than "
+            f"model_input length x vocab_size = {n_tokens} x {vocab_size}"
         )
     return value.to_dense() if value.layout != torch.strided else value
 
@@ -76,6 +84,11 @@ def _check_target_tokens(
         raise ValueError(
             f"{field} has shape {_shape(tokens.shape)}, expected {expected} "
             "(first dim = model_input length)"
+        )
+    if tokens.dim() == 2 and tokens.shape[1] > vocab_size:
+        raise ValueError(
+            f"{field} has shape {_shape(tokens.shape)}: K={tokens.shape[1]} top-K targets per position, "
+            f"more than the vocabulary (K <= vocab_size={vocab_size})"
         )
     if tokens.dtype != torch.int64:
         raise ValueError(f"{field} has dtype {_dtype(tokens)}, expected int64")
@@ -159,7 +172,7 @@ def validate_datum_inputs(
     if n_tokens < 1:
         raise ValueError(f"{where}: model_input is empty (length {n_tokens}); need >= 1 token")
     _check_keys(spec, where, inputs)
-    dense = {key: _as_dense(where, key, value) for key, value in inputs.items()}
+    dense = {key: _as_dense(where, key, value, n_tokens, vocab_size) for key, value in inputs.items()}
     out: dict[str, torch.Tensor] = {}
     tokens = None  # optional for value losses (required-ness is `_check_keys`'s job)
     if "target_tokens" in dense:

@@ -86,7 +86,7 @@ def write_lora_version(
     _check_servable(items, refused_modules, model)
     tensors = {}
     for name, t in items:
-        m = _LORA_NAME.match(name)
+        m = _LORA_NAME.fullmatch(name)
         tensors[f"base_model.model.{m['module']}.lora_{m['ab']}.weight"] = _cpu(t, dtype)
     version = VLLMWeightVersion(sampler_id, Path(), lora_config)
     version.path = scratch / f"lora-{version.lora_id}"

@@ -28,7 +28,7 @@ from torch import nn
 from ember.models import LORA_ALPHA
 from ember.sampling.base import WeightVersion
 
-_LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+_LORA_NAME = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def build_full_version(
 def _lora_pairs(named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in named_weights:
-        m = _LORA_NAME.match(name)
+        m = _LORA_NAME.fullmatch(name)
         if m is None:
             raise ValueError(
                 f"load_weights: {name!r} is not a LoRA adapter weight "

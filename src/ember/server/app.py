@@ -10,6 +10,7 @@ long-polls with `retrieve_async` on the event loop.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 from fastapi import FastAPI
 
@@ -30,6 +31,10 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        # What startup made (modules, models: millions of objects) lives as long as the
+        # server: frozen, a full garbage collection, which holds the interpreter lock and
+        # so the event loop, no longer walks it (a big answer's allocations set one off).
+        gc.freeze()
         try:
             yield
         finally:

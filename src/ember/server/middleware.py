@@ -28,8 +28,9 @@ LOG_STATE_KEY = "ember_log"  # routes put decoded facts (seq_id, ...) in request
 
 
 class BodyTooLarge(Exception):
-    def __init__(self, limit: int):
-        super().__init__(f"body: request body exceeds the limit of {limit} bytes")
+    def __init__(self, limit: int, name: str | None = None):
+        named = f" ({name}={limit})" if name else ""
+        super().__init__(f"body: request body exceeds the limit of {limit} bytes{named}")
         self.limit = limit
 
 
@@ -148,5 +149,5 @@ def _maybe_json(raw: bytes | bytearray) -> Any:
         return None
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # 64 kB may nest 32,000 deep
         return None

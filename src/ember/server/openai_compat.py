@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import pydantic
 from pydantic import ConfigDict, Field
@@ -56,6 +56,30 @@ class _Common(pydantic.BaseModel):
         if self.best_of not in (None, 1, self.n):
             raise Unsupported(f"best_of: only best_of = n is supported (got {self.best_of}, n = {self.n})")
 
+    def check_limits(self, limits: Any, params: types.SamplingParams) -> None:
+        """`n`, the top-logprob count and the logprob entries the answer would hold, bounded
+        before anything is sampled (an answer is built in memory, then sent)."""
+        if self.n > limits.max_openai_n:
+            raise Unsupported(f"n: {self.n} is over the limit max_openai_n={limits.max_openai_n}")
+        top = self.top_count()
+        if top > limits.max_openai_top_logprobs:
+            raise Unsupported(f"{self.TOP_FIELD}: {top} is over the limit "
+                              f"max_openai_top_logprobs={limits.max_openai_top_logprobs}")
+        if self.wants_logprobs():
+            entries = self.n * max(int(params.max_tokens or 0), 1) * (1 + top)
+            if entries > limits.max_openai_logprob_entries:
+                raise Unsupported(f"n x max_tokens x (1 + {self.TOP_FIELD}) = {self.n} x {params.max_tokens} x "
+                                  f"{1 + top} = {entries} logprob entries; the limit is "
+                                  f"max_openai_logprob_entries={limits.max_openai_logprob_entries}")
+
+    TOP_FIELD: ClassVar[str] = "logprobs"
+
+    def top_count(self) -> int:
+        return 0
+
+    def wants_logprobs(self) -> bool:
+        return False
+
     def sampling_params(self, default_max_tokens: int) -> types.SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or None)
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
@@ -82,6 +106,12 @@ class CompletionRequest(_Common):
         if isinstance(self.prompt, list) and not self.prompt:
             raise Unsupported("prompt: empty list")
 
+    def top_count(self) -> int:
+        return self.logprobs or 0
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
     def single_prompt(self) -> Union[str, list[int]]:
         p = self.prompt
         return p[0] if isinstance(p, list) and p and not isinstance(p[0], int) else p
@@ -106,8 +136,16 @@ class ChatRequest(_Common):
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(default_max_tokens)
 
+    TOP_FIELD: ClassVar[str] = "top_logprobs"
+
     def topk(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def top_count(self) -> int:
+        return self.top_logprobs or 0
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
 
 def chat_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
@@ -143,37 +181,52 @@ def completion_text(tokenizer: Any, seq: types.SampledSequence, stop: Sequence[s
     return text
 
 
-def _token_str(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
+class _Tokens:
+    """Token id -> its text and UTF-8 bytes, decoded once per answer: a logprobs answer
+    names the same few thousand tokens 100k times."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self._seen = tokenizer, {}
+
+    def entry(self, token: int) -> tuple[str, list[int]]:
+        found = self._seen.get(token)
+        if found is None:
+            text = self.tokenizer.decode([token])
+            found = self._seen[token] = (text, list(text.encode("utf-8")))
+        return found
+
+    def text(self, token: int) -> str:
+        return self.entry(token)[0]
 
 
 def completion_logprobs(tokenizer: Any, seq: types.SampledSequence, text_offset0: int) -> dict[str, Any]:
     """OpenAI's legacy `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [_token_str(tokenizer, t) for t in seq.tokens]
+    names = _Tokens(tokenizer)
+    tokens = [names.text(t) for t in seq.tokens]
     offsets, at = [], text_offset0
     for s in tokens:
         offsets.append(at)
         at += len(s)
     top = None
     if seq.topk_logprobs is not None:
-        top = [{_token_str(tokenizer, t): lp for t, lp in sorted(row or [], key=lambda r: -r[1])}
-               for row in seq.topk_logprobs]
+        top = [{names.text(t): lp for t, lp in sorted(row or [], key=lambda r: -r[1])} for row in seq.topk_logprobs]
     return {"tokens": tokens, "token_logprobs": list(seq.logprobs or []), "top_logprobs": top,
             "text_offset": offsets}
 
 
-def _chat_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
-    s = _token_str(tokenizer, token)
-    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+def _chat_entry(names: _Tokens, token: int, logprob: float) -> dict[str, Any]:
+    text, raw = names.entry(token)
+    return {"token": text, "logprob": logprob, "bytes": raw}
 
 
 def chat_logprobs(tokenizer: Any, seq: types.SampledSequence) -> dict[str, Any]:
     """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    names = _Tokens(tokenizer)
     tops = seq.topk_logprobs or [None] * len(seq.tokens)
     content = []
     for token, lp, row in zip(seq.tokens, seq.logprobs or [], tops, strict=False):
-        entry = _chat_entry(tokenizer, token, lp)
-        entry["top_logprobs"] = [_chat_entry(tokenizer, t, v) for t, v in (row or [])]
+        entry = _chat_entry(names, token, lp)
+        entry["top_logprobs"] = [_chat_entry(names, t, v) for t, v in (row or [])]
         content.append(entry)
     return {"content": content}
 

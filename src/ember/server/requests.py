@@ -4,17 +4,31 @@ The SDK's types forbid unknown fields (`StrictBase`), also in nested models (Lor
 chunks, SamplingParams...). A server must accept and ignore fields it does not know
 (docs/protocol.md §8 item 13), so `parse` validates with `extra="ignore"` (pydantic
 >= 2.11 applies it to nested models too).
+
+Bodies are decoded and validated off the event loop (`read`, `read_json`), and bounded
+before they are parsed (`decode_json`): the parser holds the interpreter lock whichever
+thread runs it, so a body may carry at most `Limits.max_json_values` values, and its
+nesting (`Limits.max_json_depth`) and strings (no lone surrogates) are checked before any
+route, database or tokenizer sees it (docs/architecture.md, "Trust boundaries").
 """
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 from typing import Any, Literal, Optional, TypeVar
 
 import pydantic
+from fastapi import Request
 from pydantic import ConfigDict
+from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from ember.server.errors import BadRequest
+from ember.server.middleware import BodyTooLarge
+from ember.service.api import UserError
+from ember.service.limits import Limits, check_json_tree
 
 _LENIENT = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -31,6 +45,100 @@ def parse(model: type[M], data: Any) -> M:
         raise BadRequest(f"body: expected a JSON object, got {type(data).__name__}")
     _check_int64_fields(data)
     return model.model_validate(data, extra="ignore")
+
+
+def limits_of(request: Request) -> Limits:
+    """The service's `Limits` (the defaults for a service that has none, e.g. a test's)."""
+    limits = getattr(getattr(request.app.state.service, "config", None), "limits", None)
+    return limits if isinstance(limits, Limits) else Limits()
+
+
+def decode_json(raw: bytes, limits: Limits) -> Any:
+    """A JSON body, bounded before and checked after parsing (pure; `BadRequest` -> 400).
+
+    The value count is bounded from the bytes (every value but the first follows a comma
+    or opens a container; brackets and commas inside strings only over-count)."""
+    if not raw:
+        return {}
+    values = 1 + raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > limits.max_json_values:
+        raise BadRequest(f"body: holds up to {values} JSON values; the limit is "
+                         f"max_json_values={limits.max_json_values}")
+    try:
+        doc = json.loads(raw)
+    except RecursionError:  # deeper than the parser goes (~1,000 levels): name the top-level field
+        where = _deep_member(raw, limits.max_json_depth)
+        raise BadRequest(f"{where}: nested deeper than {limits.max_json_depth} levels "
+                         f"(max_json_depth={limits.max_json_depth})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body: invalid JSON ({exc})") from exc
+    try:
+        check_json_tree(doc, limits.max_json_depth)
+    except UserError as exc:
+        raise BadRequest(str(exc)) from None
+    return doc
+
+
+def _deep_member(raw: bytes, max_depth: int) -> str:
+    """`body.<key>` for the top-level member where `raw` first nests deeper than
+    `max_depth` (`body` when the body is not an object). Brackets inside strings do not
+    count: a quote is real when an even number of backslashes precedes it."""
+    b = np.frombuffer(raw, dtype=np.uint8)
+    idx = np.arange(b.size, dtype=np.int64)
+    last_plain = np.maximum.accumulate(np.where(b != 0x5C, idx, -1))  # last non-backslash at or before i
+    quote = b == 0x22
+    run = idx - 1 - np.concatenate(([-1], last_plain[:-1]))  # backslashes right before i
+    real = quote & (run % 2 == 0)
+    inside = (np.cumsum(real) % 2 == 1) | real
+    step = np.where(inside, 0, (b == 0x5B) | (b == 0x7B)).astype(np.int32) \
+        - np.where(inside, 0, (b == 0x5D) | (b == 0x7D)).astype(np.int32)
+    depth = np.cumsum(step, dtype=np.int32)
+    over = np.flatnonzero(depth > max_depth)
+    if not over.size or b[np.flatnonzero(b > 0x20)[:1]].tobytes() != b"{":
+        return "body"
+    quotes = np.flatnonzero(real[: over[0]])
+    for end, start in zip(quotes[::-1][0::2], quotes[::-1][1::2]):  # strings before it, last first
+        after = raw[end + 1: end + 64].lstrip()
+        if depth[start] == 1 and after.startswith(b":"):
+            try:
+                return f"body.{json.loads(raw[start:end + 1])}"
+            except ValueError:
+                return "body"
+    return "body"
+
+
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """A JSON body, refused (413) past `max_json_body_bytes`: by its Content-Length before
+    it is read, else as it streams in."""
+    limit = limits.max_json_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit, "max_json_body_bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit, "max_json_body_bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request) -> Any:
+    """The body as checked JSON (`decode_json`), decoded in the thread pool."""
+    limits = limits_of(request)
+    raw = await read_body(request, limits)
+    return await run_in_threadpool(decode_json, raw, limits)
+
+
+async def read(request: Request, model: type[M]) -> M:
+    """The body as `model` (`read_json`, then `parse`), all of it off the event loop."""
+    limits = limits_of(request)
+    raw = await read_body(request, limits)
+    return await run_in_threadpool(_decode_and_parse, raw, limits, model)
+
+
+def _decode_and_parse(raw: bytes, limits: Limits, model: type[M]) -> M:
+    return parse(model, decode_json(raw, limits))
 
 
 # Ids and times the service keeps as 64-bit database integers: a bigger JSON number

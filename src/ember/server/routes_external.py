@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from ember.server import requests as rq
-from ember.server.deps import Owner, Service, future_response, log_extra, model_response, read_json
+from ember.server.deps import Owner, Service, future_response, log_extra, model_response
 from ember.server.errors import BadRequest
 
 router = APIRouter()
@@ -30,7 +30,7 @@ API_ROOT = "/api/v1"  # where `create_app` mounts this router
 
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.SaveWeightsExternalRequest, await read_json(request))
+    req = await rq.read(request, rq.SaveWeightsExternalRequest)
     if req.seq_id is None:
         raise BadRequest("seq_id: expected an integer >= 1, got none")
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)

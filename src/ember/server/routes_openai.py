@@ -16,21 +16,26 @@ weights. Streaming is not supported (`stream=true` is a 400).
 from __future__ import annotations
 
 import functools
+import json
 import itertools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pydantic
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from ember.models import load_tokenizer
 from ember.server import openai_compat as oa
-from ember.server.deps import Owner, Service, read_json
+from ember.server import requests as rq
+from ember.server.deps import Owner, Service
 from ember.server.errors import BadRequest
+from ember.server.wire import json_safe
 from ember.service.api import NotFoundError, ServiceAPI, SessionGoneError, UserError
+from ember.service.limits import Limits
 
 router = APIRouter()
 POLL_S = 30.0
@@ -101,15 +106,66 @@ def _cache(request: Request, service: ServiceAPI) -> SamplerCache:
     return cache
 
 
-def _parse(model: type[pydantic.BaseModel], body: Any) -> Any:
+def _parse(model: type[pydantic.BaseModel], body: Any, limits: Limits, default_max_tokens: int):
+    """The request and its sampling params; unsupported fields and sizes over the limits are 400s."""
     if not isinstance(body, dict):
         raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
     req = model.model_validate(body)
     try:
         req.check_supported()
+        params = req.sampling_params(default_max_tokens)
+        req.check_limits(limits, params)
     except oa.Unsupported as exc:
         raise BadRequest(str(exc)) from exc
-    return req
+    return req, params
+
+
+async def _read_request(request: Request, model: type[pydantic.BaseModel], default_max_tokens: int):
+    """The body decoded (`rq.decode_json`) and validated in the thread pool, not the event loop."""
+    limits = rq.limits_of(request)
+    raw = await rq.read_body(request, limits)
+    return await run_in_threadpool(lambda: _parse(model, rq.decode_json(raw, limits), limits, default_max_tokens))
+
+
+def _answer(body: dict[str, Any], limits: Limits) -> Response:
+    """The JSON answer, refused (400) when it is over `max_openai_response_bytes`. Runs in the
+    thread pool: an answer of a few hundred thousand logprob entries takes seconds to build."""
+    try:
+        raw = b"".join(_json_pieces(body))
+    except ValueError:  # a -inf logprob: JSON has no infinity (see wire.json_safe)
+        raw = b"".join(_json_pieces(json_safe(body)))
+    if len(raw) > limits.max_openai_response_bytes:
+        raise BadRequest(f"the answer is {len(raw)} bytes; the limit is max_openai_response_bytes="
+                         f"{limits.max_openai_response_bytes} (ask for fewer choices, tokens or logprobs)")
+    return Response(raw, media_type="application/json")
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
+    """`value` as JSON, in pieces: the envelope, choices and logprobs objects are walked,
+    and lists below them (token entries) encoded 64 items per `json.dumps` call. One call
+    over a whole 8 MB answer held the interpreter lock, and so the event loop, for seconds."""
+    if isinstance(value, dict) and depth < 4:
+        yield b"{"
+        for i, (key, item) in enumerate(value.items()):
+            yield (b"," if i else b"") + _dumps(str(key)) + b":"
+            yield from _json_pieces(item, depth + 1)
+        yield b"}"
+    elif isinstance(value, list):
+        yield b"["
+        if depth < 3:
+            for i, item in enumerate(value):
+                yield b"," if i else b""
+                yield from _json_pieces(item, depth + 1)
+        else:
+            for i in range(0, len(value), 64):
+                yield (b"," if i else b"") + _dumps(value[i:i + 64])[1:-1]
+        yield b"]"
+    else:
+        yield _dumps(value)
 
 
 async def _sample(request: Request, owner: str, service: ServiceAPI, model: str, prompt: list[int],
@@ -143,30 +199,32 @@ def _not_found(exc: ModelNotFound) -> JSONResponse:
 
 @router.post("/completions")
 async def completions(request: Request, owner: str = Owner, service=Service):
-    req = _parse(oa.CompletionRequest, await read_json(request))
-    params = req.sampling_params(oa.DEFAULT_MAX_TOKENS)
+    req, params = await _read_request(request, oa.CompletionRequest, oa.DEFAULT_MAX_TOKENS)
     try:
         _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
     except ModelNotFound as exc:
         return _not_found(exc)
     prompt = req.single_prompt()
-    ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-    topk = req.logprobs or 0
+    ids = await run_in_threadpool(tokenizer.encode, prompt, add_special_tokens=False) if isinstance(prompt, str) \
+        else list(prompt)
     try:  # the checkpoint may have gone since the sampler was cached (unpublished, expired, deleted)
-        seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, topk)
+        seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, req.logprobs or 0)
     except ModelNotFound as exc:
         return _not_found(exc)
+    return await run_in_threadpool(_completion_answer, req, params, tokenizer, prompt, ids, seqs, rq.limits_of(request))
+
+
+def _completion_answer(req, params, tokenizer, prompt, ids, seqs, limits: Limits) -> Response:
     offset0 = len(prompt) if isinstance(prompt, str) else 0
     choices = [{"index": i, "text": oa.completion_text(tokenizer, s, params.stop or []),
                 "logprobs": oa.completion_logprobs(tokenizer, s, offset0) if req.logprobs is not None else None,
                 "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
-    return JSONResponse(oa.envelope("text_completion", req.model, choices, oa.usage(len(ids), seqs)))
+    return _answer(oa.envelope("text_completion", req.model, choices, oa.usage(len(ids), seqs)), limits)
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request, owner: str = Owner, service=Service):
-    req = _parse(oa.ChatRequest, await read_json(request))
-    params = req.sampling_params(oa.DEFAULT_CHAT_MAX_TOKENS)
+    req, params = await _read_request(request, oa.ChatRequest, oa.DEFAULT_CHAT_MAX_TOKENS)
     try:
         messages = oa.chat_messages(req.messages)
         _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
@@ -174,20 +232,28 @@ async def chat_completions(request: Request, owner: str = Owner, service=Service
         raise BadRequest(str(exc)) from exc
     except ModelNotFound as exc:
         return _not_found(exc)
-    if not getattr(tokenizer, "chat_template", None):
-        raise BadRequest(f"model {req.model!r}: its tokenizer has no chat template; use /v1/completions")
-    # The template's text, then its tokens (transformers' tokenize=True return type varies by version).
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = await run_in_threadpool(_chat_prompt, req.model, tokenizer, messages)
     try:
         seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, req.topk())
     except ModelNotFound as exc:
         return _not_found(exc)
+    return await run_in_threadpool(_chat_answer, req, params, tokenizer, ids, seqs, rq.limits_of(request))
+
+
+def _chat_prompt(model: str, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest(f"model {model!r}: its tokenizer has no chat template; use /v1/completions")
+    # The template's text, then its tokens (transformers' tokenize=True return type varies by version).
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _chat_answer(req, params, tokenizer, ids, seqs, limits: Limits) -> Response:
     choices = [{"index": i,
                 "message": {"role": "assistant", "content": oa.completion_text(tokenizer, s, params.stop or [])},
                 "logprobs": oa.chat_logprobs(tokenizer, s) if req.logprobs else None,
                 "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
-    return JSONResponse(oa.envelope("chat.completion", req.model, choices, oa.usage(len(ids), seqs)))
+    return _answer(oa.envelope("chat.completion", req.model, choices, oa.usage(len(ids), seqs)), limits)
 
 
 @router.get("/models")

@@ -75,5 +75,5 @@ async def list_user_checkpoints(limit: int = Query(100, ge=1, le=10000), offset:
 
 @router.post("/weights_info")
 async def weights_info(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.WeightsInfoRequest, await read_json(request))
+    req = await rq.read(request, rq.WeightsInfoRequest)
     return model_response(await run_in_threadpool(service.get_weights_info, owner, req.tinker_path))

@@ -16,7 +16,7 @@ router = APIRouter()
 
 @router.post("/create_model")
 async def create_model(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.CreateModelRequest, await read_json(request))
+    req = await rq.read(request, rq.CreateModelRequest)
     optimizer = req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None
     sub = await run_in_threadpool(
         service.create_model, owner, req.session_id, req.model_seq_id, req.base_model, req.lora_config,
@@ -27,7 +27,7 @@ async def create_model(request: Request, owner: str = Owner, service=Service):
 
 @router.post("/get_info")
 async def get_info(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.GetInfoRequest, await read_json(request))
+    req = await rq.read(request, rq.GetInfoRequest)
     return model_response(await run_in_threadpool(service.get_info, owner, req.model_id))
 
 
@@ -40,8 +40,15 @@ async def _decode_forward_backward(request: Request) -> wire.ForwardBackwardCall
         )
     body = await request.body()
     limit = get_config(request).max_body_bytes
-    raw = wire.decompress_body(body, request.headers.get("content-encoding"), max_bytes=limit)
-    return await run_in_threadpool(wire.decode_forward_backward_request, raw, max_dense_values=limit)
+    return await run_in_threadpool(_decode_protobuf, body, request.headers.get("content-encoding"), limit,
+                                   rq.limits_of(request).max_protobuf_fields)
+
+
+def _decode_protobuf(body: bytes, content_encoding: str | None, limit: int, max_fields: int) -> wire.ForwardBackwardCall:
+    """Decompression and decoding, off the event loop; sparse tensors may densify to as many
+    bytes as a body may have (`wire.decode_forward_backward_request`)."""
+    raw = wire.decompress_body(body, content_encoding, max_bytes=limit)
+    return wire.decode_forward_backward_request(raw, max_dense_bytes=limit, max_fields=max_fields)
 
 
 @router.post("/forward_backward")
@@ -62,11 +69,15 @@ def _require_seq_id(seq_id: int | None) -> int:
     return seq_id
 
 
+def _parse_optim_step(data):
+    req = rq.parse(rq.OptimStepRequest, data)
+    return req, rq.optim_params(data, req)
+
+
 @router.post("/optim_step")
 async def optim_step(request: Request, owner: str = Owner, service=Service):
     data = await read_json(request)
-    req = rq.parse(rq.OptimStepRequest, data)
-    params = rq.optim_params(data, req)
+    req, params = await run_in_threadpool(_parse_optim_step, data)
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
     sub = await run_in_threadpool(service.optim_step, owner, req.model_id, _require_seq_id(req.seq_id), params)
     return future_response(sub)
@@ -74,7 +85,7 @@ async def optim_step(request: Request, owner: str = Owner, service=Service):
 
 @router.post("/save_weights")
 async def save_weights(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.SaveWeightsRequest, await read_json(request))
+    req = await rq.read(request, rq.SaveWeightsRequest)
     if not req.path:
         raise BadRequest("path: expected a checkpoint name, got none")
     sub = await run_in_threadpool(
@@ -86,7 +97,7 @@ async def save_weights(request: Request, owner: str = Owner, service=Service):
 
 @router.post("/load_weights")
 async def load_weights(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.LoadWeightsRequest, await read_json(request))
+    req = await rq.read(request, rq.LoadWeightsRequest)
     sub = await run_in_threadpool(
         service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
         session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
@@ -98,7 +109,7 @@ async def load_weights(request: Request, owner: str = Owner, service=Service):
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request, owner: str = Owner, service=Service):
-    req = rq.parse(rq.SaveWeightsForSamplerRequest, await read_json(request))
+    req = await rq.read(request, rq.SaveWeightsForSamplerRequest)
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
     sub = await run_in_threadpool(
         service.save_weights_for_sampler, owner, req.model_id, req.seq_id, req.path,

@@ -44,7 +44,9 @@ class ServerProc:
         """
         if not self.log_path.exists():
             return []
-        entries = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        # The server may be writing the last line as it is read: only whole lines count.
+        lines = self.log_path.read_text().split("\n")[:-1]
+        entries = [json.loads(line) for line in lines if line.strip()]
         for e in entries:
             e["json"] = e["json"] if isinstance(e.get("json"), dict) else {}
             e["extra"] = e.get("extra") or {}

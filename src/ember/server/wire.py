@@ -85,13 +85,20 @@ def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -
 
 
 def decode_forward_backward_request(
-    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES
+    body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES, max_dense_bytes: int | None = None,
+    max_fields: int | None = None,
 ) -> ForwardBackwardCall:
     """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config.
 
-    `max_dense_values` bounds what the sparse CSR tensors of the request densify to, all
-    together: their dense shape comes from the request, not from its bytes.
+    `max_dense_values` and `max_dense_bytes` (the server passes its body limit: a request
+    may densify to no more than it could have sent densely) bound what the sparse CSR
+    tensors of the request densify to, all together: their dense shape comes from the
+    request, not from its bytes. The vocabulary bounds each one's columns later
+    (`ember.losses.validation`), once the run's model is known. `max_fields` bounds the
+    fields of the message at every level before it is parsed (`_check_field_count`).
     """
+    if max_fields is not None:
+        _check_field_count(body, max_fields)
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -99,7 +106,7 @@ def decode_forward_backward_request(
         raise WireError(f"body: not a valid tinker_public.ForwardBackwardRequest protobuf ({exc})") from exc
     if not msg.model_id:
         raise WireError("model_id: expected a non-empty string, got ''")
-    _check_sparse_budget(msg, max_dense_values)
+    _check_sparse_budget(msg, max_dense_values, max_dense_bytes)
     data = [_decode_datum(i, d) for i, d in enumerate(msg.data)]
     return ForwardBackwardCall(
         model_id=msg.model_id,
@@ -112,18 +119,77 @@ def decode_forward_backward_request(
     )
 
 
-def _check_sparse_budget(msg: pb.ForwardBackwardRequest, max_values: int) -> None:
+def _check_field_count(body: bytes, max_fields: int) -> None:
+    """Count the body's fields (tags) at every level, following the schema into
+    sub-messages, and refuse more than `max_fields` before `ParseFromString` runs: the
+    parser holds the interpreter lock, and 47 MB of two-byte fields kept every other
+    request waiting for seconds. Plain Python (the lock is shared) stopping at the bound;
+    malformed bytes stop the count and are left to the parser to name."""
+    if len(body) < 2 * max_fields:
+        return  # every field takes two bytes or more
+    count = 0
+    # Depth-first, one frame per open sub-message (freed when it ends): a scan that kept a
+    # frame for each of 100k sub-messages set off full garbage collections, which hold the lock.
+    stack = [[pb.ForwardBackwardRequest.DESCRIPTOR, 0, len(body)]]
+    while stack:
+        frame = stack[-1]
+        desc, pos, end = frame
+        if pos >= end:
+            stack.pop()
+            continue
+        tag, pos = _varint(body, pos)
+        kind = tag & 7
+        if tag >> 3 == 0 or kind not in (0, 1, 2, 5):
+            return  # malformed: the parser names it
+        count += 1
+        if count > max_fields:
+            raise WireError(f"body: the protobuf message has more than {max_fields} fields; the limit is "
+                            f"max_protobuf_fields={max_fields}")
+        if kind == 0:
+            pos = _varint(body, pos)[1]
+        elif kind != 2:
+            pos += 8 if kind == 1 else 4
+        else:
+            size, pos = _varint(body, pos)
+            field = desc.fields_by_number.get(tag >> 3)
+            frame[1] = pos + size
+            if size and field is not None and field.message_type is not None:
+                stack.append([field.message_type, pos, min(pos + size, end)])
+            continue
+        frame[1] = pos
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """A protobuf varint at `pos`: (value, next position); past the end reads as 0."""
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    return value, len(buf) + 1
+
+
+def _check_sparse_budget(msg: pb.ForwardBackwardRequest, max_values: int, max_bytes: int | None) -> None:
     """Refuse sparse tensors whose dense form is too big *before* allocating it (a 20-byte
-    tensor can claim shape [1, 2**40])."""
-    total = 0
+    tensor can claim shape [1, 2**40]); counted in values and in bytes (an int64 value is
+    8 bytes: a values-only bound let 64M of them, 512 MB, through a 64 MB body limit)."""
+    values = nbytes = 0
     for i, datum in enumerate(msg.data):
         for name, tensor in datum.loss_fn_inputs.items():
-            if tensor.HasField("sparse_csr"):
-                total += math.prod(max(int(s), 0) for s in tensor.shape)
-                if total > max_values:
-                    raise WireError(
-                        f"datum {i}: loss_fn_inputs[{name!r}]: sparse CSR shape {list(tensor.shape)} brings the "
-                        f"request's densified sparse tensors to {total} values; the limit is {max_values}")
+            if not tensor.HasField("sparse_csr"):
+                continue
+            count = math.prod(max(int(s), 0) for s in tensor.shape)
+            values += count
+            nbytes += count * _DTYPE_TO_NUMPY.get(tensor.dtype, np.dtype("<i8")).itemsize
+            if values > max_values or (max_bytes is not None and nbytes > max_bytes):
+                bound = (f"{values} values; the limit is {max_values}" if values > max_values
+                         else f"{nbytes} bytes; the limit is {max_bytes} (the body limit)")
+                raise WireError(
+                    f"datum {i}: loss_fn_inputs[{name!r}]: sparse CSR shape {list(tensor.shape)} brings the "
+                    f"request's densified sparse tensors to {bound}")
 
 
 def merge_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:

@@ -36,7 +36,7 @@ from ember.service.api import UserError
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")  # fullmatch: `$` would let a final "\n" through
 KIND_SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 SEGMENT_OF_KIND = {v: k for k, v in KIND_SEGMENTS.items()}
 
@@ -44,7 +44,7 @@ SEGMENT_OF_KIND = {v: k for k, v in KIND_SEGMENTS.items()}
 def validate_name(name: object) -> str:
     """A checkpoint name must stay inside its directory: no '/', '..', absolute paths or
     odd characters (letters, digits, '_', '.', '-'; at most 128; not starting with '.' or '-')."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise UserError(
             f"invalid checkpoint name {name!r}: use 1-128 characters from [A-Za-z0-9_.-], "
             "starting with a letter, digit or '_', without '..' or '/'"

@@ -79,7 +79,8 @@ class Service(ServiceAPI):
                                            quota_bytes=config.limits.max_checkpoint_bytes_per_key)
         self.checkpoints.sweep_interrupted()  # before any run or sampler exists
         self.registry = ModelRegistry(config.models, roots=config.model_roots, private=[config.data_dir])
-        self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s)
+        self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s,
+                                   check_result_size=config.limits.check_result_size)
         self.runs = RunManager(
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
             self.checkpoints, config.seq_gap_timeout_s, config.limits,
@@ -156,6 +157,7 @@ class Service(ServiceAPI):
     # ------------------------------------------------------------------ sessions
     def create_session(self, owner, *, tags: Sequence[str] = (), user_metadata: Mapping[str, Any] | None = None,
                        project_id=None, display_name=None, sdk_version=None) -> types.CreateSessionResponse:
+        self.config.limits.check_user_metadata(user_metadata)
         return self.sessions.create(owner, tags, user_metadata, project_id, display_name, sdk_version)
 
     def heartbeat(self, owner, session_id) -> None:
@@ -182,9 +184,16 @@ class Service(ServiceAPI):
             return str(exc)
         return None
 
+    def _metadata_error(self, user_metadata) -> str | None:
+        try:
+            self.config.limits.check_user_metadata(user_metadata)
+        except UserError as exc:
+            return str(exc)
+        return None
+
     def create_model(self, owner, session_id, model_seq_id, base_model, lora_config, *,
                      optimizer_config=None, user_metadata=None) -> Submission:
-        err = self._session_error(owner, session_id)
+        err = self._session_error(owner, session_id) or self._metadata_error(user_metadata)
         if err:
             return self.runs.reject(owner, "CreateModel", err)
         return self.runs.create_model(owner, session_id, model_seq_id, base_model, lora_config,
@@ -202,7 +211,7 @@ class Service(ServiceAPI):
             return self.runs.reject(owner, "LoadWeights", "load_weights needs either model_id+seq_id or "
                                     "session_id+model_seq_id (exactly one of the two)", model_id=model_id)
         if by_session:
-            err = self._session_error(owner, session_id)
+            err = self._session_error(owner, session_id) or self._metadata_error(user_metadata)
             if err:
                 return self.runs.reject(owner, "LoadWeights", err)
             return self.runs.create_from_checkpoint(owner, session_id, model_seq_id, path, bool(optimizer),

@@ -35,7 +35,7 @@ from typing import Any
 from tinker import types
 
 from ember import failpoints
-from ember.service.api import FutureState, NotFoundError, RequestType, Submission
+from ember.service.api import FutureState, NotFoundError, RequestType, Submission, UserError
 from ember.service.faults import is_transient, public_message
 from ember.service.store import FutureRow, Store, dump_payload, load_payload
 
@@ -63,8 +63,11 @@ ORPHAN_MESSAGE = ("this request was recorded but no work of the running server w
 class FutureTable:
     """Creates, finishes and serves futures. Thread-safe."""
 
-    def __init__(self, store: Store, cache_size: int = 4096, finish_retry_s: float = 10.0) -> None:
+    def __init__(self, store: Store, cache_size: int = 4096, finish_retry_s: float = 10.0,
+                 check_result_size: Callable[[int], None] | None = None) -> None:
         self._store = store
+        # Raises UserError for a stored result over its bound (`Limits.check_result_size`).
+        self._check_result_size = check_result_size
         self._finish_retry_s = finish_retry_s
         # Final states whose row could not be written yet: served from here, written by sweep().
         self._unsaved: dict[str, tuple[_Entry, dict[str, Any]]] = {}
@@ -149,6 +152,12 @@ class FutureTable:
             log.exception("cannot serialise the result of %s", request_id)
             self.fail(request_id, "the result of this request could not be stored "
                                   f"(not serialisable: {type(exc).__name__})", Server)
+            return
+        try:  # before the row is written: a 268 MB result must not be kept for days
+            if self._check_result_size is not None:
+                self._check_result_size(len(blob))
+        except UserError as exc:
+            self.fail(request_id, str(exc), User)
             return
         self._finish(request_id, "complete", result=result, payload=blob)
 

@@ -14,7 +14,8 @@ service *derives* from them (KV cache rows, logprob tensors, waits) bounded too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -42,6 +43,30 @@ class Limits:
     max_lora_rank: `lora_config.rank` of a new training run (its adapters' memory grows
         with it).
 
+    max_result_bytes: the stored (pickled) result of one request; a bigger one fails as a
+        user error instead of being kept as a future row (e.g. a forward with a huge top-K).
+    max_json_body_bytes: a JSON request body (the body limit, `--max-body-mb`, is for the
+        protobuf `forward_backward`): one 47 MB string takes the parser, which holds the
+        interpreter lock, too long.
+    max_json_values: values (and object entries) of one JSON request body, counted from its
+        bytes before it is parsed: parsing holds the interpreter lock, so this bounds how
+        long one body can keep every other request waiting (~1 s per million on one core);
+        the default fits a sampling prompt of `max_prompt_tokens` with its target logprobs.
+    max_protobuf_fields: fields of one protobuf request body (forward_backward) at every
+        level, counted before it is parsed, for the same reason (a datum with one chunk
+        and two inputs is about 10; 32 for each of `max_datums_per_request`).
+    max_json_depth: nesting depth of a JSON request body (deeper is refused before any
+        recursive code sees it).
+    max_metadata_bytes: `user_metadata` of a session or training run, as compact JSON.
+    max_metadata_keys: object keys in such `user_metadata`, at every level together.
+    max_metadata_depth: nesting depth of such `user_metadata` (a flat object is 1).
+    max_openai_n: `n` of an OpenAI-compatible request.
+    max_openai_top_logprobs: `top_logprobs` (chat) and `logprobs` (completions).
+    max_openai_logprob_entries: n x max_tokens x (1 + top_logprobs) of an OpenAI request
+        that asks for logprobs: the entries its response would hold, bounded before sampling.
+    max_openai_response_bytes: the JSON answer of an OpenAI-compatible request; a bigger
+        one is refused (400) instead of being sent.
+
     Quotas per API key (owner), so that one tenant cannot take a shared server's memory or
     disk from the others; each refusal names the quota and how to free it:
     max_runs_per_key: training runs loaded at once (created and not yet unloaded: a
@@ -68,6 +93,18 @@ class Limits:
     max_sessions_per_key: int = 256
     max_sampling_sessions_per_key: int = 64
     max_checkpoint_bytes_per_key: int = 200 * 1024**3
+    max_result_bytes: int = 64 * 1024 * 1024
+    max_json_body_bytes: int = 16 * 1024 * 1024
+    max_json_values: int = 400_000
+    max_json_depth: int = 64
+    max_protobuf_fields: int = 131072
+    max_metadata_bytes: int = 65536
+    max_metadata_keys: int = 1024
+    max_metadata_depth: int = 8
+    max_openai_n: int = 128
+    max_openai_top_logprobs: int = 20
+    max_openai_logprob_entries: int = 262144
+    max_openai_response_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -131,10 +168,88 @@ class Limits:
             raise UserError(f"lora_config.rank={rank} is over the limit max {self.max_lora_rank} "
                             "(limits.max_lora_rank)")
 
+    def check_user_metadata(self, meta: Any, field: str = "user_metadata") -> None:
+        """A session's or run's `user_metadata` (any JSON object): depth, keys and bytes,
+        before it is stored (a listing returns it: unbounded, one row could be 90 MB)."""
+        if meta is None:
+            return
+        if not isinstance(meta, Mapping):
+            raise UserError(f"{field} must be a JSON object, got {type(meta).__name__}")
+        keys = check_json_tree(meta, self.max_metadata_depth, field, "max_metadata_depth")
+        if keys > self.max_metadata_keys:
+            raise UserError(f"{field} has {keys} keys; the limit is max_metadata_keys={self.max_metadata_keys}")
+        try:
+            size = len(json.dumps(meta, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{field} must hold JSON values only ({exc})") from exc
+        if size > self.max_metadata_bytes:
+            raise UserError(f"{field} is {size} bytes as JSON; the limit is "
+                            f"max_metadata_bytes={self.max_metadata_bytes}")
+
+    def check_result_size(self, size: int) -> None:
+        if size > self.max_result_bytes:
+            raise UserError(f"the result of this request is {size} bytes; the limit is "
+                            f"max_result_bytes={self.max_result_bytes} (ask for less: fewer datums, "
+                            "samples, tokens or top-k)")
+
     def check_seq_ahead(self, seq_id: int, next_seq: int, model_id: str) -> None:
         if seq_id - next_seq > self.max_seq_ahead:
             raise UserError(f"seq_id {seq_id} of {model_id} is {seq_id - next_seq} ahead of the next expected "
                             f"({next_seq}); the limit is max_seq_ahead={self.max_seq_ahead}")
+
+
+def check_json_tree(doc: Any, max_depth: int, where: str = "body", limit_name: str = "max_json_depth") -> int:
+    """Walk a parsed JSON document without recursion: nesting deeper than `max_depth`
+    (scalars at the top are depth 0, a flat object or list 1) and strings or keys holding
+    a lone surrogate (JSON's `"\\udcff"`: no UTF-8 encoding, so the database, the
+    tokenizer and the log could not take it) are refused naming the path. Returns how
+    many object keys the document holds."""
+    if isinstance(doc, str):
+        _check_text(doc, where, None)
+    keys = 0
+    # Only containers are pushed (scalars are checked in place): no object per value, so a
+    # big document sets off no extra garbage collection, which would hold the lock.
+    stack: list[tuple[Any, int, Any]] = [(doc, 0, None)] if isinstance(doc, (Mapping, list, tuple)) else []
+    while stack:
+        value, depth, path = stack.pop()  # path: (parent path, key), built out only for an error
+        if depth + 1 > max_depth:
+            raise UserError(f"{_path_text(where, path)}: nested deeper than {max_depth} levels "
+                            f"({limit_name}={max_depth})")
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        keys += len(value) if isinstance(value, Mapping) else 0
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, where, (path, key))
+            if isinstance(item, str):
+                _check_text(item, where, (path, key))
+            elif isinstance(item, (Mapping, list, tuple)):
+                stack.append((item, depth + 1, (path, key)))
+    return keys
+
+
+def _check_text(text: str, where: str, path: Any) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(f"{_path_text(where, path)}: holds a lone UTF-16 surrogate "
+                        f"({text[exc.start]!r} at character {exc.start}); send valid Unicode text") from None
+
+
+def _path_text(where: str, path: Any) -> str:
+    parts: list[str] = []
+    while path is not None:
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{_safe(key)}")
+    parts.reverse()
+    return where + "".join(parts[:8]) + (f"...({len(parts) - 8} more levels)" if len(parts) > 8 else "")
+
+
+def _safe(key: str) -> str:
+    """A key fit for an error message: surrogates escaped, long ones cut."""
+    text = key.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 64 else text[:64] + "..."
 
 
 def _bounded(field: str, value: Any, limit: int, *, minimum: int) -> None:

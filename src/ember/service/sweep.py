@@ -25,9 +25,9 @@ from ember.service.checkpoint_files import SEGMENT_OF_KIND
 log = logging.getLogger(__name__)
 
 SCRATCH = "scratch"  # <data_dir>/scratch: Service passes it to LocalSamplerFactory
-_ENTRY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")  # <name> (old layout) or <name>.<hex8>
-_TEMP = re.compile(r"^\.[A-Za-z0-9_][A-Za-z0-9_.\-]*\.tmp(-[0-9a-f]{8})?$")
-_SAMPLER = re.compile(r"^sampler-[0-9a-f]{8}$")
+_ENTRY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # <name> (old layout) or <name>.<hex8>
+_TEMP = re.compile(r"\.[A-Za-z0-9_][A-Za-z0-9_.\-]*\.tmp(-[0-9a-f]{8})?")
+_SAMPLER = re.compile(r"sampler-[0-9a-f]{8}")
 
 
 def sweep_data_dir(data_dir: Path, referenced: Iterable[str]) -> list[Path]:
@@ -58,7 +58,7 @@ def sweep_checkpoints(data_dir: Path, referenced: Iterable[str]) -> list[Path]:
             for entry in _entries(segment):
                 if _key(entry) in keep:
                     continue
-                if _is_plain_dir(entry) and (_ENTRY.match(entry.name) or _TEMP.match(entry.name)):
+                if _is_plain_dir(entry) and (_ENTRY.fullmatch(entry.name) or _TEMP.fullmatch(entry.name)):
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
                 else:
@@ -69,7 +69,7 @@ def sweep_checkpoints(data_dir: Path, referenced: Iterable[str]) -> list[Path]:
 def sweep_scratch(scratch: Path) -> list[Path]:
     removed: list[Path] = []
     for entry in _entries(scratch):
-        if _is_plain_dir(entry) and _SAMPLER.match(entry.name):
+        if _is_plain_dir(entry) and _SAMPLER.fullmatch(entry.name):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
         else:
