@@ -6,7 +6,8 @@
 
 Requests from any thread are handed to one asyncio event loop (a daemon thread) that
 drives the engine; vLLM batches them continuously with its own scheduler and reuses
-shared prompt prefixes (prefix caching; `prompt_cache_hit_tokens`). The engine core runs
+shared prompt prefixes (prefix caching; `prompt_cache_hit_tokens`), each owner's only
+(a per-owner `cache_salt`), and serves owners fairly (`OwnerBacklog`). The engine core runs
 in a separate process; it is started in the background on construction and rebuilt on
 the next request if it dies (in-flight requests then fail with RuntimeError, which the
 service reports as category `server`).
@@ -43,7 +44,9 @@ costs one read of the version's file plus the drain; benchmarks/sampling.py meas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import hashlib
 import itertools
 import logging
 import os
@@ -107,6 +110,7 @@ class VLLMSampler(Sampler):
         self._scorer_lock = threading.Lock()
         self._llm = None
         self._gate = WeightGate(BASE_KEY)
+        self._backlog = OwnerBacklog()
         self._asleep = False  # colocate: the engine released the GPU for the trainer
         self.engine_starts = 0
         self._loop = asyncio.new_event_loop()
@@ -215,9 +219,11 @@ class VLLMSampler(Sampler):
             await self._wake(llm)
         key = version.weights_key if version is not None else BASE_KEY
         final = None
-        async with self._gate.hold(key, lambda k: self._swap(llm, k, version)):
+        owner = spec.request.owner
+        async with self._gate.hold(key, lambda k: self._swap(llm, k, version)), self._backlog.hold(owner, spec):
             async for final in llm.generate(_prompt(spec), _params(spec), uuid.uuid4().hex,
-                                            lora_request=_lora_request(version)):
+                                            lora_request=_lora_request(version),
+                                            priority=self._backlog.priority(owner)):
                 pass
         return final
 
@@ -334,7 +340,7 @@ def engine_kwargs(model_dir: Path, config: SamplerConfig, max_len: int) -> dict:
         max_cpu_loras=config.max_cpu_loras or config.max_loras,
         logprobs_mode="raw_logprobs" if config.logprobs_mode == "raw" else "processed_logprobs",
         max_logprobs=config.max_logprobs, enable_prefix_caching=config.enable_prefix_caching,
-        enforce_eager=config.enforce_eager, seed=0,
+        enforce_eager=config.enforce_eager, seed=0, scheduling_policy="priority",  # fair shares: OwnerBacklog
         enable_sleep_mode=config.colocate and not on_cpu,
         **({} if on_cpu else {"gpu_memory_utilization": config.gpu_memory_utilization}),
     )
@@ -386,7 +392,45 @@ def _with_version(request: SamplingRequest, version) -> SamplingRequest:
 def _prompt(spec: ResolvedRequest):
     from vllm.inputs import TokensPrompt
 
-    return TokensPrompt(prompt_token_ids=list(spec.prompt))
+    salt = cache_salt(spec.request.owner)
+    return TokensPrompt(prompt_token_ids=list(spec.prompt), **({"cache_salt": salt} if salt else {}))
+
+
+def cache_salt(owner: str) -> str | None:
+    """vLLM's per-request prefix-cache salt: blocks hashed with different salts never match,
+    so a request reuses only its own owner's cached prefixes (None: no owner, no salt)."""
+    return hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32] if owner else None
+
+
+class OwnerBacklog:
+    """Samples each owner has in the engine, and the vLLM priority of its next request.
+
+    Fair shares on vLLM (the policy): the engine runs with `scheduling_policy="priority"`;
+    a request's priority is its owner's backlog (samples in flight, this request's
+    included) when it is submitted, and vLLM serves lower values first (ties in arrival
+    order). An owner with little in flight therefore goes ahead of every waiting request
+    of a heavily loaded owner; its wait is bounded by the work already running (vLLM does
+    not preempt a running sequence for a waiting one at its batch limit). Event-loop
+    thread only."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, int] = {}
+
+    def priority(self, owner: str) -> int:
+        return self.samples.get(owner, 0)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, owner: str, spec: ResolvedRequest):
+        n = 1 if is_greedy(spec) else spec.num_samples
+        self.samples[owner] = self.samples.get(owner, 0) + n
+        try:
+            yield
+        finally:
+            left = self.samples[owner] - n
+            if left:
+                self.samples[owner] = left
+            else:
+                del self.samples[owner]
 
 
 def _params(spec: ResolvedRequest):

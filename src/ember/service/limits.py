@@ -35,6 +35,10 @@ class Limits:
         run expects (further would wait, then skip every request in between).
     max_lora_rank: `lora_config.rank` of a new training run (its adapters' memory grows
         with it).
+    max_queued_samples_per_key: samples one API key may have queued or running in the
+        samplers at once (`asample` returns at once, so this is what bounds a backlog).
+    max_queued_sample_tokens_per_key: the same in tokens, num_samples x (prompt tokens +
+        max_tokens) summed over the key's queued or running sample requests.
     """
 
     max_num_samples: int = 256
@@ -46,6 +50,8 @@ class Limits:
     max_request_tokens: int = 1048576
     max_seq_ahead: int = 1024
     max_lora_rank: int = 512
+    max_queued_samples_per_key: int = 16384
+    max_queued_sample_tokens_per_key: int = 8_388_608
 
     def __post_init__(self) -> None:
         for f in fields(self):
