@@ -17,9 +17,12 @@
 Fair shares (the policy): waiting requests are queued per owner (`SamplingRequest.owner`,
 the tenant), first come first served within an owner, and free slots are handed out
 round robin over the owners with waiting work, one sample per turn
-(`fair_queue.OwnerQueues`). A running sequence is never preempted. So an owner's next
-request waits for at most the work already running (until a slot frees) plus one turn of
-each other waiting owner, however many samples another owner has queued; the per-owner
+(`fair_queue.OwnerQueues`). One owner holds at most `owner_slot_cap` slots (all but 1/16
+from 16 slots up), so a newcomer usually finds a free slot at the next step. A running
+sequence is never preempted. So an owner's next request waits for at most the work
+already running (one decode step when a reserved slot is free, else until a slot frees)
+plus one turn of each other waiting owner, however many samples another owner has
+queued; the per-owner
 bound on queued work is the service's (`Limits.max_queued_samples_per_key`,
 `max_queued_sample_tokens_per_key`).
 
@@ -163,19 +166,28 @@ class Scheduler:
 
     def _place_waiting(self) -> tuple[list[Placement], ToPrefill]:
         """Samples of waiting requests onto the free slots, one per turn, round robin over
-        owners (see the module docstring); and the requests placed for the first time,
-        whose prompt is prefilled into their first slot."""
+        owners, each owner within its slot cap (see the module docstring); and the requests
+        placed for the first time, whose prompt is prefilled into their first slot."""
         free = list(self.slots.free_slots())
         placements: list[Placement] = []
         to_prefill: ToPrefill = []
         admitted: set[int] = set()
-        while self.waiting and free:
+        held = self._slots_by_owner()
+        cap = owner_slot_cap(self.slots.num_slots)
+        blocked = 0  # consecutive turns of owners at their cap
+        while self.waiting and free and blocked < len(self.waiting.owners()):
             request = self.waiting.head()
             if request.job.future.cancelled() and request.samples_placed == 0:
                 self.waiting.next_turn(done=True)
                 continue
+            if held.get(request.job.owner, 0) >= cap:
+                blocked += 1
+                self.waiting.next_turn(done=False)
+                continue
+            blocked = 0
             is_new = request.samples_placed == 0
             placed = Placement(request, request.place(1)[0], free.pop(0))
+            held[request.job.owner] = held.get(request.job.owner, 0) + 1
             if is_new:
                 to_prefill.append((request, placed.slot))
             placements.append(placed)
@@ -184,6 +196,13 @@ class Scheduler:
                 self.admitting.append(request)
             self.waiting.next_turn(done=request.samples_unplaced == 0)
         return placements, to_prefill
+
+    def _slots_by_owner(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for request in self.slots.request:
+            if request is not None:
+                held[request.job.owner] = held.get(request.job.owner, 0) + 1
+        return held
 
     def _prefill_batches(self, to_prefill: ToPrefill) -> list[ToPrefill]:
         """Group by weights of the forward (and whether full-prompt logits are needed), then
@@ -525,6 +544,13 @@ class Scheduler:
 
     def _on_device(self, values) -> torch.Tensor:
         return torch.as_tensor(values, device=self.device)
+
+
+def owner_slot_cap(num_slots: int) -> int:
+    """The most slots one owner may hold: all but 1/16 of them (from 16 slots up), kept free
+    so that another owner's next request starts at the next step instead of waiting for
+    running sequences to end; below 16 slots, all of them."""
+    return num_slots - num_slots // 16
 
 
 def _prefill_key(request: RequestState) -> tuple[int, bool]:
