@@ -73,7 +73,7 @@ def _sampler(client, **kw):
 
 def _hits(sampler, guess: int) -> int:
     prompt = types.ModelInput.from_ints(PREFIX + [guess] + SUFFIX)
-    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0)).result(timeout=120)
+    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0)).result(timeout=600)
     return out.prompt_cache_hit_tokens or 0
 
 

@@ -97,6 +97,15 @@ def record_bytes(tokens: np.ndarray, logprobs: np.ndarray, prompt_share: int) ->
     return RECORD_OVERHEAD_BYTES + tokens.nbytes + logprobs.nbytes + prompt_share
 
 
+def _arrays(seq: types.SampledSequence) -> tuple[np.ndarray, np.ndarray | None]:
+    """(int32 tokens, float32 logprobs or None), from the numpy form when the sequence has
+    it (the samplers' responses do): no round trip through Python lists."""
+    tokens = seq.tokens_np if getattr(seq, "tokens_np", None) is not None else seq.tokens
+    logprobs = seq.logprobs_np if getattr(seq, "logprobs_np", None) is not None else seq.logprobs
+    return (np.array(tokens, dtype=np.int32),  # a copy: the record never shares the response's buffers
+            None if logprobs is None else np.array(logprobs, dtype=np.float32))
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds:.1f} s"
 
@@ -140,9 +149,6 @@ class StabilityRecords:
         """Keep every sequence of a finished sample (called before its future completes)."""
         ids = prompt_ids(prompt)
         kept = [seq for seq in response.sequences if seq.sequence_id]
-        for seq in kept:
-            if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):
-                raise RuntimeError(f"sequence {seq.sequence_id}: the sampler returned no logprob per token")
         share = 0 if ids is None or not kept else -(-(ids.nbytes + sys.getsizeof(ids)) // len(kept))
         now = self._clock()
         new = [(seq.sequence_id, self._new_record(owner, session_id, ids, seq, share, now)) for seq in kept]
@@ -154,8 +160,9 @@ class StabilityRecords:
 
     @staticmethod
     def _new_record(owner, session_id, ids, seq, share: int, now: float) -> SequenceRecord:
-        tokens = np.asarray(seq.tokens, dtype=np.int32)
-        logprobs = np.asarray(seq.logprobs, dtype=np.float32)
+        tokens, logprobs = _arrays(seq)
+        if logprobs is None or logprobs.shape != tokens.shape:
+            raise RuntimeError(f"sequence {seq.sequence_id}: the sampler returned no logprob per token")
         return SequenceRecord(owner, session_id, ids, tokens, logprobs, now, record_bytes(tokens, logprobs, share))
 
     def _add(self, sequence_id: str, rec: SequenceRecord) -> None:
