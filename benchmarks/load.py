@@ -12,10 +12,16 @@ PostgreSQL: a throwaway server (`initdb` + `pg_ctl`, Unix socket only, in a temp
 as `nobody` when we are root since initdb refuses root). Without the binaries the
 PostgreSQL half is skipped and reported as nan.
 
+Two-tenant fairness (SQLite, its own server): a light tenant's 4-token samples, one at a
+time, first alone, then while a heavy tenant keeps `--heavy-requests` requests of
+(n=`--heavy-n`, max_tokens=300) queued; the ratio of the light tenant's p99 latency with
+the heavy neighbour to its p99 alone is `fair_p99_ratio` (target <= 2: the sampler serves
+owners round robin, docs/architecture.md).
+
     python benchmarks/load.py [--clients 16] [--steps 50] [--quick]
 
-Last line: `clients=<n> lost=<n> failed=<n> rps_sqlite=<x> rps_postgres=<y> rss_growth_mb=<z>`
-(lost/failed summed over both databases; rss growth = the larger of the two).
+Last line: `clients=<n> lost=<n> failed=<n> rps_sqlite=<x> rps_postgres=<y> rss_growth_mb=<z>
+fair_p99_ratio=<r>` (lost/failed summed over both databases; rss growth = the larger of the two).
 """
 
 from __future__ import annotations
@@ -194,6 +200,68 @@ def report(res: dict, clients: int, steps: int) -> None:
         print(f"[{res['label']}]   problem: {line}")
 
 
+# ---------------------------------------------------------------------- two tenants
+def light_latencies(sampler, count: int) -> list[float]:
+    """`count` 4-token samples, one after another: their latencies (s)."""
+    from tinker import types
+
+    prompt = types.ModelInput.from_ints([5, 17, 30, 42, 8])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, stop=[])
+    out = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        sampler.sample(prompt, num_samples=1, sampling_params=params).result(timeout=CALL_TIMEOUT_S)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def heavy_backlog(sampler, requests: int, n: int, stop: threading.Event) -> None:
+    """Keep `requests` requests of n samples x 300 tokens queued until `stop` is set."""
+    from tinker import types
+
+    prompt = types.ModelInput.from_ints([9, 8, 7, 6, 5, 4, 3, 2])
+    params = types.SamplingParams(max_tokens=300, temperature=1.0, stop=[])
+    pending = []
+    while not stop.is_set():
+        pending = [f for f in pending if not f.done()]
+        while len(pending) < requests:
+            pending.append(sampler.sample(prompt, num_samples=n, sampling_params=params))
+        stop.wait(0.05)
+
+
+def run_fairness(model_dir: Path, workdir: Path, server_args: list[str], samples: int, heavy_requests: int,
+                 heavy_n: int) -> float:
+    """p99 of the light tenant's samples with the heavy neighbour / alone."""
+    import tinker
+
+    from ember.server.testing import API_KEY, OTHER_KEY, start_server
+
+    server = start_server(model_dir, workdir, model_name=MODEL, extra_args=server_args)
+    try:
+        light = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+        heavy = tinker.ServiceClient(base_url=server.base_url, api_key=OTHER_KEY)
+        light_sampler = light.create_sampling_client(base_model=MODEL).result(timeout=CALL_TIMEOUT_S)
+        heavy_sampler = heavy.create_sampling_client(base_model=MODEL).result(timeout=CALL_TIMEOUT_S)
+        light_latencies(light_sampler, 3)  # warm
+        alone = light_latencies(light_sampler, samples)
+        stop = threading.Event()
+        neighbour = threading.Thread(target=heavy_backlog, args=(heavy_sampler, heavy_requests, heavy_n, stop))
+        neighbour.start()
+        time.sleep(2.0)  # the backlog is queued
+        try:
+            shared = light_latencies(light_sampler, samples)
+        finally:
+            stop.set()
+            neighbour.join()
+    finally:
+        server.stop()
+    ratio = pct(shared, 99) / pct(alone, 99)
+    print(f"[fairness] light tenant, {samples} x 4-token samples: p50/p99 alone {pct(alone, 50) * 1e3:.1f}/"
+          f"{pct(alone, 99) * 1e3:.1f} ms; with {heavy_requests} x (n={heavy_n}, max_tokens=300) of a heavy "
+          f"tenant queued {pct(shared, 50) * 1e3:.1f}/{pct(shared, 99) * 1e3:.1f} ms; p99 ratio {ratio:.2f}")
+    return ratio
+
+
 # ---------------------------------------------------------------------- PostgreSQL
 def postgres_bin() -> Path | None:
     found = shutil.which("initdb")
@@ -254,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="5 steps per client (a smoke test)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the server")
+    parser.add_argument("--fair-samples", type=int, default=30, help="light tenant's samples per phase")
+    parser.add_argument("--heavy-requests", type=int, default=20, help="heavy tenant's requests kept queued")
+    parser.add_argument("--heavy-n", type=int, default=256, help="samples per heavy request")
+    parser.add_argument("--fair-only", action="store_true", help="only the two-tenant fairness run")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps = min(args.steps, 5)
@@ -269,13 +341,16 @@ def main(argv: list[str] | None = None) -> int:
         server_args = ["--engine.device", "cpu"]
         print(f"model: tiny qwen3 (hidden 64, 2 layers); {args.clients} clients x {args.steps} steps, "
               f"LoRA rank 8 each on one base model, sample every {SAMPLE_EVERY} steps")
-        sqlite = run_load("sqlite", Path(model_dir), tmp / "sqlite", args.clients, args.steps, server_args)
-        report(sqlite, args.clients, args.steps)
-        results.append(sqlite)
-        pg = run_postgres(Path(model_dir), tmp, args.clients, args.steps, server_args)
-        if pg is not None:
-            report(pg, args.clients, args.steps)
-            results.append(pg)
+        if not args.fair_only:
+            sqlite = run_load("sqlite", Path(model_dir), tmp / "sqlite", args.clients, args.steps, server_args)
+            report(sqlite, args.clients, args.steps)
+            results.append(sqlite)
+            pg = run_postgres(Path(model_dir), tmp, args.clients, args.steps, server_args)
+            if pg is not None:
+                report(pg, args.clients, args.steps)
+                results.append(pg)
+        fair = run_fairness(Path(model_dir), tmp / "fair", server_args, args.fair_samples, args.heavy_requests,
+                            args.heavy_n)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -283,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     lost = sum(max(len(r["tally"].lost), int(r["server_pending"])) for r in results)
     failed = sum(len(r["tally"].failed) for r in results)
     rps = {r["label"]: r["tally"].completed / r["wall"] for r in results}
-    growth = max(r["rss_end"] - r["rss_start"] for r in results)
+    growth = max((r["rss_end"] - r["rss_start"] for r in results), default=math.nan)
     print(f"clients={args.clients} lost={lost} failed={failed} rps_sqlite={rps.get('sqlite', math.nan):.2f} "
-          f"rps_postgres={rps.get('postgres', math.nan):.2f} rss_growth_mb={growth:.1f}")
+          f"rps_postgres={rps.get('postgres', math.nan):.2f} rss_growth_mb={growth:.1f} fair_p99_ratio={fair:.2f}")
     return 0
 
 

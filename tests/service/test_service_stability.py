@@ -185,9 +185,26 @@ def test_prompt_with_images_cannot_be_a_prompt_span(clock):
     refused(rec, [datum()], "datum 0: model_input_spans[0]", "non-token chunks")
 
 
+def cost(*responses: types.SampleResponse) -> int:
+    """Accounted bytes of recording these responses (each with PROMPT), in an unbounded store."""
+    rec = StabilityRecords()
+    for r in responses:
+        rec.record("x", "sess-x", types.ModelInput.from_ints(PROMPT), r)
+    return rec.bytes_used()
+
+
 def test_memory_bounds_evict_least_recently_used(clock):
-    # each record: 3 prompt + 4 (s:0) or 2 (s:1) sampled tokens = 7 / 5
-    rec = StabilityRecords(StabilityConfig(max_tokens_per_owner=12, max_tokens_total=20), clock=clock)
+    # budgets in bytes: alice fits s:0 + s:1 (one sample) and s:0 + s:2, not all three; the
+    # total fits alice's two records and bob's one
+    s2 = types.SampleResponse(sequences=[seq("s:2", [1], [-1.0])])
+    b0 = types.SampleResponse(sequences=[seq("b:0", [1, 2, 3, 4], [-1.0] * 4)])
+    scratch = StabilityRecords()
+    scratch.record("x", "sess-x", types.ModelInput.from_ints(PROMPT), response(("s:0", "s:1")))
+    s0 = scratch.lookup("x", "sess-x", "s:0", "test").nbytes  # s:0 as recorded with s:1
+    per_owner = s0 + cost(s2)
+    assert cost(response(("s:0", "s:1"))) <= per_owner < cost(response(("s:0", "s:1"))) + cost(s2)
+    rec = StabilityRecords(StabilityConfig(max_bytes_per_owner=per_owner, max_bytes_total=per_owner + cost(b0)),
+                           clock=clock)
     prompt = types.ModelInput.from_ints(PROMPT)
     rec.record("alice", "sess-a", prompt, response(("s:0", "s:1")))  # 12: at alice's bound
     clock.now += 1
@@ -205,9 +222,10 @@ def test_memory_bounds_evict_least_recently_used(clock):
 
 
 def test_total_bound_evicts_across_owners(clock):
-    rec = StabilityRecords(StabilityConfig(max_tokens_per_owner=100, max_tokens_total=14), clock=clock)
+    one = cost(types.SampleResponse(sequences=[seq("x:0", [7, 8, 9, 10], [-1.0] * 4)]))
+    rec = StabilityRecords(StabilityConfig(max_bytes_per_owner=100 * one, max_bytes_total=2 * one), clock=clock)
     prompt = types.ModelInput.from_ints(PROMPT)
-    for owner, sid in (("alice", "s:0"), ("bob", "b:0"), ("carol", "c:0")):  # 7 tokens each
+    for owner, sid in (("alice", "s:0"), ("bob", "b:0"), ("carol", "c:0")):  # `one` each
         sampled = types.SampleResponse(sequences=[seq(sid, [7, 8, 9, 10], [-1.0] * 4)])
         rec.record(owner, f"sess-{owner}", prompt, sampled)
         clock.now += 1
@@ -217,9 +235,82 @@ def test_total_bound_evicts_across_owners(clock):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"ttl_s": 0}, "ttl_s must be > 0"),
-    ({"max_tokens_per_owner": 0}, "max_tokens_per_owner must be an integer >= 1, got 0"),
-    ({"max_tokens_total": 1.5}, "max_tokens_total must be an integer >= 1, got 1.5"),
+    ({"max_bytes_per_owner": 0}, "max_bytes_per_owner must be an integer >= 1, got 0"),
+    ({"max_bytes_total": 1.5}, "max_bytes_total must be an integer >= 1, got 1.5"),
 ])
 def test_config_checked(kwargs, words):
     with pytest.raises(ValueError, match=words):
         StabilityConfig(**kwargs)
+
+
+def _sample(base: str, n: int, length: int) -> types.SampleResponse:
+    return types.SampleResponse(sequences=[
+        seq(f"{base}-{i}", np.arange(length) % 50, np.full(length, -1.0)) for i in range(n)])
+
+
+@pytest.mark.parametrize("n, length, prompt_len", [(1, 1, 1), (4, 2, 3), (4, 300, 100)])
+def test_accounting_is_real_bytes(n, length, prompt_len):
+    """The accounted bytes are what the records take (tracemalloc), within 20%."""
+    import gc
+    import tracemalloc
+
+    rec = StabilityRecords()
+    prompts = [types.ModelInput.from_ints(list(range(prompt_len))) for _ in range(100)]
+    samples = [_sample(f"req-{i:08d}-abcdef", n, length) for i in range(100)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, (prompt, sample) in enumerate(zip(prompts, samples)):
+            rec.record("owner-a", f"sess-{i % 10}", prompt, sample)
+        del samples, sample
+        gc.collect()
+        real = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(rec) == 100 * n
+    assert abs(rec.bytes_used() - real) <= 0.2 * real, (rec.bytes_used() / len(rec), real / len(rec))
+
+
+def test_eviction_takes_the_owners_least_recently_used_and_spares_others(clock):
+    one = cost(_sample("x", 1, 4))
+    rec = StabilityRecords(StabilityConfig(max_bytes_per_owner=3 * one, max_bytes_total=100 * one), clock=clock)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    rec.record("bob", "sess-b", prompt, _sample("b", 1, 4))
+    for i in range(3):
+        rec.record("alice", "sess-a", prompt, _sample(f"a{i}", 1, 4))
+        clock.now += 1
+    rec.lookup("alice", "sess-a", "a0-0", "test")  # a0 is now alice's most recently used: a1 goes next
+    for i in range(3, 5):
+        rec.record("alice", "sess-a", prompt, _sample(f"a{i}", 1, 4))
+    alive = {sid for sid in ("a0-0", "a1-0", "a2-0", "a3-0", "a4-0") if _has(rec, "alice", "sess-a", sid)}
+    assert alive == {"a0-0", "a3-0", "a4-0"}
+    assert _has(rec, "bob", "sess-b", "b-0")  # another owner's budget is its own
+    assert rec.bytes_used("alice") == 3 * one and rec.bytes_used() == 4 * one
+    rec.drop_session("sess-a")
+    assert rec.bytes_used("alice") == 0 and len(rec) == 1
+
+
+def test_expiry_drops_oldest_first_and_stops_at_the_first_live(clock):
+    rec = StabilityRecords(StabilityConfig(ttl_s=10.0), clock=clock)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    rec.record("alice", "sess-a", prompt, _sample("a0", 1, 2))  # t = 1000
+    rec.record("alice", "sess-a", prompt, _sample("a1", 1, 2))
+    clock.now += 5
+    rec.record("alice", "sess-a", prompt, _sample("a2", 1, 2))  # t = 1005
+    clock.now += 3
+    rec.lookup("alice", "sess-a", "a0-0", "test")  # t = 1008: a0 used again, lives on
+    clock.now += 1
+    rec.record("alice", "sess-a", prompt, _sample("a3", 1, 2))  # t = 1009
+    clock.now += 7  # t = 1016: a1 (1000) and a2 (1005) are over 10 s old
+    assert rec.expire() == 2
+    assert _has(rec, "alice", "sess-a", "a0-0") and _has(rec, "alice", "sess-a", "a3-0")
+    assert not _has(rec, "alice", "sess-a", "a1-0") and len(rec) == 2
+
+
+def _has(rec: StabilityRecords, owner: str, session: str, sid: str) -> bool:
+    try:
+        rec.lookup(owner, session, sid, "test")
+    except UserError:
+        return False
+    return True

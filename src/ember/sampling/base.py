@@ -48,6 +48,11 @@ from the wire. The semantics are Tinker's (docs/protocol.md §4.6, §4.7):
 * `prompt_cache_hit_tokens`: prompt tokens whose KV came from the sampler's prefix cache
   instead of being computed (TorchSampler: `SamplerConfig.prefix_cache_tokens`; vLLM:
   its own prefix cache). Logprobs and seeded tokens are the same with or without a hit.
+  Only the request's own `owner`'s earlier prompts can hit: a cache entry is keyed by
+  owner and weights (vLLM: a per-owner `cache_salt`).
+* Fair shares: waiting requests are served by owner, round robin (TorchSampler's
+  scheduler; vLLM: priority by the owner's backlog), so one owner's backlog delays
+  another's next request by at most the work already running.
 
 Backends (chosen by name: `ember.sampling.registry.SAMPLER_BACKENDS`, `SamplerConfig.backend`):
 
@@ -108,6 +113,12 @@ class SamplingRequest:
     `include_prompt_logprobs` here, as in `SamplingClient.sample`). `sequence_ids`
     optionally names the returned sequences (the service passes the
     `sample_sequence_ids` it handed to the SDK); by default they are generated.
+
+    `owner` names the tenant the request is served for (the service passes the API key's
+    owner; "" = nobody in particular, as in-process use). Backends keep tenants apart by
+    it: prefix-cache entries are reusable only by the owner that computed them (so
+    `prompt_cache_hit_tokens` reflects only the caller's own traffic), and queued work is
+    scheduled fairly across owners (docs/architecture.md, trust boundaries).
     """
 
     prompt: types.ModelInput
@@ -122,6 +133,7 @@ class SamplingRequest:
     sequence_ids: Sequence[str] | None = None
     target_prompt_logprobs: types.TensorData | None = None
     prompt_alt_tokens_k: int = 0
+    owner: str = ""
 
 
 class UnsupportedModelError(ValueError):

@@ -38,9 +38,14 @@ class Job:
         return version.version_id if version is not None and version.is_lora else 0
 
     @property
-    def weights_key(self) -> tuple[int, int]:
-        """Which weights compute this request's KV (the prefix cache's key)."""
-        return self.full_version_id, self.lora_version_id
+    def owner(self) -> str:
+        """The tenant this request is served for (`SamplingRequest.owner`)."""
+        return self.spec.request.owner
+
+    @property
+    def cache_key(self) -> tuple[str, int, int]:
+        """The prefix cache's key: whose request, on which weights (a hit never crosses owners)."""
+        return self.owner, self.full_version_id, self.lora_version_id
 
 
 def settle(future: Future, result=None, error: BaseException | None = None) -> None:

@@ -120,6 +120,8 @@ def resolve_stop(stop, eos_token_ids: tuple[int, ...], vocab_size: int) -> tuple
         for i, s in enumerate(items):
             if s == "":
                 raise _fail(f"sampling_params.stop[{i}]", "a non-empty string", s)
+            if not _is_utf8(s):  # a lone surrogate: no decoded text can hold it (and vLLM fails on it)
+                raise _fail(f"sampling_params.stop[{i}]", "valid Unicode text (no lone surrogates)", s)
         return tuple(eos_token_ids), tuple(items)
     if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
         for i, t in enumerate(items):
@@ -127,6 +129,14 @@ def resolve_stop(stop, eos_token_ids: tuple[int, ...], vocab_size: int) -> tuple
                 raise _fail(f"sampling_params.stop[{i}]", f"a token id in [0, {vocab_size})", t)
         return tuple(dict.fromkeys([*items, *eos_token_ids])), ()
     raise _fail("sampling_params.stop", "None, a string, a list of strings or a list of token ids", stop)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_int(field: str, value, low: int) -> int:
@@ -182,6 +192,8 @@ def resolve_request(
     can_decode: bool,
 ) -> ResolvedRequest:
     """Check `r` and fill in defaults; raise ValueError naming the offending field."""
+    if not isinstance(r.owner, str):
+        raise _fail("owner", "a string", type(r.owner).__name__)
     prompt = prompt_tokens(r.prompt, vocab_size)
     if len(prompt) >= max_len:
         raise _fail("prompt", f"fewer than {max_len} tokens (the sampler's max_len)", f"{len(prompt)} tokens")

@@ -1,6 +1,6 @@
 """Continuous batching over KV-cache slots: the loop that serves TorchSampler's requests.
 
-    scheduler.enqueue(jobs)    # requests join the waiting queue, first come first served
+    scheduler.enqueue(jobs)    # requests join their owner's waiting queue
     while scheduler.busy:
         scheduler.step()       # admit(), then decode() (under torch.inference_mode())
 
@@ -14,7 +14,19 @@
   `admit()` refills it: requests of any length share the batch without waiting for the
   longest one.
 
-The scheduler owns the queue (`waiting`), the slots (`SlotTable`: per-slot arrays) and
+Fair shares (the policy): waiting requests are queued per owner (`SamplingRequest.owner`,
+the tenant), first come first served within an owner, and free slots are handed out
+round robin over the owners with waiting work, one sample per turn
+(`fair_queue.OwnerQueues`). One owner holds at most `owner_slot_cap` slots (all but 1/16
+from 16 slots up), so a newcomer usually finds a free slot at the next step. A running
+sequence is never preempted. So an owner's next request waits for at most the work
+already running (one decode step when a reserved slot is free, else until a slot frees)
+plus one turn of each other waiting owner, however many samples another owner has
+queued; the per-owner
+bound on queued work is the service's (`Limits.max_queued_samples_per_key`,
+`max_queued_sample_tokens_per_key`).
+
+The scheduler owns the queues (`waiting`), the slots (`SlotTable`: per-slot arrays) and
 one `RequestState` per request in flight. Only the sampler's worker thread calls it.
 A token is drawn with a uniform that is a function of (seed, sample, step) alone
 (`rng`), so a request's samples do not depend on what shares the batch. The sections
@@ -41,7 +53,6 @@ logprobs.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
@@ -49,6 +60,7 @@ import torch
 
 from ember import failpoints
 from ember.sampling import jobs, rng
+from ember.sampling.fair_queue import OwnerQueues
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
 from ember.sampling.prefix_cache import PrefixCache, Snapshot
 from ember.sampling.request_state import RequestState
@@ -71,7 +83,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.decode_text = decode_text  # token ids -> str, for stop strings
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
-        self.waiting: deque[RequestState] = deque()  # requests with samples still to place
+        self.waiting = OwnerQueues()  # requests with samples still to place, per owner
         self.admitting: list[RequestState] = []  # requests between leaving `waiting` and holding slots
         self.stats = {"prefill_forwards": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0,
                       "sequences": 0, "moves": 0, "prefix_cache_hit_tokens": 0}
@@ -105,7 +117,7 @@ class Scheduler:
 
     def _fail_all_of(self, requests: list[RequestState], error: Exception) -> None:
         dead = {id(request) for request in requests}
-        self.waiting = deque(queued for queued in self.waiting if id(queued) not in dead)
+        self.waiting.remove_if(lambda queued: id(queued) in dead)
         for slot in np.flatnonzero(self.slots.active):
             self.slots.release(int(slot))
         self.admitting = []
@@ -120,7 +132,7 @@ class Scheduler:
         for slot, holder in enumerate(self.slots.request):
             if holder is request:
                 self.slots.release(slot)
-        self.waiting = deque(other for other in self.waiting if other is not request)
+        self.waiting.remove_if(lambda other: other is request)
         self.admitting = [other for other in self.admitting if other is not request]
         error = RuntimeError(f"sampling failed for this request: {type(exc).__name__}: {exc}")
         jobs.settle(request.job.future, error=error)
@@ -153,26 +165,44 @@ class Scheduler:
         self._draw_first_tokens(placements)
 
     def _place_waiting(self) -> tuple[list[Placement], ToPrefill]:
-        """Samples of waiting requests, in queue order, onto the free slots; and the requests
+        """Samples of waiting requests onto the free slots, one per turn, round robin over
+        owners, each owner within its slot cap (see the module docstring); and the requests
         placed for the first time, whose prompt is prefilled into their first slot."""
         free = list(self.slots.free_slots())
         placements: list[Placement] = []
         to_prefill: ToPrefill = []
-        while self.waiting and free:
-            request = self.waiting[0]
+        admitted: set[int] = set()
+        held = self._slots_by_owner()
+        cap = owner_slot_cap(self.slots.num_slots)
+        blocked = 0  # consecutive turns of owners at their cap
+        while self.waiting and free and blocked < len(self.waiting.owners()):
+            request = self.waiting.head()
             if request.job.future.cancelled() and request.samples_placed == 0:
-                self.waiting.popleft()
+                self.waiting.next_turn(done=True)
                 continue
+            if held.get(request.job.owner, 0) >= cap:
+                blocked += 1
+                self.waiting.next_turn(done=False)
+                continue
+            blocked = 0
             is_new = request.samples_placed == 0
-            placed = [Placement(request, sample, free.pop(0))
-                      for sample in request.place(min(request.samples_unplaced, len(free)))]
+            placed = Placement(request, request.place(1)[0], free.pop(0))
+            held[request.job.owner] = held.get(request.job.owner, 0) + 1
             if is_new:
-                to_prefill.append((request, placed[0].slot))
-            placements += placed
-            if request.samples_unplaced == 0:
-                self.waiting.popleft()
-            self.admitting.append(request)
+                to_prefill.append((request, placed.slot))
+            placements.append(placed)
+            if id(request) not in admitted:
+                admitted.add(id(request))
+                self.admitting.append(request)
+            self.waiting.next_turn(done=request.samples_unplaced == 0)
         return placements, to_prefill
+
+    def _slots_by_owner(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for request in self.slots.request:
+            if request is not None:
+                held[request.job.owner] = held.get(request.job.owner, 0) + 1
+        return held
 
     def _prefill_batches(self, to_prefill: ToPrefill) -> list[ToPrefill]:
         """Group by weights of the forward (and whether full-prompt logits are needed), then
@@ -278,7 +308,7 @@ class Scheduler:
         for request, slot in to_prefill:
             hit, snapshot = 0, None
             if self.prefix_cache is not None:
-                hit, snapshot = self.prefix_cache.lookup(request.job.weights_key, request.spec.prompt,
+                hit, snapshot = self.prefix_cache.lookup(request.job.cache_key, request.spec.prompt,
                                                          request.spec.first_scored_row)
             if not hit:
                 rest.append((request, slot))
@@ -315,7 +345,7 @@ class Scheduler:
             return
         length = cache.wanted_length(len(request.spec.prompt))
         prefix = request.spec.prompt[:length]
-        key = request.job.weights_key
+        key = request.job.cache_key
         if length > 0 and not cache.contains(key, prefix):
             cache.insert(key, prefix, self.runner.cache.snapshot_prefix(slot, length), request.job.version)
 
@@ -514,6 +544,13 @@ class Scheduler:
 
     def _on_device(self, values) -> torch.Tensor:
         return torch.as_tensor(values, device=self.device)
+
+
+def owner_slot_cap(num_slots: int) -> int:
+    """The most slots one owner may hold: all but 1/16 of them (from 16 slots up), kept free
+    so that another owner's next request starts at the next step instead of waiting for
+    running sequences to end; below 16 slots, all of them."""
+    return num_slots - num_slots // 16
 
 
 def _prefill_key(request: RequestState) -> tuple[int, bool]:

@@ -6,7 +6,8 @@
 
 Requests from any thread are handed to one asyncio event loop (a daemon thread) that
 drives the engine; vLLM batches them continuously with its own scheduler and reuses
-shared prompt prefixes (prefix caching; `prompt_cache_hit_tokens`). The engine core runs
+shared prompt prefixes (prefix caching; `prompt_cache_hit_tokens`), each owner's only
+(a per-owner `cache_salt`), and serves owners fairly (`OwnerBacklog`). The engine core runs
 in a separate process; it is started in the background on construction and rebuilt on
 the next request if it dies (in-flight requests then fail with RuntimeError, which the
 service reports as category `server`).
@@ -43,7 +44,9 @@ costs one read of the version's file plus the drain; benchmarks/sampling.py meas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import hashlib
 import itertools
 import logging
 import os
@@ -52,6 +55,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -111,6 +115,7 @@ class VLLMSampler(Sampler):
         self._scorer_lock = threading.Lock()
         self._llm = None
         self._gate = WeightGate(BASE_KEY)
+        self._backlog = OwnerBacklog()
         self._asleep = False  # colocate: the engine released the GPU for the trainer
         self.engine_starts = 0
         self._loop = asyncio.new_event_loop()
@@ -222,11 +227,27 @@ class VLLMSampler(Sampler):
         if self._asleep:
             await self._wake(llm)
         key = version.weights_key if version is not None else BASE_KEY
-        final = None
+        n = 1 if is_greedy(spec) else spec.num_samples
+        cap = owner_sample_cap(self.config.max_slots)
         async with self._gate.hold(key, lambda k: self._swap(llm, k, version)):
-            async for final in llm.generate(_prompt(spec), _params(spec), uuid.uuid4().hex,
-                                            lora_request=_lora_request(version)):
+            finals = await asyncio.gather(*(self._generate_part(llm, spec, version, start, min(cap, n - start))
+                                            for start in range(0, n, cap)))
+        return _merged(finals)
+
+    async def _generate_part(self, llm, spec: ResolvedRequest, version, start: int, size: int):
+        """Samples [start, start + size) of a request (sample i is seeded seed + i, as in one
+        request), admitted when its owner has room in the engine (`OwnerBacklog`)."""
+        final = None
+        owner = spec.request.owner
+        async with self._backlog.admit(owner, size, owner_sample_cap(self.config.max_slots)):
+            async for final in llm.generate(_prompt(spec), _params(spec, start, size), uuid.uuid4().hex,
+                                            lora_request=_lora_request(version),
+                                            priority=self._backlog.priority(owner)):
                 pass
+        if final is None:
+            raise RuntimeError("the vLLM engine returned no output for the request")
+        for completion in final.outputs:
+            completion.index += start
         return final
 
     def _score(self, request: SamplingRequest, version: VLLMWeightVersion | None) -> Future:
@@ -342,7 +363,7 @@ def engine_kwargs(model_dir: Path, config: SamplerConfig, max_len: int) -> dict:
         max_cpu_loras=config.max_cpu_loras or config.max_loras,
         logprobs_mode="raw_logprobs" if config.logprobs_mode == "raw" else "processed_logprobs",
         max_logprobs=config.max_logprobs, enable_prefix_caching=config.enable_prefix_caching,
-        enforce_eager=config.enforce_eager, seed=0,
+        enforce_eager=config.enforce_eager, seed=0, scheduling_policy="priority",  # fair shares: OwnerBacklog
         enable_sleep_mode=config.colocate and not on_cpu,
         **({} if on_cpu else {"gpu_memory_utilization": config.gpu_memory_utilization}),
     )
@@ -394,18 +415,68 @@ def _with_version(request: SamplingRequest, version) -> SamplingRequest:
 def _prompt(spec: ResolvedRequest):
     from vllm.inputs import TokensPrompt
 
-    return TokensPrompt(prompt_token_ids=list(spec.prompt))
+    salt = cache_salt(spec.request.owner)
+    return TokensPrompt(prompt_token_ids=list(spec.prompt), **({"cache_salt": salt} if salt else {}))
 
 
-def _params(spec: ResolvedRequest):
+def cache_salt(owner: str) -> str | None:
+    """vLLM's per-request prefix-cache salt: blocks hashed with different salts never match,
+    so a request reuses only its own owner's cached prefixes (None: no owner, no salt)."""
+    return hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32] if owner else None
+
+
+def owner_sample_cap(max_slots: int) -> int:
+    """The most samples one owner has in the engine at once: all but 1/16 of its sequences
+    (from 16 up), so another owner's next request finds a free one; below 16, all."""
+    return max_slots - max_slots // 16
+
+
+class OwnerBacklog:
+    """Each owner's samples in the engine, admission by owner, and vLLM priorities.
+
+    Fair shares on vLLM (the policy): a request is split into parts of at most
+    `owner_sample_cap` samples; a part enters the engine only while its owner has room
+    under that cap (waiting in ember otherwise), so one owner never fills every engine
+    sequence and another owner's next request starts without waiting for them to end. The
+    engine runs with `scheduling_policy="priority"`; a part's priority is its owner's
+    samples in the engine (lower first, ties in arrival order), so a lightly loaded owner
+    goes ahead of a heavy one's waiting parts. Event-loop thread only."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, int] = {}
+        self._room: asyncio.Condition | None = None
+
+    def priority(self, owner: str) -> int:
+        return self.samples.get(owner, 0)
+
+    @contextlib.asynccontextmanager
+    async def admit(self, owner: str, n: int, cap: int):
+        if self._room is None:
+            self._room = asyncio.Condition()
+        async with self._room:
+            await self._room.wait_for(lambda: self.samples.get(owner, 0) == 0 or self.samples[owner] + n <= cap)
+            self.samples[owner] = self.samples.get(owner, 0) + n
+        try:
+            yield
+        finally:
+            async with self._room:
+                left = self.samples[owner] - n
+                if left:
+                    self.samples[owner] = left
+                else:
+                    del self.samples[owner]
+                self._room.notify_all()
+
+
+def _params(spec: ResolvedRequest, start: int = 0, size: int | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     no_stop = spec.request.sampling_params.stop is not None and not spec.stop_token_ids and not spec.stop_strings
     return SamplingParams(
-        n=1 if is_greedy(spec) else spec.num_samples, max_tokens=spec.max_tokens,
+        n=size or (1 if is_greedy(spec) else spec.num_samples), max_tokens=spec.max_tokens,
         temperature=0.0 if is_greedy(spec) else spec.temperature,
-        top_k=0 if spec.top_k == -1 else spec.top_k, top_p=spec.top_p, seed=spec.seed % _SEED_SPAN,
+        top_k=0 if spec.top_k == -1 else spec.top_k, top_p=spec.top_p, seed=(spec.seed + start) % _SEED_SPAN,
         stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
         ignore_eos=no_stop, include_stop_str_in_output=True, logprobs=spec.topk_sample_logprobs,
         skip_special_tokens=True, output_kind=RequestOutputKind.FINAL_ONLY,
@@ -433,6 +504,18 @@ def _sequence(completion, spec: ResolvedRequest, sequence_id: str) -> types.Samp
     k = spec.topk_sample_logprobs
     rows = [_topk_row(entries[i], k) for i in range(len(tokens))] if k > 0 else None
     return sampled_sequence(tokens, logprobs, rows, k, completion.finish_reason == "stop", sequence_id)
+
+
+@dataclass
+class _Merged:
+    """The parts of one request as one output (what `_response` reads)."""
+
+    outputs: list
+    num_cached_tokens: int
+
+
+def _merged(finals: list) -> _Merged:
+    return _Merged([c for final in finals for c in final.outputs], int(finals[0].num_cached_tokens or 0))
 
 
 def _response(final, spec: ResolvedRequest) -> types.SampleResponse:

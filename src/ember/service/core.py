@@ -89,7 +89,7 @@ class Service(ServiceAPI):
         self.samplers = SamplerManager(
             self.store, self.futures, self.registry,
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
-            config.max_samplers_per_session, records=self.records,
+            config.max_samplers_per_session, records=self.records, limits=config.limits,
         )
         self.samplers.check_registered()
         if config.sampler is not None and getattr(config.sampler, "colocate", False):

@@ -42,7 +42,6 @@ class Limits:
         run expects (further would wait, then skip every request in between).
     max_lora_rank: `lora_config.rank` of a new training run (its adapters' memory grows
         with it).
-
     max_result_bytes: the stored (pickled) result of one request; a bigger one fails as a
         user error instead of being kept as a future row (e.g. a forward with a huge top-K).
     max_json_body_bytes: a JSON request body (the body limit, `--max-body-mb`, is for the
@@ -78,6 +77,10 @@ class Limits:
         `max_samplers_per_session`).
     max_checkpoint_bytes_per_key: bytes of the key's saved checkpoints not past their
         TTL (a save that would go beyond it is refused and its files removed).
+    max_queued_samples_per_key: samples one API key may have queued or running in the
+        samplers at once (`asample` returns at once, so this is what bounds a backlog).
+    max_queued_sample_tokens_per_key: the same in tokens, num_samples x (prompt tokens +
+        max_tokens) summed over the key's queued or running sample requests.
     """
 
     max_num_samples: int = 256
@@ -105,6 +108,8 @@ class Limits:
     max_openai_top_logprobs: int = 20
     max_openai_logprob_entries: int = 262144
     max_openai_response_bytes: int = 32 * 1024 * 1024
+    max_queued_samples_per_key: int = 16384
+    max_queued_sample_tokens_per_key: int = 8_388_608
 
     def __post_init__(self) -> None:
         for f in fields(self):

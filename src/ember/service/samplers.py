@@ -9,7 +9,15 @@ were never written to disk) and answers category `server`.
 
 Memory: each session keeps its version alive. At most `max_per_session` sessions per
 client session stay loaded; the least recently used is evicted (and reloaded on use when it
-has a model path), so a sampler used every step, such as a KL reference, stays loaded.
+has a model path), so a sampler used every step, such as a KL reference, stays loaded. An
+evicted snapshot cannot be reloaded: its next use is a user error that says so and names
+`max_samplers_per_session`.
+
+Fair shares: every request carries its owner to the backend (`SamplingRequest.owner`),
+which keeps prefix caches per owner and serves owners round robin; what one owner may
+have queued at once is bounded here (`Limits.max_queued_samples_per_key`,
+`max_queued_sample_tokens_per_key`: samples x (prompt + max_tokens)), refused as a user
+error beyond, because `asample` returns at once and nothing else bounds a backlog.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from ember.service.api import NotFoundError, Submission, UserError
 from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
+from ember.service.limits import Limits
 from ember.service.stability import StabilityRecords
 from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
 
@@ -89,6 +98,23 @@ class LocalSamplerFactory(SamplerFactory):
         return create_sampler(base.directory, self.resolved_config(base), scratch_dir=self.scratch_dir)
 
 
+_EVICTED_KEPT = 65536  # evicted snapshot ids remembered, to tell an eviction from a restart
+
+
+def _check_policy_head(path: str, directory: Path) -> None:
+    """A training checkpoint of a value head has no sampler (it outputs values, not tokens)."""
+    from ember.engine.checkpoint import read_meta
+
+    try:
+        head = read_meta(directory).get("head", "policy")
+    except (OSError, ValueError):
+        return  # unreadable metadata: reading the weights reports it
+    if head != "policy":
+        raise UserError(f"checkpoint {path!r} holds a {head!r} head: it outputs values, not tokens, so a value "
+                        "head has no sampler; load it into a training run (create_training_client_from_state) "
+                        "and read its values with forward")
+
+
 def max_positions(model_dir: Path) -> int | None:
     """`max_position_embeddings` from the model's config.json (None when absent or unreadable)."""
     try:
@@ -108,15 +134,64 @@ class LiveSampler:
     model_path: str | None = None  # loaded from this checkpoint: readable again on every sample
 
 
+class QueuedWork:
+    """Samples and tokens each owner has submitted and not yet finished, bounded per owner."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._by_owner: dict[str, tuple[int, int]] = {}  # owner -> (samples, tokens)
+
+    def reserve(self, owner: str, samples: int, tokens: int) -> None:
+        """Count a request's work against its owner, or refuse it (UserError naming the limit)."""
+        lim = self.limits
+        with self._lock:
+            have_samples, have_tokens = self._by_owner.get(owner, (0, 0))
+            if have_samples + samples > lim.max_queued_samples_per_key:
+                raise UserError(f"this key has {have_samples} samples queued or running; {samples} more would pass "
+                                f"the limit max_queued_samples_per_key={lim.max_queued_samples_per_key}: wait "
+                                "for earlier samples to finish")
+            if have_tokens + tokens > lim.max_queued_sample_tokens_per_key:
+                raise UserError(f"this key has {have_tokens} sample tokens (samples x (prompt + max_tokens)) queued "
+                                f"or running; {tokens} more would pass the limit max_queued_sample_tokens_per_key="
+                                f"{lim.max_queued_sample_tokens_per_key}: wait for earlier samples to finish")
+            self._by_owner[owner] = (have_samples + samples, have_tokens + tokens)
+
+    def release(self, owner: str, samples: int, tokens: int) -> None:
+        with self._lock:
+            have_samples, have_tokens = self._by_owner.get(owner, (0, 0))
+            left = (have_samples - samples, have_tokens - tokens)
+            if left[0] > 0:
+                self._by_owner[owner] = left
+            else:
+                self._by_owner.pop(owner, None)
+
+    def of(self, owner: str) -> tuple[int, int]:
+        with self._lock:
+            return self._by_owner.get(owner, (0, 0))
+
+
+def request_work(kwargs: dict[str, Any], default_max_tokens: int) -> tuple[int, int]:
+    """(samples, tokens) a sample request asks for: num_samples x (prompt + max_tokens)."""
+    samples = kwargs["num_samples"]
+    max_tokens = getattr(kwargs.get("sampling_params"), "max_tokens", None)
+    new_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens >= 0 else default_max_tokens
+    length = getattr(kwargs.get("prompt"), "length", 0)
+    return samples, samples * (int(length) + new_tokens)
+
+
 class SamplerManager:
     def __init__(self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: SamplerFactory,
-                 max_per_session: int = 32, records: StabilityRecords | None = None) -> None:
+                 max_per_session: int = 32, records: StabilityRecords | None = None,
+                 limits: Limits | None = None) -> None:
         self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
         self.records = records  # where record_stability_info samples are kept (None: refused)
         self.max_per_session = max_per_session
+        self.queued = QueuedWork(limits or Limits())
         self._samplers: dict[Path, Any] = {}
         self._live: dict[str, OrderedDict[str, LiveSampler]] = {}  # session_id -> sampler_id -> live
         self._by_id: dict[str, LiveSampler] = {}  # sampler_id -> live, for every loaded session
+        self._evicted: OrderedDict[str, None] = OrderedDict()  # snapshot sampler ids evicted (bounded)
         self._lock = threading.RLock()
         self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ember-sample-finish")
 
@@ -155,8 +230,13 @@ class SamplerManager:
         if tpath.kind == "external":
             raise UserError(f"checkpoint {path!r} is an external-weights export (for download); sample from a "
                             "tinker://<run>/sampler_weights/<name> or tinker://<run>/weights/<name> path")
+        if tpath.kind == "training":
+            _check_policy_head(path, d)
         weights = ckpt.read_state_weights(d) if tpath.kind == "training" else ckpt.read_sampler_weights(d)
-        return base, self._load(base, weights.items(), lora)
+        try:
+            return base, self._load(base, weights.items(), lora)
+        except ValueError as exc:  # the backend refused the tensors: the checkpoint's content, not our fault
+            raise UserError(f"checkpoint {path!r} cannot be sampled from: {exc}") from None
 
     # ------------------------------------------------------------------ sessions
     def _remember(self, live: LiveSampler) -> None:
@@ -168,6 +248,9 @@ class SamplerManager:
             while len(group) > self.max_per_session:
                 evicted, _ = group.popitem(last=False)
                 self._by_id.pop(evicted, None)
+                self._evicted[evicted] = None
+                while len(self._evicted) > _EVICTED_KEPT:
+                    self._evicted.popitem(last=False)
                 log.info("sampling session %s evicted (more than %d loaded)", evicted, self.max_per_session)
 
     def _existing(self, session_id: str, seq: int | None) -> SamplerRow | None:
@@ -240,6 +323,16 @@ class SamplerManager:
         if live is not None:
             return live
         if row.model_path is None and row.source_run_id is not None:
+            with self._lock:
+                evicted = sampler_id in self._evicted
+            if evicted:
+                raise UserError(
+                    f"sampling session {sampler_id} held an in-memory snapshot that is gone: it was evicted, because "
+                    f"a client session keeps at most {self.max_per_session} sampling clients loaded "
+                    "(ServiceConfig.max_samplers_per_session) and it was the least recently used when another was "
+                    "created; create a new sampling client (save_weights_and_get_sampling_client), keep fewer "
+                    "sampling clients per session, or save the weights to a path (save_weights_for_sampler) so that "
+                    "they are reloaded after an eviction")
             raise RuntimeError(
                 f"sampling session {sampler_id} held an in-memory snapshot that is gone (server restarted or "
                 "session evicted); create a new sampling client"
@@ -303,20 +396,37 @@ class SamplerManager:
         from ember.sampling.base import SamplingRequest
 
         rid = sub.request_id
+        reserved = None
         try:
-            request = SamplingRequest(version=live.version, sequence_ids=sub.sample_sequence_ids, **kwargs)
-            fut = self.backend(live.base).submit(request)
-        except ValueError as exc:
+            backend = self.backend(live.base)
+            work = request_work(kwargs, getattr(getattr(backend, "config", None), "default_max_tokens", 128))
+            self.queued.reserve(live.owner, *work)
+            reserved = work
+            request = SamplingRequest(version=live.version, sequence_ids=sub.sample_sequence_ids,
+                                      owner=live.owner, **kwargs)
+            fut = backend.submit(request)
+        except ValueError as exc:  # UserError is one too
+            self._release(live.owner, reserved)
             self.futures.fail(rid, str(exc), User)
             return
         except Exception as exc:  # noqa: BLE001
+            self._release(live.owner, reserved)
             log.exception("sample %s could not be submitted", rid)
             self.futures.fail(rid, public_message(exc), Server)
             return
         # Finished on the finisher threads, not the sampler's: a slow database write
         # (retried while locked) must not hold up the decode step of every other request.
         keep = (live.owner, live.session_id, kwargs["prompt"]) if record else None
-        fut.add_done_callback(lambda f: self._finisher.submit(self._finish, rid, f, keep))
+        fut.add_done_callback(lambda f: self._done(rid, f, keep, live.owner, work))
+
+    def _done(self, rid: str, fut, keep, owner: str, work: tuple[int, int]) -> None:
+        """On the backend's thread: the owner's queued work is released at once, the rest is the finisher's."""
+        self._release(owner, work)
+        self._finisher.submit(self._finish, rid, fut, keep)
+
+    def _release(self, owner: str, work: tuple[int, int] | None) -> None:
+        if work is not None:
+            self.queued.release(owner, *work)
 
     def _finish(self, rid: str, fut, keep: tuple[str, str, types.ModelInput] | None = None) -> None:
         exc = fut.exception()

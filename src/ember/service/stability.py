@@ -16,8 +16,9 @@ What is ember's choice (the docs do not say):
 * **What is recorded**, per sequence: its prompt token ids, its sampled token ids and the
   sampler's log-probabilities of those tokens (``SampledSequence.logprobs``), with the
   owner and session id. That is all `ember.losses.functions.stable_reinforce` needs.
-* **Where**: in memory (`StabilityRecords`), bounded by a token budget per owner and in
-  total (least recently used records are evicted first), with the sliding one-day expiry.
+* **Where**: in memory (`StabilityRecords`), bounded in real bytes per owner and in total
+  (least recently used records are evicted first, O(1) each), with the sliding one-day
+  expiry.
   Records do not survive a restart: they are only useful to a live async-RL loop, whose
   samplers (snapshots) do not survive one either; a datum naming a lost record gets the
   "no record" error below.
@@ -38,11 +39,12 @@ What is ember's choice (the docs do not say):
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from tinker import types
@@ -51,39 +53,59 @@ from ember.service.api import UserError
 from ember.service.provenance import resolve_datum
 
 DAY_S = 24 * 3600.0
+MIB = 1 << 20
+
+# Memory of one record besides its arrays' data, measured with tracemalloc
+# (tests/service/test_service_stability.py checks the accounting against it): the slotted
+# record, its two numpy array headers, its id string, and its entries in the global and
+# per-owner LRU dicts and its session's set.
+RECORD_OVERHEAD_BYTES = 2 * sys.getsizeof(np.zeros(0, np.int32)) + 360
 
 
 @dataclass
 class StabilityConfig:
     """ttl_s: a record lives this long after its last use (sampling or training; Tinker:
-    one day). max_tokens_per_owner / max_tokens_total: memory bounds, counted as prompt +
-    sampled tokens per record (each ~12 bytes); over a bound, least recently used go first."""
+    one day). max_bytes_per_owner / max_bytes_total: memory bounds in real bytes
+    (`SequenceRecord.nbytes`: ~700 bytes per record plus 8 bytes per sampled token and the
+    record's share of its prompt's 4 bytes per token); over a bound, least recently used
+    go first. The defaults (256 MiB per key, 1 GiB in all) fit a default machine."""
 
     ttl_s: float = DAY_S
-    max_tokens_per_owner: int = 16_000_000
-    max_tokens_total: int = 64_000_000
+    max_bytes_per_owner: int = 256 * MIB
+    max_bytes_total: int = 1024 * MIB
 
     def __post_init__(self) -> None:
         if not self.ttl_s > 0:
             raise ValueError(f"StabilityConfig.ttl_s must be > 0, got {self.ttl_s}")
-        for name in ("max_tokens_per_owner", "max_tokens_total"):
+        for name in ("max_bytes_per_owner", "max_bytes_total"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"StabilityConfig.{name} must be an integer >= 1, got {value!r}")
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class SequenceRecord:
     owner: str
     session_id: str
-    prompt: np.ndarray | None  # int64 prompt ids (None when the prompt had non-token chunks)
-    tokens: np.ndarray  # int64 sampled ids
+    prompt: np.ndarray | None  # int32 prompt ids, shared by the sample's sequences (None: non-token chunks)
+    tokens: np.ndarray  # int32 sampled ids
     logprobs: np.ndarray  # float32 sampler log-probs of `tokens`
-    last_used: float = field(default=0.0)
+    last_used: float = 0.0
+    nbytes: int = 0  # what it costs in memory (see `record_bytes`)
 
-    @property
-    def size(self) -> int:
-        return int(self.tokens.size) + (0 if self.prompt is None else int(self.prompt.size))
+
+def record_bytes(tokens: np.ndarray, logprobs: np.ndarray, prompt_share: int) -> int:
+    """Real bytes of one record: overhead + its arrays' data + its share of the prompt."""
+    return RECORD_OVERHEAD_BYTES + tokens.nbytes + logprobs.nbytes + prompt_share
+
+
+def _arrays(seq: types.SampledSequence) -> tuple[np.ndarray, np.ndarray | None]:
+    """(int32 tokens, float32 logprobs or None), from the numpy form when the sequence has
+    it (the samplers' responses do): no round trip through Python lists."""
+    tokens = seq.tokens_np if getattr(seq, "tokens_np", None) is not None else seq.tokens
+    logprobs = seq.logprobs_np if getattr(seq, "logprobs_np", None) is not None else seq.logprobs
+    return (np.array(tokens, dtype=np.int32),  # a copy: the record never shares the response's buffers
+            None if logprobs is None else np.array(logprobs, dtype=np.float32))
 
 
 def _duration(seconds: float) -> str:
@@ -94,77 +116,106 @@ def prompt_ids(prompt: types.ModelInput) -> np.ndarray | None:
     """The prompt's token ids, or None when it holds image/dmel chunks (no token ids)."""
     if not all(isinstance(c, types.EncodedTextChunk) for c in prompt.chunks):
         return None
-    return np.asarray(prompt.to_ints(), dtype=np.int64)
+    return np.asarray(prompt.to_ints(), dtype=np.int32)
 
 
 class StabilityRecords:
-    """Owner- and session-scoped, bounded, expiring records of sampled sequences."""
+    """Owner- and session-scoped, bounded, expiring records of sampled sequences.
+
+    Every operation costs O(1) per record it adds, touches or drops: the records are kept
+    in one dict ordered by last use (total bound, expiry) and one per owner (the owner's
+    bound), and indexed by session (`drop_session`), so `record` — called on the finisher
+    threads that complete every tenant's samples — never scans other records."""
 
     def __init__(self, config: StabilityConfig | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config or StabilityConfig()
         self._clock = clock
         self._lock = threading.Lock()
-        self._lru: OrderedDict[str, SequenceRecord] = OrderedDict()  # sequence_id -> record
-        self._owner_tokens: dict[str, int] = {}
+        self._lru: OrderedDict[str, SequenceRecord] = OrderedDict()  # sequence_id -> record, by last use
+        self._owner_lru: dict[str, OrderedDict[str, None]] = {}  # owner -> its sequence ids, by last use
+        self._sessions: dict[str, set[str]] = {}  # session id -> its sequence ids
+        self._owner_bytes: dict[str, int] = {}
         self._total = 0
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    def bytes_used(self, owner: str | None = None) -> int:
+        """Accounted bytes of every record (or of `owner`'s)."""
+        with self._lock:
+            return self._total if owner is None else self._owner_bytes.get(owner, 0)
 
     # ------------------------------------------------------------------ recording
     def record(self, owner: str, session_id: str, prompt: types.ModelInput,
                response: types.SampleResponse) -> None:
         """Keep every sequence of a finished sample (called before its future completes)."""
         ids = prompt_ids(prompt)
+        kept = [seq for seq in response.sequences if seq.sequence_id]
+        share = 0 if ids is None or not kept else -(-(ids.nbytes + sys.getsizeof(ids)) // len(kept))
         now = self._clock()
+        new = [(seq.sequence_id, self._new_record(owner, session_id, ids, seq, share, now)) for seq in kept]
         with self._lock:
-            for seq in response.sequences:
-                if not seq.sequence_id:
-                    continue
-                if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):
-                    raise RuntimeError(f"sequence {seq.sequence_id}: the sampler returned no logprob per token")
-                rec = SequenceRecord(owner, session_id, ids, np.asarray(seq.tokens, dtype=np.int64),
-                                     np.asarray(seq.logprobs, dtype=np.float32), now)
-                self._drop(seq.sequence_id)
-                self._lru[seq.sequence_id] = rec
-                self._owner_tokens[owner] = self._owner_tokens.get(owner, 0) + rec.size
-                self._total += rec.size
+            for sequence_id, rec in new:
+                self._drop(sequence_id)
+                self._add(sequence_id, rec)
             self._evict(owner)
+
+    @staticmethod
+    def _new_record(owner, session_id, ids, seq, share: int, now: float) -> SequenceRecord:
+        tokens, logprobs = _arrays(seq)
+        if logprobs is None or logprobs.shape != tokens.shape:
+            raise RuntimeError(f"sequence {seq.sequence_id}: the sampler returned no logprob per token")
+        return SequenceRecord(owner, session_id, ids, tokens, logprobs, now, record_bytes(tokens, logprobs, share))
+
+    def _add(self, sequence_id: str, rec: SequenceRecord) -> None:
+        self._lru[sequence_id] = rec
+        self._owner_lru.setdefault(rec.owner, OrderedDict())[sequence_id] = None
+        self._sessions.setdefault(rec.session_id, set()).add(sequence_id)
+        self._owner_bytes[rec.owner] = self._owner_bytes.get(rec.owner, 0) + rec.nbytes
+        self._total += rec.nbytes
 
     def _drop(self, sequence_id: str) -> None:
         rec = self._lru.pop(sequence_id, None)
-        if rec is not None:
-            left = self._owner_tokens[rec.owner] - rec.size
-            if left:
-                self._owner_tokens[rec.owner] = left
-            else:
-                del self._owner_tokens[rec.owner]
-            self._total -= rec.size
+        if rec is None:
+            return
+        owned = self._owner_lru[rec.owner]
+        del owned[sequence_id]
+        session = self._sessions[rec.session_id]
+        session.discard(sequence_id)
+        if not session:
+            del self._sessions[rec.session_id]
+        left = self._owner_bytes[rec.owner] - rec.nbytes
+        if owned:
+            self._owner_bytes[rec.owner] = left
+        else:
+            del self._owner_bytes[rec.owner], self._owner_lru[rec.owner]
+        self._total -= rec.nbytes
 
     def _evict(self, owner: str) -> None:
         """Least recently used first: the owner's own records over its budget, then anyone's."""
         cfg = self.config
-        if self._owner_tokens.get(owner, 0) > cfg.max_tokens_per_owner:
-            for sid in [s for s, r in self._lru.items() if r.owner == owner]:
-                if self._owner_tokens.get(owner, 0) <= cfg.max_tokens_per_owner:
-                    break
-                self._drop(sid)
-        while self._total > cfg.max_tokens_total and self._lru:
+        while self._owner_bytes.get(owner, 0) > cfg.max_bytes_per_owner:
+            self._drop(next(iter(self._owner_lru[owner])))
+        while self._total > cfg.max_bytes_total and self._lru:
             self._drop(next(iter(self._lru)))
 
     def expire(self) -> int:
         """Drop records unused for longer than ttl_s (housekeeping). Returns how many."""
         cutoff = self._clock() - self.config.ttl_s
+        dropped = 0
         with self._lock:
-            old = [s for s, r in self._lru.items() if r.last_used < cutoff]
-            for sid in old:
-                self._drop(sid)
-        return len(old)
+            while self._lru:
+                sequence_id, rec = next(iter(self._lru.items()))
+                if rec.last_used >= cutoff:
+                    break
+                self._drop(sequence_id)
+                dropped += 1
+        return dropped
 
     def drop_session(self, session_id: str) -> None:
         """A finished or expired session's records go with it (no request can name them)."""
         with self._lock:
-            for sid in [s for s, r in self._lru.items() if r.session_id == session_id]:
+            for sid in list(self._sessions.get(session_id, ())):
                 self._drop(sid)
 
     # ------------------------------------------------------------------ lookup
@@ -188,6 +239,7 @@ class StabilityRecords:
                 )
             rec.last_used = now
             self._lru.move_to_end(sequence_id)
+            self._owner_lru[rec.owner].move_to_end(sequence_id)
             return rec
 
     def resolve(self, owner: str, session_id: str, data: Sequence[types.Datum]) -> list[types.Datum]:

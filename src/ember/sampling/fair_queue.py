@@ -1,0 +1,70 @@
+"""`OwnerQueues`: the waiting requests of a sampler, one first-come-first-served queue per
+owner, served round robin over owners (docs/architecture.md, trust boundaries).
+
+    queues.extend(requests)          # each joins its owner's queue (`Job.owner`)
+    request = queues.head()          # the oldest request of the owner whose turn it is
+    queues.next_turn(done=...)       # that owner had its turn: drop the request if done, rotate
+
+An owner that arrives joins the end of the rotation, so with k owners waiting it is served
+after at most k - 1 turns of the others, whatever their backlogs: one owner's queue
+cannot delay another owner's next request (a turn is one sample placed in a free slot).
+Only the sampler's worker thread uses it (not thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+
+from ember.sampling.request_state import RequestState
+
+
+class OwnerQueues:
+    def __init__(self) -> None:
+        self._queues: OrderedDict[str, deque[RequestState]] = OrderedDict()  # rotation order: first is next
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __iter__(self) -> Iterator[RequestState]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def owners(self) -> list[str]:
+        """Owners with waiting requests, in the order of their next turns."""
+        return list(self._queues)
+
+    def extend(self, requests: Iterable[RequestState]) -> None:
+        for request in requests:
+            self._queues.setdefault(request.job.owner, deque()).append(request)
+            self._count += 1
+
+    def head(self) -> RequestState:
+        """The oldest waiting request of the owner whose turn it is."""
+        return next(iter(self._queues.values()))[0]
+
+    def next_turn(self, done: bool) -> None:
+        """The current owner had its turn: drop its head request if `done`, then move the
+        owner to the end of the rotation (or out of it when its queue is empty)."""
+        owner, queue = next(iter(self._queues.items()))
+        if done:
+            queue.popleft()
+            self._count -= 1
+        if queue:
+            self._queues.move_to_end(owner)
+        else:
+            del self._queues[owner]
+
+    def remove_if(self, dead: Callable[[RequestState], bool]) -> None:
+        """Drop every waiting request for which `dead(request)` holds (failed or closing)."""
+        for owner in list(self._queues):
+            kept = deque(request for request in self._queues[owner] if not dead(request))
+            self._count -= len(self._queues[owner]) - len(kept)
+            if kept:
+                self._queues[owner] = kept
+            else:
+                del self._queues[owner]
