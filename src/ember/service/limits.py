@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ember.sampling.config import MAX_LORA_RANK
 from ember.service.api import UserError
 
 
@@ -34,7 +35,7 @@ class Limits:
     max_seq_ahead: how far a training request's `seq_id` may be ahead of the next one the
         run expects (further would wait, then skip every request in between).
     max_lora_rank: `lora_config.rank` of a new training run (its adapters' memory grows
-        with it).
+        with it); also the rank every sampler is sized for (`MAX_LORA_RANK`).
     """
 
     max_num_samples: int = 256
@@ -45,7 +46,7 @@ class Limits:
     max_datum_tokens: int = 131072
     max_request_tokens: int = 1048576
     max_seq_ahead: int = 1024
-    max_lora_rank: int = 512
+    max_lora_rank: int = MAX_LORA_RANK
 
     def __post_init__(self) -> None:
         for f in fields(self):

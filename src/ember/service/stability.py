@@ -53,9 +53,14 @@ DAY_S = 24 * 3600.0
 
 @dataclass
 class StabilityConfig:
-    """ttl_s: a record lives this long after its last use (sampling or training; Tinker:
-    one day). max_tokens_per_owner / max_tokens_total: memory bounds, counted as prompt +
-    sampled tokens per record (each ~12 bytes); over a bound, least recently used go first."""
+    """Expiry and memory bounds of the stability records (`[stability]`).
+
+    ttl_s: a record lives this long after its last use (sampling or training; Tinker:
+        one day).
+    max_tokens_per_owner / max_tokens_total: memory bounds (per API key; all keys
+        together), counted as prompt + sampled tokens per record (each ~12 bytes); over a
+        bound, least recently used go first.
+    """
 
     ttl_s: float = DAY_S
     max_tokens_per_owner: int = 16_000_000
