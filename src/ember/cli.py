@@ -7,8 +7,9 @@ cheap to import (heavy imports inside `run`).
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+
+from ember.registry import load
 
 # name -> (module, help)
 SUBCOMMANDS = {
@@ -28,7 +29,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         if name == selected:
-            module = importlib.import_module(module_name)
+            module = load(module_name)
             module.add_arguments(sp)
             sp.set_defaults(_module=module)
     return parser

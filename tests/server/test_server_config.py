@@ -119,3 +119,18 @@ def test_serve_is_the_ember_subcommand(tmp_path):
 def test_metric_keys_get_exactly_one_colon(key, want):
     assert metric_key(key) == want
     assert sanitize_metrics({key: 1}) == {want: 1.0}
+
+
+def test_presented_key_is_read_in_one_place():
+    """X-API-Key first, else `Authorization: Bearer`; anything else is no key. The routes,
+    the per-key bound and /metrics all call this one function."""
+    from starlette.datastructures import Headers
+
+    from ember.server import deps, metrics, request_guards
+    from ember.server.config import presented_key
+
+    assert presented_key(Headers({"X-API-Key": "tml-a", "Authorization": "Bearer tml-b"})) == "tml-a"
+    assert presented_key(Headers({"authorization": "bearer  tml-b "})) == "tml-b"
+    for headers in ({}, {"authorization": "Basic dG1sLWI="}, {"authorization": "Bearer "}, {"x-api-key": ""}):
+        assert presented_key(Headers(headers)) is None, headers
+    assert deps.presented_key is metrics.presented_key is request_guards.presented_key is presented_key

@@ -73,7 +73,7 @@ def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: 
     keep-alive connections together); the per-key bound is PerKeyLimitMiddleware."""
     import uvicorn
 
-    from ember.server.client_limits import header_timeout_protocol
+    from ember.server.request_guards import header_timeout_protocol
 
     sock = bind_socket(host, port)
     actual = sock.getsockname()[1]

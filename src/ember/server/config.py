@@ -41,6 +41,17 @@ def key_identity(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a request presents: `X-API-Key` (the tinker SDK) or `Authorization:
+    Bearer` (the `openai` client and most HTTP tools). `headers` is case-insensitive
+    (starlette's `Headers`). The one place a key is read from a request."""
+    key = headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
 def load_api_keys_file(path: str | os.PathLike) -> dict[str, str]:
     """One key per line, optionally followed by an owner name: `tml-abc [alice]`.
 

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from ember.server.config import ServerConfig
+from ember.server.config import ServerConfig, presented_key
 from ember.server.errors import AuthError, BadRequest
 from ember.server.middleware import LOG_STATE_KEY
 from ember.server.wire import json_safe, to_json
@@ -24,19 +24,9 @@ def get_config(request: Request) -> ServerConfig:
     return request.app.state.config
 
 
-def request_key(headers) -> str | None:
-    """The presented API key: `X-API-Key` (the tinker SDK) or `Authorization: Bearer`
-    (the `openai` client and most HTTP tools)."""
-    key = headers.get("x-api-key")
-    if key:
-        return key
-    scheme, _, token = (headers.get("authorization") or "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
-
-
 def get_owner(request: Request) -> str:
     """The API key's identity; 401 (JSON body) for a missing or unknown key."""
-    key = request_key(request.headers)
+    key = presented_key(request.headers)
     owner = request.app.state.config.owner_for(key)
     if owner is None:
         raise AuthError("missing API key (X-API-Key or Authorization: Bearer header)" if not key
@@ -45,7 +35,7 @@ def get_owner(request: Request) -> str:
 
 
 Owner = Depends(get_owner)
-Service = Depends(get_service)
+ServiceDep = Depends(get_service)  # not `Service`: that is the service class's name
 
 # Listing pages. The offset bound keeps it inside the database's 64-bit integers (an
 # unbounded one reached SQLite as an OverflowError, a 500); no listing is longer.

@@ -28,7 +28,7 @@ from tinker import types
 
 from ember.models import load_tokenizer
 from ember.server import openai_compat as oa
-from ember.server.deps import Owner, Service, read_json
+from ember.server.deps import Owner, ServiceDep, read_json
 from ember.server.errors import BadRequest
 from ember.service.api import NotFoundError, ServiceAPI, SessionGoneError, UserError
 
@@ -142,7 +142,7 @@ def _not_found(exc: ModelNotFound) -> JSONResponse:
 
 
 @router.post("/completions")
-async def completions(request: Request, owner: str = Owner, service=Service):
+async def completions(request: Request, owner: str = Owner, service=ServiceDep):
     req = _parse(oa.CompletionRequest, await read_json(request))
     params = req.sampling_params(oa.DEFAULT_MAX_TOKENS)
     try:
@@ -164,7 +164,7 @@ async def completions(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, owner: str = Owner, service=Service):
+async def chat_completions(request: Request, owner: str = Owner, service=ServiceDep):
     req = _parse(oa.ChatRequest, await read_json(request))
     params = req.sampling_params(oa.DEFAULT_CHAT_MAX_TOKENS)
     try:
@@ -191,7 +191,7 @@ async def chat_completions(request: Request, owner: str = Owner, service=Service
 
 
 @router.get("/models")
-async def list_models(owner: str = Owner, service=Service):
+async def list_models(owner: str = Owner, service=ServiceDep):
     """The base models, then the caller's own sampler checkpoints (newest first, at most
     MODELS_LISTED_CHECKPOINTS): every id here is a valid `model`."""
     caps = await run_in_threadpool(service.get_server_capabilities)

@@ -8,14 +8,14 @@ from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
 from ember.server import wire
-from ember.server.deps import Owner, Service, future_response, get_config, log_extra, model_response, read_json
+from ember.server.deps import Owner, ServiceDep, future_response, get_config, log_extra, model_response, read_json
 from ember.server.errors import BadRequest
 
 router = APIRouter()
 
 
 @router.post("/create_model")
-async def create_model(request: Request, owner: str = Owner, service=Service):
+async def create_model(request: Request, owner: str = Owner, service=ServiceDep):
     req = rq.parse(rq.CreateModelRequest, await read_json(request))
     optimizer = req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None
     sub = await run_in_threadpool(
@@ -26,7 +26,7 @@ async def create_model(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/get_info")
-async def get_info(request: Request, owner: str = Owner, service=Service):
+async def get_info(request: Request, owner: str = Owner, service=ServiceDep):
     req = rq.parse(rq.GetInfoRequest, await read_json(request))
     return model_response(await run_in_threadpool(service.get_info, owner, req.model_id))
 
@@ -45,7 +45,7 @@ async def _decode_forward_backward(request: Request) -> wire.ForwardBackwardCall
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, owner: str = Owner, service=Service):
+async def forward_backward(request: Request, owner: str = Owner, service=ServiceDep):
     call = await _decode_forward_backward(request)
     log_extra(request, model_id=call.model_id, seq_id=call.seq_id, loss_fn=call.loss_fn,
               forward_only=call.forward_only, num_datums=len(call.data), sparse_inputs=call.sparse_inputs)
@@ -63,7 +63,7 @@ def _require_seq_id(seq_id: int | None) -> int:
 
 
 @router.post("/optim_step")
-async def optim_step(request: Request, owner: str = Owner, service=Service):
+async def optim_step(request: Request, owner: str = Owner, service=ServiceDep):
     data = await read_json(request)
     req = rq.parse(rq.OptimStepRequest, data)
     params = rq.optim_params(data, req)
@@ -73,7 +73,7 @@ async def optim_step(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/save_weights")
-async def save_weights(request: Request, owner: str = Owner, service=Service):
+async def save_weights(request: Request, owner: str = Owner, service=ServiceDep):
     req = rq.parse(rq.SaveWeightsRequest, await read_json(request))
     if not req.path:
         raise BadRequest("path: expected a checkpoint name, got none")
@@ -85,7 +85,7 @@ async def save_weights(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/load_weights")
-async def load_weights(request: Request, owner: str = Owner, service=Service):
+async def load_weights(request: Request, owner: str = Owner, service=ServiceDep):
     req = rq.parse(rq.LoadWeightsRequest, await read_json(request))
     sub = await run_in_threadpool(
         service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
@@ -97,7 +97,7 @@ async def load_weights(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(request: Request, owner: str = Owner, service=Service):
+async def save_weights_for_sampler(request: Request, owner: str = Owner, service=ServiceDep):
     req = rq.parse(rq.SaveWeightsForSamplerRequest, await read_json(request))
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
     sub = await run_in_threadpool(
