@@ -16,11 +16,11 @@ router = APIRouter()
 
 @router.post("/create_model")
 async def create_model(request: Request, owner: str = Owner, service=ServiceDep):
-    req = rq.parse(rq.CreateModelRequest, await read_json(request))
-    optimizer = req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None
+    data = await read_json(request)
+    req = rq.parse(rq.CreateModelRequest, data)
     sub = await run_in_threadpool(
         service.create_model, owner, req.session_id, req.model_seq_id, req.base_model, req.lora_config,
-        optimizer_config=optimizer, user_metadata=req.user_metadata,
+        optimizer_config=rq.optimizer_config(data, req), user_metadata=req.user_metadata,
     )
     return future_response(sub)
 
@@ -86,12 +86,13 @@ async def save_weights(request: Request, owner: str = Owner, service=ServiceDep)
 
 @router.post("/load_weights")
 async def load_weights(request: Request, owner: str = Owner, service=ServiceDep):
-    req = rq.parse(rq.LoadWeightsRequest, await read_json(request))
+    data = await read_json(request)
+    req = rq.parse(rq.LoadWeightsRequest, data)
     sub = await run_in_threadpool(
         service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
         session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
         user_metadata=req.user_metadata,
-        optimizer_config=req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None,
+        optimizer_config=rq.optimizer_config(data, req),
     )
     return future_response(sub)
 
