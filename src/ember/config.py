@@ -65,13 +65,17 @@ class _OnTop:
     cli: Any
 
 
-FLAT, SECTION, ALIASES, HIDDEN = "ember.flat", "ember.section", "ember.aliases", "ember.hidden"
+FLAT, SECTION, ALIASES, HIDDEN, LIMIT = "ember.flat", "ember.section", "ember.aliases", "ember.hidden", "ember.limit"
 
 
 def meta(*, flat: bool = False, section: str | None = None, aliases: Sequence[str] = (),
-         hidden: bool = False) -> dict[str, Any]:
-    """Field metadata for `dataclasses.field(metadata=meta(...))`: see the module docstring."""
+         hidden: bool = False, limit: bool = False) -> dict[str, Any]:
+    """Field metadata for `dataclasses.field(metadata=meta(...))`: see the module docstring.
+    `limit` marks a bound on what a request may ask for, outside `Limits` (the server's
+    limits table lists it)."""
     out: dict[str, Any] = {}
+    if limit:
+        out[LIMIT] = True
     if flat:
         out[FLAT] = True
     if section:
@@ -436,6 +440,7 @@ class Setting:
     doc: str                     # from the owning class docstring's `name: text` entry
     aliases: tuple[str, ...]     # older dotted keys for the same setting
     owner: type                  # the dataclass that declares the field
+    limit: bool = False          # marked `meta(limit=True)`: a bound on requests
 
     @property
     def section(self) -> str:
@@ -481,7 +486,8 @@ def settings(cls: type, prefix: str = "") -> list[Setting]:
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
         out.append(Setting(section + f.name, annotation, default, docs.get(f.name, ""),
-                           tuple(section + a for a in f.metadata.get(ALIASES, ())), cls))
+                           tuple(section + a for a in f.metadata.get(ALIASES, ())), cls,
+                           bool(f.metadata.get(LIMIT))))
     return out
 
 

@@ -78,7 +78,7 @@ class SamplerConfig:
     backend: str = "torch"
     device: str | None = None
     dtype: str | None = None
-    max_len: int | None = None
+    max_len: int | None = field(default=None, metadata=meta(limit=True))
     max_slots: int = 64
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_prefill_tokens: int = 8192
@@ -90,7 +90,7 @@ class SamplerConfig:
     max_loras: int = 4
     max_lora_rank: int = field(default=MAX_LORA_RANK, metadata=meta(hidden=True))
     max_cpu_loras: int | None = None
-    max_logprobs: int = 20
+    max_logprobs: int = field(default=20, metadata=meta(limit=True))
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.5
     kv_cache_gb: float = 1.0

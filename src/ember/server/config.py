@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember.config import meta
+
 # What `/api/v1/client/config` answers (tinker-protocol.md §1.4, recommended column).
 # Every flag that would make the SDK call an endpoint we do not serve stays off.
 DEFAULT_CLIENT_CONFIG: dict[str, Any] = {
@@ -108,7 +110,7 @@ class ServerConfig:
     api_keys_file: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)
     long_poll_s: float = 20.0
-    max_body_mb: float = 64.0
+    max_body_mb: float = field(default=64.0, metadata=meta(limit=True))
     request_log: str | None = None
     path_prefix: str = ""
     client_config: Mapping[str, Any] = field(default_factory=dict)
@@ -117,7 +119,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     body_deadline_s: float = 600.0
-    max_requests_per_key: int = 4096
+    max_requests_per_key: int = field(default=4096, metadata=meta(limit=True))
 
     def __post_init__(self) -> None:
         if not 0 < self.long_poll_s <= SDK_RETRIEVE_TIMEOUT_S - 10:

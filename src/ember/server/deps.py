@@ -14,6 +14,7 @@ from ember.server.errors import AuthError, BadRequest
 from ember.server.middleware import LOG_STATE_KEY
 from ember.server.wire import json_safe, to_json
 from ember.service.api import ServiceAPI, Submission
+from ember.service.limits import MAX_OFFSET, MAX_PAGE_SIZE
 
 
 def get_service(request: Request) -> ServiceAPI:
@@ -37,10 +38,9 @@ def get_owner(request: Request) -> str:
 Owner = Depends(get_owner)
 ServiceDep = Depends(get_service)  # not `Service`: that is the service class's name
 
-# Listing pages. The offset bound keeps it inside the database's 64-bit integers (an
-# unbounded one reached SQLite as an OverflowError, a 500); no listing is longer.
-MAX_OFFSET = 2**31 - 1
-Limit = Query(20, ge=1, le=1000)
+# Listing pages, bounded by `ember.service.limits` (the offset bound keeps it inside the
+# database's 64-bit integers; no listing is longer).
+Limit = Query(20, ge=1, le=MAX_PAGE_SIZE)
 Offset = Query(0, ge=0, le=MAX_OFFSET)
 
 

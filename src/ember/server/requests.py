@@ -15,6 +15,7 @@ from pydantic import ConfigDict
 from tinker import types
 
 from ember.server.errors import BadRequest
+from ember.service.limits import INT64_FIELDS
 
 _LENIENT = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -33,13 +34,8 @@ def parse(model: type[M], data: Any) -> M:
     return model.model_validate(data, extra="ignore")
 
 
-# Ids and times the service keeps as 64-bit database integers: a bigger JSON number
-# (Python reads any size) reached SQLite as an OverflowError, a 500.
-_INT64_FIELDS = ("seq_id", "model_seq_id", "sampling_session_seq_id", "ttl_seconds")
-
-
 def _check_int64_fields(data: dict[str, Any]) -> None:
-    for name in _INT64_FIELDS:
+    for name in INT64_FIELDS:
         value = data.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
             raise BadRequest(f"{name}: expected a 64-bit integer, got {value}")

@@ -93,15 +93,16 @@ class CheckpointConfig:
     max_ttl_s: the largest `ttl_seconds` a save or `set_checkpoint_ttl_from_tinker_path`
         accepts (default 10 years, as Tinker); the smallest is 1 (Tinker's hosted
         service asks for at least 3600 on set_checkpoint_ttl; ember takes shorter ones).
-    max_metadata_entries / max_metadata_key_chars / max_metadata_value_chars: bounds of
-        a save's `user_metadata` (string keys and values).
+    max_metadata_entries: entries of a save's `user_metadata` (string keys and values).
+    max_metadata_key_chars: characters of one `user_metadata` key.
+    max_metadata_value_chars: characters of one `user_metadata` value.
     """
 
     sweep_interval_s: float = 60.0
-    max_ttl_s: int = TEN_YEARS_S
-    max_metadata_entries: int = 64
-    max_metadata_key_chars: int = 128
-    max_metadata_value_chars: int = 4096
+    max_ttl_s: int = field(default=TEN_YEARS_S, metadata=meta(limit=True))
+    max_metadata_entries: int = field(default=64, metadata=meta(limit=True))
+    max_metadata_key_chars: int = field(default=128, metadata=meta(limit=True))
+    max_metadata_value_chars: int = field(default=4096, metadata=meta(limit=True))
 
     def __post_init__(self) -> None:
         if not self.sweep_interval_s > 0:

@@ -21,6 +21,14 @@ from ember.sampling.config import MAX_LORA_RANK
 from ember.service.api import UserError
 
 
+# Fixed bounds (not settings): the database keeps these as 64-bit integers, so a bigger
+# JSON number (Python reads any size) is refused by the server instead of reaching SQLite
+# as an OverflowError (a 500); listing pages are bounded the same way.
+INT64_FIELDS = ("seq_id", "model_seq_id", "sampling_session_seq_id", "ttl_seconds")
+MAX_PAGE_SIZE = 1000
+MAX_OFFSET = 2**31 - 1
+
+
 @dataclass
 class Limits:
     """Per-request limits of the service (each refused as a user error naming the field).
@@ -28,9 +36,11 @@ class Limits:
     max_num_samples: `num_samples` of one sample request.
     max_sample_tokens: `sampling_params.max_tokens` (new tokens per sample).
     max_prompt_tokens: tokens of one sampling prompt.
-    max_topk_logprobs: `topk_prompt_logprobs`, `topk_sample_logprobs` and `prompt_alt_tokens_k`.
+    max_topk_logprobs: `topk_prompt_logprobs`, `topk_sample_logprobs` and
+        `prompt_alt_tokens_k`.
     max_datums_per_request: datums of one forward / forward_backward request.
-    max_datum_tokens: `model_input` tokens of one datum.
+    max_datum_tokens: `model_input` tokens of one datum (also `max_context_length` in
+        `get_server_capabilities`, capped by the model's positions).
     max_request_tokens: `model_input` tokens of all datums of one request together.
     max_seq_ahead: how far a training request's `seq_id` may be ahead of the next one the
         run expects (further would wait, then skip every request in between).
