@@ -33,6 +33,9 @@ MAX_OFFSET = 2**31 - 1
 class Limits:
     """Per-request limits of the service (each refused as a user error naming the field).
 
+    A new limit is a field here with its default and a `name: text` entry below: that
+    makes it a `--limits.NAME` flag, a `[limits]` key and a row of README's limits table.
+
     max_num_samples: `num_samples` of one sample request.
     max_sample_tokens: `sampling_params.max_tokens` (new tokens per sample).
     max_prompt_tokens: tokens of one sampling prompt.
@@ -59,9 +62,13 @@ class Limits:
     max_lora_rank: int = MAX_LORA_RANK
 
     def __post_init__(self) -> None:
+        # every limit is a positive number: an int field an integer >= 1, a float one > 0
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if f.type in (float, "float"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"limits.{f.name} must be a number > 0, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"limits.{f.name} must be an integer >= 1, got {value!r}")
 
     def as_dict(self) -> dict[str, int]:
