@@ -27,7 +27,7 @@ def test_every_limits_field_is_in_the_table_with_its_doc():
     rows = {name: (default, what) for name, default, what in limit_rows()}
     for f in dataclasses.fields(Limits):
         assert docs.get(f.name), f"Limits.{f.name} has no `name: text` docstring entry"
-        assert rows[f"`--limits.{f.name}`"][0] == str(f.default), f.name
+        assert rows[f"`--limits.{f.name}`"][0] == ("none" if f.default is None else str(f.default)), f.name
     for other in ("--max-body-mb", "--max-requests-per-key", "--checkpoints.max_ttl_s", "--sampler.max_len"):
         assert f"`{other}`" in rows, other
 
