@@ -66,3 +66,26 @@ def test_model_families():
 
     assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3", "olmo2"}
     assert all(family_of(type("Cfg", (), {"model_type": name})()) is FAMILIES[name] for name in FAMILIES)
+
+
+def test_one_loader_for_every_registry():
+    """`ember.registry.load` / `lookup`: the "module:Name" loader every registry uses."""
+    import json
+
+    from ember.registry import load, lookup
+
+    assert load("json:dumps") is json.dumps and load("json") is json
+    assert load("ember.engine.registry:ENGINE_BACKENDS.get") == ENGINE_BACKENDS.get
+    registry = {"enc": "json:JSONEncoder", "gone": "ember.no_such_module:X", "typo": "json:NoSuchName"}
+    assert lookup(registry, "enc", "codec") is json.JSONEncoder
+    with pytest.raises(ValueError, match=r"unknown codec 'yaml'; known: enc, gone, typo"):
+        lookup(registry, "yaml", "codec")
+    with pytest.raises(ImportError):
+        lookup(registry, "gone", "codec")
+    with pytest.raises(AttributeError):
+        lookup(registry, "typo", "codec")
+    SAMPLER_BACKENDS["broken"] = "ember.no_such_module:Sampler"
+    try:  # a backend whose module does not import is "not available", with the reason
+        assert "sampler backend 'broken' is not available" in backend_missing("broken")
+    finally:
+        del SAMPLER_BACKENDS["broken"]

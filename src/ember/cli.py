@@ -7,8 +7,9 @@ cheap to import (heavy imports inside `run`).
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+
+from ember.registry import load
 
 # name -> (module, help)
 SUBCOMMANDS = {
@@ -16,6 +17,7 @@ SUBCOMMANDS = {
     "demo": ("ember.recipes.demo", "SFT then GRPO on digit sums with a tiny model (CPU, minutes)"),
     "train": ("ember.recipes.train_cli", "run a recipe: ember train sft|grpo|ppo|reward_model --config file.toml"),
     "tiny-model": ("ember.models.cli", "write a tiny random-weight model + tokenizer to a directory (to try ember)"),
+    "limits": ("ember.server.limits_table", "every bound the server enforces (--markdown: README's table)"),
     "estimate": ("ember.engine.estimate_cli", "per-rank memory of training a model: ember estimate --model DIR --tokens N"),
     "db": ("ember.service.db_cli", "the service database: ember db upgrade|current --data-dir DIR | --database-url URL"),
 }
@@ -29,7 +31,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         if name == selected:
-            module = importlib.import_module(module_name)
+            module = load(module_name)
             module.add_arguments(sp)
             sp.set_defaults(_module=module)
     return parser

@@ -29,7 +29,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember import failpoints
-from ember.server.cli import add_arguments, build_app, serve
+from ember.server.cli import add_arguments, build_app, load_serve_config, serve
 from ember.server.middleware import RequestLogMiddleware
 
 
@@ -129,13 +129,13 @@ async def _swallow(message: Message) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    log_path, args.request_log = args.request_log, None
-    app, config = build_app(args)
+    config = load_serve_config(parser.parse_args(argv))
+    log_path, config.server.request_log = config.server.request_log, None
+    app = build_app(config)
     app.add_middleware(FaultMiddleware, fastapi_app=app)
     if log_path:
         app.add_middleware(RequestLogMiddleware, path=log_path)
-    return serve(app, config.host, config.port, args.log_level)
+    return serve(app, config.server.host, config.server.port, config.log_level)
 
 
 if __name__ == "__main__":

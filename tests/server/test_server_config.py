@@ -62,10 +62,10 @@ def test_client_config_defaults_keep_flag_endpoints_off():
 
 
 def test_engine_options_match_engine_config():
+    from ember.config import settings
     from ember.engine.config import EngineConfig
-    from ember.server.serve_config import field_types
 
-    options = field_types(EngineConfig)
+    options = {s.key: str(s.annotation) for s in settings(EngineConfig)}
     assert list(options) == [f.name for f in dataclasses.fields(EngineConfig)]
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -90,22 +90,26 @@ def test_serve_arguments(tmp_path):
         "--engine.micro_batch_tokens", "128", "--engine.packing", "false", "--data-dir", str(tmp_path / "d"),
         "--seq-gap-timeout-s", "2.5", "--path-prefix", "p/",
     ])
-    server = cli.server_config_from_args(args)
+    config = cli.load_serve_config(args)
+    server = config.server
     assert server.api_keys == {"tml-1": key_identity("tml-1"), "tml-file": "carol"}
     assert server.client_config["fwdbwd_max_chunk_len"] == 8 and server.client_config["parallel_fwdbwd_chunks"] is True
     assert server.path_prefix == "/p" and server.host == "127.0.0.1"
-    service = cli.service_config_from_args(args)
+    service = config.service
     assert service.models == {"org/m": str(m), "b": str(b)}
     assert (service.engine.micro_batch_tokens, service.engine.packing, service.seq_gap_timeout_s) == (128, False, 2.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "no-equals-sign"])
 
 
-def test_serve_is_the_ember_subcommand():
+def test_serve_is_the_ember_subcommand(tmp_path):
     from ember import cli as dispatcher
 
-    args = dispatcher.build_parser("serve").parse_args(["serve", "--model", "a=/b", "--port", "0"])
-    assert args._module is cli and args.model == [("a", "/b")] and args.host == "127.0.0.1"
+    (tmp_path / "config.json").write_text("{}")
+    args = dispatcher.build_parser("serve").parse_args(["serve", "--model", f"a={tmp_path}", "--port", "0",
+                                                        "--data-dir", str(tmp_path / "d")])
+    config = cli.load_serve_config(args)  # the flags' values are typed by ember.config, not argparse
+    assert args._module is cli and config.service.models == {"a": str(tmp_path)} and config.server.host == "127.0.0.1"
 
 
 @pytest.mark.parametrize("key, want", [
@@ -115,3 +119,18 @@ def test_serve_is_the_ember_subcommand():
 def test_metric_keys_get_exactly_one_colon(key, want):
     assert metric_key(key) == want
     assert sanitize_metrics({key: 1}) == {want: 1.0}
+
+
+def test_presented_key_is_read_in_one_place():
+    """X-API-Key first, else `Authorization: Bearer`; anything else is no key. The routes,
+    the per-key bound and /metrics all call this one function."""
+    from starlette.datastructures import Headers
+
+    from ember.server import deps, metrics, request_guards
+    from ember.server.config import presented_key
+
+    assert presented_key(Headers({"X-API-Key": "tml-a", "Authorization": "Bearer tml-b"})) == "tml-a"
+    assert presented_key(Headers({"authorization": "bearer  tml-b "})) == "tml-b"
+    for headers in ({}, {"authorization": "Basic dG1sLWI="}, {"authorization": "Bearer "}, {"x-api-key": ""}):
+        assert presented_key(Headers(headers)) is None, headers
+    assert deps.presented_key is metrics.presented_key is request_guards.presented_key is presented_key

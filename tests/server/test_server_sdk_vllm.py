@@ -17,7 +17,7 @@ from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, star
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]
 
-VLLM_ARGS = ["--sampler.backend", "vllm", "--sampler.max_len", "256", "--sampler.max_lora_rank", "8",
+VLLM_ARGS = ["--sampler.backend", "vllm", "--sampler.max_len", "256", "--limits.max_lora_rank", "8",
              "--sampler.max_slots", "16"]
 PROMPT = [5, 17, 30, 42, 8, 61]
 

@@ -3,6 +3,7 @@ workers and parallel settings, flags on top; a bad key, type or value exits 2 na
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,16 +22,60 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve.toml"
 
 
 def _load(argv):
-    return cli.parse_serve_args(argv)
+    return cli.load_serve_config(argv)
 
 
 def test_example_file_loads_to_the_defaults_it_documents():
-    args = _load(["--config", str(EXAMPLE)])
-    service = cli.service_config_from_args(args)
+    config = _load(["--config", str(EXAMPLE)])
+    service = config.service
     assert service.engine == EngineConfig() and service.sampler == SamplerConfig() and service.limits == Limits()
-    assert cli.workers_config_from_args(args).runtime == "local"
-    server = cli.server_config_from_args(args)
+    assert config.workers.runtime == "local"
+    server = config.server
     assert server.port == 8000 and list(server.api_keys) == ["tml-change-me"]
+
+
+def _example_keys() -> set[str]:
+    """Dotted keys the example file sets or shows commented out (`# key = ...`)."""
+    keys, section = set(), ""
+    for line in EXAMPLE.read_text().splitlines():
+        header = re.match(r"^\[(\w+)\]", line)
+        if header:
+            section = header[1] + "."
+            continue
+        m = re.match(r"^#?\s*([a-z_]+)\s*=", line)
+        if m:
+            keys.add(section + m[1])
+    return keys
+
+
+def test_example_file_shows_every_setting_and_every_setting_is_documented():
+    """A field added to a component's dataclass is a key of examples/serve.toml, with a doc."""
+    from ember.config import settings
+    from ember.server.serve_config import ServeConfig
+
+    every = settings(ServeConfig)
+    table_keys = {s.key for s in every if s.is_dict}  # [model], [client_config], ...: tables
+    shown = _example_keys() | {k for k in table_keys if k.split(".")[-1] in EXAMPLE.read_text()}
+    missing = [s.key for s in every if s.key not in shown and not any(a in shown for a in s.aliases)]
+    assert not missing, f"examples/serve.toml lacks {missing}"
+    assert not [s.key for s in every if not s.doc], "settings without a `name: text` docstring entry"
+    defaults = ServeConfig()  # what the example documents is what the code defaults to
+    assert _load(["--config", str(EXAMPLE)]).service.limits == defaults.service.limits
+
+
+def test_repeated_flags_add_to_the_file_and_aliases_name_one_setting(tmp_path):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('api_key = ["tml-a"]\n[api_keys]\n"tml-o" = "olga"\n[client_config]\nfwdbwd_max_chunk_len = 64\n')
+    config = _load(["--config", str(cfg), "--api-key", "tml-b", "--api-key", "tml-c", "--api-keys", "tml-p=pia",
+                    "--client-config", "parallel_fwdbwd_chunks=true", "--metrics-auth", "off"])
+    server = config.server
+    assert set(server.api_keys) == {"tml-a", "tml-b", "tml-c", "tml-o", "tml-p"}
+    assert (server.api_keys["tml-o"], server.api_keys["tml-p"]) == ("olga", "pia")
+    assert server.client_config["fwdbwd_max_chunk_len"] == 64 and server.client_config["parallel_fwdbwd_chunks"] is True
+    assert server.metrics_auth is False
+    cfg.write_text('[model]\na = "x"\n[models]\nb = "y"\n')
+    with pytest.raises(ValueError, match="'model' and 'models' name one setting"):
+        _load(["--config", str(cfg)])
 
 
 def _model_dir(path: Path) -> Path:
@@ -48,16 +93,16 @@ def test_file_values_and_command_line_precedence(tmp_path):
                    '[limits]\nmax_num_samples = 8\nmax_seq_ahead = 4\n'
                    '[workers]\nruntime = "process"\nworld_size = 2\n[parallel]\ntp = 2\n'
                    '[client_config]\nfwdbwd_max_chunk_len = 64\n')
-    args = _load(["--config", str(cfg), "--port", "9200", "--engine.micro_batch_tokens", "256",
-                  "--api-key", "tml-b", "--model", f"m={other}", "--limits.max_seq_ahead", "16"])
-    service = cli.service_config_from_args(args)
-    assert args.port == 9200  # the command line wins
+    config = _load(["--config", str(cfg), "--port", "9200", "--engine.micro_batch_tokens", "256",
+                    "--api-key", "tml-b", "--model", f"m={other}", "--limits.max_seq_ahead", "16"])
+    service = config.service
+    assert config.server.port == 9200  # the command line wins
     assert service.engine.micro_batch_tokens == 256 and service.sampler.max_len == 4096
     assert (service.limits.max_num_samples, service.limits.max_seq_ahead) == (8, 16)
     assert service.models == {"m": str(other)} and service.model_roots == [(tmp_path / "models").resolve()]
-    workers = cli.workers_config_from_args(args)
+    workers = config.workers
     assert (workers.runtime, workers.world_size, workers.tp) == ("process", 2, 2)
-    server = cli.server_config_from_args(args)
+    server = config.server
     assert set(server.api_keys) == {"tml-a", "tml-b"} and server.client_config["fwdbwd_max_chunk_len"] == 64
 
 

@@ -218,18 +218,18 @@ def test_in_flight_requests_are_bounded_per_key(server):
 
 
 def _load(argv):
-    return cli.parse_serve_args(argv)
+    return cli.load_serve_config(argv)
 
 
 def test_timeouts_and_bound_are_configurable_and_validated(tmp_path):
-    defaults = cli.server_config_from_args(_load([]))
+    defaults = _load([]).server
     assert (defaults.header_timeout_s, defaults.body_timeout_s, defaults.body_deadline_s,
             defaults.max_requests_per_key) == (10.0, 30.0, 600.0, 4096) == (
         ServerConfig().header_timeout_s, ServerConfig().body_timeout_s, ServerConfig().body_deadline_s,
         ServerConfig().max_requests_per_key)
     cfg = tmp_path / "serve.toml"
     cfg.write_text("header_timeout_s = 2\nbody_timeout_s = 3.5\nbody_deadline_s = 60\nmax_requests_per_key = 64\n")
-    server = cli.server_config_from_args(_load(["--config", str(cfg), "--max-requests-per-key", "8"]))
+    server = _load(["--config", str(cfg), "--max-requests-per-key", "8"]).server
     assert (server.header_timeout_s, server.body_timeout_s, server.body_deadline_s,
             server.max_requests_per_key) == (2, 3.5, 60, 8)  # the command line wins
     for name in ("header_timeout_s", "body_timeout_s", "body_deadline_s"):
@@ -237,4 +237,4 @@ def test_timeouts_and_bound_are_configurable_and_validated(tmp_path):
             with pytest.raises(ValueError, match=rf"ServerConfig\.{name} must be > 0 seconds, got {bad}"):
                 ServerConfig(**{name: bad})
     with pytest.raises(ValueError, match=r"max_requests_per_key must be >= 1, got -5"):
-        cli.server_config_from_args(_load(["--max-requests-per-key", "-5"]))
+        _load(["--max-requests-per-key", "-5"])

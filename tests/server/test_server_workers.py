@@ -160,7 +160,7 @@ def test_worker_options_build_the_layout():
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    parse = lambda *a: cli.workers_config_from_args(parser.parse_args(list(a)))  # noqa: E731
+    parse = lambda *a: cli.load_serve_config(parser.parse_args(list(a))).workers  # noqa: E731
     assert parse().runtime == "local" and parse().world_size == 1
     assert parse("--workers.runtime", "process", "--workers.world_size", "4").parallel_dims() == \
         {"dp_replicate": 1, "dp_shard": 4, "tp": 1}  # default: FSDP2 over every rank
@@ -168,6 +168,6 @@ def test_worker_options_build_the_layout():
                  "--parallel.dp_replicate", "2").parallel_dims() == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
     ray = parse("--workers.runtime", "ray", "--workers.ray_address", "ray://head:10001")
     assert ray.ray_address == "ray://head:10001"
-    engine = cli.service_config_from_args(parser.parse_args(["--data-dir", "/tmp/x", "--engine.micro_batch_tokens",
-                                                             "64", "--workers.runtime", "inline"])).engine
+    engine = cli.load_serve_config(parser.parse_args(["--data-dir", "/tmp/x", "--engine.micro_batch_tokens",
+                                                      "64", "--workers.runtime", "inline"])).service.engine
     assert engine.micro_batch_tokens == 64  # --engine.* still reach every engine

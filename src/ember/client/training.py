@@ -24,6 +24,7 @@ from tinker.lib.public_interfaces.custom_loss import LossHandle
 
 from ember.client.context import ClientContext
 from ember.client.futures import ClientFuture, chain, unwrap
+from ember.engine.optimizers import params_types
 from ember.service.unsupported import unsupported
 
 if TYPE_CHECKING:
@@ -177,8 +178,9 @@ class TrainingClient:
         if optim_params is not None and adam_params is not None:
             raise ValueError("Specify optim_params or legacy adam_params, not both")
         params = optim_params if optim_params is not None else adam_params
-        if not isinstance(params, (types.AdamParams, types.DimuonParams)):
-            raise TypeError(f"optim_params: expected AdamParams or DimuonParams, got {type(params).__name__}")
+        if not isinstance(params, params_types()):
+            raise TypeError(f"optim_params: expected {' or '.join(t.__name__ for t in params_types())}, "
+                            f"got {type(params).__name__}")
         owner = self._ctx.owner
         return self._call(lambda s: self._service.optim_step(owner, self.model_id, s, params))
 

@@ -1,9 +1,13 @@
 """Optimizer policies of a `TorchEngine`: AdamW (the default) and Dimuon.
 
 The engine owns what every optimizer shares (the global gradient norm, the non-finite
-refusal, global-norm clipping, the step counter); a policy owns its hyperparameter type,
-its per-parameter state and the update. Policies are chosen by the run's optimizer
-config `type` from the plain dict `OPTIMIZERS`.
+refusal, global-norm clipping, the step counter); a policy owns its per-parameter state
+and the update. `OPTIMIZERS` (a plain dict, by the optimizer config's `type`) holds one
+`OptimizerEntry` per optimizer: its policy, the SDK config type that selects it at run
+creation, the params type one `optim_step` takes and the type the server reads a wire
+body as. The service's config validation, the server's request parsing and the
+in-process client all read this one entry: adding an optimizer is one policy class and
+one entry.
 
 Checkpoints (`ember.engine.checkpoint`) see a policy only through `state` (parameter →
 {slot: tensor}), `slots` (the slot names) and `init_state` (empty slots to load into), so
@@ -43,8 +47,11 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import pydantic
 import torch
 from tinker import types
 
@@ -68,7 +75,8 @@ def _like_param(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 class Optimizer(abc.ABC):
-    """A run's optimizer: validates its params type and applies one update to `params`."""
+    """A run's optimizer: validates its params type and applies one update to `params`.
+    `name` and `params_type` are set from its `OPTIMIZERS` entry by `build_optimizer`."""
 
     name: str
     params_type: type
@@ -121,8 +129,6 @@ def _validate_adam(p: types.AdamParams) -> None:
 class AdamW(Optimizer):
     """`torch.optim.AdamW` with the step's `AdamParams` written into its param group."""
 
-    name = "adamw"
-    params_type = types.AdamParams
     slots = ("step", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params: Sequence[torch.nn.Parameter], lora_rank: int | None = None) -> None:
@@ -191,8 +197,6 @@ def rank_scale(lora_rank: int | None, exponent: float) -> float:
 class Dimuon(Optimizer):
     """Matrix-sign (polar) direction of the preconditioned momentum; see the module docstring."""
 
-    name = "dimuon"
-    params_type = types.DimuonParams
     slots = ("step", "momentum")
 
     def __init__(self, params: Sequence[torch.nn.Parameter], lora_rank: int | None = None) -> None:
@@ -243,15 +247,70 @@ def _exponent(params) -> float:
     return RANK_LR_EXPONENT if value is None else float(value)
 
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {"adamw": AdamW, "dimuon": Dimuon}
+class DimuonWireParams(types.DimuonParams):
+    """SDK 0.38's DimuonParams plus the two fields Tinker's docs list and that SDK lacks:
+    taken from a newer SDK's request instead of being dropped (None = ember's default)."""
+
+    damping: float | None = None
+    rank_lr_correction_exponent: float | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """One optimizer, declared once.
+
+    policy: the `Optimizer` class the engine builds for a run.
+    config_type: the SDK pydantic type of its `optimizer_config` (chosen by `type`) at
+        run creation; it validates the config (unknown fields, versions).
+    params_type: what one `optim_step` takes (the SDK's type; like every params type it
+        has `grad_clip_norm`, which the engine applies before the policy's step).
+    wire_params_type: what the server validates an `optimizer_params` body as (a
+        subclass of params_type that keeps newer SDKs' fields); None = params_type.
+    """
+
+    policy: type[Optimizer]
+    config_type: type[pydantic.BaseModel]
+    params_type: type[pydantic.BaseModel]
+    wire_params_type: type[pydantic.BaseModel] | None = None
+
+    @property
+    def wire_params(self) -> type[pydantic.BaseModel]:
+        return self.wire_params_type or self.params_type
+
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {
+    "adamw": OptimizerEntry(AdamW, types.AdamOptimizerConfig, types.AdamParams),
+    "dimuon": OptimizerEntry(Dimuon, types.DimuonOptimizerConfig, types.DimuonParams, DimuonWireParams),
+}
+
+
+def params_types() -> tuple[type, ...]:
+    """Every optimizer's params type (what `optim_step` accepts at all)."""
+    return tuple(entry.params_type for entry in OPTIMIZERS.values())
 
 
 def params_name(params) -> str:
     """The SDK params type `params` is an instance of (a wire subclass reports its SDK base)."""
-    for optimizer in OPTIMIZERS.values():
-        if isinstance(params, optimizer.params_type):
-            return optimizer.params_type.__name__
+    for entry in OPTIMIZERS.values():
+        if isinstance(params, entry.params_type):
+            return entry.params_type.__name__
     return type(params).__name__
+
+
+def optimizer_config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A run's optimizer config, validated by its entry's config type, as the plain dict a
+    run stores (`{"type": "adamw"}` by default). ValueError naming what is wrong."""
+    cfg = dict(cfg or {"type": "adamw"})
+    kind = cfg.setdefault("type", "adamw")
+    entry = OPTIMIZERS.get(kind)
+    if entry is None:
+        known = ", ".join(f"{{'type': {k!r}}}" for k in OPTIMIZERS)
+        raise ValueError(f"optimizer {kind!r} is not supported by ember; use one of {known}")
+    try:
+        return entry.config_type.model_validate(cfg).model_dump(mode="json")
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"optimizer {kind!r}: {problems}") from None
 
 
 def build_optimizer(config, params: Sequence[torch.nn.Parameter], lora_rank: int | None) -> Optimizer:
@@ -264,4 +323,7 @@ def build_optimizer(config, params: Sequence[torch.nn.Parameter], lora_rank: int
         kind = config.type
     if kind not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {kind!r}; known: {', '.join(sorted(OPTIMIZERS))}")
-    return OPTIMIZERS[kind](params, lora_rank)
+    entry = OPTIMIZERS[kind]
+    policy = entry.policy(params, lora_rank)
+    policy.name, policy.params_type = kind, entry.params_type
+    return policy

@@ -8,7 +8,7 @@ line here.
 
 from __future__ import annotations
 
-import importlib
+from ember.registry import lookup
 
 ENGINE_BACKENDS: dict[str, str] = {
     "torch": "ember.engine.torch_engine:TorchEngine",
@@ -16,8 +16,4 @@ ENGINE_BACKENDS: dict[str, str] = {
 
 
 def engine_class(name: str) -> type:
-    path = ENGINE_BACKENDS.get(name)
-    if path is None:
-        raise ValueError(f"unknown engine backend {name!r}; known: {', '.join(sorted(ENGINE_BACKENDS))}")
-    module_name, _, class_name = path.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return lookup(ENGINE_BACKENDS, name, "engine backend")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,9 @@ USAGE = "ember train {" + ",".join(RECIPES) + "} [--config FILE.toml] [--section
 
 
 def _load(ref: str) -> Any:
-    module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)
+    from ember.registry import load
+
+    return load(ref)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ember.config import meta
 from ember.models.loading import resolve_dtype
 
 DEFAULT_MAX_TOKENS = 128
+# The largest LoRA rank ember serves by default: the service's `limits.max_lora_rank`
+# (what a new run may ask for) and the sampler's `max_lora_rank` (what vLLM sizes its
+# adapter buffers for: max_loras x rank x every targeted layer's in+out features) are
+# this one value, so a run the limit admits is one every sampler can load. 64 covers the
+# usual ranks (Tinker's default is 32) at 1/8 of the adapter memory of 512.
+MAX_LORA_RANK = 64
 LOGPROBS_MODES = ("raw", "processed")
 FORWARDS = ("auto", "direct", "transformers")
 
@@ -53,7 +60,8 @@ class SamplerConfig:
     max_loras: LoRA versions resident in one batch (vLLM `max_loras`); more distinct
         adapters in flight wait for a free adapter slot.
     max_lora_rank: the largest LoRA rank a version may have; a larger one is refused at
-        `load_weights` naming both ranks.
+        `load_weights` naming both ranks. In a service it is `limits.max_lora_rank` (not
+        a setting of its own).
     max_cpu_loras: adapters vLLM keeps loaded in host memory (LRU; None = max_loras).
     max_logprobs: the largest `topk_prompt_logprobs` / `topk_sample_logprobs` accepted.
     enable_prefix_caching: reuse the KV of shared prompt prefixes across requests
@@ -70,7 +78,7 @@ class SamplerConfig:
     backend: str = "torch"
     device: str | None = None
     dtype: str | None = None
-    max_len: int | None = None
+    max_len: int | None = field(default=None, metadata=meta(limit=True))
     max_slots: int = 64
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_prefill_tokens: int = 8192
@@ -80,9 +88,9 @@ class SamplerConfig:
     prefix_cache_tokens: int = 4096
     prefix_cache_block: int = 16
     max_loras: int = 4
-    max_lora_rank: int = 64
+    max_lora_rank: int = field(default=MAX_LORA_RANK, metadata=meta(hidden=True))
     max_cpu_loras: int | None = None
-    max_logprobs: int = 20
+    max_logprobs: int = field(default=20, metadata=meta(limit=True))
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.5
     kv_cache_gb: float = 1.0
@@ -102,8 +110,11 @@ class SamplerConfig:
             _check_int("max_len", self.max_len, 2)
         if self.max_cpu_loras is not None:
             _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
-        if not isinstance(self.backend, str) or not self.backend:
-            raise ValueError(f"SamplerConfig.backend must be a backend name, got {self.backend!r}")
+        from ember.sampling.registry import SAMPLER_BACKENDS
+
+        if self.backend not in SAMPLER_BACKENDS:  # by name only: whether it is installed is checked at use
+            raise ValueError(f"SamplerConfig.backend: unknown sampler backend {self.backend!r}; known: "
+                             f"{', '.join(sorted(SAMPLER_BACKENDS))}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"SamplerConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.forward not in FORWARDS:

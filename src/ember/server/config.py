@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember.config import meta
+
 # What `/api/v1/client/config` answers (docs/protocol.md §1.4, recommended column).
 # Every flag that would make the SDK call an endpoint we do not serve stays off.
 DEFAULT_CLIENT_CONFIG: dict[str, Any] = {
@@ -41,6 +43,17 @@ def key_identity(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a request presents: `X-API-Key` (the tinker SDK) or `Authorization:
+    Bearer` (the `openai` client and most HTTP tools). `headers` is case-insensitive
+    (starlette's `Headers`). The one place a key is read from a request."""
+    key = headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
 def load_api_keys_file(path: str | os.PathLike) -> dict[str, str]:
     """One key per line, optionally followed by an owner name: `tml-abc [alice]`.
 
@@ -62,14 +75,20 @@ def load_api_keys_file(path: str | os.PathLike) -> dict[str, str]:
 class ServerConfig:
     """Settings of the HTTP server.
 
-    api_keys: accepted key -> owner identity. Empty means "any `tml-` key, each its own
-        tenant" and is only allowed on a loopback host.
+    host: bind address; anything but loopback needs API keys.
+    port: TCP port (0 = pick a free one; the line 'ember serve: listening on URL' on
+        stdout says which).
+    api_key: accepted API keys ('tml-...'), each its own owner (tenant).
+    api_keys_file: file with one 'KEY [OWNER]' per line (`#` comments).
+    api_keys: accepted key -> owner name (merged with the two above). All empty means
+        "any `tml-` key, each its own tenant" and is only allowed on a loopback host.
     long_poll_s: how long `retrieve_future` holds a pending future before `try_again`
         (must stay well under the SDK's 45 s read timeout).
-    max_body_bytes: larger request bodies (also after zstd decompression) get HTTP 413.
+    max_body_mb: larger request bodies (also after zstd decompression) get HTTP 413.
     request_log: optional JSONL file with one line per request (tests, debugging).
     path_prefix: serve under `/<prefix>/api/v1/...` (for a reverse proxy); "" = root.
-    client_config / dynamic_config: overrides merged over the defaults above.
+    client_config / dynamic_config: overrides of `/api/v1/client/config` and its dynamic
+        config (e.g. fwdbwd_max_chunk_len=256), merged over ember's defaults.
     metrics_auth: `GET /metrics` needs an accepted API key (X-API-Key or Authorization:
         Bearer). On by default because the metrics name every tenant's live runs; turn it
         off only where the port is reachable by the scraper alone.
@@ -87,9 +106,11 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    api_key: list[str] = field(default_factory=list)
+    api_keys_file: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)
     long_poll_s: float = 20.0
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_mb: float = field(default=64.0, metadata=meta(limit=True))
     request_log: str | None = None
     path_prefix: str = ""
     client_config: Mapping[str, Any] = field(default_factory=dict)
@@ -98,7 +119,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     body_deadline_s: float = 600.0
-    max_requests_per_key: int = 4096
+    max_requests_per_key: int = field(default=4096, metadata=meta(limit=True))
 
     def __post_init__(self) -> None:
         if not 0 < self.long_poll_s <= SDK_RETRIEVE_TIMEOUT_S - 10:
@@ -107,12 +128,15 @@ class ServerConfig:
                 f"(the SDK gives up on a poll after {SDK_RETRIEVE_TIMEOUT_S} s), got {self.long_poll_s}"
             )
         if self.max_body_bytes < 1024:
-            raise ValueError(f"ServerConfig.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+            raise ValueError(f"ServerConfig.max_body_mb must be at least 1 KiB, got {self.max_body_mb}")
         for name in ("header_timeout_s", "body_timeout_s", "body_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_requests_per_key < 1:
             raise ValueError(f"ServerConfig.max_requests_per_key must be >= 1, got {self.max_requests_per_key}")
+        self.api_keys = {**{k: key_identity(k) for k in self.api_key},
+                         **(load_api_keys_file(self.api_keys_file) if self.api_keys_file else {}),
+                         **dict(self.api_keys)}
         for key in self.api_keys:
             if not key.startswith("tml-"):
                 raise ValueError(f"API key {key[:6]}...: the tinker SDK only sends keys starting with 'tml-'")
@@ -126,6 +150,10 @@ class ServerConfig:
 
         types.ClientConfigResponse.model_validate(self.client_config)
         types.ClientDynamicConfigResponse.model_validate(self.dynamic_config)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
 
     def owner_for(self, key: str | None) -> str | None:
         """Owner identity for a presented key, or None if the key is not accepted."""

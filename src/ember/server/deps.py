@@ -8,12 +8,13 @@ from typing import Any
 from fastapi import Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from ember.server.config import ServerConfig
-from ember.server.errors import AuthError
+from ember.server.config import ServerConfig, presented_key
+from ember.server.errors import AuthError, BadRequest
 from ember.server.middleware import LOG_STATE_KEY
 from ember.server.requests import read_json  # noqa: F401 (the routes' import; bounded, off the loop)
 from ember.server.wire import json_safe, to_json
 from ember.service.api import ServiceAPI, Submission
+from ember.service.limits import MAX_OFFSET, MAX_PAGE_SIZE
 
 
 def get_service(request: Request) -> ServiceAPI:
@@ -24,19 +25,9 @@ def get_config(request: Request) -> ServerConfig:
     return request.app.state.config
 
 
-def request_key(headers) -> str | None:
-    """The presented API key: `X-API-Key` (the tinker SDK) or `Authorization: Bearer`
-    (the `openai` client and most HTTP tools)."""
-    key = headers.get("x-api-key")
-    if key:
-        return key
-    scheme, _, token = (headers.get("authorization") or "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
-
-
 def get_owner(request: Request) -> str:
     """The API key's identity; 401 (JSON body) for a missing or unknown key."""
-    key = request_key(request.headers)
+    key = presented_key(request.headers)
     owner = request.app.state.config.owner_for(key)
     if owner is None:
         raise AuthError("missing API key (X-API-Key or Authorization: Bearer header)" if not key
@@ -45,12 +36,11 @@ def get_owner(request: Request) -> str:
 
 
 Owner = Depends(get_owner)
-Service = Depends(get_service)
+ServiceDep = Depends(get_service)  # not `Service`: that is the service class's name
 
-# Listing pages. The offset bound keeps it inside the database's 64-bit integers (an
-# unbounded one reached SQLite as an OverflowError, a 500); no listing is longer.
-MAX_OFFSET = 2**31 - 1
-Limit = Query(20, ge=1, le=1000)
+# Listing pages, bounded by `ember.service.limits` (the offset bound keeps it inside the
+# database's 64-bit integers; no listing is longer).
+Limit = Query(20, ge=1, le=MAX_PAGE_SIZE)
 Offset = Query(0, ge=0, le=MAX_OFFSET)
 
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ember.server.client_limits import BodyTimeout
+from ember.server.request_guards import BodyTimeout
 from ember.server.middleware import BodyTooLarge
 from ember.server.wire import WireError
 from ember.service.api import NotFoundError, ServiceError, SessionGoneError, UserError

@@ -49,6 +49,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ember.server.config import presented_key
 from ember.server.errors import AuthError
 from ember.service.api import FutureState
 
@@ -169,17 +170,9 @@ class MetricsMiddleware:
             self.metrics.latency.labels(route, method).observe(time.perf_counter() - start)
 
 
-def _scrape_key(request: Request) -> str | None:
-    key = request.headers.get("x-api-key")
-    if key:
-        return key
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
 def _metrics_endpoint(metrics: EmberMetrics, require_key: bool) -> Callable:
     async def scrape(request: Request) -> Response:
-        if require_key and request.app.state.config.owner_for(_scrape_key(request)) is None:
+        if require_key and request.app.state.config.owner_for(presented_key(request.headers)) is None:
             raise AuthError("/metrics needs an API key (X-API-Key or Authorization: Bearer), "
                             "or start the server with --metrics-auth off")
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -28,7 +28,7 @@ from tinker import types
 from ember.server.errors import BadRequest
 from ember.server.middleware import BodyTooLarge
 from ember.service.api import UserError
-from ember.service.limits import Limits, check_json_tree
+from ember.service.limits import INT64_FIELDS, Limits, check_json_tree
 
 _LENIENT = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -141,13 +141,8 @@ def _decode_and_parse(raw: bytes, limits: Limits, model: type[M]) -> M:
     return parse(model, decode_json(raw, limits))
 
 
-# Ids and times the service keeps as 64-bit database integers: a bigger JSON number
-# (Python reads any size) reached SQLite as an OverflowError, a 500.
-_INT64_FIELDS = ("seq_id", "model_seq_id", "sampling_session_seq_id", "ttl_seconds")
-
-
 def _check_int64_fields(data: dict[str, Any]) -> None:
-    for name in _INT64_FIELDS:
+    for name in INT64_FIELDS:
         value = data.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
             raise BadRequest(f"{name}: expected a 64-bit integer, got {value}")
@@ -159,28 +154,29 @@ CreateModelRequest = types.CreateModelRequest
 GetInfoRequest = types.GetInfoRequest
 OptimStepRequest = types.OptimStepRequest
 
-# Non-Adam params families by `type`. The SDK's union would read a Dimuon body as AdamParams
-# once unknown fields are ignored, so the family is chosen from the raw `type` first.
-class DimuonWireParams(types.DimuonParams):
-    """SDK 0.38's DimuonParams plus the two fields Tinker's docs list and that SDK lacks:
-    taken from a newer SDK's request instead of being dropped (None = ember's default)."""
-
-    damping: float | None = None
-    rank_lr_correction_exponent: float | None = None
-
-
-OPTIM_PARAMS: dict[str, type[pydantic.BaseModel]] = {"adamw": types.AdamParams, "dimuon": DimuonWireParams}
-
-
 def optim_params(data: Any, parsed: types.OptimStepRequest):
-    """The request's optimizer params as their own type (AdamParams, DimuonParams)."""
+    """The request's optimizer params as their optimizer's wire type (`OPTIMIZERS` entry).
+    The SDK's union would read a Dimuon body as AdamParams once unknown fields are
+    ignored, so the family is chosen from the raw `type` first."""
+    from ember.engine.optimizers import OPTIMIZERS
+
     raw = next((data[k] for k in ("optimizer_params", "optim_params", "adam_params") if k in data), None)
-    kind = raw.get("type", "adamw") if isinstance(raw, dict) else "adamw"
-    if kind == "adamw":
+    if not isinstance(raw, dict):
         return parsed.optim_params
-    if kind not in OPTIM_PARAMS:
-        raise BadRequest(f"optimizer_params.type: unknown optimizer {kind!r}; known: {', '.join(OPTIM_PARAMS)}")
-    return OPTIM_PARAMS[kind].model_validate(raw, extra="ignore")
+    kind = raw.get("type", "adamw")
+    if kind not in OPTIMIZERS:
+        raise BadRequest(f"optimizer_params.type: unknown optimizer {kind!r}; known: {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[kind].wire_params.model_validate(raw, extra="ignore")
+
+
+def optimizer_config(data: Any, parsed: Any) -> dict[str, Any] | None:
+    """A create/load request's `optimizer_config` as sent (its family's own fields kept:
+    the SDK's union keeps only `type` of a family it does not know); the service
+    validates it against the optimizer's entry."""
+    raw = data.get("optimizer_config") if isinstance(data, dict) else None
+    if isinstance(raw, dict):
+        return dict(raw)
+    return parsed.optimizer_config.model_dump(mode="json") if parsed.optimizer_config is not None else None
 SaveWeightsRequest = types.SaveWeightsRequest
 LoadWeightsRequest = types.LoadWeightsRequest
 SaveWeightsForSamplerRequest = types.SaveWeightsForSamplerRequest

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from ember.server import requests as rq
-from ember.server.deps import Owner, Service, future_response, log_extra, model_response
+from ember.server.deps import Owner, ServiceDep, future_response, log_extra, model_response, read_json
 from ember.server.errors import BadRequest
 
 router = APIRouter()
@@ -29,7 +29,7 @@ API_ROOT = "/api/v1"  # where `create_app` mounts this router
 
 
 @router.post("/save_weights_external")
-async def save_weights_external(request: Request, owner: str = Owner, service=Service):
+async def save_weights_external(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.SaveWeightsExternalRequest)
     if req.seq_id is None:
         raise BadRequest("seq_id: expected an integer >= 1, got none")
@@ -43,7 +43,7 @@ async def save_weights_external(request: Request, owner: str = Owner, service=Se
 
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
 async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, owner: str = Owner,
-                                service=Service):
+                                service=ServiceDep):
     links = await run_in_threadpool(service.external_weights_links, owner, run_id, checkpoint_id)
     api_root = str(request.base_url).rstrip("/") + API_ROOT  # base_url holds any --path-prefix (root_path)
     return model_response(types.ExternalWeightsUrlsResponse(
@@ -53,6 +53,6 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
 
 
 @router.get("/external_weights/{token}/{file:path}")
-async def external_weights_file(token: str, file: str, service=Service):
+async def external_weights_file(token: str, file: str, service=ServiceDep):
     path = await run_in_threadpool(service.open_external_weights_file, token, file)
     return FileResponse(path, media_type="application/octet-stream")

@@ -30,8 +30,7 @@ from tinker import types
 
 from ember.models import load_tokenizer
 from ember.server import openai_compat as oa
-from ember.server import requests as rq
-from ember.server.deps import Owner, Service
+from ember.server.deps import Owner, ServiceDep, read_json
 from ember.server.errors import BadRequest
 from ember.server.wire import json_safe
 from ember.service.api import NotFoundError, ServiceAPI, SessionGoneError, UserError
@@ -198,7 +197,7 @@ def _not_found(exc: ModelNotFound) -> JSONResponse:
 
 
 @router.post("/completions")
-async def completions(request: Request, owner: str = Owner, service=Service):
+async def completions(request: Request, owner: str = Owner, service=ServiceDep):
     req, params = await _read_request(request, oa.CompletionRequest, oa.DEFAULT_MAX_TOKENS)
     try:
         _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
@@ -223,7 +222,7 @@ def _completion_answer(req, params, tokenizer, prompt, ids, seqs, limits: Limits
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, owner: str = Owner, service=Service):
+async def chat_completions(request: Request, owner: str = Owner, service=ServiceDep):
     req, params = await _read_request(request, oa.ChatRequest, oa.DEFAULT_CHAT_MAX_TOKENS)
     try:
         messages = oa.chat_messages(req.messages)
@@ -257,7 +256,7 @@ def _chat_answer(req, params, tokenizer, ids, seqs, limits: Limits) -> Response:
 
 
 @router.get("/models")
-async def list_models(owner: str = Owner, service=Service):
+async def list_models(owner: str = Owner, service=ServiceDep):
     """The base models, then the caller's own sampler checkpoints (newest first, at most
     MODELS_LISTED_CHECKPOINTS): every id here is a valid `model`."""
     caps = await run_in_threadpool(service.get_server_capabilities)

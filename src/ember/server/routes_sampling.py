@@ -12,7 +12,7 @@ from tinker import types
 
 from ember.server import requests as rq
 from ember.server import wire
-from ember.server.deps import Owner, Service, future_response, get_config, log_extra, model_response
+from ember.server.deps import Owner, ServiceDep, future_response, get_config, log_extra, model_response, read_json
 from ember.server.errors import BadRequest, client_gone
 from ember.service.api import FutureState
 
@@ -20,7 +20,7 @@ router = APIRouter()
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(request: Request, owner: str = Owner, service=Service):
+async def create_sampling_session(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.CreateSamplingSessionRequest)
     resp = await run_in_threadpool(
         service.create_sampling_session, owner, req.session_id, req.sampling_session_seq_id,
@@ -30,7 +30,7 @@ async def create_sampling_session(request: Request, owner: str = Owner, service=
 
 
 @router.get("/samplers/{sampling_session_id}")
-async def get_sampler(sampling_session_id: str, owner: str = Owner, service=Service):
+async def get_sampler(sampling_session_id: str, owner: str = Owner, service=ServiceDep):
     return model_response(await run_in_threadpool(service.get_sampler, owner, sampling_session_id))
 
 
@@ -66,7 +66,7 @@ def _check_dmel_chunks(prompt: types.ModelInput) -> None:
 
 
 @router.post("/asample")
-async def asample(request: Request, owner: str = Owner, service=Service):
+async def asample(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.SampleRequest)
     session = _check_sample_request(req)
     log_extra(request, sampling_session_id=session, seq_id=req.seq_id)
@@ -81,7 +81,7 @@ async def asample(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(request: Request, owner: str = Owner, service=Service):
+async def retrieve_future(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.FutureRetrieveRequest)
     state = await _unless_hung_up(request, service.retrieve_async(owner, req.request_id,
                                                                   timeout_s=get_config(request).long_poll_s))

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
-from ember.server.deps import Limit, Offset, Owner, Service, get_config, log_extra, model_response
+from ember.server.deps import Limit, Offset, Owner, ServiceDep, get_config, log_extra, model_response, read_json
 
 router = APIRouter()
 
@@ -25,7 +25,7 @@ async def dynamic_config(request: Request, owner: str = Owner):
 
 
 @router.post("/create_session")
-async def create_session(request: Request, owner: str = Owner, service=Service):
+async def create_session(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.CreateSessionRequest)
     resp = await run_in_threadpool(
         service.create_session, owner, tags=list(req.tags), user_metadata=req.user_metadata or {},
@@ -36,14 +36,14 @@ async def create_session(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(request: Request, owner: str = Owner, service=Service):
+async def session_heartbeat(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.SessionHeartbeatRequest)
     await run_in_threadpool(service.heartbeat, owner, req.session_id)
     return JSONResponse({"type": "session_heartbeat"})
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, request: Request, owner: str = Owner, service=Service):
+async def finish_session(session_id: str, request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.FinishSessionRequest)
     await run_in_threadpool(service.finish_session, owner, session_id, req.reason.type, req.detail)
     return JSONResponse({})
@@ -59,12 +59,12 @@ async def telemetry(request: Request, owner: str = Owner):
 
 
 @router.get("/sessions")
-async def list_sessions(limit: int = Limit, offset: int = Offset, owner: str = Owner, service=Service):
+async def list_sessions(limit: int = Limit, offset: int = Offset, owner: str = Owner, service=ServiceDep):
     return model_response(await run_in_threadpool(service.list_sessions, owner, limit, offset))
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, owner: str = Owner, service=Service):
+async def get_session(session_id: str, owner: str = Owner, service=ServiceDep):
     return model_response(await run_in_threadpool(service.get_session, owner, session_id))
 
 

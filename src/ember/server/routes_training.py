@@ -8,25 +8,25 @@ from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
 from ember.server import wire
-from ember.server.deps import Owner, Service, future_response, get_config, log_extra, model_response, read_json
+from ember.server.deps import Owner, ServiceDep, future_response, get_config, log_extra, model_response, read_json
 from ember.server.errors import BadRequest
 
 router = APIRouter()
 
 
 @router.post("/create_model")
-async def create_model(request: Request, owner: str = Owner, service=Service):
-    req = await rq.read(request, rq.CreateModelRequest)
-    optimizer = req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None
+async def create_model(request: Request, owner: str = Owner, service=ServiceDep):
+    data = await rq.read_json(request)
+    req = await run_in_threadpool(rq.parse, rq.CreateModelRequest, data)
     sub = await run_in_threadpool(
         service.create_model, owner, req.session_id, req.model_seq_id, req.base_model, req.lora_config,
-        optimizer_config=optimizer, user_metadata=req.user_metadata,
+        optimizer_config=rq.optimizer_config(data, req), user_metadata=req.user_metadata,
     )
     return future_response(sub)
 
 
 @router.post("/get_info")
-async def get_info(request: Request, owner: str = Owner, service=Service):
+async def get_info(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.GetInfoRequest)
     return model_response(await run_in_threadpool(service.get_info, owner, req.model_id))
 
@@ -52,7 +52,7 @@ def _decode_protobuf(body: bytes, content_encoding: str | None, limit: int, max_
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, owner: str = Owner, service=Service):
+async def forward_backward(request: Request, owner: str = Owner, service=ServiceDep):
     call = await _decode_forward_backward(request)
     log_extra(request, model_id=call.model_id, seq_id=call.seq_id, loss_fn=call.loss_fn,
               forward_only=call.forward_only, num_datums=len(call.data), sparse_inputs=call.sparse_inputs)
@@ -75,7 +75,7 @@ def _parse_optim_step(data):
 
 
 @router.post("/optim_step")
-async def optim_step(request: Request, owner: str = Owner, service=Service):
+async def optim_step(request: Request, owner: str = Owner, service=ServiceDep):
     data = await read_json(request)
     req, params = await run_in_threadpool(_parse_optim_step, data)
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
@@ -84,7 +84,7 @@ async def optim_step(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/save_weights")
-async def save_weights(request: Request, owner: str = Owner, service=Service):
+async def save_weights(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.SaveWeightsRequest)
     if not req.path:
         raise BadRequest("path: expected a checkpoint name, got none")
@@ -96,19 +96,20 @@ async def save_weights(request: Request, owner: str = Owner, service=Service):
 
 
 @router.post("/load_weights")
-async def load_weights(request: Request, owner: str = Owner, service=Service):
-    req = await rq.read(request, rq.LoadWeightsRequest)
+async def load_weights(request: Request, owner: str = Owner, service=ServiceDep):
+    data = await rq.read_json(request)
+    req = await run_in_threadpool(rq.parse, rq.LoadWeightsRequest, data)
     sub = await run_in_threadpool(
         service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
         session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
         user_metadata=req.user_metadata,
-        optimizer_config=req.optimizer_config.model_dump(mode="json") if req.optimizer_config is not None else None,
+        optimizer_config=rq.optimizer_config(data, req),
     )
     return future_response(sub)
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(request: Request, owner: str = Owner, service=Service):
+async def save_weights_for_sampler(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.SaveWeightsForSamplerRequest)
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
     sub = await run_in_threadpool(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -9,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember.config import meta
 from ember.engine.config import EngineConfig
+from ember.sampling.config import SamplerConfig
 from ember.service.limits import Limits
 from ember.service.stability import StabilityConfig
 
@@ -59,8 +62,9 @@ class DurabilityConfig:
         ends at most finish_retry_s + 2 x db_lock_timeout_s after its work did (the last
         attempt may wait for its turn among this process's writers, then for the lock).
     future_deadline_s: a future still pending this long after it was accepted is ended
-        (`server`) by the periodic sweep (None = never). Pending rows with no work behind
-        them in this server lifetime are ended after `orphan_grace_s`.
+        (`server`) by the periodic sweep (None = never).
+    orphan_grace_s: pending rows with no work behind them in this server lifetime (left
+        by a crash) are ended by the sweep once this old.
     """
 
     db_lock_timeout_s: float = 5.0
@@ -89,15 +93,16 @@ class CheckpointConfig:
     max_ttl_s: the largest `ttl_seconds` a save or `set_checkpoint_ttl_from_tinker_path`
         accepts (default 10 years, as Tinker); the smallest is 1 (Tinker's hosted
         service asks for at least 3600 on set_checkpoint_ttl; ember takes shorter ones).
-    max_metadata_entries / max_metadata_key_chars / max_metadata_value_chars: bounds of
-        a save's `user_metadata` (string keys and values).
+    max_metadata_entries: entries of a save's `user_metadata` (string keys and values).
+    max_metadata_key_chars: characters of one `user_metadata` key.
+    max_metadata_value_chars: characters of one `user_metadata` value.
     """
 
     sweep_interval_s: float = 60.0
-    max_ttl_s: int = TEN_YEARS_S
-    max_metadata_entries: int = 64
-    max_metadata_key_chars: int = 128
-    max_metadata_value_chars: int = 4096
+    max_ttl_s: int = field(default=TEN_YEARS_S, metadata=meta(limit=True))
+    max_metadata_entries: int = field(default=64, metadata=meta(limit=True))
+    max_metadata_key_chars: int = field(default=128, metadata=meta(limit=True))
+    max_metadata_value_chars: int = field(default=4096, metadata=meta(limit=True))
 
     def __post_init__(self) -> None:
         if not self.sweep_interval_s > 0:
@@ -132,8 +137,8 @@ class SessionsConfig:
 class ServiceConfig:
     """Configuration of one `Service`.
 
-    data_dir: root of checkpoints (`<data_dir>/checkpoints/...`) and, by default, the
-        SQLite database `<data_dir>/ember.db`.
+    data_dir: root of checkpoints (`<data_dir>/checkpoints/...`), sampler scratch files
+        and, by default, the SQLite database `<data_dir>/ember.db`.
     models: base-model registry, name -> local directory (`--model NAME=DIR`); each must
         be a model directory (with a config.json), checked here.
     model_roots: directories under which a model directory may also be named by its path
@@ -142,7 +147,8 @@ class ServiceConfig:
     models_toml: optional TOML file with more registrations (merged; `models` wins).
     database_url: any SQLAlchemy URL (e.g. postgresql+psycopg://...); None = SQLite file.
     engine: EngineConfig given to every training engine.
-    sampler: the sampling layer's config object (None = its defaults).
+    sampler: the samplers' `SamplerConfig` (None = its defaults). Its max_lora_rank is
+        `limits.max_lora_rank`: a run the limit admits is one every sampler can load.
     seq_gap_timeout_s: how long a run waits for a missing seq_id before skipping it.
     session_timeout_s: expire sessions without a heartbeat for this long (None = never).
     retrieve_max_wait_s: cap on one `retrieve` wait (the server long-polls below the SDK's
@@ -163,16 +169,17 @@ class ServiceConfig:
     sessions: when idle client sessions end (`SessionsConfig`).
     """
 
-    data_dir: str | os.PathLike
-    models: Mapping[str, str] = field(default_factory=dict)
+    data_dir: str | os.PathLike = "./ember-data"
+    models: Mapping[str, str] = field(default_factory=dict, metadata=meta(aliases=["model"]))
     models_toml: str | os.PathLike | None = None
-    model_roots: Sequence[str | os.PathLike] = ()
+    model_roots: Sequence[str | os.PathLike] = field(default=(), metadata=meta(aliases=["model_root"]))
     database_url: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
-    sampler: Any = None
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
     seq_gap_timeout_s: float = 5.0
     session_timeout_s: float | None = None
-    retrieve_max_wait_s: float = 25.0
+    # `ember serve` sets it from the server's long_poll_s: not a setting of its own
+    retrieve_max_wait_s: float = field(default=25.0, metadata=meta(hidden=True))
     max_samplers_per_session: int = 32
     future_retention_s: float | None = 7 * 24 * 3600.0
     housekeeping_interval_s: float = 30.0
@@ -199,6 +206,9 @@ class ServiceConfig:
             self.checkpoints = CheckpointConfig(**self.checkpoints)
         if isinstance(self.sessions, Mapping):
             self.sessions = SessionsConfig(**self.sessions)
+        self.sampler = self.sampler or SamplerConfig()
+        if self.sampler.max_lora_rank != self.limits.max_lora_rank:
+            self.sampler = dataclasses.replace(self.sampler, max_lora_rank=self.limits.max_lora_rank)
         if self.seq_gap_timeout_s <= 0:
             raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
         if self.session_timeout_s is not None and self.session_timeout_s <= 0:
@@ -233,7 +243,8 @@ class WorkersConfig:
     runtime: "local" (default) = in-process TorchEngines, LoRA adapters sharing one base
         model (`LocalEngineFactory`); "inline" | "process" | "ray" = every training run is
         one SPMD engine on all ranks of one `ember.workers.WorkerGroup`
-        (`WorkerGroupEngineFactory`).
+        (`WorkerGroupEngineFactory`). `ember serve` reads these from `[workers]` and the
+        parallel dims from `[parallel]`.
     world_size: ranks of the group (local/inline: exactly 1).
     ray_address: runtime "ray" only: join this cluster ("auto", "ray://host:10001");
         None starts a local Ray instance.
@@ -246,13 +257,13 @@ class WorkersConfig:
     on rank 0) when a sampling client is made from a training run.
     """
 
-    runtime: str = "local"
-    world_size: int = 1
-    ray_address: str | None = None
-    dp_replicate: int | None = None
-    dp_shard: int | None = None
-    tp: int | None = None
-    call_timeout_s: float = 600.0
+    runtime: str = field(default="local", metadata=meta(section="workers"))
+    world_size: int = field(default=1, metadata=meta(section="workers"))
+    ray_address: str | None = field(default=None, metadata=meta(section="workers"))
+    dp_replicate: int | None = field(default=None, metadata=meta(section="parallel"))
+    dp_shard: int | None = field(default=None, metadata=meta(section="parallel"))
+    tp: int | None = field(default=None, metadata=meta(section="parallel"))
+    call_timeout_s: float = field(default=600.0, metadata=meta(section="workers"))
 
     def __post_init__(self) -> None:
         if self.runtime not in worker_runtimes():

@@ -19,8 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ember.sampling.config import MAX_LORA_RANK
 from ember.service.api import UserError
 
+
+# Fixed bounds (not settings): the database keeps these as 64-bit integers, so a bigger
+# JSON number (Python reads any size) is refused by the server instead of reaching SQLite
+# as an OverflowError (a 500); listing pages are bounded the same way.
+INT64_FIELDS = ("seq_id", "model_seq_id", "sampling_session_seq_id", "ttl_seconds")
+MAX_PAGE_SIZE = 1000
+MAX_OFFSET = 2**31 - 1
 
 DEFAULT_DATUM_TOKENS = 131072  # the datum limit for a model whose config names no positions
 
@@ -29,19 +37,24 @@ DEFAULT_DATUM_TOKENS = 131072  # the datum limit for a model whose config names 
 class Limits:
     """Per-request limits of the service (each refused as a user error naming the field).
 
+    A new limit is a field here with its default and a `name: text` entry below: that
+    makes it a `--limits.NAME` flag, a `[limits]` key and a row of README's limits table.
+
     max_num_samples: `num_samples` of one sample request.
     max_sample_tokens: `sampling_params.max_tokens` (new tokens per sample).
     max_prompt_tokens: tokens of one sampling prompt.
-    max_topk_logprobs: `topk_prompt_logprobs`, `topk_sample_logprobs` and `prompt_alt_tokens_k`.
+    max_topk_logprobs: `topk_prompt_logprobs`, `topk_sample_logprobs` and
+        `prompt_alt_tokens_k`.
     max_datums_per_request: datums of one forward / forward_backward request.
     max_datum_tokens: `model_input` tokens of one datum; None (the default): the model's
         positions (`max_position_embeddings` in its config.json; `DEFAULT_DATUM_TOKENS` for a
-        model that names none). A number caps every model at it, never above its positions.
+        model that names none). A number caps every model at it, never above its positions. Also
+        `max_context_length` in `get_server_capabilities`.
     max_request_tokens: `model_input` tokens of all datums of one request together.
     max_seq_ahead: how far a training request's `seq_id` may be ahead of the next one the
         run expects (further would wait, then skip every request in between).
     max_lora_rank: `lora_config.rank` of a new training run (its adapters' memory grows
-        with it).
+        with it); also the rank every sampler is sized for (`MAX_LORA_RANK`).
     max_result_bytes: the stored (pickled) result of one request; a bigger one fails as a
         user error instead of being kept as a future row (e.g. a forward with a huge top-K).
     max_json_body_bytes: a JSON request body (the body limit, `--max-body-mb`, is for the
@@ -91,7 +104,7 @@ class Limits:
     max_datum_tokens: int | None = None
     max_request_tokens: int = 1048576
     max_seq_ahead: int = 1024
-    max_lora_rank: int = 512
+    max_lora_rank: int = MAX_LORA_RANK
     max_runs_per_key: int = 16
     max_sessions_per_key: int = 256
     max_sampling_sessions_per_key: int = 64
@@ -112,11 +125,15 @@ class Limits:
     max_queued_sample_tokens_per_key: int = 8_388_608
 
     def __post_init__(self) -> None:
+        # every limit is a positive number: an int field an integer >= 1, a float one > 0
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name == "max_datum_tokens":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is None and "None" in str(f.type):
+                continue  # an optional limit left unset (e.g. max_datum_tokens: the model's positions)
+            if f.type in (float, "float"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"limits.{f.name} must be a number > 0, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"limits.{f.name} must be an integer >= 1, got {value!r}")
 
     def as_dict(self) -> dict[str, int]:

@@ -91,18 +91,14 @@ def resumed_optimizer(directory, with_state: bool, requested: Mapping[str, Any] 
 
 
 def validate_optimizer(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The run's optimizer config: AdamW (default) or Dimuon version 1, nothing else."""
-    from ember.engine.optimizers import OPTIMIZERS
+    """The run's optimizer config, checked against its `ember.engine.optimizers.OPTIMIZERS`
+    entry (AdamW by default); a user error naming what is wrong."""
+    from ember.engine.optimizers import optimizer_config
 
-    cfg = dict(cfg or {"type": "adamw"})
-    kind = cfg.pop("type", "adamw")
-    if kind not in OPTIMIZERS:
-        raise UserError(f"optimizer {kind!r} is not supported by ember; use {{'type': 'adamw'}} or {{'type': 'dimuon'}}")
-    if kind == "dimuon" and cfg.pop("version", 1) != 1:
-        raise UserError("optimizer 'dimuon': only version 1 is supported")
-    if cfg:
-        raise UserError(f"optimizer {kind!r}: unknown fields {sorted(cfg)}")
-    return {"type": kind, "version": 1} if kind == "dimuon" else {"type": "adamw"}
+    try:
+        return optimizer_config(cfg)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def model_arch(directory: Path) -> str | None:

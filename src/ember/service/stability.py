@@ -64,11 +64,16 @@ RECORD_OVERHEAD_BYTES = 2 * sys.getsizeof(np.zeros(0, np.int32)) + 360
 
 @dataclass
 class StabilityConfig:
-    """ttl_s: a record lives this long after its last use (sampling or training; Tinker:
-    one day). max_bytes_per_owner / max_bytes_total: memory bounds in real bytes
-    (`SequenceRecord.nbytes`: ~700 bytes per record plus 8 bytes per sampled token and the
-    record's share of its prompt's 4 bytes per token); over a bound, least recently used
-    go first. The defaults (256 MiB per key, 1 GiB in all) fit a default machine."""
+    """Expiry and memory bounds of the stability records (`[stability]`).
+
+    ttl_s: a record lives this long after its last use (sampling or training; Tinker:
+        one day).
+    max_bytes_per_owner: memory bound per API key in real bytes (`SequenceRecord.nbytes`:
+        ~700 bytes per record plus 8 bytes per sampled token and the record's share of its
+        prompt's 4 bytes per token); over it, the key's least recently used go first.
+    max_bytes_total: the same bound for all keys together. The defaults (256 MiB per key,
+        1 GiB in all) fit a default machine.
+    """
 
     ttl_s: float = DAY_S
     max_bytes_per_owner: int = 256 * MIB

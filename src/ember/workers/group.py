@@ -39,13 +39,9 @@ RUNTIMES: dict[str, str] = {
 
 def make_runtime(runtime: str, world_size: int, device: str = "cpu", **kwargs) -> Runtime:
     """Instantiate a runtime by name (a key of RUNTIMES)."""
-    import importlib
+    from ember.registry import lookup
 
-    path = RUNTIMES.get(runtime)
-    if path is None:
-        raise ValueError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
-    module_name, _, class_name = path.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)(world_size, device, **kwargs)
+    return lookup(RUNTIMES, runtime, "runtime")(world_size, device, **kwargs)
 
 
 @dataclass

@@ -16,11 +16,12 @@ import time
 from collections import Counter
 
 import h11
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ember.server.config import ServerConfig
-from ember.server.middleware import _header, _send_json
+from ember.server.config import ServerConfig, presented_key
+from ember.server.middleware import _send_json
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +128,8 @@ class PerKeyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        key = _header(scope, b"x-api-key")
-        if not key:  # the openai client's `Authorization: Bearer <key>` counts against the same key
-            scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
-            key = token.strip() if scheme.lower() == "bearer" else None
-        owner = self.config.owner_for(key)
+        # the openai client's `Authorization: Bearer <key>` counts against the same key
+        owner = self.config.owner_for(presented_key(Headers(scope=scope)))
         if owner is None:
             return await self.app(scope, receive, send)
         if self.in_flight[owner] >= self.max_requests:
