@@ -64,5 +64,5 @@ def test_heads(tiny_model_dir):
 def test_model_families():
     from ember.models.families import FAMILIES, family_of
 
-    assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3", "olmo2"}
     assert all(family_of(type("Cfg", (), {"model_type": name})()) is FAMILIES[name] for name in FAMILIES)

@@ -1,4 +1,4 @@
-"""Output heads: what a run's model computes per token (DESIGN.md "Roles").
+"""Output heads: what a run's model computes per token (docs/architecture.md#roles-one-engine-several-heads).
 
 A training run has one head, chosen by name from `HEADS` (the run's
 ``user_metadata['ember.head']``, default ``"policy"``):

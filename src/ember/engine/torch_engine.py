@@ -1,7 +1,7 @@
 """`TorchEngine`: a Hugging Face causal LM (full fine-tuning or a LoRA adapter) + its optimizer
 (AdamW by default, or Dimuon: `ember.engine.optimizers`).
 
-Exactness is the point (DESIGN.md contract 2): a `forward_backward` adds
+Exactness is the point (docs/architecture.md contract 2): a `forward_backward` adds
 ∇ Σ_datums loss(datum) to the parameters' `.grad`, micro-batch by micro-batch, with no
 scaling, so any micro-batch budget, packing or split over calls gives the same gradient.
 The model always runs in eval mode (no dropout), like Tinker, so `forward`,
