@@ -3,10 +3,11 @@ process (`ember.engine.memory_probe`) whose address space is capped, as `prlimit
 would, at its size after the imports plus a budget between the estimated peaks of the two
 paths; the unchunked path fails with an out-of-memory error, the chunked one completes.
 
-Model: vocabulary 40,000, hidden 128, one layer; one 1,024-token datum, LoRA rank 4.
-Unchunked, the (T, vocab) logits, their fp32 log-softmax and gradients take ~0.66 GB;
-chunked by 256 tokens ~0.16 GB (each chunk tensor over glibc's 32 MiB mmap threshold, so
-a freed chunk goes back to the system rather than fragmenting the heap).
+Model: vocabulary 32,000, hidden 128, one layer; one 2,048-token datum, LoRA rank 4.
+Unchunked, the (T, vocab) logits, their fp32 log-softmax and gradients take ~0.9 GB;
+chunked by 512 tokens ~0.22 GB (each chunk tensor over glibc's 32 MiB mmap threshold, so
+a freed chunk goes back to the system rather than fragmenting the heap). A smaller case
+(1,024 tokens) left too little room for the address space's own overhead.
 """
 
 import json
@@ -22,14 +23,14 @@ from ember.engine.estimate import estimate_memory
 from ember.models.testing import tiny_config
 
 pytestmark = pytest.mark.slow
-TOKENS, CHUNK = 1024, 256
+TOKENS, CHUNK = 2048, 512
 
 
 @pytest.fixture(scope="module")
 def wide_vocab_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("wide-vocab")
-    cfg = tiny_config("qwen3", vocab_size=40000, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
-                      head_dim=64, max_position_embeddings=2048)
+    cfg = tiny_config("qwen3", vocab_size=32000, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=64, max_position_embeddings=4096)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     return out
 

@@ -15,8 +15,8 @@ activations of one micro-batch of N tokens:
   `optimizer_offload` (reported as host memory).
 * activations: what autograd saves per token and decoder layer, measured on transformers'
   Llama/Qwen3 layers with sdpa (fp32; `saved_bytes_per_token` below), the packed
-  block-diagonal mask, and the output head: ~3.4 (T, vocab) fp32 tensors unchunked, four
-  (chunk, vocab) tensors chunked (`EngineConfig.logprob_chunk_tokens`). With activation
+  block-diagonal mask, and the output head: ~3.4 (T, vocab) fp32 tensors unchunked, as
+  many (chunk, vocab) tensors chunked (`EngineConfig.logprob_chunk_tokens`). With activation
   checkpointing one hidden state per layer plus one layer's activations; with activation
   offload the saved tensors go to the host and only one layer's stay on the device.
 * peak: all of the above (gradients and saved activations coexist during backward).
@@ -183,13 +183,12 @@ def _activations(hf_config, engine: EngineConfig, tp: int, tokens: int, compute_
 def _output_head(hf_config, engine: EngineConfig, tokens: int, compute_bytes: int) -> int:
     """(rows, vocab) tensors of the policy head: logits, fp32 log-softmax and their gradients,
     over all T or one chunk. Measured on CPU (fp32): ~3.4 vocabulary-wide fp32 tensors per
-    row at the unchunked peak (the logits are freed before their gradient is made), 4 per
-    row of a chunk (the recomputed chunk's logits live beside their gradient)."""
+    row at the peak (the logits are freed before their gradient is made)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     vocab, hidden = int(text.vocab_size), int(text.hidden_size)
     chunk = engine.logprob_chunk_tokens
     rows = tokens if chunk == 0 else min(chunk, tokens)
-    per_row = vocab * (compute_bytes + (3 * 4 if chunk else 19 * 4 // 8))
+    per_row = vocab * (compute_bytes + 19 * 4 // 8)
     kept = 0 if chunk == 0 else hidden * compute_bytes * tokens  # the hidden state the chunks read
     return rows * per_row + kept
 
