@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     app, config = build_app(args)
     app.add_middleware(FaultMiddleware, fastapi_app=app)
     if log_path:
-        app.add_middleware(RequestLogMiddleware, path=log_path)
+        app.add_middleware(RequestLogMiddleware, path=log_path, bodies=True)
     return serve(app, config.host, config.port, args.log_level)
 
 

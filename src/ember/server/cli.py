@@ -61,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--path-prefix", default="", help="serve under /PREFIX/api/v1 (behind a proxy)")
     p.add_argument("--client-config", action="append", type=_key_value, default=[], metavar="FLAG=JSON",
                    help="override a flag of /api/v1/client/config, e.g. fwdbwd_max_chunk_len=256")
-    p.add_argument("--request-log", help="append one JSON line per HTTP request to this file")
+    p.add_argument("--request-log", help="append one short JSON line per HTTP request to this file (rotated "
+                                         "past 64 MB to FILE.1)")
+    p.add_argument("--request-log-bodies", default="off", choices=["on", "off"],
+                   help="the request log also holds headers and small JSON bodies (debugging; large)")
     p.add_argument("--metrics-auth", default="on", choices=["on", "off"],
                    help="GET /metrics needs an API key (default on: it names every tenant's runs); "
                         "off = open to anyone reaching the port (Prometheus convention)")
@@ -126,6 +129,7 @@ def server_config_from_args(args: argparse.Namespace):
     return ServerConfig(
         host=args.host, port=args.port, api_keys=keys, long_poll_s=args.long_poll_s,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), request_log=args.request_log,
+        request_log_bodies=_on_off("request_log_bodies", args.request_log_bodies),
         path_prefix=args.path_prefix, client_config={k: _json_value(v) for k, v in args.client_config},
         metrics_auth=_on_off("metrics_auth", args.metrics_auth), header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s, body_deadline_s=args.body_deadline_s,

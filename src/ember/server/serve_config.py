@@ -39,7 +39,7 @@ TOP_TYPES: dict[str, tuple[type, ...]] = {
     "models_toml": (str,), "host": (str,), "port": (int,), "data_dir": (str,), "database_url": (str,),
     "api_keys_file": (str,), "long_poll_s": (int, float), "max_body_mb": (int, float),
     "seq_gap_timeout_s": (int, float), "session_timeout_s": (int, float), "path_prefix": (str,),
-    "request_log": (str,), "log_level": (str,), "metrics_auth": (str,), "header_timeout_s": (int, float),
+    "request_log": (str,), "request_log_bodies": (str,), "log_level": (str,), "metrics_auth": (str,), "header_timeout_s": (int, float),
     "body_timeout_s": (int, float), "body_deadline_s": (int, float), "max_requests_per_key": (int,),
 }
 

@@ -248,6 +248,9 @@ class RunManager:
             run.error = classify(exc)[0]
             self.store.update(RunRow, run.run_id, status="failed")
             raise
+        spec = run.spec
+        log.info("run %s created for %s: base model %s, %s, %s head", run.run_id, run.owner, spec.base.name,
+                 f"LoRA rank {spec.lora_config.rank}" if spec.is_lora else "full fine-tuning", spec.head)
 
     def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str,
                      lora_config: types.LoraConfig | None, optimizer_config, user_metadata) -> Submission:
@@ -411,6 +414,7 @@ class RunManager:
         failpoints.hit("checkpoint.after_commit")
         if existing is not None and existing.directory != row.directory:
             ckpt.remove_checkpoint_dir(self.data_dir, existing.directory)
+        log.info("checkpoint %s saved (%s, %.1f MB)", tpath.uri, kind, row.size_bytes / 1e6)
         return tpath.uri
 
     @staticmethod

@@ -115,7 +115,10 @@ class SamplerManager:
         with self._lock:
             sampler = self._samplers.get(base.directory)
             if sampler is None:
+                start = time.monotonic()
                 sampler = self._samplers[base.directory] = self.factory.create(base)
+                log.info("sampler loaded for base model %s (%s, %.1f s)", base.name, type(sampler).__name__,
+                         time.monotonic() - start)
             return sampler
 
     def _load(self, base: BaseModel, weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None):
@@ -179,6 +182,7 @@ class SamplerManager:
             self.backend(base)
         row = self._new_row(owner, session_id, seq, base, model_path, None)
         self._remember(LiveSampler(row.id, owner, session_id, base, version, model_path))
+        log.info("sampling session %s loaded for %s: %s", row.id, owner, model_path or f"base model {base.name}")
         return row.id
 
     def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,
