@@ -43,6 +43,7 @@ costs one read of the version's file plus the drain; benchmarks/sampling.py meas
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import itertools
 import logging
@@ -86,6 +87,22 @@ def needs_scorer(spec: ResolvedRequest) -> bool:
     return spec.scores_prompt
 
 
+def _shut_down(llm) -> None:
+    """Shut an AsyncLLM down once. Its `__del__` calls `shutdown()` again whenever the object
+    is collected; at interpreter exit the module globals that method uses are already None,
+    which printed `TypeError: 'NoneType' object is not callable` as the last line of every
+    process that used vLLM. The instance's second call is made a no-op."""
+    llm.shutdown()
+    llm.shutdown = lambda *args, **kwargs: None
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """atexit: close a sampler its owner never closed, while the interpreter is intact."""
+    sampler = ref()
+    if sampler is not None:
+        sampler.close()
+
+
 class VLLMSampler(Sampler):
     """Sampler over vLLM's AsyncLLM (see the module docstring)."""
 
@@ -115,6 +132,7 @@ class VLLMSampler(Sampler):
         self._start_lock = asyncio.Lock()
         self._closed = False
         self._call(self._ensure_engine())  # start in the background; requests wait for it
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
@@ -251,7 +269,7 @@ class VLLMSampler(Sampler):
                 raise RuntimeError("the sampler is closed")
             if self._llm is not None:
                 log.error("vLLM engine died (%s); starting a new one", self._llm.dead_error)
-                await asyncio.get_running_loop().run_in_executor(None, self._llm.shutdown)
+                await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._llm)
                 self._llm = None
             start = asyncio.get_running_loop().run_in_executor(None, self._start_engine)
             self._llm = await asyncio.wait_for(start, self.config.engine_start_timeout_s)
@@ -282,7 +300,7 @@ class VLLMSampler(Sampler):
     async def _shutdown(self) -> None:
         async with self._start_lock:
             if self._llm is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self._llm.shutdown)
+                await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._llm)
                 self._llm = None
 
     def engine_pids(self) -> list[int]:
