@@ -303,6 +303,14 @@ class VLLMSampler(Sampler):
                 await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._llm)
                 self._llm = None
 
+    def loaded_lora_ids(self, timeout_s: float = 30.0) -> set[int]:
+        """Read-only: the LoRA ids the running engine holds now (empty before it started);
+        a released version's id leaves it (tests and diagnostics)."""
+        async def ids() -> set[int]:
+            return set(await self._llm.list_loras()) if self._llm is not None and not self._llm.errored else set()
+
+        return self._call(ids()).result(timeout_s)
+
     def engine_pids(self) -> list[int]:
         """Process ids of the running engine core (for fault-injection tests)."""
         import psutil
