@@ -171,6 +171,7 @@ def test_every_readme_block_is_run_or_checked():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # every snippet in turn, recipes included: longer than one test's usual bound
 def test_readme_snippets_run_as_written(tmp_path):
     blocks = [b for b in readme_blocks(README.read_text()) if b.check_reason is None]
     assert sum(b.lang == "python" for b in blocks) >= 3, "the README lost its runnable python examples"
