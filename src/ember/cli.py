@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "demo": ("ember.recipes.demo", "SFT then GRPO on digit sums with a tiny model (CPU, minutes)"),
     "train": ("ember.recipes.train_cli", "run a recipe: ember train sft|grpo|ppo|reward_model --config file.toml"),
     "tiny-model": ("ember.models.cli", "write a tiny random-weight model + tokenizer to a directory (to try ember)"),
+    "estimate": ("ember.engine.estimate_cli", "per-rank memory of training a model: ember estimate --model DIR --tokens N"),
     "db": ("ember.service.db_cli", "the service database: ember db upgrade|current --data-dir DIR | --database-url URL"),
 }
 

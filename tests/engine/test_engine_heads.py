@@ -1,5 +1,5 @@
 """Scalar-head (value) runs on the same engine: values, gradients (contract 2), checkpoints,
-export, and the head/loss seam (DESIGN.md "Roles")."""
+export, and the head/loss seam (docs/architecture.md#roles-one-engine-several-heads)."""
 
 from __future__ import annotations
 

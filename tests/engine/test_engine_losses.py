@@ -10,7 +10,7 @@ from ember.models import load_model
 
 
 def _formula(loss_fn, logp, inp, cfg):
-    """Tinker's per-datum losses (tinker-protocol.md §5), written independently of ember.losses."""
+    """Tinker's per-datum losses (docs/protocol.md §5), written independently of ember.losses."""
     if loss_fn == "cross_entropy":
         return -(inp["weights"] * logp).sum()
     q, adv = inp["logprobs"], inp["advantages"]

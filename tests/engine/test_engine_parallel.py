@@ -10,6 +10,7 @@ two ranks, or a row split over TP ranks, changes fp32 rounding. Parameters are c
 SGD steps only: Adam's m/√v amplifies reduction-order noise in tiny-gradient entries.
 """
 
+import dataclasses
 import os
 import signal
 import threading
@@ -161,6 +162,31 @@ def test_lora_gradients_reach_adapters_in_every_layer(group, tiny_model_dir, lay
         eng.export_hf(tmp_path / "w2"), ref.export_hf(tmp_path / "w1")  # peft-loadable, gathered
         close_dicts(load_file(tmp_path / "w2" / "adapter_model.safetensors"),
                     load_file(tmp_path / "w1" / "adapter_model.safetensors"), "exported adapter")
+    finally:
+        eng.close()
+
+
+# The chunked policy head (EngineConfig.logprob_chunk_tokens) at world 2 against the
+# unchunked head at world 1: lm_head runs outside the root FSDP2 forward, on replicated
+# weights under TP (ember's TP plan does not shard lm_head: see ember.engine.parallel).
+CHUNKED_CASES = [("fsdp", False), ("tp", False), ("fsdp-ac", False), ("fsdp", True), ("tp", True)]
+
+
+@pytest.mark.parametrize(("group", "layout", "lora"), [("process", *c) for c in CHUNKED_CASES], indirect=["group"],
+                         ids=[f"{layout}-{'lora' if lora else 'full'}" for layout, lora in CHUNKED_CASES])
+def test_world2_chunked_head_matches_world1_unchunked(group, tiny_model_dir, layout, lora):
+    lora_config = types.LoraConfig(rank=4) if lora else None
+    base = config_for(layout)
+    name = f"chunked-{layout}-{lora}"
+    ref = TorchEngine.from_pretrained(tiny_model_dir, dataclasses.replace(base, logprob_chunk_tokens=0),
+                                      lora_config=lora_config)
+    spec = EngineSpec(str(tiny_model_dir), dataclasses.replace(base, logprob_chunk_tokens=5), LAYOUTS[layout],
+                      lora_config)
+    eng = GroupEngine.create(group, name, spec)
+    try:
+        train_both(group, ref, eng, name)
+        datums = random_sft_datums(4, vocab=84, seed=9)
+        close_outputs(eng.forward(datums, "cross_entropy"), ref.forward(datums, "cross_entropy"))
     finally:
         eng.close()
 

@@ -1,4 +1,4 @@
-"""Loss values and gradients against independent references (tinker-protocol.md §5).
+"""Loss values and gradients against independent references (docs/protocol.md §5).
 
 Two references per loss, both written independently of `ember.losses.functions`:
 * numpy (float64): per-token loss and the *closed-form* d loss / d logp, which pins the

@@ -42,3 +42,34 @@ def test_a_family_without_a_tp_plan_is_refused_by_tensor_parallelism(monkeypatch
         _check_tp_divisibility(LlamaConfig(**SMALL), 2)
     _check_tp_divisibility(Qwen3Config(**SMALL), 2)
     assert families.tp_families() == ("mistral", "qwen2", "qwen3")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_family_file_builds_its_tiny_model_and_names_real_classes(name, tmp_path):
+    """The family's tiny config is of its model_type; its LoRA targets and TP plan name modules
+    of that model; its value-head class is a transformers token classifier of the family."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from ember.models.testing import tiny_config
+
+    family = FAMILIES[name]
+    config = tiny_config(name, vocab_size=50)
+    assert config.model_type == name and family_of(config) is family and not uses_sliding_window(config)
+    model = AutoModelForCausalLM.from_config(config)
+    suffixes = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    assert set(family.lora.attn + family.lora.mlp + family.lora.unembed) <= suffixes
+    layer = model.model.layers[0]
+    for path in (family.tp_plan.colwise + family.tp_plan.rowwise) if family.tp_plan else ():
+        layer.get_submodule(path)
+    if family.value_head_class is not None:
+        cls = getattr(transformers, family.value_head_class)
+        assert cls.__name__.endswith("ForTokenClassification") and cls.config_class is type(config)
+
+
+def test_unknown_tiny_model_family_is_refused_naming_the_known_ones():
+    from ember.models.testing import tiny_config
+
+    with pytest.raises(ValueError, match=r"unknown tiny model family 'gpt2'; expected one of \['llama', 'mistral', "
+                                         r"'olmo2', 'qwen2', 'qwen3'\]"):
+        tiny_config("gpt2", vocab_size=50)

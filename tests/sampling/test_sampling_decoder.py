@@ -13,6 +13,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -34,6 +35,8 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=1, tie_word_embeddings=True),
     "mistral-no-window": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None,
                                                tie_word_embeddings=False),
+    # post-sublayer norms, q/k norms over the whole projection (ember.models.families.olmo2)
+    "olmo2": lambda: Olmo2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
 }
 
 
@@ -92,13 +95,14 @@ def test_direct_matches_transformers_with_eager_masks():
     _assert_same(_model(CONFIGS["qwen3-gqa"]()), attn="eager")
 
 
-def test_direct_matches_transformers_in_bfloat16():
+@pytest.mark.parametrize("family", ["qwen3-gqa", "olmo2"])
+def test_direct_matches_transformers_in_bfloat16(family):
     """bf16 takes the SDPA decode path and the fp32-statistics RMSNorm (as on a GPU)."""
-    model = _model(CONFIGS["qwen3-gqa"]()).to(torch.bfloat16)
+    model = _model(CONFIGS[family]()).to(torch.bfloat16)
     _assert_same(model, atol=0.05)  # logits of magnitude ~1-4; bf16 keeps ~3 significant digits
 
 
-@pytest.mark.parametrize("family", ["qwen3-mha-tied", "llama-bias"])
+@pytest.mark.parametrize("family", ["qwen3-mha-tied", "llama-bias", "olmo2"])
 def test_direct_matches_transformers_for_a_full_version(family):
     model = _model(CONFIGS[family]())
     aliases, _, required = parameter_aliases(model)

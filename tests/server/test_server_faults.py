@@ -1,4 +1,4 @@
-"""tinker-protocol.md §9 items that need the server to answer in special ways or with
+"""docs/protocol.md §9 items that need the server to answer in special ways or with
 other client-config flags (4, 5, 6, 10, 15, 33, 36-38, 40-42).
 
 The server is the real `ember serve` app wrapped by the test-only tests/server/fault_server.py

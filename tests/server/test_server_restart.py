@@ -1,5 +1,5 @@
 """kill -9 mid-training, restart `ember serve` on the same data directory and port, resume
-from the last checkpoint; every accepted future is accounted for (DESIGN contract 6)."""
+from the last checkpoint; every accepted future is accounted for (docs/architecture.md contract 6)."""
 
 from __future__ import annotations
 

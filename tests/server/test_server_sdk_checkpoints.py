@@ -1,4 +1,4 @@
-"""tinker-protocol.md §9 checkpoint items 28-32 with the unmodified official SDK."""
+"""docs/protocol.md §9 checkpoint items 28-32 with the unmodified official SDK."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tinker-protocol.md §9 sampling items 21-27: the unmodified official SDK against
+"""docs/protocol.md §9 sampling items 21-27: the unmodified official SDK against
 `ember serve`, protobuf SampleResponse, sample_sequence_ids, snapshots."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_prompt_logprobs_topk_and_compute_logprobs(trained):
     computed = sampler.compute_logprobs(PROMPT).result()
     assert computed[0] is None
     np.testing.assert_allclose(computed[1:], plp[1:], rtol=1e-5, atol=1e-5)
-    # trainer/sampler agreement (DESIGN contract 5): same weights, same logprobs
+    # trainer/sampler agreement (docs/architecture.md contract 5): same weights, same logprobs
     ids = PROMPT.to_ints()
     trainer = tc.forward([sft_datum(ids)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     np.testing.assert_allclose(computed[1:], trainer, atol=1e-4)

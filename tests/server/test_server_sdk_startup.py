@@ -1,4 +1,4 @@
-"""tinker-protocol.md §9 items 1-3, 7-9, 11 and API-key handling: the unmodified official
+"""docs/protocol.md §9 items 1-3, 7-9, 11 and API-key handling: the unmodified official
 SDK against `ember serve` (a real subprocess), checked on the server's request log."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tinker-protocol.md §9 training items (12-14, 16-20, 34, 35, 39, 40, 43) with the
+"""docs/protocol.md §9 training items (12-14, 16-20, 34, 35, 39, 40, 43) with the
 unmodified official SDK against `ember serve`, plus in-process vs HTTP parity."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The `TrainingEngine` interface: what the service (and the workers) may ask of an engine.
 
-Semantics are Tinker's (see DESIGN.md contracts 1, 2, 6, 7):
+Semantics are Tinker's (see docs/architecture.md contracts 1, 2, 6, 7):
 
 * `forward_backward` adds ∇ Σ_datums loss(datum) to the gradient accumulator — a plain SUM,
   identical for any micro-batching, packing, parallel layout or split of the batch over

@@ -28,6 +28,17 @@ class EngineConfig:
     seed: seeds dropout-free training RNG (kept in checkpoints for exact resume).
     backend: the engine implementation, by name from `ember.engine.registry.ENGINE_BACKENDS`
         ("torch": TorchEngine).
+    logprob_chunk_tokens: the policy head runs the LM head, fp32 log-softmax and target
+        gather over chunks of this many tokens, recomputed in backward, so no (T, vocab)
+        tensor is held for a micro-batch (`ember.engine.heads.chunked_target_logprobs`);
+        0 = off (full logits, as transformers computes them). Results are equal either way.
+    activation_checkpointing: recompute each decoder layer's activations in backward
+        (any engine; under a mesh it is applied before FSDP2). Keeps one hidden state per
+        layer instead of every intermediate: less memory, about one more forward of time.
+    activation_offload: CUDA only: tensors saved for backward are kept in pinned host
+        memory (`torch.autograd.graph.save_on_cpu`) and copied back in backward.
+    optimizer_offload: CUDA only: the optimizer state (AdamW moments, Dimuon momentum)
+        lives in host memory between steps and visits the device for `optim_step` only.
     """
 
     micro_batch_tokens: int = 8192
@@ -38,6 +49,10 @@ class EngineConfig:
     attn_implementation: str = "sdpa"
     seed: int = 0
     backend: str = "torch"
+    logprob_chunk_tokens: int = 1024
+    activation_checkpointing: bool = False
+    activation_offload: bool = False
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         from ember.engine.registry import ENGINE_BACKENDS
@@ -46,6 +61,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.backend {self.backend!r} is unknown; known: {', '.join(ENGINE_BACKENDS)}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"EngineConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        chunk = self.logprob_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"EngineConfig.logprob_chunk_tokens must be an integer >= 0 (0 = off), got {chunk!r}")
+        for name in ("activation_offload", "optimizer_offload"):
+            if getattr(self, name) and not self.device.startswith("cuda"):
+                raise ValueError(f"EngineConfig.{name} needs a CUDA device (it moves memory from the GPU to the host); "
+                                 f"device is {self.device!r}")
         resolve_dtype(self.dtype)
         if self.autocast_dtype is not None and resolve_dtype(self.autocast_dtype) not in (torch.bfloat16, torch.float16):
             raise ValueError(f"EngineConfig.autocast_dtype must be None, 'bfloat16' or 'float16', got {self.autocast_dtype!r}")

@@ -1,4 +1,4 @@
-"""Output heads: what a run's model computes per token (DESIGN.md "Roles").
+"""Output heads: what a run's model computes per token (docs/architecture.md#roles-one-engine-several-heads).
 
 A training run has one head, chosen by name from `HEADS` (the run's
 ``user_metadata['ember.head']``, default ``"policy"``):
@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
+import torch.utils.checkpoint
 
 from ember.engine.batching import MicroBatch
 
@@ -52,22 +53,92 @@ class OutputHead(torch.nn.Module, abc.ABC):
         """The head's tensors under their transformers names (none for a policy)."""
         return {}
 
+    def bind_unembed(self, unembed: Callable[[torch.Tensor], torch.Tensor],
+                     last_hidden: Callable[[Any], torch.Tensor], chunk_tokens: int) -> None:
+        """The engine hands over the model's LM head (`unembed(hidden) -> logits`, the module
+        itself, adapters and autocast included), how to read the last hidden state from the
+        model's output, and `EngineConfig.logprob_chunk_tokens`. Heads without lm_head ignore it."""
+
 
 class PolicyHead(OutputHead):
-    """Log-probabilities of the target tokens, from the LM head's logits (fp32 log-softmax)."""
+    """Log-probabilities of the target tokens, from the LM head's logits (fp32 log-softmax).
 
-    name, output, model_kwargs, uses_lm_head = "policy", "logprobs", {}, True
+    With `chunk_tokens` > 0 (`EngineConfig.logprob_chunk_tokens`) the model returns its last
+    hidden state only (`logits_to_keep` empty) and the LM head, fp32 log-softmax and target
+    gather run `chunk_tokens` rows at a time (`chunked_target_logprobs`): no (T, V) tensor
+    is ever held for the micro-batch, in forward or backward. `unembed` is the model's own
+    output-embedding module (peft's LoRA wrapper on `lm_head` included), set by the engine."""
+
+    name, output, uses_lm_head = "policy", "logprobs", True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunk_tokens = 0
+        self.unembed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.last_hidden: Callable[[Any], torch.Tensor] | None = None
+
+    def bind_unembed(self, unembed: Callable[[torch.Tensor], torch.Tensor],
+                     last_hidden: Callable[[Any], torch.Tensor], chunk_tokens: int) -> None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
+            raise ValueError(f"logprob_chunk_tokens must be an integer >= 0 (0 = off), got {chunk_tokens!r}")
+        self.unembed, self.last_hidden, self.chunk_tokens = unembed, last_hidden, chunk_tokens
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_tokens > 0 and self.unembed is not None
+
+    @property
+    def model_kwargs(self) -> Mapping[str, Any]:  # type: ignore[override]
+        # An empty index list: the HF forward runs lm_head on no position at all.
+        return {"logits_to_keep": torch.empty(0, dtype=torch.long)} if self.chunked else {}
 
     def outputs(self, model_out: Any, mb: MicroBatch, device: torch.device) -> torch.Tensor:
-        logits = model_out.logits.flatten(0, 1).index_select(0, mb.valid_index.to(device))  # (T, V)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # fp32 even for bf16 models
         targets = mb.inputs["target_tokens"].to(device)
-        if targets.dim() == 1:
-            return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
-        return logp.gather(1, targets)
+        index = mb.valid_index.to(device)
+        if self.chunked:
+            hidden = self.last_hidden(model_out).flatten(0, 1).index_select(0, index)  # (T, H)
+            return chunked_target_logprobs(self.unembed, hidden, targets, self.chunk_tokens)
+        logits = model_out.logits.flatten(0, 1).index_select(0, index)  # (T, V)
+        return _target_logprobs(logits, targets)
 
     def zero_contribution(self, model_out: Any) -> torch.Tensor:
+        if self.chunked:
+            return self.unembed(self.last_hidden(model_out)[:, :1]).float().sum() * 0.0
         return model_out.logits.float().sum() * 0.0
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[targets] in fp32 (even for bf16 models): (T,) or (T, K)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if targets.dim() == 1:
+        return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    return logp.gather(1, targets)
+
+
+def _unembed_target_logprobs(unembed: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _target_logprobs(unembed(hidden), targets)
+
+
+def chunked_target_logprobs(
+    unembed: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """log_softmax(unembed(hidden))[targets] for hidden (T, H), `chunk_tokens` rows at a time.
+
+    Under autograd each chunk is a non-reentrant `torch.utils.checkpoint`: forward keeps
+    only the chunk's (T_c,) output, backward recomputes that chunk's logits, so the peak is
+    one chunk's (T_c, V) logits and their fp32 log-softmax and gradient. Row-wise ops only,
+    so the values equal the unchunked path's (same matmul rows, same reductions)."""
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(_unembed_target_logprobs, unembed, h, t,
+                                                           use_reentrant=False))
+        else:
+            parts.append(_unembed_target_logprobs(unembed, h, t))
+    if not parts:  # no real token: keep the output's shape and graph
+        return _unembed_target_logprobs(unembed, hidden, targets)
+    return torch.cat(parts)
 
 
 class ValueHead(OutputHead):
@@ -110,7 +181,7 @@ def _hidden_size(hf_config: Any) -> int:
 
 
 HEADS: dict[str, Callable[[Any, int], OutputHead]] = {
-    "policy": lambda hf_config, seed: PolicyHead(),
+    "policy": lambda hf_config, seed: PolicyHead(),  # the engine sets its chunking (`OutputHead.bind_unembed`)
     "value": lambda hf_config, seed: ValueHead(_hidden_size(hf_config), seed),
 }
 HEAD_OUTPUTS: dict[str, str] = {"policy": PolicyHead.output, "value": ValueHead.output}

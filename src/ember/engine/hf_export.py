@@ -11,7 +11,7 @@
         `AutoModelForCausalLM.from_pretrained(out)`.
     write_value_model(out, weights, head, base_dir)
         a value-head run (full fine-tuning) as a token classifier with one label: the base
-        config with `architectures` mapped `XForCausalLM -> XForTokenClassification`, the
+        config with `architectures` set to the model family's `value_head_class`, the
         backbone's `model.*` tensors and the head's `score.weight` / `score.bias`, no
         `lm_head`: `AutoModelForTokenClassification.from_pretrained(out)`.
     write_lora_adapter(out, adapter, ..., head=head)
@@ -39,6 +39,7 @@ import torch
 # the adapter's file names and targets, as exports' readers know them from here
 from ember.models.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from ember.models.adapter import adapter_target_modules as lora_target_modules
+from ember.models.families import FAMILIES
 
 MODEL_WEIGHTS = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
@@ -104,17 +105,29 @@ def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], bas
 
 def token_classification_config(base_config: dict) -> dict:
     """A causal LM's config as a one-label token classifier's (a value head's export):
-    `architectures` `XForCausalLM -> XForTokenClassification`, label VALUE, `ember_head`."""
+    `architectures` the family's `value_head_class` (`ember.models.families`), label VALUE,
+    `ember_head`. A model_type without a family maps `XForCausalLM -> XForTokenClassification`."""
+    config = dict(base_config)
+    config["architectures"] = [value_head_class(base_config)]
+    config["id2label"], config["label2id"] = {"0": VALUE_LABEL}, {VALUE_LABEL: 0}
+    config["ember_head"] = "value"
+    return config
+
+
+def value_head_class(base_config: dict) -> str:
+    """The token classifier a causal LM's config maps to: its family's, else `X` of `XForCausalLM`."""
     archs = base_config.get("architectures") or []
     causal = [a for a in archs if isinstance(a, str) and a.endswith("ForCausalLM")]
     if not causal:
         raise ValueError(f"config.json architectures must name an XForCausalLM class to map to "
                          f"XForTokenClassification; got {archs!r}")
-    config = dict(base_config)
-    config["architectures"] = [causal[0].removesuffix("ForCausalLM") + "ForTokenClassification"]
-    config["id2label"], config["label2id"] = {"0": VALUE_LABEL}, {VALUE_LABEL: 0}
-    config["ember_head"] = "value"
-    return config
+    family = FAMILIES.get(str(base_config.get("model_type", "")))
+    if family is None:
+        return causal[0].removesuffix("ForCausalLM") + "ForTokenClassification"
+    if family.value_head_class is None:
+        raise ValueError(f"model family {family.model_type!r} has no transformers token-classification class "
+                         f"to export a value head as (its training checkpoint keeps the head)")
+    return family.value_head_class
 
 
 def write_value_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], head: dict[str, torch.Tensor],

@@ -22,7 +22,7 @@ Order of application (as torchtitan): tensor parallel → activation checkpointi
 * **FSDP2** (`dp_shard > 1` or `dp_replicate > 1`): `fully_shard` per decoder layer and at
   the root, on the 1-D `dp_shard` mesh, or the 2-D `(dp_replicate, dp_shard)` mesh (HSDP;
   with `dp_shard == 1` that is DDP-style replication). **Gradient reduction is a SUM**
-  (DESIGN.md contract 2): FSDP2 averages by default, so every FSDP module gets
+  (docs/architecture.md contract 2): FSDP2 averages by default, so every FSDP module gets
   `set_gradient_divide_factor(1.0)` and `set_force_sum_reduction_for_comms(True)` (in
   torch 2.13, `_fsdp_collectives._get_gradient_divide_factors` then picks
   `ReduceOp.SUM` for both the reduce-scatter and the HSDP all-reduce and a post-divide
@@ -248,10 +248,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype, cpu_of
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Composable checkpoint on every decoder layer; layers that already have it are left
+    as they are (a LoRA base shared by several engines, or one laid out on a mesh)."""
     from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.contract import _get_registry
 
     for layer in decoder_layers(model):
-        checkpoint(layer)
+        if "checkpoint" not in (_get_registry(layer) or {}):
+            checkpoint(layer)
 
 
 def parallelize_model(

@@ -1,7 +1,7 @@
 """`TorchEngine`: a Hugging Face causal LM (full fine-tuning or a LoRA adapter) + its optimizer
 (AdamW by default, or Dimuon: `ember.engine.optimizers`).
 
-Exactness is the point (DESIGN.md contract 2): a `forward_backward` adds
+Exactness is the point (docs/architecture.md contract 2): a `forward_backward` adds
 ∇ Σ_datums loss(datum) to the parameters' `.grad`, micro-batch by micro-batch, with no
 scaling, so any micro-batch budget, packing or split over calls gives the same gradient.
 The model always runs in eval mode (no dropout), like Tinker, so `forward`,
@@ -16,6 +16,8 @@ the SDK reads them): values for a value head.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -33,6 +35,7 @@ from ember.engine.batching import MicroBatch, build_micro_batch, head_mismatch, 
 from ember.engine.config import EngineConfig
 from ember.engine.heads import OutputHead, build_head, head_output
 from ember.engine.optimizers import Optimizer, build_optimizer
+from ember.engine.parallel import apply_activation_checkpointing, hf_model
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
 
@@ -45,6 +48,11 @@ DEFAULT_ADAPTER = "default"
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     # DTensor (FSDP2/TP) → gather the full tensor; plain tensors pass through.
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _last_hidden(model_out) -> torch.Tensor:
+    """The decoder's last hidden state that `TorchEngine._model_forward` captured."""
+    return model_out.ember_last_hidden
 
 
 class TorchEngine(TrainingEngine):
@@ -82,6 +90,9 @@ class TorchEngine(TrainingEngine):
         self._activate()
         seed = lora_config.seed if lora_config is not None and lora_config.seed is not None else self.config.seed
         self.head: OutputHead = build_head(head, self.hf_config, seed).to(self.device)
+        self.head.bind_unembed(self._unembed, _last_hidden, self.config.logprob_chunk_tokens)
+        if self.config.activation_checkpointing:
+            apply_activation_checkpointing(self.model)  # idempotent: a shared base or a mesh may have it
         self._params = self._trainable_parameters()
         self.optimizer_config = optimizer_config
         self.optimizer = self._new_optimizer()
@@ -112,6 +123,9 @@ class TorchEngine(TrainingEngine):
         if lora_config is not None:
             model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config, unembed=head == "policy")
         parallel = None
+        if parallelism is not None and config.activation_checkpointing:
+            # under a mesh it must come before FSDP2 (torchtitan's order): let parallelize_model apply it
+            parallelism = dataclasses.replace(parallelism, activation_checkpointing=True)
         if parallelism is not None and parallelism.world_size > 1:
             from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
 
@@ -203,11 +217,48 @@ class TorchEngine(TrainingEngine):
         return self.head.outputs(out, mb, dev)
 
     def _model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
-        """The HF model's output object (always the root module: FSDP2/TP/peft hooks stay in play)."""
+        """The HF model's output object (always the root module: FSDP2/TP/peft hooks stay in play).
+
+        A chunked policy head asks for no logits (`logits_to_keep` empty); the decoder's last
+        hidden state (after the final norm) is then read by a forward hook on the decoder
+        — not `output_hidden_states`, which would keep every layer's output in a no-grad
+        forward — and put on the output as `ember_last_hidden`."""
+        amp = self._autocast
+        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.head.model_kwargs.items()}
+        captured: list[torch.Tensor] = []
+        with self._capture_last_hidden(captured, "logits_to_keep" in kwargs and self.head.uses_lm_head), \
+                self._activation_offload(), \
+                torch.autocast(self.device.type, dtype=resolve_dtype(amp) if amp else None, enabled=amp is not None):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
+                             **kwargs)
+        if captured:
+            out.ember_last_hidden = captured[0]
+        return out
+
+    @contextlib.contextmanager
+    def _capture_last_hidden(self, captured: list, wanted: bool):
+        if not wanted:
+            yield
+            return
+        decoder = hf_model(self.model).get_decoder()
+        handle = decoder.register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _activation_offload(self):
+        """`EngineConfig.activation_offload`: tensors saved for backward live in (pinned) host memory."""
+        if self.config.activation_offload and torch.is_grad_enabled():
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return contextlib.nullcontext()
+
+    def _unembed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's output-embedding module on `hidden` (peft's LoRA wrapper included), under
+        the engine's autocast: the chunked policy head's LM head."""
         amp = self._autocast
         with torch.autocast(self.device.type, dtype=resolve_dtype(amp) if amp else None, enabled=amp is not None):
-            return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
-                              **self.head.model_kwargs)
+            return self.model.get_output_embeddings()(hidden)
 
     def _prepare(self, datums: Sequence[types.Datum], spec) -> tuple[list, list[list[int]], int]:
         """Validate and plan; under data parallelism all ranks agree on errors and pass count."""
@@ -350,7 +401,7 @@ class TorchEngine(TrainingEngine):
             )
         if grads and adam_params.grad_clip_norm > 0:
             self._clip(grads, adam_params.grad_clip_norm, norm_t)
-        self.optimizer.step(adam_params)
+        self._optimizer_step(adam_params)
         self._step += 1
         self.clear_gradients()
         return {"grad_norm:mean": norm, "learning_rate:mean": adam_params.learning_rate, "step:max": float(self._step)}
@@ -433,10 +484,23 @@ class TorchEngine(TrainingEngine):
             p.data = p.data.to(device)
             if p.grad is not None:
                 p.grad = p.grad.to(device)
+        self._place_optimizer_state(device)
+
+    def _place_optimizer_state(self, device: torch.device) -> None:
         for state in self.optimizer.state.values():
             for k, v in state.items():
                 if torch.is_tensor(v) and k != "step":
                     state[k] = v.to(device)
+
+    def _optimizer_step(self, params: types.AdamParams | types.DimuonParams) -> None:
+        """The update; with `EngineConfig.optimizer_offload` the state comes to the device for
+        it and goes back to host memory afterwards (it is created on the device at the first step)."""
+        if not self.config.optimizer_offload:
+            self.optimizer.step(params)
+            return
+        self._place_optimizer_state(self.device)
+        self.optimizer.step(params)
+        self._place_optimizer_state(torch.device("cpu"))
 
     def offload(self) -> None:
         self._move(torch.device("cpu"))

@@ -1,6 +1,6 @@
 """Tinker's built-in losses: pure tensor functions, a name registry, input validation.
 
-Semantics (tinker-protocol.md §5, DESIGN.md contract 1): every loss is a SUM over tokens
+Semantics (docs/protocol.md §5, docs/architecture.md contract 1): every loss is a SUM over tokens
 and datums, weighted per token, with no normalisation. Each function returns the
 per-token loss of a packed micro-batch; the engine sums it and reports ``loss:sum``.
 

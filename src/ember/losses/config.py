@@ -1,6 +1,6 @@
 """`loss_fn_config` resolution: defaults filled in, everything else checked.
 
-Rules (a third-party Tinker-compatible executor enforces the same; tinker-protocol.md §5):
+Rules (a third-party Tinker-compatible executor enforces the same; docs/protocol.md §5):
 unknown keys are rejected, values must be finite real numbers, clip thresholds are
 absolute ratio bounds with 0 ≤ low ≤ high, β ≥ 0, and ``value_clip`` > 0.
 """

@@ -1,4 +1,4 @@
-"""Tinker's built-in losses as pure tensor functions (tinker-protocol.md §5).
+"""Tinker's built-in losses as pure tensor functions (docs/protocol.md §5).
 
 Every function has the signature
 
@@ -17,7 +17,7 @@ along the token dimension T.
 
 Normalisation: **none**. The returned tensor has shape (T,) and holds each token's loss
 term; a datum's loss is the sum over its tokens and the micro-batch loss is ``.sum()`` —
-no mean over tokens, datums or batches (DESIGN.md contract 1). Normalisation is the
+no mean over tokens, datums or batches (docs/architecture.md contract 1). Normalisation is the
 caller's choice, expressed through ``weights`` / ``advantages``.
 
 Value losses (``value_mse``, ``ppo_value``) take the per-token *values* V_t of a scalar

@@ -1,6 +1,6 @@
 """The loss-name registry: a plain dict filled at import, one `LossSpec` per Tinker loss.
 
-Sources for names, inputs and defaults: tinker-protocol.md §5.
+Sources for names, inputs and defaults: docs/protocol.md §5.
 
 * ``ppo`` 0.8 / 1.2 and ``cispo`` 0.0 / 4.0: the official cookbook tutorial
   ``202_loss_functions.py`` (the PPO doc page says "fixed to 0.2", i.e. 0.8 / 1.2).

@@ -1,6 +1,6 @@
 """Checks on one datum's `loss_fn_inputs` before anything touches the model.
 
-Alignment (tinker-protocol.md §4.3): ``model_input`` position i predicts token i+1, so
+Alignment (docs/protocol.md §4.3): ``model_input`` position i predicts token i+1, so
 every loss input has first dimension N = length of ``model_input``. ``target_tokens`` is
 int64 (N,), or (N, K) for top-K ``cross_entropy`` with ``weights`` of the same shape;
 ``weights``, ``logprobs``, ``advantages``, ``sequence_ratio_mask``, ``returns`` and
@@ -150,7 +150,7 @@ def validate_datum_inputs(
 
     ``n_tokens`` is the datum's ``model_input`` length. Returns a new dict: target_tokens
     int64; float inputs as contiguous float32; ``cross_entropy`` without ``weights`` gets
-    all-ones weights (tinker-protocol.md §5 recommends ones; skyrl-tx does the same).
+    all-ones weights (docs/protocol.md §5 recommends ones; skyrl-tx does the same).
     ``scan_values=False`` checks keys, shapes and dtypes only, leaving the token-range and
     finiteness scans to one `first_bad_datum` call over a whole request.
     """

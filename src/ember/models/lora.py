@@ -19,25 +19,25 @@ from peft import PeftModel, get_peft_model
 from tinker import types
 from transformers import PreTrainedModel
 
-LORA_ALPHA = 32
+from ember.models.families import lora_targets
 
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-_UNEMBED = ("lm_head",)
+LORA_ALPHA = 32
 
 
 def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig, unembed: bool = True) -> list[str]:
     """Names (suffixes) of the Linear modules that receive adapters, present in `model`.
 
-    `unembed=False` (a value-head run, which does not use the LM head) never targets
-    `lm_head`, whatever `train_unembed` says."""
+    The names per group are the model family's (`ember.models.families`). `unembed=False`
+    (a value-head run, which does not use the LM head) never targets the unembedding,
+    whatever `train_unembed` says."""
+    family = lora_targets(model.config)
     wanted: list[str] = []
     if config.train_attn:
-        wanted += _ATTN
+        wanted += family.attn
     if config.train_mlp:
-        wanted += _MLP
+        wanted += family.mlp
     if config.train_unembed and unembed:
-        wanted += _UNEMBED
+        wanted += family.unembed
     # Suffixes of every module: after peft wrapping, `q_proj` is a LoRA layer, no longer a Linear.
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [w for w in wanted if w in present]
@@ -45,7 +45,7 @@ def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig, unembe
         raise ValueError(
             f"LoraConfig selects no module of this model (train_attn={config.train_attn}, "
             f"train_mlp={config.train_mlp}, train_unembed={config.train_unembed}); "
-            f"projection modules present: {sorted(present & set(_ATTN + _MLP + _UNEMBED))}"
+            f"projection modules present: {sorted(present & set(family.attn + family.mlp + family.unembed))}"
         )
     return targets
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from ember.models.families import FAMILIES
 
 EOS = "<|eos|>"
 PAD = "<|pad|>"
@@ -78,7 +80,8 @@ def tiny_config(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
 ):
-    """A transformers config for a tiny Qwen3 or Llama (head_dim always explicit)."""
+    """A transformers config for a tiny model of `family` (a key of `FAMILIES`; each family
+    file's `tiny_config` builds it), head_dim always explicit."""
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -93,11 +96,9 @@ def tiny_config(
         pad_token_id=pad_token_id,
         bos_token_id=None,
     )
-    if family == "qwen3":
-        return Qwen3Config(**kwargs)
-    if family == "llama":
-        return LlamaConfig(**kwargs)
-    raise ValueError(f"unknown tiny model family {family!r}; expected 'qwen3' or 'llama'")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {sorted(FAMILIES)}")
+    return FAMILIES[family].tiny_config(**kwargs)
 
 
 def build_tiny_model(

@@ -18,7 +18,7 @@ as terminal too); returns R = A + V; optional whitening of A over the batch; `ep
 `minibatches` of the policy's `ppo` loss and the critic's `ppo_value` loss, both submitted
 before either is awaited; then a new policy snapshot.
 
-Normalisation (DESIGN contract 1: losses are sums): within a mini-batch of n completion
+Normalisation (docs/architecture.md contract 1: losses are sums): within a mini-batch of n completion
 tokens every policy advantage is divided by n and every critic weight is 1/n, so both
 losses are token means and the LR does not depend on the batch size.
 

@@ -5,8 +5,8 @@ of a sequence is the value at its last position (it has attended to every token)
 pair: loss = softplus(-(s_chosen - s_rejected)) = -log sigmoid(s_c - s_r), averaged over
 the batch's pairs.
 
-There is no built-in pairwise loss: every built-in loss is a per-token sum (DESIGN
-contract 1), and the engine may put a pair's two sequences in different micro-batches,
+There is no built-in pairwise loss: every built-in loss is a per-token sum
+(docs/architecture.md contract 1), and the engine may put a pair's two sequences in different micro-batches,
 so no per-micro-batch loss sees both. The pairwise term therefore runs on the client
 through `forward_backward_custom`: a forward gives every score, the loss and its gradient
 are computed here, and the gradient goes back as per-token weights of a `cross_entropy`

@@ -1,14 +1,14 @@
 """The `Sampler` interface: what the service asks of a sampling backend.
 
 A sampler serves one base model. Weights reach it as *versions*: `load_weights` turns
-an engine's `named_weights()` into an immutable `WeightVersion` (DESIGN.md contract 4),
+an engine's `named_weights()` into an immutable `WeightVersion` (docs/architecture.md contract 4),
 and every request names the version it samples from (`None` = the base model's own
 weights). A handle pinned to version v samples from v forever, however many newer
 versions appear; a version's memory is released when nothing references it any more.
 
 Requests and responses are the `tinker` SDK's types (`types.ModelInput`,
 `types.SamplingParams`, `types.SampleResponse`), so the service passes them through
-from the wire. The semantics are Tinker's (tinker-protocol.md §4.6, §4.7):
+from the wire. The semantics are Tinker's (docs/protocol.md §4.6, §4.7):
 
 * `max_tokens`: the most tokens to generate; unset → the backend's documented default
   (`SamplerConfig.default_max_tokens`, 128 for TorchSampler). A sequence that reaches it

@@ -39,8 +39,8 @@ class SamplerConfig:
         the mode per engine: a request asking for the other one is refused.
     attn_implementation: TorchSampler's transformers attention ("sdpa" or "eager").
     forward: TorchSampler: how a forward is computed. "transformers" calls the model's
-        own forward; "direct" computes the same function with plain tensor ops (Llama,
-        Mistral, Qwen2, Qwen3 families; less per-call overhead); "auto" (default) is
+        own forward; "direct" computes the same function with plain tensor ops (the
+        families whose `ember.models.families` entry has a `decode` layer; less per-call overhead); "auto" (default) is
         "direct" where supported, else "transformers".
     prefix_cache_tokens / prefix_cache_block: TorchSampler's prefix cache: the KV of up to
         `prefix_cache_tokens` prompt positions (all entries together, least recently used

@@ -1,12 +1,15 @@
-"""A direct decode forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3).
+"""A direct decode forward for the model families that declare one (`ember.models.families`:
+Llama, Mistral, Qwen2, Qwen3, OLMo 2).
 
 Sampling runs one forward per generated token over a few dozen rows; for small and
 medium models on CPU most of that forward's time is Python overhead in the general
 transformers call path (output capturing, mask preparation, attention dispatch, keyword
 plumbing), not arithmetic. `DirectDecoder` computes the same function from the same
-parameters with plain tensor ops: embedding, per layer RMSNorm -> q/k/v (+ q/k norm for
-Qwen3) -> rotary (the model's own rotary module) -> `SlotCache` update -> SDPA -> o_proj,
-RMSNorm -> gated MLP (the config's activation), final norm, lm_head.
+parameters with plain tensor ops: embedding, per layer the family's layer function
+(`DirectDecode.layer`: where the RMSNorms sit) over the operations here: attention is
+q/k/v (+ the family's q/k norm, per head or over the projection) -> rotary (the model's
+own rotary module) -> `SlotCache` update -> SDPA -> o_proj, the MLP is gated (the
+config's activation); then the final norm and lm_head.
 
 It reads weights from the model, or from a full fine-tuning version's tensors, and adds
 LoRA deltas itself (the same expression as the forward hooks), so versions behave
@@ -59,12 +62,12 @@ class DirectDecoder:
             raise ValueError(f"DirectDecoder: {reason}")
         cfg = model.config
         self.model = model
+        self.family = family_of(cfg).decode  # the layer, q/k norm and RMSNorm of this family
         attn = model.model.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.kv_groups = attn.num_key_value_groups
         self.kv_heads = cfg.num_key_value_heads
-        self.qk_norm = hasattr(attn, "q_norm")
         self.eps = cfg.rms_norm_eps
         self.act = ACT2FN[cfg.hidden_act]
         self.num_layers = len(model.model.layers)
@@ -93,30 +96,12 @@ class DirectDecoder:
         # there). Elsewhere SDPA, whose GPU kernels keep the scores in fp32 for bf16 models.
         bmm_decode = input_ids.shape[1] == 1 and h.device.type == "cpu" and h.dtype == torch.float32
         bias = self._decode_bias(mask, h.dtype) if bmm_decode else None
+        ops = _LayerOps(self, w, rope, mask, bias, cache)
         for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            x = self._norm(h, w[p + "input_layernorm.weight"])
-            h = h + self._attention(x, p + "self_attn.", i, rope, mask, bias, cache, w)
-            x = self._norm(h, w[p + "post_attention_layernorm.weight"])
-            m = p + "mlp."
-            gate = self.act(w.linear(x, m + "gate_proj"))
-            h = h.add_(w.linear(gate.mul_(w.linear(x, m + "up_proj")), m + "down_proj"))  # h is this forward's own
+            h = self.family.layer(ops, h, i)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return w.linear(self._norm(h, w["model.norm.weight"]), "lm_head")
-
-    def _attention(self, x, prefix, layer, rope: "_Rope", mask, bias, cache, w) -> torch.Tensor:
-        b, t, _ = x.shape
-        shape = (b, t, -1, self.head_dim)
-        q = w.linear(x, prefix + "q_proj").view(shape)
-        k = w.linear(x, prefix + "k_proj").view(shape)
-        v = w.linear(x, prefix + "v_proj").view(shape).transpose(1, 2)
-        if self.qk_norm:
-            q, k = self._norm(q, w[prefix + "q_norm.weight"]), self._norm(k, w[prefix + "k_norm.weight"])
-        q, k = rope(q.transpose(1, 2)), rope(k.transpose(1, 2))
-        k, v = cache.layers[layer].update(k, v, layer)
-        o = self._decode_attention(q, k, v, bias) if bias is not None else self._sdpa(q, k, v, mask)
-        return w.linear(o.transpose(1, 2).reshape(b, t, -1), prefix + "o_proj")
+        return w.linear(self.family.rms_norm(h, w["model.norm.weight"], self.eps), "lm_head")
 
     def _decode_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The decode mask [B, 1, 1, kv] as an additive bias [B * kv_heads, 1, kv] (once per forward)."""
@@ -124,30 +109,54 @@ class DirectDecoder:
         b, kv = mask.shape[0], mask.shape[-1]
         return mask.expand(b, self.kv_heads, 1, kv).reshape(b * self.kv_heads, 1, kv)
 
-    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
+
+class _LayerOps:
+    """One forward's operations, for the family's layer function (`DecodeOps`)."""
+
+    def __init__(self, dec: DirectDecoder, w: "_Weights", rope: "_Rope", mask, bias, cache: SlotCache) -> None:
+        self.dec, self.w, self.rope, self.mask, self.bias, self.cache = dec, w, rope, mask, bias, cache
+
+    def norm(self, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        return self.dec.family.rms_norm(x, self.w[f"model.layers.{i}.{name}.weight"], self.dec.eps)
+
+    def mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """The gated MLP: down(act(gate(x)) * up(x))."""
+        m, w = f"model.layers.{i}.mlp.", self.w
+        gate = self.dec.act(w.linear(x, m + "gate_proj"))
+        return w.linear(gate.mul_(w.linear(x, m + "up_proj")), m + "down_proj")
+
+    def attention(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        dec, w, prefix = self.dec, self.w, f"model.layers.{i}.self_attn."
+        b, t, _ = x.shape
+        shape = (b, t, -1, dec.head_dim)
+        q, k = w.linear(x, prefix + "q_proj"), w.linear(x, prefix + "k_proj")
+        v = w.linear(x, prefix + "v_proj").view(shape).transpose(1, 2)
+        if dec.family.qk_norm == "projection":  # over all heads, before the split (OLMo 2)
+            q, k = self.norm(q, i, "self_attn.q_norm"), self.norm(k, i, "self_attn.k_norm")
+        q, k = q.view(shape), k.view(shape)
+        if dec.family.qk_norm == "head":  # over each head (Qwen3)
+            q, k = self.norm(q, i, "self_attn.q_norm"), self.norm(k, i, "self_attn.k_norm")
+        # OLMo 2's rotary module returns fp32 cos/sin whatever the model dtype; its forward
+        # casts the rotated q/k back (a no-op for the families whose cos/sin match q's dtype).
+        q, k = self.rope(q.transpose(1, 2)).to(v.dtype), self.rope(k.transpose(1, 2)).to(v.dtype)
+        k, v = self.cache.layers[i].update(k, v, i)
+        o = self._decode_attention(q, k, v) if self.bias is not None else self._sdpa(q, k, v)
+        return w.linear(o.transpose(1, 2).reshape(b, t, -1), prefix + "o_proj")
+
+    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One query position: the g query heads sharing a KV head become g query rows of it,
         so no KV head is copied, and two batched matmuls beat SDPA's blocked CPU kernel at
         this shape."""
         b, heads, _, d = q.shape
-        rows = b * self.kv_heads
+        rows = b * self.dec.kv_heads
         k3, v3 = k.reshape(rows, -1, d), v.reshape(rows, -1, d)
-        scores = torch.bmm(q.reshape(rows, -1, d), k3.transpose(1, 2)).mul_(self.scaling).add_(bias)
+        scores = torch.bmm(q.reshape(rows, -1, d), k3.transpose(1, 2)).mul_(self.dec.scaling).add_(self.bias)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, v3).view(b, heads, 1, d)
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                              enable_gqa=self.kv_groups > 1)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm exactly as Llama/Qwen compute it (fp32 statistics, weight after the cast back;
-        the in-place steps only touch tensors made here)."""
-        if x.dtype == torch.float32:
-            return (x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(weight)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x.to(dtype)
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.dec.scaling,
+                                              enable_gqa=self.dec.kv_groups > 1)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Validate a `SamplingRequest` and resolve its defaults (pure functions, no model).
 
 Every error is a `ValueError` naming the field, what was expected and what came, so a
-bad request fails alone and the caller sees why (DESIGN.md contract 7).
+bad request fails alone and the caller sees why (docs/architecture.md contract 7).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Two ways to compute the same forward (`SamplerConfig.forward`):
   enter only from the outside: `torch.func.functional_call` for full fine-tuning sets,
   forward hooks for LoRA.
 * "direct" (`ember.sampling.decoder`): the same function with plain tensor ops for
-  Llama-family models, which removes the per-call overhead that dominates small decode
+  the model families that declare a decode layer (`ember.models.families`), which removes the per-call overhead that dominates small decode
   batches. "auto" (the default) uses it when the architecture is supported.
 """
 

@@ -67,7 +67,8 @@ from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import sampled_sequence
 from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
 from ember.sampling.vllm_versions import (
-    BASE_KEY, VLLMWeightVersion, meta_model, remove_version_files, write_full_version, write_lora_version,
+    BASE_KEY, VLLMWeightVersion, lora_refused_modules, meta_model, remove_version_files, write_full_version,
+    write_lora_version,
 )
 from ember.sampling.weight_gate import WeightGate
 
@@ -114,6 +115,7 @@ class VLLMSampler(Sampler):
         self._id = next(_sampler_ids)
         self._meta = meta_model(self.model_dir)
         self._vocab = int(self._meta.get_input_embeddings().num_embeddings)
+        self._lora_refused = lora_refused_modules(self._meta.config)
         self.max_len = effective_max_len(self.config.max_len, self._meta.config)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self._meta.config, _generation_config(self.model_dir), self.tokenizer)
@@ -154,7 +156,7 @@ class VLLMSampler(Sampler):
             version = write_full_version(self._id, self._meta, items, self.dtype, self._scratch)
         else:
             version = write_lora_version(self._id, self._meta, items, lora_config, self.dtype,
-                                         self.config.max_lora_rank, self._scratch)
+                                         self.config.max_lora_rank, self._scratch, self._lora_refused)
         weakref.finalize(version, _release, weakref.ref(self), version.path, version.lora_id)
         self._versions.add(version)
         return version

@@ -74,12 +74,16 @@ def _cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write_lora_version(
     sampler_id: int, model: nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]],
     lora_config: types.LoraConfig, dtype: torch.dtype, max_rank: int, scratch: Path,
+    refused_modules: tuple[str, ...] = (),
 ) -> VLLMWeightVersion:
+    """`refused_modules`: module names vLLM serves no adapter on for this model (see
+    `lora_refused_modules`); an adapter on one is refused here, before vLLM sees it."""
     if lora_config.rank > max_rank:
         raise ValueError(f"load_weights: LoRA rank {lora_config.rank} exceeds the vLLM sampler's max_lora_rank "
                          f"{max_rank} (raise SamplerConfig.max_lora_rank)")
     items = list(named_weights)
     build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)  # checks only
+    _check_servable(items, refused_modules, model)
     tensors = {}
     for name, t in items:
         m = _LORA_NAME.match(name)
@@ -89,6 +93,28 @@ def write_lora_version(
     version.path.mkdir(parents=True)
     write_peft_adapter(version.path, tensors, rank=lora_config.rank, alpha=LORA_ALPHA)
     return version
+
+
+def lora_refused_modules(config) -> tuple[str, ...]:
+    """LoRA targets vLLM cannot serve for a model of this config: a model without a native
+    vLLM implementation runs on vLLM's transformers backend (OLMo 2 in vLLM 0.32), which
+    has no adapter on `lm_head`, and an adapter naming it kills the engine."""
+    from vllm import ModelRegistry
+
+    for arch in getattr(config, "architectures", None) or ():
+        registered = ModelRegistry.models.get(arch)
+        if registered is not None:
+            return ("lm_head",) if getattr(registered, "class_name", "").startswith("Transformers") else ()
+    return ()
+
+
+def _check_servable(items: list[tuple[str, torch.Tensor]], refused: tuple[str, ...], model: nn.Module) -> None:
+    targets = {m["module"].rsplit(".", 1)[-1] for name, _ in items if (m := _LORA_NAME.match(name))}
+    bad = sorted(targets & set(refused))
+    if bad:
+        arch = (getattr(model.config, "architectures", None) or ["?"])[0]
+        raise ValueError(f"load_weights: vLLM serves {arch} through its transformers backend, which has no LoRA on "
+                         f"{bad}; train with LoraConfig(train_unembed=False) or use the torch sampler backend")
 
 
 def write_full_version(

@@ -184,7 +184,23 @@ def build_app(args: argparse.Namespace):
     workers = workers_config_from_args(args)  # first: a bad layout fails before anything starts
     server_config = server_config_from_args(args)
     service = build_service(service_config_from_args(args), workers)
+    try:
+        check_memory(service, workers)
+    except ValueError:
+        service.close()
+        raise
     return create_app(service, server_config, close_service=True), server_config
+
+
+def check_memory(service, workers) -> None:
+    """Log each registered model's memory estimate; ValueError (with the numbers) for one that
+    cannot fit this machine even as the smallest run (`ember.engine.estimate.check_fits`)."""
+    from ember.engine.estimate import check_fits
+    from ember.engine.parallel import ParallelismConfig
+
+    parallel = ParallelismConfig(**workers.parallel_dims()) if workers.runtime != "local" else None
+    models = {n: service.registry.resolve(n).directory for n in service.registry.names()}
+    check_fits(models, service.config.engine, parallel, log=logging.getLogger("ember.serve").info)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# What `/api/v1/client/config` answers (tinker-protocol.md §1.4, recommended column).
+# What `/api/v1/client/config` answers (docs/protocol.md §1.4, recommended column).
 # Every flag that would make the SDK call an endpoint we do not serve stays off.
 DEFAULT_CLIENT_CONFIG: dict[str, Any] = {
     "pjwt_auth_enabled": False,

@@ -1,7 +1,7 @@
 """Every error answer is JSON `{"error": str, "category": "user"|"server", ...}`.
 
 The SDK turns an empty-body 400 into a retryable connection error and retries 408/409/
-429/5xx for minutes (tinker-protocol.md §3.3), so: malformed bodies are 400/422 with a
+429/5xx for minutes (docs/protocol.md §3.3), so: malformed bodies are 400/422 with a
 body, unknown ids 404, finished sessions 410, and semantic errors are never HTTP errors
 at all — the service reports them through failed futures.
 """

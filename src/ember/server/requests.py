@@ -2,7 +2,7 @@
 
 The SDK's types forbid unknown fields (`StrictBase`), also in nested models (LoraConfig,
 chunks, SamplingParams...). A server must accept and ignore fields it does not know
-(tinker-protocol.md §8 item 13), so `parse` validates with `extra="ignore"` (pydantic
+(docs/protocol.md §8 item 13), so `parse` validates with `extra="ignore"` (pydantic
 >= 2.11 applies it to nested models too).
 """
 

@@ -1,4 +1,4 @@
-"""Sampling sessions, asample, and the futures poll (tinker-protocol.md §2.4, §3)."""
+"""Sampling sessions, asample, and the futures poll (docs/protocol.md §2.4, §3)."""
 
 from __future__ import annotations
 

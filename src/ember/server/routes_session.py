@@ -1,4 +1,4 @@
-"""Client configuration, sessions, heartbeats, telemetry (tinker-protocol.md §1.4-1.6)."""
+"""Client configuration, sessions, heartbeats, telemetry (docs/protocol.md §1.4-1.6)."""
 
 from __future__ import annotations
 

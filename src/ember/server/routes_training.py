@@ -1,5 +1,5 @@
 """Training runs: create_model, get_info, forward_backward (protobuf), optim_step,
-save/load weights, save_weights_for_sampler (tinker-protocol.md §2.2-2.3)."""
+save/load weights, save_weights_for_sampler (docs/protocol.md §2.2-2.3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tinker wire formats <-> `tinker.types`: pure functions, no HTTP, no service.
 
-The schema is the SDK's own `tinker.proto.tinker_public_pb2` (tinker-protocol.md §4.3-4.6):
+The schema is the SDK's own `tinker.proto.tinker_public_pb2` (docs/protocol.md §4.3-4.6):
 
 * `ForwardBackwardRequest` (protobuf, optionally zstd) -> `ForwardBackwardCall` holding
   `list[types.Datum]` with dense `TensorData` (sparse CSR is densified here, so nothing

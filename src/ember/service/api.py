@@ -2,7 +2,7 @@
 
 The HTTP server (`ember.server`) and the in-process client (`ember.client`) both talk to a
 service only through this interface. Its methods mirror Tinker's endpoints
-(tinker-protocol.md §2): arguments are the request fields, already parsed into tinker
+(docs/protocol.md §2): arguments are the request fields, already parsed into tinker
 types; results are tinker types, so the server only translates them to the wire format.
 
 Construction (implementation in `ember.service.core`)::
@@ -36,7 +36,7 @@ Conventions
   non-finite gradient, ...) is reported through the future as
   `FutureState(status="failed", category=User)`, never as an exception: the SDK retries
   HTTP errors for minutes, but shows a failed future to the user at once.
-* **Ordering** (DESIGN.md contract 3): requests of one training run (every submission
+* **Ordering** (docs/architecture.md contract 3): requests of one training run (every submission
   that carries a `seq_id`) execute in `seq_id` order. After `create_model` the next
   expected seq_id is 1; a run created by `load_weights(session_id=..., model_seq_id=...)`
   counts that load as seq 0, so the next is also 1. A missing seq_id is waited for at

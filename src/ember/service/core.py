@@ -31,8 +31,8 @@ from ember.service.config import ServiceConfig, WorkersConfig
 from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, ModelRegistry, engine_factory_for
 from ember.service.futures import FutureTable
-from ember.service.runs import LiveRun, RunManager, check_samplable
-from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager
+from ember.service.runs import LiveRun, RunManager, RunNotLoadedError, check_samplable
+from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager
 from ember.service.stability import StabilityRecords
 from ember.service.store import CheckpointRow, Store
@@ -209,7 +209,7 @@ class Service(ServiceAPI):
         cfg = dict(loss_fn_config) if loss_fn_config else None
         rtype = "Forward" if forward_only else "ForwardBackward"
         try:
-            self.config.limits.check_datums(data)
+            self.config.limits.check_datums(data, self._positions(owner, model_id))
         except UserError as exc:
             return self.runs.reject(owner, rtype, str(exc), model_id=model_id)
 
@@ -222,6 +222,15 @@ class Service(ServiceAPI):
             return engine.forward_backward(batch, loss_fn, cfg)
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
+
+    def _positions(self, owner: str, model_id: str) -> int | None:
+        """The run's model's `max_position_embeddings` (None for a run that is not live: the
+        op itself is refused with the reason)."""
+        try:
+            run = self.runs.live(owner, model_id)
+        except (NotFoundError, RunNotLoadedError):
+            return None
+        return max_positions(run.spec.base.directory)
 
     def optim_step(self, owner, model_id, seq_id, adam_params: types.AdamParams | types.DimuonParams) -> Submission:
         def op(run: LiveRun) -> types.OptimStepResponse:

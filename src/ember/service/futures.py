@@ -6,7 +6,7 @@ waiters (`retrieve` long-polls, asyncio servers, the in-process client) are woke
 without polling. Finished entries stay in a bounded in-memory cache; older ones are
 read back from the database.
 
-Every future reaches an end (DESIGN contract 6), whatever the database does:
+Every future reaches an end (docs/architecture.md contract 6), whatever the database does:
 - finishing is one UPDATE, retried for `finish_retry_s` while the fault is transient
   (locked, disk full, connection lost); a result that still cannot be stored ends the
   future as a `server` failure saying so, and a final state that cannot be written at

@@ -20,6 +20,9 @@ from typing import Any
 from ember.service.api import UserError
 
 
+DEFAULT_DATUM_TOKENS = 131072  # the datum limit for a model whose config names no positions
+
+
 @dataclass
 class Limits:
     """Per-request limits of the service (each refused as a user error naming the field).
@@ -29,7 +32,9 @@ class Limits:
     max_prompt_tokens: tokens of one sampling prompt.
     max_topk_logprobs: `topk_prompt_logprobs`, `topk_sample_logprobs` and `prompt_alt_tokens_k`.
     max_datums_per_request: datums of one forward / forward_backward request.
-    max_datum_tokens: `model_input` tokens of one datum.
+    max_datum_tokens: `model_input` tokens of one datum; None (the default): the model's
+        positions (`max_position_embeddings` in its config.json; `DEFAULT_DATUM_TOKENS` for a
+        model that names none). A number caps every model at it, never above its positions.
     max_request_tokens: `model_input` tokens of all datums of one request together.
     max_seq_ahead: how far a training request's `seq_id` may be ahead of the next one the
         run expects (further would wait, then skip every request in between).
@@ -42,7 +47,7 @@ class Limits:
     max_prompt_tokens: int = 131072
     max_topk_logprobs: int = 100
     max_datums_per_request: int = 4096
-    max_datum_tokens: int = 131072
+    max_datum_tokens: int | None = None
     max_request_tokens: int = 1048576
     max_seq_ahead: int = 1024
     max_lora_rank: int = 512
@@ -50,6 +55,8 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name == "max_datum_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"limits.{f.name} must be an integer >= 1, got {value!r}")
 
@@ -72,19 +79,30 @@ class Limits:
         _bounded("prompt_alt_tokens_k", alt_tokens_k or 0, self.max_topk_logprobs, minimum=0)
 
     # ------------------------------------------------------------------ training
-    def check_datums(self, data: Sequence[Any]) -> None:
-        """A forward(_backward) request's datum count and token lengths; before it is queued."""
+    def datum_tokens(self, positions: int | None) -> tuple[int, str]:
+        """(the longest datum a model with `positions` accepts, the setting that says so)."""
+        if self.max_datum_tokens is None:
+            if positions:
+                return positions, f"the model's max_position_embeddings={positions}"
+            return DEFAULT_DATUM_TOKENS, f"max_datum_tokens={DEFAULT_DATUM_TOKENS}"
+        if positions and positions < self.max_datum_tokens:
+            return positions, f"the model's max_position_embeddings={positions}"
+        return self.max_datum_tokens, f"max_datum_tokens={self.max_datum_tokens}"
+
+    def check_datums(self, data: Sequence[Any], positions: int | None = None) -> None:
+        """A forward(_backward) request's datum count and token lengths; before it is queued.
+        `positions`: the run's model's `max_position_embeddings` (None: unknown)."""
         if len(data) > self.max_datums_per_request:
             raise UserError(f"data has {len(data)} datums; the limit is "
                             f"max_datums_per_request={self.max_datums_per_request}")
+        longest, why = self.datum_tokens(positions)
         total = 0
         for i, datum in enumerate(data):
             n = _prompt_length(getattr(datum, "model_input", None))
             if n is None:
                 continue  # malformed datums are the engine's validation's to name
-            if n > self.max_datum_tokens:
-                raise UserError(f"data[{i}].model_input has {n} tokens; the limit is "
-                                f"max_datum_tokens={self.max_datum_tokens}")
+            if n > longest:
+                raise UserError(f"data[{i}].model_input has {n} tokens; the limit is {why}")
             total += n
         if total > self.max_request_tokens:
             raise UserError(f"data has {total} model_input tokens in all; the limit is "

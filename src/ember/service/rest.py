@@ -100,10 +100,9 @@ def weights_info(store: Store, owner: str, tinker_path: str) -> types.WeightsInf
 
 def capabilities(registry: ModelRegistry, limits: Limits) -> types.GetServerCapabilitiesResponse:
     """Registered models, each with the longest sequence it accepts: the model's positions
-    capped by `limits.max_datum_tokens` (the SDK's only limit field; the README lists the rest)."""
+    capped by `limits.max_datum_tokens` when set (the SDK's only limit field; the README lists the rest)."""
     def context(name: str) -> int:
-        positions = max_positions(registry.resolve(name).directory)
-        return min(positions, limits.max_datum_tokens) if positions else limits.max_datum_tokens
+        return limits.datum_tokens(max_positions(registry.resolve(name).directory))[0]
 
     return types.GetServerCapabilitiesResponse(supported_models=[
         types.SupportedModel(model_name=n, trainable=True, sampleable=True, max_context_length=context(n))

@@ -1,4 +1,4 @@
-"""Execution lanes and per-run seq_id ordering (DESIGN.md contract 3).
+"""Execution lanes and per-run seq_id ordering (docs/architecture.md contract 3).
 
 * A `Lane` is one worker thread. Everything that touches one shared base model (all
   LoRA runs on it: creation, forward/backward, optimizer steps, saves, loads, snapshots)

@@ -1,0 +1,104 @@
+"""Peak memory of one long-datum forward_backward: chunked policy head vs unchunked vs
+transformers' own `model(labels=...)` loss, on a model with Qwen3's vocabulary (151,936),
+2 layers, hidden 256 (random weights), LoRA rank 8, one datum, fp32, CPU.
+
+Each configuration runs in a fresh process (`python -m ember.engine.memory_probe`): its peak
+RSS (`ru_maxrss`) less its size after the imports. Every probe's address space is capped at
+`--cap-gb` (default 6 GB: the machine is shared) above its size after the imports; a
+configuration that needs more fails with an out-of-memory error and its peak is given by the
+estimator (`ember.engine.estimate`, within 20% of measured peaks: tests/engine/
+test_engine_estimate.py), marked `estimated`. The longest datum that trains within 16 GB,
+each way, is the estimator's (bisection over multiples of 256 tokens).
+
+Last line: `peak_ratio_8k=<unchunked/chunked> max_tokens_16g_chunked=<n> max_tokens_16g_unchunked=<m>`
+plus `time_ratio_2k=<chunked/unchunked seconds per step>` (1.0 = same speed) and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import _common  # noqa: F401  (offline environment variables)
+
+VOCAB, HIDDEN, LAYERS, LORA_RANK, CHUNK = 151936, 256, 2, 8, 1024
+GB = 10**9
+WAYS = {"chunked": ("engine", CHUNK), "unchunked": ("engine", 0), "hf-labels": ("hf-labels", 0)}
+
+
+def build(max_tokens: int) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from ember.models.testing import tiny_config
+
+    out = tempfile.mkdtemp(prefix="ember-long-context-")
+    cfg = tiny_config("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+                      head_dim=64, max_position_embeddings=max(max_tokens, 4096))
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+def probe(model_dir: str, way: str, tokens: int, cap: int) -> dict:
+    mode, chunk = WAYS[way]
+    cmd = [sys.executable, "-m", "ember.engine.memory_probe", "--model", model_dir, "--tokens", str(tokens),
+           "--chunk", str(chunk), "--lora-rank", str(LORA_RANK), "--mode", mode, "--steps", "1",
+           "--as-extra", str(cap)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = r.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"{way} at {tokens} tokens: {r.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def estimated(model_dir: str, way: str, tokens: int) -> int:
+    from ember.engine import EngineConfig
+    from ember.engine.estimate import estimate_memory
+
+    chunk = WAYS[way][1]
+    return estimate_memory(model_dir, engine=EngineConfig(logprob_chunk_tokens=chunk), tokens=tokens,
+                           lora_rank=LORA_RANK).peak
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="2048,4096,8192", help="comma-separated datum lengths (add 16384 if time allows)")
+    p.add_argument("--cap-gb", type=float, default=6.0)
+    args = p.parse_args()
+    lengths = [int(t) for t in args.tokens.split(",")]
+    model_dir = build(max(lengths))
+    cap = int(args.cap_gb * GB)
+    peaks: dict[tuple[str, int], int] = {}
+    seconds: dict[tuple[str, int], float] = {}
+    for tokens in lengths:
+        for way in WAYS:
+            got = probe(model_dir, way, tokens, cap)
+            est = estimated(model_dir, way, tokens) if way != "hf-labels" else None
+            if got.get("oom"):
+                peaks[way, tokens] = est if est is not None else peaks["unchunked", tokens]
+                src = "estimated (over the cap)" if est is not None else "as unchunked (estimated; over the cap)"
+            else:
+                peaks[way, tokens], seconds[way, tokens] = got["model_peak"], got["seconds"]
+                src = f"measured, {got['seconds']:.1f} s" + (f", estimate {est / GB:.2f} GB" if est else "")
+            print(f"{tokens:6d} tokens {way:10s} peak {peaks[way, tokens] / GB:7.2f} GB  ({src})", flush=True)
+    from ember.engine import EngineConfig
+    from ember.engine.estimate import longest_datum
+
+    most = {way: longest_datum(16 * GB, model_dir=model_dir, engine=EngineConfig(logprob_chunk_tokens=WAYS[way][1]),
+                               lora_rank=LORA_RANK) for way in ("chunked", "unchunked")}
+    print(f"longest datum within 16 GB (estimator): chunked {most['chunked']}, unchunked {most['unchunked']}")
+    ref = 8192 if 8192 in lengths else max(lengths)
+    ratio = peaks["unchunked", ref] / peaks["chunked", ref]
+    timed = [t for t in lengths if ("chunked", t) in seconds and ("unchunked", t) in seconds]
+    time_ratio = seconds["chunked", timed[0]] / seconds["unchunked", timed[0]] if timed else float("nan")
+    load = os.getloadavg()[0]
+    print(f"peak_ratio_{ref // 1024}k={ratio:.2f} max_tokens_16g_chunked={most['chunked']} "
+          f"max_tokens_16g_unchunked={most['unchunked']} time_ratio_{timed[0] // 1024 if timed else 0}k={time_ratio:.3f} "
+          f"load_avg={load:.1f}")
+
+
+if __name__ == "__main__":
+    main()

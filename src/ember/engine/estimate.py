@@ -1,0 +1,299 @@
+"""Per-rank memory of one training engine, estimated before anything is allocated.
+
+`estimate_memory(model_dir, engine=..., parallel=..., tokens=N, lora_rank=R)` builds the
+model on the meta device (shapes only: a Qwen3-32B config answers in seconds and a
+directory holding only `config.json` is enough), counts what each rank of the
+`ParallelismConfig` holds — by arithmetic on the layout, no process group — and adds the
+activations of one micro-batch of N tokens:
+
+* parameters: every tensor in the stored dtype; decoder-layer projections divided by `tp`
+  (ember's TP plan: embeddings, norms and `lm_head` stay replicated); everything divided by
+  `dp_shard` (FSDP2), plus FSDP2's working set: the root's unsharded tensors (embeddings,
+  final norm, lm_head) and two unsharded layers (the one computing and the prefetched one).
+* gradients: the trained tensors (the adapter's for LoRA) in the stored dtype, sharded alike.
+* optimizer: AdamW two moments, Dimuon one momentum per trained tensor; 0 on the device with
+  `optimizer_offload` (reported as host memory).
+* activations: what autograd saves per token and decoder layer, measured on transformers'
+  Llama/Qwen3 layers with sdpa (fp32; `saved_bytes_per_token` below), the packed
+  block-diagonal mask, and the output head: ~3.4 (T, vocab) fp32 tensors unchunked, four
+  (chunk, vocab) tensors chunked (`EngineConfig.logprob_chunk_tokens`). With activation
+  checkpointing one hidden state per layer plus one layer's activations; with activation
+  offload the saved tensors go to the host and only one layer's stay on the device.
+* peak: all of the above (gradients and saved activations coexist during backward).
+
+The model on the meta device is built by transformers (`AutoModelForCausalLM.from_config`),
+the LoRA adapter's size by arithmetic on the target Linear shapes (`lora_target_modules`).
+The CPU figures are checked against measured peaks in tests/engine/test_engine_estimate.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tinker import types
+
+from ember.engine.config import EngineConfig
+from ember.engine.parallel import ParallelismConfig
+from ember.models.loading import resolve_dtype
+
+GiB = 1024**3
+_NORM_FP32 = 4  # RMSNorm computes in fp32 whatever the model dtype (transformers' Llama/Qwen3)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank (device memory unless named host)."""
+
+    tokens: int
+    world_size: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    output_head: int
+    fsdp_working_set: int = 0
+    host_offloaded: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.output_head
+                + self.fsdp_working_set)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak": self.peak}
+
+    def lines(self) -> list[str]:
+        rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer state", self.optimizer),
+                ("activations", self.activations), ("output head (logits)", self.output_head)]
+        if self.fsdp_working_set:
+            rows.append(("FSDP2 unsharded working set", self.fsdp_working_set))
+        rows.append(("peak", self.peak))
+        if self.host_offloaded:
+            rows.append(("host memory (offloaded)", self.host_offloaded))
+        out = [f"per rank (world size {self.world_size}), one micro-batch of {self.tokens} tokens:"]
+        out += [f"  {name:<30} {_gib(n)}" for name, n in rows]
+        return out + [f"  note: {n}" for n in self.notes]
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:10.3f} GiB  ({n:,} bytes)"
+
+
+def load_config(model_dir: str | os.PathLike):
+    """The transformers config of a model directory (only `config.json` is read)."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} has no config.json; pass a model directory")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def meta_model(hf_config) -> torch.nn.Module:
+    """The causal LM of `hf_config` with every tensor on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+@dataclass
+class _Counts:
+    """Elements per rank, before the dtype."""
+
+    layer: int  # decoder layers, after TP
+    root: int  # embeddings, final norm, lm_head (replicated under TP)
+    largest_layer: int
+    trained: int
+
+
+def _count(model: torch.nn.Module, tp: int, lora_rank: int | None, lora: types.LoraConfig | None) -> _Counts:
+    layer = root = 0
+    per_layer: dict[str, int] = {}
+    for name, p in model.named_parameters():  # tied weights are listed once
+        if ".layers." in name:
+            n = p.numel() // tp if p.dim() == 2 else p.numel()  # projections split; norms replicated
+            layer += n
+            key = name.split(".layers.")[1].split(".")[0]
+            per_layer[key] = per_layer.get(key, 0) + n
+        else:
+            root += p.numel()
+    trained = layer + root if lora is None else _lora_elements(model, lora, tp)
+    return _Counts(layer, root, max(per_layer.values(), default=0), trained)
+
+
+def _lora_elements(model: torch.nn.Module, lora: types.LoraConfig, tp: int) -> int:
+    from ember.models.lora import lora_target_modules
+
+    targets = set(lora_target_modules(model, lora))
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            split = tp if ".layers." in name else 1
+            total += lora.rank * (module.in_features + module.out_features // split)
+    return total
+
+
+def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
+    """Bytes autograd keeps per token for one decoder layer (transformers' Llama/Qwen3, sdpa).
+
+    Fitted on saved-tensor hooks over fp32 Llama and Qwen3 layers of several shapes (exact
+    to ±0.3% there): 7·H (two RMSNorms: input, normalised, product, residual) + 4·I (gate,
+    SiLU, up, product) + 2·q + 2·kv (rotary, attention output) elements, Qwen3's per-head
+    q/k norms another 2·q + 2·kv; heads and MLP columns divided by `tp`."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    h, i = int(text.hidden_size), int(text.intermediate_size) // tp
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or h // heads)
+    q = heads * head_dim // tp
+    kv = int(getattr(text, "num_key_value_heads", None) or heads) * head_dim // tp
+    per_elem = 7 * h + 4 * i + 2 * q + 2 * kv + 2 * heads // tp
+    if str(getattr(text, "model_type", "")) == "qwen3":
+        per_elem += 2 * q + 2 * kv
+    norm_extra = 4 * h * max(_NORM_FP32 - compute_bytes, 0)  # fp32 copies inside the norms of a bf16 model
+    return per_elem * compute_bytes + norm_extra
+
+
+def _activations(hf_config, engine: EngineConfig, tp: int, tokens: int, compute_bytes: int) -> tuple[int, int, list]:
+    """(device bytes, host bytes, notes) of the decoder's saved activations for `tokens`."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layers, hidden = int(text.num_hidden_layers), int(text.hidden_size)
+    per_layer = saved_bytes_per_token(hf_config, compute_bytes, tp) * tokens
+    mask = 0
+    if engine.packing and not engine.attn_implementation.startswith("flash"):
+        mask = 5 * tokens * tokens  # sdpa's block-diagonal mask: bool + fp32 additive, (T, T)
+    notes = []
+    if mask:
+        notes.append(f"packed sdpa attention builds a (T, T) mask: {_gib(mask).strip()}; flash_attention_2 does not")
+    final = 3 * hidden * compute_bytes * tokens  # final norm
+    if engine.activation_checkpointing:
+        saved = layers * hidden * compute_bytes * tokens + per_layer  # layer inputs + one layer recomputed
+    else:
+        saved = layers * per_layer
+    if engine.activation_offload:
+        return per_layer + mask + final, saved, notes + ["activation offload: saved tensors in host memory"]
+    return saved + mask + final, 0, notes
+
+
+def _output_head(hf_config, engine: EngineConfig, tokens: int, compute_bytes: int) -> int:
+    """(rows, vocab) tensors of the policy head: logits, fp32 log-softmax and their gradients,
+    over all T or one chunk. Measured on CPU (fp32): ~3.4 vocabulary-wide fp32 tensors per
+    row at the unchunked peak (the logits are freed before their gradient is made), 4 per
+    row of a chunk (the recomputed chunk's logits live beside their gradient)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    vocab, hidden = int(text.vocab_size), int(text.hidden_size)
+    chunk = engine.logprob_chunk_tokens
+    rows = tokens if chunk == 0 else min(chunk, tokens)
+    per_row = vocab * (compute_bytes + (3 * 4 if chunk else 19 * 4 // 8))
+    kept = 0 if chunk == 0 else hidden * compute_bytes * tokens  # the hidden state the chunks read
+    return rows * per_row + kept
+
+
+def estimate_memory(
+    model_dir: str | os.PathLike | None = None,
+    *,
+    hf_config=None,
+    engine: EngineConfig | None = None,
+    parallel: ParallelismConfig | None = None,
+    tokens: int,
+    lora_rank: int | None = None,
+    optimizer: str = "adamw",
+    meta: torch.nn.Module | None = None,
+) -> MemoryEstimate:
+    """The per-rank `MemoryEstimate` of training `model_dir` (or `hf_config`) with these settings
+    (`meta`: the model already built by `meta_model`, to estimate several settings at once)."""
+    engine = engine or EngineConfig()
+    parallel = parallel or ParallelismConfig()
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+    if optimizer not in ("adamw", "dimuon"):
+        raise ValueError(f"optimizer must be 'adamw' or 'dimuon', got {optimizer!r}")
+    hf_config = hf_config if hf_config is not None else load_config(model_dir)
+    lora = types.LoraConfig(rank=lora_rank) if lora_rank else None
+    counts = _count(meta if meta is not None else meta_model(hf_config), parallel.tp, lora_rank, lora)
+    param_bytes = resolve_dtype(engine.dtype).itemsize
+    compute_bytes = resolve_dtype(engine.autocast_dtype or engine.dtype).itemsize
+    shard = parallel.dp_shard
+    params = (counts.layer + counts.root) * param_bytes // shard
+    trained = counts.trained * param_bytes // shard  # FSDP2 shards the adapter too
+    moments = {"adamw": 2, "dimuon": 1}[optimizer] * trained
+    working = (counts.root + 2 * counts.largest_layer) * param_bytes if shard > 1 else 0
+    acts, host_acts, notes = _activations(hf_config, engine, parallel.tp, tokens, compute_bytes)
+    host = host_acts + (moments if engine.optimizer_offload else 0)
+    return MemoryEstimate(
+        tokens=tokens, world_size=parallel.world_size, parameters=params, gradients=trained,
+        optimizer=0 if engine.optimizer_offload else moments, activations=acts,
+        output_head=_output_head(hf_config, engine, tokens, compute_bytes), fsdp_working_set=working,
+        host_offloaded=host, notes=notes,
+    )
+
+
+def longest_datum(fits_bytes: int, step: int = 256, limit: int = 1 << 21, **kwargs) -> int:
+    """The most tokens (a multiple of `step`) whose estimated peak is within `fits_bytes`; 0 if none."""
+    if "model_dir" in kwargs:
+        kwargs["hf_config"] = load_config(kwargs.pop("model_dir"))
+    kwargs.setdefault("meta", meta_model(kwargs["hf_config"]))
+    lo, hi = 0, limit // step
+    while lo < hi:  # the peak grows with the tokens: bisect
+        mid = (lo + hi + 1) // 2
+        if estimate_memory(tokens=mid * step, **kwargs).peak <= fits_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+# ---------------------------------------------------------------------- ember serve's start-up check
+def available_memory(device: str) -> int:
+    """Bytes one rank may use: free memory of the CUDA device, or the host's MemAvailable."""
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def check_fits(models: dict[str, str | os.PathLike], engine: EngineConfig, parallel: ParallelismConfig | None,
+               log=None, available: int | None = None) -> None:
+    """`ember serve`'s start-up check: log each model's estimate for one micro-batch of
+    `engine.micro_batch_tokens` tokens (a LoRA rank-32 run and full fine-tuning) and raise
+    ValueError, with the numbers, when even the smallest run (LoRA rank 1) cannot fit in
+    `available` bytes (default: `available_memory`; on the CPU every rank shares the host)."""
+    parallel = parallel or ParallelismConfig()
+    avail = available_memory(engine.device) if available is None else available
+    share = parallel.world_size if not engine.device.startswith("cuda") else 1
+    for name, directory in models.items():
+        try:  # advisory for what cannot be estimated: the run that names it gets the loading error
+            smallest = _log_estimates(name, directory, engine, parallel, log)
+        except Exception as exc:  # noqa: BLE001 (an unknown architecture must not stop ember serve)
+            if log is not None:
+                log(f"memory estimate for {name}: skipped ({type(exc).__name__}: {exc})")
+            continue
+        if smallest.peak * share > avail:
+            raise ValueError(
+                f"model {name!r} does not fit: one micro-batch of {engine.micro_batch_tokens} tokens needs an "
+                f"estimated {smallest.peak / GiB:.2f} GiB per rank x {share} rank(s) even as a LoRA rank-1 run "
+                f"(parameters {smallest.parameters / GiB:.2f}, activations {smallest.activations / GiB:.2f}, "
+                f"output head {smallest.output_head / GiB:.2f} GiB), and {avail / GiB:.2f} GiB is available on "
+                f"{engine.device}; lower --engine.micro_batch_tokens, set --engine.logprob_chunk_tokens / "
+                "--engine.activation_checkpointing, or shard with --parallel.* (see `ember estimate`)")
+
+
+def _log_estimates(name: str, directory, engine: EngineConfig, parallel: ParallelismConfig, log) -> MemoryEstimate:
+    """Log a LoRA rank-32 and a full fine-tuning estimate; return the smallest run's (LoRA rank 1)."""
+    hf_config = load_config(directory)
+    common = dict(hf_config=hf_config, engine=engine, parallel=parallel, tokens=engine.micro_batch_tokens,
+                  meta=meta_model(hf_config))
+    if log is not None:
+        for what, rank in (("LoRA rank 32", 32), ("full fine-tuning", None)):
+            est = estimate_memory(lora_rank=rank, **common)
+            log(f"memory estimate for {name} ({what}): " + "; ".join(x.strip() for x in est.lines()[1:]))
+    return estimate_memory(lora_rank=1, **common)

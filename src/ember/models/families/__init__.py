@@ -1,0 +1,77 @@
+"""Model-family knowledge, one file per family (as torchtitan keeps `models/<family>/`).
+
+Each family file (`llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `olmo2.py`) builds one
+`ModelFamily` (`base.py`): its tensor-parallel plan, LoRA target modules, direct-decode
+layer, sliding-window rule, value-head export class and tiny-model config. `FAMILIES` maps
+`config.model_type` to it.
+
+Adding a family is one new file here plus its line in `_MODULES` (and its tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember.models.families import llama, mistral, olmo2, qwen2, qwen3
+from ember.models.families.base import (
+    LLAMA_TP_PLAN,
+    DecodeOps,
+    DirectDecode,
+    LoraTargets,
+    ModelFamily,
+    TensorParallelPlan,
+)
+
+__all__ = [
+    "FAMILIES",
+    "LLAMA_TP_PLAN",
+    "DecodeOps",
+    "DirectDecode",
+    "LoraTargets",
+    "ModelFamily",
+    "TensorParallelPlan",
+    "direct_decode_families",
+    "family_of",
+    "lora_targets",
+    "non_full_attention_layers",
+    "tp_families",
+    "uses_sliding_window",
+]
+
+_MODULES = (llama, mistral, qwen2, qwen3, olmo2)
+
+FAMILIES: dict[str, ModelFamily] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
+
+
+def family_of(config: Any) -> ModelFamily | None:
+    """The family of a transformers config (None for a model_type ember has no entry for)."""
+    return FAMILIES.get(str(getattr(config, "model_type", "")))
+
+
+def tp_families() -> tuple[str, ...]:
+    return tuple(name for name, f in FAMILIES.items() if f.tp_plan is not None)
+
+
+def direct_decode_families() -> tuple[str, ...]:
+    return tuple(name for name, f in FAMILIES.items() if f.direct_decode)
+
+
+def lora_targets(config: Any) -> LoraTargets:
+    """The family's LoRA targets; Llama's names for a model_type without a family."""
+    family = family_of(config)
+    return family.lora if family is not None else LoraTargets()
+
+
+def non_full_attention_layers(config: Any) -> list[str]:
+    """The layer types of `config.layer_types` other than full attention (sorted, unique)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    return sorted({t for t in layer_types if t != "full_attention"})
+
+
+def uses_sliding_window(config: Any) -> bool:
+    """True when some layer attends through a window rather than to the whole sequence."""
+    if non_full_attention_layers(config):
+        return True
+    family = family_of(config)
+    window_on = (family is not None and family.window_when_set) or getattr(config, "use_sliding_window", False)
+    return bool(getattr(config, "sliding_window", None) and window_on)

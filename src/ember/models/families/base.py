@@ -1,0 +1,118 @@
+"""What a model family is: everything ember knows about one Hugging Face `config.model_type`.
+
+A family file (`llama.py`, `olmo2.py`, ...) builds one `ModelFamily`; `ember.models.families`
+collects them into `FAMILIES`. The fields are read by exactly one place each:
+
+* `tp_plan` by tensor parallelism (`ember.engine.parallel`);
+* `lora` by LoRA target selection (`ember.models.lora`);
+* `decode` by the sampler's direct decode forward (`ember.sampling.decoder`);
+* `window_when_set` by `uses_sliding_window` (the sampler and the decoder);
+* `value_head_class` by the value-head export (`ember.engine.hf_export`);
+* `tiny_config` by the tiny test models (`ember.models.testing`, `ember tiny-model`).
+
+This module imports nothing from ember: the layer functions get the direct decoder's
+operations as an argument (`DecodeOps`), so models/ stays below sampling/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Submodule paths of one decoder layer, relative to the layer."""
+
+    colwise: tuple[str, ...]  # outputs split over ranks (q/k/v, gate/up)
+    rowwise: tuple[str, ...]  # inputs split over ranks, outputs all-reduced (o, down)
+    head_norms: tuple[str, ...] = ()  # per-head norms over the local heads (skipped where absent)
+
+
+LLAMA_TP_PLAN = TensorParallelPlan(
+    colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    rowwise=("self_attn.o_proj", "mlp.down_proj"),
+    head_norms=("self_attn.q_norm", "self_attn.k_norm"),  # Qwen3's; absent in Llama/Qwen2/Mistral
+)
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """Module-name suffixes Tinker's `train_attn` / `train_mlp` / `train_unembed` select."""
+
+    attn: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    unembed: tuple[str, ...] = ("lm_head",)
+
+
+class DecodeOps(Protocol):
+    """What the direct decoder offers a family's layer function (one forward, layer `i`)."""
+
+    def norm(self, x: torch.Tensor, i: int, name: str) -> torch.Tensor: ...
+
+    def attention(self, x: torch.Tensor, i: int) -> torch.Tensor: ...
+
+    def mlp(self, x: torch.Tensor, i: int) -> torch.Tensor: ...
+
+
+def pre_norm_layer(ops: DecodeOps, h: torch.Tensor, i: int) -> torch.Tensor:
+    """Llama's layer: h + attn(norm(h)), then h + mlp(norm(h)) (h is the forward's own tensor)."""
+    h = h + ops.attention(ops.norm(h, i, "input_layernorm"), i)
+    return h.add_(ops.mlp(ops.norm(h, i, "post_attention_layernorm"), i))
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama/Qwen compute it: fp32 statistics, the weight applied after the cast
+    back (the in-place steps only touch tensors made here)."""
+    if x.dtype == torch.float32:
+        return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+QK_NORMS = ("none", "head", "projection")
+
+
+@dataclass(frozen=True)
+class DirectDecode:
+    """The family's decoder layer as `ember.sampling.decoder.DirectDecoder` computes it.
+
+    `layer(ops, h, i)` composes norms, attention and the gated MLP; `qk_norm` says where
+    q/k are normalised: "none", "head" (each head, Qwen3) or "projection" (the whole q/k
+    projection before the split into heads, OLMo 2); `rms_norm(x, weight, eps)` is the
+    family's RMSNorm (the cast order matters in bf16)."""
+
+    layer: Callable[[DecodeOps, torch.Tensor, int], torch.Tensor] = pre_norm_layer
+    qk_norm: str = "none"
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = llama_rms_norm
+
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"DirectDecode.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One decoder family (see the module docstring for who reads each field).
+
+    `tp_plan` None: no tensor parallelism; `decode` None: the sampler uses the transformers
+    forward; `value_head_class` None: transformers has no token classifier for the family,
+    so a value-head run exports only as a training checkpoint or a peft adapter;
+    `tiny_config(**kwargs)` builds the family's transformers config from ember's tiny-model
+    arguments (`ember.models.testing.tiny_config`)."""
+
+    model_type: str
+    tiny_config: Callable[..., Any]
+    tp_plan: TensorParallelPlan | None = LLAMA_TP_PLAN
+    lora: LoraTargets = field(default_factory=LoraTargets)
+    decode: DirectDecode | None = field(default_factory=DirectDecode)
+    window_when_set: bool = False
+    value_head_class: str | None = None
+
+    @property
+    def direct_decode(self) -> bool:
+        return self.decode is not None
