@@ -302,7 +302,9 @@ class VLLMSampler(Sampler):
     async def _shutdown(self) -> None:
         async with self._start_lock:
             if self._llm is not None:
-                await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._llm)
+                # on the loop's own thread, not an executor's: at interpreter exit (the atexit
+                # close) the default executor no longer takes work; nothing else runs here now
+                _shut_down(self._llm)
                 self._llm = None
 
     def loaded_lora_ids(self, timeout_s: float = 30.0) -> set[int]:
