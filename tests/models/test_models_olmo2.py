@@ -175,3 +175,16 @@ def test_tensor_parallelism_and_value_model_export_refuse_it_with_the_reason(olm
         _check_tp_divisibility(config, 2)
     with pytest.raises(ValueError, match="model family 'olmo2' has no transformers token-classification class"):
         hf_export.token_classification_config(json.loads((olmo2_dir / "config.json").read_text()))
+
+
+def test_vllm_lora_limits_are_read_from_vllms_registry(olmo2_dir, tiny_model_dir):
+    """OLMo 2 has no native vLLM model (transformers backend: no lm_head LoRA); Qwen3 has one."""
+    from ember.sampling.registry import backend_missing
+
+    reason = backend_missing("vllm")
+    if reason:
+        pytest.skip(reason=reason)
+    from ember.sampling.vllm_versions import lora_refused_modules
+
+    assert lora_refused_modules(load_model(olmo2_dir).config) == ("lm_head",)
+    assert lora_refused_modules(load_model(tiny_model_dir).config) == ()
