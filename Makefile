@@ -43,11 +43,17 @@ $(COOKBOOK_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps "$(COOKBOOK)"
 	touch $(COOKBOOK_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
-	$(PY) -m pytest -q tests
+# Two pytest-xdist workers (one per core of the CI machine), a test file per worker at a
+# time: a file's module-scoped servers and models are made once. `make test JOBS=0` runs serially.
+JOBS ?= 2
+PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile)
 
-test-fast: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
+	$(PYTEST) tests
+
+# No vLLM install: its tests are all `slow` (and skip, saying why, where vLLM is missing).
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" tests
 
 demo: $(STAMP)
 	$(VENV)/bin/ember demo

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
+# The tests' helpers (`helpers.datums`, `helpers.server`) are not shipped in the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def build_model(hidden: int = 256, layers: int = 4, heads: int = 8, kv_heads: int = 4, seed: int = 0) -> str:

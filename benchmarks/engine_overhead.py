@@ -14,7 +14,7 @@ from _common import build_model, time_interleaved
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 from ember.models import load_model
 
 BATCH, SEQ = 16, 128

@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.server (test-only, not shipped)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ember
     from ember.engine.config import EngineConfig
-    from ember.server.testing import API_KEY, start_server
+    from helpers.server import API_KEY, start_server
     from ember.service import ServiceConfig
 
     torch.set_num_threads(args.threads)

@@ -42,6 +42,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.server (test-only, not shipped)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -159,7 +161,7 @@ def rss_mb(pid: int) -> float:
 def run_load(label: str, model_dir: Path, workdir: Path, clients: int, steps: int,
              extra_args: list[str]) -> dict:
     """Start `ember serve`, run the clients, stop it; the figures of one database."""
-    from ember.server.testing import API_KEY, start_server
+    from helpers.server import API_KEY, start_server
 
     server = start_server(model_dir, workdir, model_name=MODEL, extra_args=extra_args)
     try:
@@ -234,7 +236,7 @@ def run_fairness(model_dir: Path, workdir: Path, server_args: list[str], samples
     """p99 of the light tenant's samples with the heavy neighbour / alone."""
     import tinker
 
-    from ember.server.testing import API_KEY, OTHER_KEY, start_server
+    from helpers.server import API_KEY, OTHER_KEY, start_server
 
     server = start_server(model_dir, workdir, model_name=MODEL, extra_args=server_args)
     try:

@@ -13,7 +13,7 @@ import torch
 from _common import build_model, time_interleaved
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 
 N_DATUMS = 32
 

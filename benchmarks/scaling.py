@@ -23,7 +23,7 @@ from tinker import types
 
 from ember.engine import EngineConfig
 from ember.engine.parallel import ParallelismConfig
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 from ember.workers import EngineSpec, GroupEngine, WorkerGroup
 
 BATCH, SEQ = 16, 128

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+# `helpers` for the processes the tests start too (`ember serve`, worker ranks, Ray actors):
+# functions sent to a rank are pickled by reference and imported there.
+_TESTS = str(Path(__file__).resolve().parent)
+os.environ["PYTHONPATH"] = os.pathsep.join([_TESTS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -57,7 +62,7 @@ def tiny_vllm_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    from ember.service.pg_testing import PostgresServer, find_bindir
+    from helpers.postgres import PostgresServer, find_bindir
 
     bindir = find_bindir()
     if bindir is None:

@@ -1,7 +1,11 @@
 """Backends are chosen by name from plain dict registries: sampler backends, engine
-backends, worker runtimes. An unknown name is a clear error listing the known ones."""
+backends, worker runtimes, heads, model families. Every entry resolves to what it names,
+and an unknown name is a clear error listing the registry's keys (read from the registry,
+never a hand copy of it: adding an entry is one line in one file, not two)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -13,10 +17,16 @@ from ember.service.config import WorkersConfig, worker_runtimes
 from ember.workers import RUNTIMES, make_runtime
 
 
+def known(registry) -> str:
+    return re.escape(", ".join(registry))
+
+
 def test_sampler_backends():
-    assert set(SAMPLER_BACKENDS) >= {"torch", "vllm"}
     assert sampler_class("torch") is TorchSampler
-    with pytest.raises(ValueError, match=r"unknown sampler backend 'sglang'; known: torch, vllm"):
+    for name in SAMPLER_BACKENDS:  # each resolves, or says why it cannot here (vLLM not installed)
+        reason = backend_missing(name)
+        assert isinstance(sampler_class(name), type) if reason is None else reason.strip()
+    with pytest.raises(ValueError, match=rf"unknown sampler backend 'sglang'; known: {known(SAMPLER_BACKENDS)}$"):
         sampler_class("sglang")
     assert backend_missing("torch") is None and "sglang" in backend_missing("sglang")
 
@@ -29,19 +39,19 @@ def test_create_sampler_by_name(tiny_model_dir):
 def test_engine_backends():
     from ember.engine.torch_engine import TorchEngine
 
-    assert engine_class("torch") is TorchEngine and "torch" in ENGINE_BACKENDS
-    with pytest.raises(ValueError, match=r"unknown engine backend 'jax'; known: torch"):
+    assert engine_class("torch") is TorchEngine
+    assert all(isinstance(engine_class(name), type) for name in ENGINE_BACKENDS)
+    with pytest.raises(ValueError, match=rf"unknown engine backend 'jax'; known: {known(ENGINE_BACKENDS)}"):
         engine_class("jax")
-    with pytest.raises(ValueError, match=r"EngineConfig.backend 'jax' is unknown; known: torch"):
+    with pytest.raises(ValueError, match=rf"EngineConfig.backend 'jax' is unknown; known: {known(ENGINE_BACKENDS)}"):
         EngineConfig(backend="jax")
 
 
 def test_worker_runtimes():
-    assert set(RUNTIMES) == {"inline", "process", "ray"}
     assert worker_runtimes() == ("local", *RUNTIMES)
-    with pytest.raises(ValueError, match=r"unknown runtime 'slurm'; known: inline, process, ray"):
+    with pytest.raises(ValueError, match=rf"unknown runtime 'slurm'; known: {known(RUNTIMES)}"):
         make_runtime("slurm", 1)
-    with pytest.raises(ValueError, match=r"must be one of local, inline, process, ray"):
+    with pytest.raises(ValueError, match=rf"must be one of {known(worker_runtimes())}"):
         WorkersConfig(runtime="slurm")
     runtime = make_runtime("inline", 1)
     assert type(runtime).__name__ == "InlineRuntime"
@@ -52,20 +62,19 @@ def test_heads(tiny_model_dir):
 
     from ember.engine.heads import HEADS, ValueHead, build_head
 
-    assert set(HEADS) == {"policy", "value"}
     config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert all(build_head(name, config, seed=0).output in ("logprobs", "values") for name in HEADS)
     assert build_head("policy", config).output == "logprobs"
     value = build_head("value", config, seed=0)
     assert isinstance(value, ValueHead) and value.output == "values" and value.score.in_features == config.hidden_size
-    with pytest.raises(ValueError, match=r"head must be one of policy, value; got 'critic'"):
+    with pytest.raises(ValueError, match=rf"head must be one of {known(HEADS)}; got 'critic'"):
         build_head("critic", config)
 
 
 def test_model_families():
     from ember.models.families import FAMILIES, family_of
 
-    assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3", "olmo2"}
-    assert all(family_of(type("Cfg", (), {"model_type": name})()) is FAMILIES[name] for name in FAMILIES)
+    assert FAMILIES and all(family_of(type("Cfg", (), {"model_type": name})()) is FAMILIES[name] for name in FAMILIES)
 
 
 def test_one_loader_for_every_registry():

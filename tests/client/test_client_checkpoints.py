@@ -9,7 +9,7 @@ import tinker
 import torch
 from tinker import types
 
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 
 BASE = "ember-test/tiny-qwen3"
 VOCAB = 84

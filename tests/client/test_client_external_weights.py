@@ -9,7 +9,7 @@ import torch
 from tinker import types
 from tinker.cli.commands.checkpoint import _download_external_weights
 
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 from ember.models.testing import target_logprobs
 
 BASE = "ember-test/tiny-qwen3"

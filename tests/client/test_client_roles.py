@@ -10,7 +10,7 @@ import torch
 from tinker import types
 from tinker.cli.commands.checkpoint import _download_external_weights
 
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 
 BASE = "ember-test/tiny-qwen3"
 VALUE = {"ember.head": "value"}

@@ -11,7 +11,7 @@ import tinker
 from tinker import types
 
 import ember
-from ember.server.testing import sft_datum, stable_datum, stable_reinforce_loss
+from helpers.server import sft_datum, stable_datum, stable_reinforce_loss
 from ember.service.config import ServiceConfig
 
 MODEL = "ember-test/tiny-qwen3"

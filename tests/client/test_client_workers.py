@@ -8,7 +8,7 @@ import pytest
 from tinker import types
 
 import ember
-from ember.server.testing import sft_datum
+from helpers.server import sft_datum
 from ember.service.config import WorkersConfig
 from ember.service.engines import LocalEngineFactory, WorkerGroupEngineFactory
 

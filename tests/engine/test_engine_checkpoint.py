@@ -7,7 +7,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.models import load_model
 
 ADAM = types.AdamParams(learning_rate=5e-3)

@@ -14,7 +14,7 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.heads import chunked_target_logprobs
-from ember.engine.testing import assert_tensors_close, random_rl_datums, random_sft_datums
+from helpers.datums import assert_tensors_close, random_rl_datums, random_sft_datums
 from ember.losses.registry import LOSSES
 
 VOCAB = 84  # the tiny tokenizer's

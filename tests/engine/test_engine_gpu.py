@@ -5,7 +5,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import assert_tensors_close, random_rl_datums, random_sft_datums
+from helpers.datums import assert_tensors_close, random_rl_datums, random_sft_datums
 
 RTOL = 1e-5
 

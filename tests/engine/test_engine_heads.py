@@ -13,7 +13,7 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.heads import HEAD_METADATA_KEY, HEADS, PolicyHead, ValueHead, build_head, head_from_metadata
-from ember.engine.testing import assert_tensors_close, random_sft_datums
+from helpers.datums import assert_tensors_close, random_sft_datums
 
 RTOL = 1e-5
 V = 84

@@ -5,7 +5,7 @@ import torch
 from tinker import types
 
 from ember.engine import TorchEngine
-from ember.engine.testing import random_rl_datums, random_sft_datums
+from helpers.datums import random_rl_datums, random_sft_datums
 from ember.models import load_model
 
 

@@ -7,7 +7,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, NonFiniteGradientError, TorchEngine
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.models import load_model
 
 ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5)

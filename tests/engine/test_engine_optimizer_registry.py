@@ -16,7 +16,7 @@ from tinker.types.optimizer import OptimizerConfigBase, OptimParamsBase
 
 import ember
 from ember.engine.optimizers import OPTIMIZERS, Optimizer, OptimizerEntry
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 
 LR = 1e-2
 

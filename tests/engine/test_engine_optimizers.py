@@ -9,7 +9,7 @@ from tinker import types
 
 from ember.engine import TorchEngine
 from ember.engine.optimizers import DAMPING, RANK_LR_EXPONENT, AdamW, Dimuon, build_optimizer
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 
 DIMUON = types.DimuonOptimizerConfig()
 PARAMS = types.DimuonParams(learning_rate=1e-2, beta1=0.8, grad_clip_norm=0.5)

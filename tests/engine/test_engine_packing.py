@@ -3,7 +3,7 @@
 import torch
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.models import load_model
 
 

@@ -8,9 +8,9 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.parallel import ParallelismConfig
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.workers import EngineSpec, GroupEngine, WorkerGroup
-from ember.workers import testing as wt
+from helpers import ranks as wt
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

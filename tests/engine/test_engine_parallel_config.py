@@ -15,9 +15,9 @@ from ember.engine.parallel import (
     layer_tp_plan,
     parallelize_model,
 )
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.models import add_lora_adapter, load_model
-from ember.workers import testing as wt
+from helpers import ranks as wt
 
 
 @pytest.mark.parametrize("field", ["dp_replicate", "dp_shard", "tp"])

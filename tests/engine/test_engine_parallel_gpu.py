@@ -13,9 +13,9 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.parallel import ParallelismConfig
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.workers import EngineSpec, GroupEngine, WorkerGroup
-from ember.workers import testing as wt
+from helpers import ranks as wt
 
 pytestmark = pytest.mark.gpu
 BF16_LOGPROB_ATOL = 0.1

@@ -5,7 +5,7 @@ import torch
 from tinker import types
 
 from ember.engine import TorchEngine
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 
 
 @pytest.fixture(scope="module")

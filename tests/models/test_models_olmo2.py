@@ -16,7 +16,7 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine, hf_export
 from ember.engine.parallel import _check_tp_divisibility
-from ember.engine.testing import assert_tensors_close, random_rl_datums, random_sft_datums, sft_datum
+from helpers.datums import assert_tensors_close, random_rl_datums, random_sft_datums, sft_datum
 from ember.models import load_model, lora_target_modules
 from ember.models.families import FAMILIES, family_of
 from ember.models.testing import build_tiny_model

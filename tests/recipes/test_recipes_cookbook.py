@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from ember.sampling.registry import backend_missing
-from ember.server.testing import API_KEY, server_env, start_server
+from helpers.server import API_KEY, server_env, start_server
 
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (`make test` installs it)")
 

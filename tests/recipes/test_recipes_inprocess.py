@@ -113,3 +113,27 @@ tensorboard = false
     assert main(argv) == 0
     rows = read_jsonl(tmp_path / "grpo-run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1] and all("grpo/reward" in r for r in rows)
+
+
+def test_grpo_warns_after_steps_without_learning_signal(service_client, digit_count_env, caplog):
+    """Constant rewards train nothing: after NO_SIGNAL_STEPS such steps the recipe says what to change."""
+    from ember.recipes.grpo import NO_SIGNAL_STEPS
+
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
+    graded = digit_count_env(tc.get_tokenizer())
+
+    class Constant(type(graded)):
+        def reward(self, problem, completion_tokens):
+            return 0.0
+
+    cfg = GRPOConfig(steps=NO_SIGNAL_STEPS + 1, prompts_per_step=2, group_size=2, max_tokens=2, seed=0)
+    with caplog.at_level("WARNING", logger="ember.recipes.grpo"), use_logger(MetricsLogger()):
+        train_grpo(tc, Constant(), cfg)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ember.recipes.grpo"]
+    assert len(warnings) == 1, warnings  # once per streak, not every step
+    assert f"no learning signal for {NO_SIGNAL_STEPS} steps in a row" in warnings[0]
+    assert "partial_credit" in warnings[0] and "init_from" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ember.recipes.grpo"), use_logger(MetricsLogger()):
+        train_grpo(tc, graded, cfg)  # graded rewards: groups differ, every step trains
+    assert not [r for r in caplog.records if r.name == "ember.recipes.grpo"]

@@ -245,3 +245,22 @@ def test_plot_series_and_moving_average(tmp_path):
     assert series(read_jsonl(tmp_path / "m.jsonl"), "grpo/heldout_acc") == ([2], [0.5])
     png = plot_demo(tmp_path / "m.jsonl", tmp_path / "p.png", {"sft_accuracy": 0.2})
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_phase_progress_shows_the_last_evaluation_not_their_mean():
+    """The demo's held-out accuracy (recorded every eval_every steps) shows its last value."""
+    import io
+
+    from rich.console import Console
+
+    from ember.recipes.progress import PhaseProgress
+
+    out = io.StringIO()
+    with PhaseProgress(Console(file=out, width=100), live=False, window=20, every=4) as progress:
+        hook = progress.phase("GRPO", 4, {"r": "reward", "acc": "held-out acc"})
+        hook(0, {"r": 0.0, "acc": 0.1})
+        hook(1, {"r": 1.0, "acc": 0.3})
+        hook(2, {"r": 0.5})
+        hook(3, {"r": 0.5, "acc": 0.4})
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("GRPO")]
+    assert lines == ["GRPO 4/4  reward 0.500  held-out acc 0.400"]

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from ember.recipes.demo import DemoSettings
 from ember.sampling.registry import backend_missing
-from ember.server.testing import API_KEY, start_server
+from helpers.server import API_KEY, start_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]

@@ -103,7 +103,7 @@ def test_a_model_named_by_path_is_refused_when_its_sampler_is_created(hd16_model
     import tinker
 
     import ember
-    from ember.server.testing import sft_datum
+    from helpers.server import sft_datum
     from ember.service.config import ServiceConfig
 
     root = tmp_path / "models"

@@ -12,7 +12,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
 
 LONG = [int(t) for t in np.random.default_rng(0).integers(1, 80, size=40)]  # block 16 → 32 cached

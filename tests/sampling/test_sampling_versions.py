@@ -14,7 +14,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
 
 from .conftest import params, prompt

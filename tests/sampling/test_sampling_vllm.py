@@ -71,14 +71,14 @@ def test_released_lora_leaves_the_engine(vllm_sampler, tiny_model_dir):
     version = vllm_sampler.load_weights(engine.named_weights(), lora_config=cfg)
     vllm_sampler.sample(prompt([5, 6]), 1, params(max_tokens=2), version=version, timeout=120)
     lora_id = version.lora_id
-    loaded = vllm_sampler._call(vllm_sampler._llm.list_loras()).result(30)
+    loaded = vllm_sampler.loaded_lora_ids()
     assert lora_id in loaded
     del version
     gc.collect()
     deadline = time.time() + 30
-    while lora_id in vllm_sampler._call(vllm_sampler._llm.list_loras()).result(30) and time.time() < deadline:
+    while lora_id in vllm_sampler.loaded_lora_ids() and time.time() < deadline:
         time.sleep(0.2)
-    assert lora_id not in vllm_sampler._call(vllm_sampler._llm.list_loras()).result(30)
+    assert lora_id not in vllm_sampler.loaded_lora_ids()
 
 
 def test_weight_gate_drains_loads_and_keeps_arrival_order():

@@ -1,7 +1,7 @@
 """Fixtures for the server tests: one shared `ember serve` subprocess (session scope).
 
 The fault-injection server (tests/server/fault_server.py) and the restart test start
-their own servers with `ember.server.testing.start_server`.
+their own servers with `helpers.server.start_server`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tinker
 
-from ember.server.testing import API_KEY, ServerProc, start_server
+from helpers.server import API_KEY, ServerProc, start_server
 
 # The session-wide servers hold every test module's sessions and runs under one API key
 # (modules that talk raw HTTP never finish theirs): the per-key quotas, tested in

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(config)
     app.add_middleware(FaultMiddleware, fastapi_app=app)
     if log_path:
-        app.add_middleware(RequestLogMiddleware, path=log_path)
+        app.add_middleware(RequestLogMiddleware, path=log_path, bodies=True)
     return serve(app, config.server.host, config.server.port, config.log_level)
 
 

@@ -13,7 +13,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from ember.server.testing import API_KEY, MODEL_NAME, sft_datum
+from helpers.server import API_KEY, MODEL_NAME, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

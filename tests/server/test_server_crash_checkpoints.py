@@ -14,7 +14,7 @@ import tinker
 import torch
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server
 from ember.service.checkpoint_files import read_state_weights
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").

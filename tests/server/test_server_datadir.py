@@ -10,7 +10,7 @@ import sys
 import tinker
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, server_env, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, server_env, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

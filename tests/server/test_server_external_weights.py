@@ -18,9 +18,9 @@ import tinker
 import torch
 from tinker import types
 
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 from ember.models.testing import target_logprobs
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY
 from ember.service.unsupported import UNSUPPORTED
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
@@ -228,7 +228,8 @@ def test_links_carry_the_path_prefix_and_the_request_log_hides_tokens(tmp_path, 
 
     service = Service(ServiceConfig(data_dir=tmp_path / "data", models={MODEL_NAME: str(tiny_model_dir)}))
     log = tmp_path / "requests.jsonl"
-    app = create_app(service, ServerConfig(api_keys={API_KEY: "alice"}, path_prefix="pfx", request_log=str(log)),
+    app = create_app(service, ServerConfig(api_keys={API_KEY: "alice"}, path_prefix="pfx", request_log=str(log),
+                                               request_log_bodies=True),
                      close_service=True)
     with TestClient(app, base_url="http://ember.test") as http:
         http.headers["X-API-Key"] = API_KEY

@@ -21,7 +21,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from ember.server import wire
 from ember.server.deps import model_response
-from ember.server.testing import API_KEY, MODEL_NAME, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

@@ -48,7 +48,7 @@ from ember.server import openai_compat as oa
 from ember.server import routes_unsupported
 from ember.server.app import create_app
 from ember.server.config import ServerConfig
-from ember.server.testing import API_KEY, MODEL_NAME, ServerProc, memory_cap, sft_datum, start_server, wait_until
+from helpers.server import API_KEY, MODEL_NAME, ServerProc, memory_cap, sft_datum, start_server, wait_until
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

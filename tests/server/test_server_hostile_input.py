@@ -32,7 +32,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from ember.server import routes_unsupported
 from ember.server.app import create_app
 from ember.server.config import ServerConfig
-from ember.server.testing import API_KEY, MODEL_NAME, ServerProc, memory_cap, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, ServerProc, memory_cap, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

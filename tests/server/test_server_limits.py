@@ -17,7 +17,7 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from ember.server.testing import API_KEY, MODEL_NAME, memory_cap, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, memory_cap, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

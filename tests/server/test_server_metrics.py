@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, sft_datum, start_server, wait_until
+from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server, wait_until
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

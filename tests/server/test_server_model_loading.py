@@ -17,7 +17,7 @@ import pytest
 import tinker
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, server_env, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, server_env, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

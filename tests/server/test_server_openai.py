@@ -10,7 +10,7 @@ import pytest
 from tinker import types
 
 from ember.models import load_tokenizer
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import tinker
 
-from ember.server.testing import API_KEY, MODEL_NAME, memory_cap, start_server, wait_until
+from helpers.server import API_KEY, MODEL_NAME, memory_cap, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 

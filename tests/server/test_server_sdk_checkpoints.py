@@ -7,7 +7,7 @@ import pytest
 import tinker
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 import tinker
 from tinker import types
 
-from ember.server.testing import MODEL_NAME, sft_datum
+from helpers.server import MODEL_NAME, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

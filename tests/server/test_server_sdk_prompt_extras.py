@@ -11,7 +11,7 @@ import torch
 from tinker import types
 
 import ember
-from ember.server.testing import MODEL_NAME, sft_datum
+from helpers.server import MODEL_NAME, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import tinker
 import torch
 from tinker import types
 
-from ember.server.testing import MODEL_NAME
+from helpers.server import MODEL_NAME
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ def test_sdk_critic_state_round_trip(sc):
 def test_raw_http_hostile_head_values_are_user_errors_with_short_messages(ember_server, head):
     import httpx
 
-    from ember.server.testing import API_KEY
+    from helpers.server import API_KEY
 
     with httpx.Client(base_url=ember_server.base_url + "/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
         session = http.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "x"}).json()

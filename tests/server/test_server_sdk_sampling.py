@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tinker import types
 
-from ember.server.testing import MODEL_NAME, sft_datum
+from helpers.server import MODEL_NAME, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -140,7 +140,7 @@ def test_sampler_handle_reconnects_for_its_owner_only(ember_server, trained):
     credentials): the owner's key samples the same weights again; another key gets 404."""
     import tinker
 
-    from ember.server.testing import API_KEY, OTHER_KEY
+    from helpers.server import API_KEY, OTHER_KEY
 
     _, sampler, _ = trained
     handle = sampler.get_sampler_handle()

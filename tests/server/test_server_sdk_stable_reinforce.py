@@ -11,7 +11,7 @@ import pytest
 import tinker
 from tinker import types
 
-from ember.server.testing import MODEL_NAME, OTHER_KEY, sft_datum, stable_datum, stable_reinforce_loss
+from helpers.server import MODEL_NAME, OTHER_KEY, sft_datum, stable_datum, stable_reinforce_loss
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -136,7 +136,7 @@ def test_another_tenants_sequence_reads_as_missing(run, ember_server):
 def test_another_session_of_the_same_key_is_refused(run, ember_server):
     """Tinker: 'a training request can only name sequences sampled in its own session'."""
     tc, _, seqs = run
-    from ember.server.testing import API_KEY
+    from helpers.server import API_KEY
 
     second = tinker.ServiceClient(base_url=ember_server.base_url, api_key=API_KEY)
     try:
@@ -174,7 +174,7 @@ def test_expired_record_over_http(tiny_model_dir, tmp_path):
     import time
     from pathlib import Path
 
-    from ember.server.testing import API_KEY, start_server
+    from helpers.server import API_KEY, start_server
 
     server = start_server(Path(tiny_model_dir), tmp_path, extra_args=["--stability.ttl_s", "3"])
     client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)

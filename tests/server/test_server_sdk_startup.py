@@ -8,7 +8,7 @@ import time
 import pytest
 import tinker
 
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, paths, wait_until
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, paths, wait_until
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

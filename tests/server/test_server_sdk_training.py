@@ -11,7 +11,7 @@ import tinker
 import torch
 from tinker import types
 
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import tinker
 from tinker import types
 
 from ember.sampling.registry import backend_missing
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]

@@ -26,7 +26,7 @@ import tinker
 from tinker import types
 
 from ember.sampling.registry import backend_missing
-from ember.server.testing import API_KEY, MODEL_NAME, OTHER_KEY, memory_cap, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, memory_cap, sft_datum, start_server
 
 VLLM_MISSING = backend_missing("vllm")
 BACKENDS = [

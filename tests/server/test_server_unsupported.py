@@ -7,7 +7,7 @@ import pytest
 import tinker
 
 from ember.server.routes_unsupported import ENDPOINTS
-from ember.server.testing import API_KEY
+from helpers.server import API_KEY
 
 CALLS = {
     "assign_session_project": ("session-1", "project-1"),

@@ -20,7 +20,7 @@ import tinker
 from tinker import types
 
 import ember
-from ember.server.testing import API_KEY, MODEL_NAME, server_env, sft_datum, start_server, wait_until
+from helpers.server import API_KEY, MODEL_NAME, server_env, sft_datum, start_server, wait_until
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tinker import types
 
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.service import NotFoundError, UserError
 from ember.service.store import CheckpointRow
 

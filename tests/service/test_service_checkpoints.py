@@ -9,7 +9,7 @@ import pytest
 import torch
 from tinker import types
 
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 from ember.service import UserError
 from ember.service.checkpoint_files import TinkerPath, checkpoint_dir, parse_tinker_path, validate_name
 from ember.service.config import ServiceConfig, load_models_toml

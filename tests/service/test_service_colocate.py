@@ -8,7 +8,7 @@ import threading
 import pytest
 from tinker import types
 
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 from ember.sampling import SamplerConfig, resolve_sampler_config
 
 from .conftest import new_run, result

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tinker import types
 
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 from ember.service import NotFoundError, SessionGoneError, UserError
 
 from .conftest import new_run, result, wait

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.service import UserError
 
 from .conftest import new_run, result

@@ -10,7 +10,7 @@ import sys
 import pytest
 from tinker import types
 
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 from ember.service import Service, ServiceConfig
 from ember.service.datadir import DataDirInUseError
 

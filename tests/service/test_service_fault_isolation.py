@@ -16,7 +16,7 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.registry import ENGINE_BACKENDS
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 from ember.service import Service, ServiceConfig
 from ember.service.engines import LocalEngineFactory, adapter_name
 

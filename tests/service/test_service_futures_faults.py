@@ -19,7 +19,7 @@ from tinker import types
 
 from ember import failpoints
 from ember.service.store import FutureRow
-from ember.server.testing import sft_datum
+from helpers.server import sft_datum
 
 from .conftest import new_run, result, wait
 

@@ -14,7 +14,7 @@ import textwrap
 import torch
 from tinker import types
 
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 
 from .conftest import result, wait
 
@@ -30,7 +30,7 @@ WORKER = textwrap.dedent(
     """
     import json, sys, time
     from tinker import types
-    from ember.engine.testing import random_sft_datums
+    from helpers.datums import random_sft_datums
     from ember.service import Service, ServiceConfig
     data_dir, model_dir, url = sys.argv[1], sys.argv[2], sys.argv[3]
     svc = Service(ServiceConfig(data_dir=data_dir, models={"tiny": model_dir}, database_url=url, seq_gap_timeout_s=600))

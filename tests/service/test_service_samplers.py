@@ -8,7 +8,7 @@ import pytest
 from tinker import types
 
 import ember
-from ember.engine.testing import sft_datum
+from helpers.datums import sft_datum
 from ember.service.config import ServiceConfig
 
 PARAMS = types.SamplingParams(max_tokens=2, seed=0, stop=[])

@@ -9,7 +9,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.engine.testing import random_sft_datums, sft_datum
+from helpers.datums import random_sft_datums, sft_datum
 from ember.service.engines import adapter_name
 
 from .conftest import new_run, result

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tinker import types
 
-from ember.engine.testing import random_sft_datums
+from helpers.datums import random_sft_datums
 from ember.workers import MeshDispatch, RankLayout, balance, reduce_metrics
 from ember.workers.dispatch import AllDispatch, get_dispatch, item_tokens
 

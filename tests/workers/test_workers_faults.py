@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ember.workers import WorkerError, WorkerGroup, WorkerTimeoutError
-from ember.workers import testing as wt
+from helpers import ranks as wt
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow

@@ -26,7 +26,6 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.estimate import load_config
-from ember.engine.testing import sft_datum
 from ember.models import load_model
 
 
@@ -44,9 +43,12 @@ def _status(key: str) -> int:
     raise OSError(f"no {key} in /proc/self/status")
 
 
-def _datum(tokens: int, vocab: int, seed: int = 0):
+def _datum(tokens: int, vocab: int, seed: int = 0) -> types.Datum:
+    """A next-token datum of `tokens` random tokens, every position trained."""
     g = torch.Generator().manual_seed(seed)
-    return sft_datum(torch.randint(0, vocab, (tokens + 1,), generator=g).tolist())
+    ids = torch.randint(0, vocab, (tokens + 1,), generator=g)
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
+                       loss_fn_inputs={"target_tokens": ids[1:].clone(), "weights": torch.ones(tokens)})
 
 
 def _engine_steps(args, vocab: int) -> float:

@@ -43,11 +43,17 @@ ahead) and the KL reference's path. `resume_from = <that run_dir>` creates the p
 state with its optimizer and goes on from that step with the same RNG stream and the original
 step-0 reference, so the resumed steps are those of an uninterrupted run (up to the
 floating-point noise of which rows share a decode batch, which two uninterrupted runs show too).
+
+No learning signal: a step in which every group's G samples got the same reward (and no KL
+term) sends nothing and takes no optimizer step (`frac_groups_constant` 1,
+`skipped_minibatches`). After `NO_SIGNAL_STEPS` such steps in a row the loop logs a warning
+saying what to change, instead of "training" on in silence.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import re
@@ -88,6 +94,10 @@ from ember.recipes.resume import (
     samples_of,
     write_checkpoint,
 )
+
+
+log = logging.getLogger(__name__)
+NO_SIGNAL_STEPS = 3  # consecutive steps without an optimizer step before the warning
 
 
 @dataclass
@@ -266,8 +276,9 @@ def record_kl_metrics(groups: Sequence[list[Rollout]]) -> None:
 
 def train_on_batch(
     training_client, groups: Sequence[list[Rollout]], cfg: GRPOConfig, lr: float, reference: Any = None,
-) -> None:
-    """`cfg.minibatches` optimizer steps over the batch's groups (split by group).
+) -> int:
+    """`cfg.minibatches` optimizer steps over the batch's groups (split by group); returns
+    how many were taken (mini-batches whose groups all have constant reward are skipped).
 
     With `cfg.kl_coef > 0`, the reference's logprobs of the whole batch are submitted
     first; each mini-batch awaits only its own, so the reference works while the policy trains.
@@ -275,6 +286,7 @@ def train_on_batch(
     loss_config = {"clip_low_threshold": cfg.clip_low, "clip_high_threshold": cfg.clip_high}
     bounds = [round(i * len(groups) / cfg.minibatches) for i in range(cfg.minibatches + 1)]
     ref_futures = submit_group_references(reference, groups) if cfg.kl_coef > 0 else None
+    taken = 0
     for lo, hi in zip(bounds, bounds[1:]):
         if ref_futures is not None:
             with span("reference"):
@@ -287,8 +299,22 @@ def train_on_batch(
         opt = training_client.optim_step(types.AdamParams(learning_rate=lr, beta2=cfg.adam_beta2))
         record_metric("loss", fb.result().metrics["loss:sum"], reduce="sum")
         opt.result()
+        taken += 1
     if ref_futures is not None:
         record_kl_metrics(groups)
+    return taken
+
+
+def warn_no_signal(streak: int, cfg: GRPOConfig) -> None:
+    """Once a streak of steps without an optimizer step reaches NO_SIGNAL_STEPS: say what to change."""
+    if streak != NO_SIGNAL_STEPS:
+        return
+    log.warning(
+        "GRPO: no learning signal for %d steps in a row: every group's %d samples got the same reward "
+        "(frac_groups_constant 1), so no optimizer step ran. The policy almost never (or always) earns the "
+        "reward; make rewards differ within a group: start from a model that sometimes succeeds (init_from "
+        "an SFT checkpoint), give partial credit (env_args = {partial_credit = true} for digit_sum), raise "
+        "group_size or temperature (now %g), or use kl_coef > 0.", streak, cfg.group_size, cfg.temperature)
 
 
 def record_batch_metrics(groups: Sequence[list[Rollout]]) -> None:
@@ -388,7 +414,7 @@ def train_grpo(
     reference, reference_path = kl_reference_for(training_client, cfg, reference, checkpoint)
     start, rng, batch = start_point(cfg, env, checkpoint)
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=env.stop())
-    snapshots, logger = Snapshots(training_client), get_logger()
+    snapshots, logger, no_signal = Snapshots(training_client), get_logger(), 0
     with logger.prefix(prefix):
         for step in range(start, cfg.steps):
             last = step + 1 == cfg.steps
@@ -401,7 +427,8 @@ def train_grpo(
                 next_batch = sample_batch(snapshots.at(step), env, cfg, params, rng)
             lr = learning_rate_at(step, cfg.steps, cfg.learning_rate, cfg.lr_schedule)
             with span("train"):
-                train_on_batch(training_client, groups, cfg, lr, reference)
+                no_signal = 0 if train_on_batch(training_client, groups, cfg, lr, reference) else no_signal + 1
+            warn_no_signal(no_signal, cfg)
             record_batch_metrics(groups)
             record_metric("staleness", step - batch.version, reduce="max")
             record_metric("lr", lr)

@@ -4,7 +4,9 @@ Runs unchanged on `ember.ServiceClient()` and on `tinker.ServiceClient(base_url=
 against `ember serve`: it uses `create_lora_training_client`, `forward_backward`
 (`cross_entropy`), `optim_step` and `save_state`.
 
-Data: JSONL, one example per line, any of
+Data (`data_path`): a name from `SFT_DATA` (`"digit_sums"`: 64 labelled digit-sum
+examples, made in code, so the packaged example config runs in any directory) or a JSONL
+file, one example per line, any of
   {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}
       (chat template; the last message is the completion, everything before it the prompt)
   {"prompt": "...", "completion": "..."}   (EOS appended to the completion)
@@ -22,6 +24,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tinker import types
 
@@ -94,7 +97,8 @@ def _ids(rendered) -> list[int]:
 def load_jsonl(path: str | Path, tokenizer, max_length: int = 2048) -> list[Example]:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"SFT data file not found: {str(p)!r}")
+        raise FileNotFoundError(f"SFT data file not found: {str(p)!r} (data_path is a JSONL path or one of "
+                                f"{sorted(SFT_DATA)})")
     out = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):
         if line.strip():
@@ -107,6 +111,24 @@ def load_jsonl(path: str | Path, tokenizer, max_length: int = 2048) -> list[Exam
     if not out:
         raise ValueError(f"{p}: no examples")
     return out
+
+
+def digit_sums(tokenizer, seed: int) -> list[Example]:
+    """64 labelled digit-sum examples (`Sum the digits of 40913:` -> ` 17` + EOS)."""
+    from ember.recipes.digit_sum import DigitSumTask
+
+    task = DigitSumTask(tokenizer)
+    return task.labelled_examples(task.numbers(64, seed=seed))
+
+
+SFT_DATA: dict[str, Any] = {"digit_sums": digit_sums}  # name -> f(tokenizer, seed)
+
+
+def load_sft_data(data_path: str, tokenizer, max_length: int, seed: int) -> list[Example]:
+    """`SFTConfig.data_path`: a `SFT_DATA` name (when no such file exists) or a JSONL path."""
+    if data_path in SFT_DATA and not Path(data_path).exists():
+        return SFT_DATA[data_path](tokenizer, seed)  # short by construction (under 40 tokens)
+    return load_jsonl(data_path, tokenizer, max_length)
 
 
 def batch_datums(examples: Sequence[Example]) -> list[types.Datum]:
@@ -164,7 +186,7 @@ def run_sft(config: SFTConfig, on_step: StepHook | None = None) -> str | None:
         base_model=config.base_model, rank=config.lora_rank, seed=config.seed
     ).result()
     tokenizer = training_client.get_tokenizer()
-    examples = load_jsonl(config.data_path, tokenizer, config.max_length)
+    examples = load_sft_data(config.data_path, tokenizer, config.max_length, config.seed)
     train_sft(training_client, examples, config, on_step=on_step)
     if not config.save_name:
         return None

@@ -5,12 +5,23 @@ tables for nested sections such as `[client]` and `[metrics]`); `--section.key v
 `--key=value`) overrides it. A bad key, a wrong type, a missing file or an invalid value
 prints one clear message naming the key and exits with status 2. Outputs (config, metrics JSONL, TensorBoard) go to
 `run_dir` (default `runs/<recipe>-<timestamp>`).
+
+`--config NAME` with a recipe's name (`sft`, `grpo`, `ppo`, `reward_model`) and no such file
+in the directory is the example config packaged with ember (`ember/recipes/examples/`, the
+files `examples/*.toml` of the repository link to): a reader of the README who has only
+`pip install`ed ember has no `examples/` directory, and a name that works anywhere is what
+they expect. `ember train RECIPE --help` prints the packaged file's path to copy and edit.
+
+Where the recipe trains: `client.base_url` when set; else `$TINKER_BASE_URL` when set (the
+variable the SDK and the cookbook read, so `ember train` follows the server a shell points
+at); else in process. The first line printed says which.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +36,7 @@ RECIPES: dict[str, tuple[str, str]] = {
     "ppo": ("ember.recipes.ppo:PPOConfig", "ember.recipes.ppo:run_ppo"),
     "reward_model": ("ember.recipes.reward_model:RMConfig", "ember.recipes.reward_model:run_reward_model"),
 }
+EXAMPLES = Path(__file__).resolve().parent / "examples"  # package data: <recipe>.toml
 USAGE = "ember train {" + ",".join(RECIPES) + "} [--config FILE.toml] [--section.key VALUE ...]"
 
 
@@ -60,6 +72,18 @@ def split_config_path(options: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def resolve_config_path(path: str) -> Path:
+    """A file path as given, or, when no such file exists, the packaged example of that name."""
+    given = Path(path)
+    packaged = EXAMPLES / f"{path}.toml"
+    if not given.exists() and path in RECIPES and packaged.is_file():
+        return packaged
+    if not given.exists():
+        raise ConfigError(f"config file not found: {path!r} (a TOML path, or a packaged example: "
+                          f"{', '.join(RECIPES)})")
+    return given
+
+
 def config_class(recipe: str) -> type:
     if recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
@@ -68,19 +92,20 @@ def config_class(recipe: str) -> type:
 
 def load_recipe_config(recipe: str, options: list[str]):
     path, overrides = split_config_path(options)
-    return load_config(config_class(recipe), path, overrides)
+    return load_config(config_class(recipe), resolve_config_path(path) if path else None, overrides)
 
 
 def help_text(recipe: str) -> str:
     """Usage plus every key of the recipe's config (TOML key = the flag without `--`;
-    a dotted key is a key of that TOML table). Example files: examples/<recipe>.toml."""
+    a dotted key is a key of that TOML table), and where the packaged example is."""
     from ember.config import describe_keys
 
     cls = config_class(recipe)
     keys = "\n".join("  " + line for line in describe_keys(cls))
     return (f"usage: ember train {recipe} [--config FILE.toml] [--section.key VALUE ...]\n\n"
             f"keys of {cls.__name__} (in the TOML file: `key = value`, `[section]` tables for dotted keys;\n"
-            f"on the command line they override the file); example: examples/{recipe}.toml\n{keys}")
+            f"on the command line they override the file); example: `--config {recipe}` is\n"
+            f"{EXAMPLES / (recipe + '.toml')} (copy it to edit)\n{keys}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,6 +126,8 @@ def run_recipe(recipe: str, config) -> int:
     from ember.recipes.common import ServerUnreachable
     from ember.recipes.demo import write_json
 
+    config = with_env_base_url(config)
+    print(f"ember train {recipe}: {where_it_trains(config.client)}", flush=True)
     run_dir = Path(config.run_dir or Path("runs") / time.strftime(f"{recipe}-%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
     config = dataclasses.replace(config, run_dir=str(run_dir))  # the recipe writes its checkpoints there
@@ -116,3 +143,20 @@ def run_recipe(recipe: str, config) -> int:
         logger.close()
     print(f"ember train {recipe}: done; metrics in {run_dir}" + (f"; saved {saved}" if saved else ""))
     return 0
+
+
+def with_env_base_url(config):
+    """`client.base_url` from `$TINKER_BASE_URL` when the config leaves it empty."""
+    env_url = os.environ.get("TINKER_BASE_URL", "")
+    if config.client.base_url or not env_url:
+        return config
+    return dataclasses.replace(config, client=dataclasses.replace(config.client, base_url=env_url))
+
+
+def where_it_trains(client) -> str:
+    """The first line `ember train` prints: the server it uses, or in process."""
+    if client.base_url:
+        source = " (from $TINKER_BASE_URL)" if client.base_url == os.environ.get("TINKER_BASE_URL") else ""
+        return f"training on the server at {client.base_url}{source}"
+    data = client.data_dir or os.environ.get("EMBER_DATA_DIR") or "~/.ember"
+    return f"training in process (no client.base_url, no $TINKER_BASE_URL); data in {data}"

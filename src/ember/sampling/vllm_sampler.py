@@ -44,6 +44,7 @@ costs one read of the version's file plus the drain; benchmarks/sampling.py meas
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import hashlib
@@ -92,6 +93,22 @@ def needs_scorer(spec: ResolvedRequest) -> bool:
     return spec.scores_prompt
 
 
+def _shut_down(llm) -> None:
+    """Shut an AsyncLLM down once. Its `__del__` calls `shutdown()` again whenever the object
+    is collected; at interpreter exit the module globals that method uses are already None,
+    which printed `TypeError: 'NoneType' object is not callable` as the last line of every
+    process that used vLLM. The instance's second call is made a no-op."""
+    llm.shutdown()
+    llm.shutdown = lambda *args, **kwargs: None
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """atexit: close a sampler its owner never closed, while the interpreter is intact."""
+    sampler = ref()
+    if sampler is not None:
+        sampler.close()
+
+
 class VLLMSampler(Sampler):
     """Sampler over vLLM's AsyncLLM (see the module docstring)."""
 
@@ -124,6 +141,7 @@ class VLLMSampler(Sampler):
         self._start_lock = asyncio.Lock()
         self._closed = False
         self._call(self._ensure_engine())  # start in the background; requests wait for it
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
@@ -280,7 +298,7 @@ class VLLMSampler(Sampler):
                 raise RuntimeError("the sampler is closed")
             if self._llm is not None:
                 log.error("vLLM engine died (%s); starting a new one", self._llm.dead_error)
-                await asyncio.get_running_loop().run_in_executor(None, self._llm.shutdown)
+                await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._llm)
                 self._llm = None
             start = asyncio.get_running_loop().run_in_executor(None, self._start_engine)
             self._llm = await asyncio.wait_for(start, self.config.engine_start_timeout_s)
@@ -311,8 +329,18 @@ class VLLMSampler(Sampler):
     async def _shutdown(self) -> None:
         async with self._start_lock:
             if self._llm is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self._llm.shutdown)
+                # on the loop's own thread, not an executor's: at interpreter exit (the atexit
+                # close) the default executor no longer takes work; nothing else runs here now
+                _shut_down(self._llm)
                 self._llm = None
+
+    def loaded_lora_ids(self, timeout_s: float = 30.0) -> set[int]:
+        """Read-only: the LoRA ids the running engine holds now (empty before it started);
+        a released version's id leaves it (tests and diagnostics)."""
+        async def ids() -> set[int]:
+            return set(await self._llm.list_loras()) if self._llm is not None and not self._llm.errored else set()
+
+        return self._call(ids()).result(timeout_s)
 
     def engine_pids(self) -> list[int]:
         """Process ids of the running engine core (for fault-injection tests)."""

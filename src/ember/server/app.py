@@ -58,5 +58,5 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
     if config.path_prefix:
         app.add_middleware(PathPrefixMiddleware, prefix=config.path_prefix)
     if config.request_log:
-        app.add_middleware(RequestLogMiddleware, path=config.request_log)
+        app.add_middleware(RequestLogMiddleware, path=config.request_log, bodies=config.request_log_bodies)
     return app

@@ -85,7 +85,8 @@ class ServerConfig:
     long_poll_s: how long `retrieve_future` holds a pending future before `try_again`
         (must stay well under the SDK's 45 s read timeout).
     max_body_mb: larger request bodies (also after zstd decompression) get HTTP 413.
-    request_log: optional JSONL file with one line per request (tests, debugging).
+    request_log: optional JSONL file with one short line per request (rotated by size).
+    request_log_bodies: the request log also holds headers and small JSON bodies (debugging).
     path_prefix: serve under `/<prefix>/api/v1/...` (for a reverse proxy); "" = root.
     client_config / dynamic_config: overrides of `/api/v1/client/config` and its dynamic
         config (e.g. fwdbwd_max_chunk_len=256), merged over ember's defaults.
@@ -112,6 +113,7 @@ class ServerConfig:
     long_poll_s: float = 20.0
     max_body_mb: float = field(default=64.0, metadata=meta(limit=True))
     request_log: str | None = None
+    request_log_bodies: bool = False
     path_prefix: str = ""
     client_config: Mapping[str, Any] = field(default_factory=dict)
     dynamic_config: Mapping[str, Any] = field(default_factory=dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import threading
 import time
@@ -24,6 +25,8 @@ _LOGGED_HEADERS = (
     "x-stainless-retry-count",
 )
 _LOG_BODY_LIMIT = 64 * 1024
+_EXTRA_LIMIT = 512  # characters of a compact line's `extra` (a telemetry batch may name many events)
+REQUEST_LOG_MAX_BYTES = 64 << 20  # the request log rotates past this size (one old file kept)
 LOG_STATE_KEY = "ember_log"  # routes put decoded facts (seq_id, ...) in request.state.ember_log
 
 
@@ -97,51 +100,72 @@ _DOWNLOAD_TOKEN = re.compile(r"(/external_weights/)[0-9]+\.[A-Za-z0-9_\-]+\.[A-Z
 
 
 class RequestLogMiddleware:
-    """One JSON line per request: arrival order `n`, times, path, status, chosen headers,
-    small JSON bodies (request and response) and what the route put in `ember_log`."""
+    """One JSON line per request, appended to `path`: arrival order `n`, arrival time `t`,
+    `ms` to the answer, method, path, status and what the route put in `ember_log` (the
+    decoded run, seq_id, loss, ...; dropped when over `_EXTRA_LIMIT` characters), about 200
+    bytes. `bodies=True` (`--request-log-bodies`, for debugging and the tests) adds chosen
+    headers, `t_end` and small JSON bodies, request and response. Past `max_bytes` the
+    file is renamed to `<path>.1` (replacing the previous one) and a new one begun, so the
+    log never holds more than twice that."""
 
-    def __init__(self, app: ASGIApp, path: str):
-        self.app = app
+    def __init__(self, app: ASGIApp, path: str, bodies: bool = False, max_bytes: int = REQUEST_LOG_MAX_BYTES):
+        self.app, self.path, self.bodies, self.max_bytes = app, path, bodies, max_bytes
         self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives with the app)
+        self._size = self._file.tell()
         self._lock = threading.Lock()
         self._counter = itertools.count()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        entry: dict[str, Any] = {
-            "n": next(self._counter), "t": time.time(), "method": scope["method"],
-            "path": scope["path"],
-            "headers": {h: v for h in _LOGGED_HEADERS if (v := _header(scope, h.encode())) is not None},
-        }
+        entry: dict[str, Any] = {"n": next(self._counter), "t": time.time(), "method": scope["method"],
+                                 "path": scope["path"]}
+        if self.bodies:
+            entry["headers"] = {h: v for h in _LOGGED_HEADERS if (v := _header(scope, h.encode())) is not None}
         request_body, response_body = bytearray(), bytearray()
         state = scope.setdefault("state", {})
 
         async def logged_receive() -> Message:
             message = await receive()
-            if message["type"] == "http.request" and len(request_body) < _LOG_BODY_LIMIT:
+            if self.bodies and message["type"] == "http.request" and len(request_body) < _LOG_BODY_LIMIT:
                 request_body.extend(message.get("body", b""))
             return message
 
         async def logged_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 entry["status"] = message["status"]
-                entry["response_type"] = next((v.decode() for k, v in message.get("headers", ())
-                                               if k.lower() == b"content-type"), None)
-            elif message["type"] == "http.response.body" and len(response_body) < _LOG_BODY_LIMIT:
+                if self.bodies:
+                    entry["response_type"] = next((v.decode() for k, v in message.get("headers", ())
+                                                   if k.lower() == b"content-type"), None)
+            elif self.bodies and message["type"] == "http.response.body" and len(response_body) < _LOG_BODY_LIMIT:
                 response_body.extend(message.get("body", b""))
             await send(message)
 
         try:
             await self.app(scope, logged_receive, logged_send)
         finally:
-            entry["t_end"] = time.time()
-            entry["json"] = _maybe_json(request_body)
-            entry["response"] = _maybe_json(response_body)
-            entry["extra"] = state.get(LOG_STATE_KEY)
-            with self._lock:
-                # a download link's token is a credential: kept out of paths and logged answers
-                self._file.write(_DOWNLOAD_TOKEN.sub(r"\1<token>/", json.dumps(entry, default=str)) + "\n")
+            self._write(self._finish(entry, state, request_body, response_body))
+
+    def _finish(self, entry: dict[str, Any], state: dict, request_body: bytearray, response_body: bytearray) -> str:
+        now = time.time()
+        entry["ms"] = round((now - entry["t"]) * 1000, 1)
+        extra = state.get(LOG_STATE_KEY)
+        entry["extra"] = extra if extra is None or len(json.dumps(extra, default=str)) <= _EXTRA_LIMIT \
+            else {"dropped": f"over {_EXTRA_LIMIT} characters"}
+        if self.bodies:
+            entry.update(t_end=now, json=_maybe_json(request_body), response=_maybe_json(response_body))
+        # a download link's token is a credential: kept out of paths and logged answers
+        return _DOWNLOAD_TOKEN.sub(r"\1<token>/", json.dumps(entry, default=str)) + "\n"
+
+    def _write(self, line: str) -> None:
+        with self._lock:
+            if self._size + len(line) > self.max_bytes and self._size > 0:
+                self._file.close()
+                os.replace(self.path, self.path + ".1")
+                self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+                self._size = 0
+            self._file.write(line)
+            self._size += len(line.encode())
 
 
 def _maybe_json(raw: bytes | bytearray) -> Any:

@@ -192,6 +192,7 @@ class CheckpointStore:
             self._drop_uncommitted(tpath, final)
             raise
         failpoints.hit("checkpoint.after_commit")
+        log.info("checkpoint %s saved (%s, %.1f MB)", tpath.uri, kind, row.size_bytes / 1e6)
         if existing is not None and existing.directory != row.directory:
             files.remove_checkpoint_dir(self.data_dir, existing.directory)
         return row

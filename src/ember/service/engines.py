@@ -26,6 +26,7 @@ from ember.engine.config import EngineConfig
 from ember.service.model_registry import BaseModel
 
 
+
 @dataclass(frozen=True)
 class RunSpec:
     run_id: str

@@ -173,6 +173,8 @@ class FutureTable:
                 log.debug("future %s already finished; %s ignored", request_id, status)
                 return
             entry.finishing = True
+        if category == Server:  # the operator's to look at (user errors are the caller's)
+            log.warning("request %s (%s) failed (server): %s", request_id, entry.state.request_type, error)
         values = dict(status=status, payload=payload, error=error,
                       category=None if category is None else str(category), finished_at=time.time())
         # The row is committed before anyone can observe the result (survives a crash).

@@ -53,23 +53,41 @@ class ModelRegistry:
         self._by_directory: dict[str, str] = {}  # a spelling of a registered directory -> its name
         self._roots = [real_path(r) for r in roots]
         self._private = [real_path(p) for p in private]
+        self._seen: dict[Path, dict[str, tuple[int, int]]] = {}  # directory -> its files when first resolved
         self.add_all(models)
 
     def resolve(self, name: str) -> BaseModel:
         if not isinstance(name, str) or not name:
             raise UserError(f"base_model must be a non-empty string, got {name!r}")
         if name in self._models:
-            return BaseModel(name, self._models[name])
+            return self._unchanged(BaseModel(name, self._models[name]))
         registered = self._by_directory.get(os.path.normpath(name)) if "\x00" not in name else None
         if registered is not None:
-            return BaseModel(registered, self._models[registered])
+            return self._unchanged(BaseModel(registered, self._models[registered]))
         directory = self._allowed_directory(name)
         if directory is not None:
-            return BaseModel(name, directory)
+            return self._unchanged(BaseModel(name, directory))
         known = ", ".join(sorted(self._models)) or "none registered"
         where = (f", or the path of a model directory under a model root ({', '.join(map(str, self._roots))})"
                  if self._roots else "; naming a directory by path needs the operator's --model-root")
         raise UserError(f"unknown base model {name!r}: the registered names are {known}{where}")
+
+    def _unchanged(self, base: BaseModel) -> BaseModel:
+        """`base`, unless its files changed since it was first resolved.
+
+        Loaded models (the shared LoRA base, the sampler backends) are cached per directory
+        for the life of the process; a directory rewritten under a running server would
+        otherwise be trained on or sampled from stale (or, with a new tokenizer, refuse
+        valid token ids). Refused instead, naming the files, until a restart."""
+        now = model_files(base.directory)
+        before = self._seen.setdefault(base.directory, now)
+        if now != before:
+            changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+            raise UserError(
+                f"base model {base.name!r}: the files of {base.directory} changed since this process loaded them "
+                f"({', '.join(changed[:5])}); it keeps the loaded copy, so restart `ember serve` (or the "
+                f"in-process ServiceClient) to use the new files")
+        return base
 
     def _allowed_directory(self, name: str) -> Path | None:
         if not self._roots or "\x00" in name:
@@ -96,3 +114,20 @@ class ModelRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._models)
+
+
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tiktoken")  # config, weights, tokenizer
+
+
+def model_files(directory: Path) -> dict[str, tuple[int, int]]:
+    """name -> (size, mtime_ns) of the files a model is loaded from (top level of its directory)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return {}
+    out = {}
+    for entry in entries:
+        if entry.name.endswith(MODEL_FILE_SUFFIXES) and entry.is_file():
+            st = entry.stat()
+            out[entry.name] = (st.st_size, st.st_mtime_ns)
+    return out

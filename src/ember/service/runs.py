@@ -242,6 +242,9 @@ class RunManager:
             run.error = classify(exc)[0]
             self.store.update(RunRow, run.run_id, status="failed")
             raise
+        spec = run.spec
+        log.info("run %s created for %s: base model %s, %s, %s head", run.run_id, run.owner, spec.base.name,
+                 f"LoRA rank {spec.lora_config.rank}" if spec.is_lora else "full fine-tuning", spec.head)
 
     # ------------------------------------------------------------------ ordered ops
     def submit_op(self, owner: str, model_id: str, seq_id: Any, rtype: RequestType,

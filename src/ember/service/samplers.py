@@ -200,10 +200,13 @@ class SamplerManager:
         with self._lock:
             sampler = self._samplers.get(base.directory)
             if sampler is None:
+                start = time.monotonic()
                 try:
                     sampler = self._samplers[base.directory] = self.factory.create(base)
                 except UnsupportedModelError as exc:  # the model asked for, not ember, is the cause
                     raise UserError(f"base model {base.name!r}: the sampler backend cannot serve it: {exc}") from exc
+                log.info("sampler loaded for base model %s (%s, %.1f s)", base.name, type(sampler).__name__,
+                         time.monotonic() - start)
             return sampler
 
     def check_registered(self) -> None:
@@ -285,6 +288,7 @@ class SamplerManager:
             self.backend(base)
         row = self._new_row(owner, session_id, seq, base, model_path, None)
         self._remember(LiveSampler(row.id, owner, session_id, base, version, model_path))
+        log.info("sampling session %s loaded for %s: %s", row.id, owner, model_path or f"base model {base.name}")
         return row.id
 
     def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,

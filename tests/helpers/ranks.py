@@ -1,7 +1,8 @@
-"""Importable helpers that tests and benchmarks run on ranks (`group.run(name, fn, ...)`).
+"""Functions and objects the tests run on ranks (`group.run(name, fn, ...)`).
 
 Functions sent to `process`/`ray` ranks are pickled by reference, so they must live in an
-importable module like this one (test modules are not importable from another process).
+importable module like this one (test modules are not importable from another process);
+`tests/conftest.py` puts `tests/` on the ranks' `PYTHONPATH`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Run `ember serve` as a real subprocess and read its request log (tests, benchmarks).
 
+The server runs with `--request-log-bodies on`: the tests read request bodies back.
+
     server = start_server(model_dir, workdir)        # random loopback port, temp data dir
     client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     ...
@@ -126,7 +128,7 @@ def start_server(
         "--port", str(port),
         "--api-key", API_KEY,
         "--api-key", OTHER_KEY,
-        "--request-log", str(log_path),
+        "--request-log", str(log_path), "--request-log-bodies", "on",
         "--log-level", "warning",
         *extra_args,
     ]
