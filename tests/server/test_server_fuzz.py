@@ -140,7 +140,11 @@ def start_fuzz_server(model_dir: Path, workdir: Path, script: Path | None = None
     return start_server(Path(model_dir), workdir, script=script, wrap=memory_cap(MEMORY_CAP_BYTES),
                         # info: the one line a hung-up client earns is visible
                         extra_args=["--max-body-mb", "4", "--long-poll-s", str(LONG_POLL_S),
-                                    "--seq-gap-timeout-s", str(SEQ_GAP_S), "--log-level", "info"])
+                                    "--seq-gap-timeout-s", str(SEQ_GAP_S), "--log-level", "info",
+                                    # every case creates runs and sessions under one key: the
+                                    # per-key quotas (tested in test_server_quotas.py) raised
+                                    "--limits.max_runs_per_key", "100000", "--limits.max_sessions_per_key", "100000",
+                                    "--limits.max_sampling_sessions_per_key", "100000"])
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from tinker import types
 
 from ember.models import load_tokenizer
 from ember.server import openai_compat as oa
+from ember.server import requests as rq
 from ember.server.deps import Owner, ServiceDep, read_json
 from ember.server.errors import BadRequest
 from ember.server.wire import json_safe
