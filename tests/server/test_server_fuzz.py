@@ -348,8 +348,8 @@ def mutated_json(draw, base: dict, counts: tuple[tuple[str, ...], ...] = ()) -> 
             del holder[key]
         elif action == "wrap":
             holder[key] = [holder[key]]
-        else:
-            holder[key] = draw(HOSTILE_VALUES)
+        else:  # a copy: a later step may mutate inside it, and DEEP's values are shared
+            holder[key] = copy.deepcopy(draw(HOSTILE_VALUES))
     return doc
 
 
