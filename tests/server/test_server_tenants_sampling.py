@@ -118,9 +118,10 @@ def _outcome(http: httpx.Client, request_id: str) -> dict:
     raise AssertionError("the future never finished")
 
 
+# the service's check is the same for every backend: run against the torch server only
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["torch"], indirect=True)
 def test_a_value_heads_checkpoint_has_no_sampler(tenants, server):
-    if server.backend != "torch":
-        pytest.skip("the service's check is the same for every backend; the torch server runs it")
     a, _ = tenants
     critic = a.create_lora_training_client(base_model=MODEL_NAME, rank=4, user_metadata={"ember.head": "value"}).result()
     path = critic.save_state("critic").result().path
@@ -132,9 +133,10 @@ def test_a_value_heads_checkpoint_has_no_sampler(tenants, server):
     assert "500" not in str(info.value)
 
 
+# the service's eviction is the same for every backend: run against the torch server only
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["torch"], indirect=True)
 def test_a_sampler_evicted_by_the_33rd_is_a_user_error_that_says_so(tenants, server):
-    if server.backend != "torch":
-        pytest.skip("the service's eviction is the same for every backend; the torch server runs it")
     a, _ = tenants
     tc = a.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
     tc.forward_backward([sft_datum([5, 9, 14, 22])], "cross_entropy").result()
