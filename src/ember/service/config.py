@@ -43,10 +43,10 @@ def check_model_dirs(models: Mapping[str, str]) -> None:
             raise ValueError(f"model {name!r}: {str(d)!r} is not a model directory (no config.json)")
 
 
-def check_model_root(root: str | os.PathLike) -> Path:
+def check_model_root(root: str | os.PathLike, what: str = "model root") -> Path:
     d = Path(root).expanduser()
     if not d.is_dir():
-        raise ValueError(f"model root {str(d)!r} is not a directory")
+        raise ValueError(f"{what} {str(d)!r} is not a directory")
     return d.resolve()
 
 
@@ -144,6 +144,10 @@ class ServiceConfig:
     model_roots: directories under which a model directory may also be named by its path
         (`--model-root DIR`; none by default). The data directory is never reachable by
         path, whatever the roots.
+    image_roots: directories under which an `ImageAssetPointerChunk.location` may name a
+        local file (`--image-root DIR`; none by default: every pointer is refused). The same
+        realpath rules as model_roots: symlinks and `..` resolved first, never the data
+        directory, never a URL (`ember.service.images`).
     models_toml: optional TOML file with more registrations (merged; `models` wins).
     database_url: any SQLAlchemy URL (e.g. postgresql+psycopg://...); None = SQLite file.
     engine: EngineConfig given to every training engine.
@@ -173,6 +177,7 @@ class ServiceConfig:
     models: Mapping[str, str] = field(default_factory=dict, metadata=meta(aliases=["model"]))
     models_toml: str | os.PathLike | None = None
     model_roots: Sequence[str | os.PathLike] = field(default=(), metadata=meta(aliases=["model_root"]))
+    image_roots: Sequence[str | os.PathLike] = field(default=(), metadata=meta(aliases=["image_root"]))
     database_url: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -196,6 +201,7 @@ class ServiceConfig:
         self.models = models
         check_model_dirs(models)
         self.model_roots = [check_model_root(r) for r in self.model_roots]
+        self.image_roots = [check_model_root(r, "image root") for r in self.image_roots]
         if isinstance(self.limits, Mapping):
             self.limits = Limits(**self.limits)
         if isinstance(self.durability, Mapping):

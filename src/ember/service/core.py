@@ -32,6 +32,7 @@ from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, engine_factory_for
 from ember.service.model_registry import ModelRegistry
 from ember.service.futures import FutureTable
+from ember.service.images import check_request_images, count_images
 from ember.service.run_validation import check_samplable
 from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
@@ -226,6 +227,7 @@ class Service(ServiceAPI):
         rtype = "Forward" if forward_only else "ForwardBackward"
         try:
             self.config.limits.check_datums(data, self._positions(owner, model_id))
+            data = self._datums_with_images(data)
         except UserError as exc:
             return self.runs.reject(owner, rtype, str(exc), model_id=model_id)
 
@@ -238,6 +240,18 @@ class Service(ServiceAPI):
             return engine.forward_backward(batch, loss_fn, cfg)
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
+
+    def _check_images(self, inputs):
+        """`check_request_images` with this service's limits, image roots and data directory."""
+        return check_request_images(inputs, self.config.limits, self.config.image_roots, [self.config.data_dir])
+
+    def _datums_with_images(self, data: list) -> list:
+        """The datums with their images checked and pointers read (`service/images.py`)."""
+        if not any(count_images(getattr(d, "model_input", None)) for d in data):
+            return data
+        inputs = self._check_images([(f"datum {i}: model_input", getattr(d, "model_input", None))
+                                     for i, d in enumerate(data)])
+        return [d if d.model_input is mi else d.model_copy(update={"model_input": mi}) for d, mi in zip(data, inputs)]
 
     def _positions(self, owner: str, model_id: str) -> int | None:
         """The run's model's `max_position_embeddings` (None for a run that is not live: the
@@ -343,6 +357,7 @@ class Service(ServiceAPI):
         try:  # before the future reserves num_samples sequence ids and a sampler any memory
             self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
                                             topk_sample_logprobs, prompt_alt_tokens_k)
+            [prompt] = self._check_images([("prompt", prompt)])
         except UserError as exc:
             return self.runs.reject(owner, "Sample", str(exc))
         kwargs = dict(

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ember.models.images import ImageBounds
 from ember.sampling.config import MAX_LORA_RANK
 from ember.service.api import UserError
 
@@ -94,6 +95,13 @@ class Limits:
         samplers at once (`asample` returns at once, so this is what bounds a backlog).
     max_queued_sample_tokens_per_key: the same in tokens, num_samples x (prompt tokens +
         max_tokens) summed over the key's queued or running sample requests.
+
+    Images (`ImageChunk`, `ImageAssetPointerChunk`; `ember.models.images`), checked before
+    any is decoded:
+    max_image_bytes: compressed bytes of one image (its png/jpeg data or file).
+    max_image_pixels: width x height one image declares in its header (a 100 kB PNG can
+        declare 50,000 x 50,000: refused before it is decoded).
+    max_images_per_request: images of one request, all datums (or the prompt) together.
     """
 
     max_num_samples: int = 256
@@ -123,6 +131,9 @@ class Limits:
     max_openai_response_bytes: int = 32 * 1024 * 1024
     max_queued_samples_per_key: int = 16384
     max_queued_sample_tokens_per_key: int = 8_388_608
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 16_777_216
+    max_images_per_request: int = 1024
 
     def __post_init__(self) -> None:
         # every limit is a positive number: an int field an integer >= 1, a float one > 0
@@ -135,6 +146,10 @@ class Limits:
                     raise ValueError(f"limits.{f.name} must be a number > 0, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"limits.{f.name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def image_bounds(self) -> ImageBounds:
+        return ImageBounds(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

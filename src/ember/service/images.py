@@ -1,0 +1,139 @@
+"""The images of one request, checked before it is queued: counts, sizes, declared
+dimensions, and `ImageAssetPointerChunk` locations (docs/architecture.md, "Trust boundaries").
+
+`check_request_images` runs in `Service.forward_backward` and `Service.sample` (so in
+process and over HTTP alike), before a future is made. It
+
+* counts the request's images (`Limits.max_images_per_request`);
+* checks each `ImageChunk` (`ember.models.images.decode_image`: bytes, magic and header
+  dimensions before anything is decoded, then a decode, so corrupt data is refused here);
+* turns each `ImageAssetPointerChunk` into the `ImageChunk` of its file, when its
+  location is a regular file whose real path (symlinks and `..` resolved) lies under an
+  operator's `--image-root` and not under the data directory, the rules `ModelRegistry`
+  applies to model roots. ember never fetches a URL: any `scheme:` spelling is refused.
+  Below the service, every image is an `ImageChunk` with its bytes.
+
+Each refusal is a `UserError` naming the datum (or prompt) and the chunk index.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from tinker import types
+
+from ember.models.images import ImageBounds, ImageError, decode_image
+from ember.service.api import UserError
+from ember.service.limits import Limits
+from ember.service.model_registry import real_path
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")  # http:, https:, file:, data:, s3:, C: ...
+IMAGE_CHUNKS = (types.ImageChunk, types.ImageAssetPointerChunk)
+
+
+def count_images(model_input: types.ModelInput) -> int:
+    """Image chunks of `model_input` (0 for anything else: malformed input is the validator's)."""
+    chunks = getattr(model_input, "chunks", None)
+    return sum(isinstance(c, IMAGE_CHUNKS) for c in chunks) if isinstance(chunks, list) else 0
+
+
+def check_request_images(inputs: Sequence[tuple[str, types.ModelInput]], limits: Limits,
+                         roots: Sequence[Path] = (), private: Sequence[Path] = ()) -> list[types.ModelInput]:
+    """Each `(name, model_input)` checked; returns the inputs with pointers read into
+    `ImageChunk`s (an input without images is returned as is)."""
+    total = sum(count_images(mi) for _, mi in inputs)
+    if total > limits.max_images_per_request:
+        raise UserError(f"the request holds {total} images; the limit is "
+                        f"max_images_per_request={limits.max_images_per_request}")
+    if not total:
+        return [mi for _, mi in inputs]
+    bounds = limits.image_bounds
+    return [_checked(name, mi, bounds, roots, private) for name, mi in inputs]
+
+
+def _checked(name: str, model_input: types.ModelInput, bounds: ImageBounds, roots: Sequence[Path],
+             private: Sequence[Path]) -> types.ModelInput:
+    if not count_images(model_input):
+        return model_input
+    chunks = []
+    for j, chunk in enumerate(model_input.chunks):
+        where = f"{name}: chunk {j} ({getattr(chunk, 'type', 'image')})"
+        if isinstance(chunk, IMAGE_CHUNKS):
+            _check_expected(chunk, where)
+        if isinstance(chunk, types.ImageAssetPointerChunk):
+            data = read_image_file(chunk.location, roots, private, bounds.max_bytes, where)
+            chunk = types.ImageChunk(data=data, format=chunk.format, expected_tokens=chunk.expected_tokens)
+        if isinstance(chunk, types.ImageChunk):
+            try:
+                # decoded here, once its header passed the bounds: corrupt data is the
+                # caller's 400 now, not a failure inside a shared training or sampling batch
+                decode_image(chunk.data, chunk.format, bounds, where)
+            except ImageError as exc:
+                raise UserError(str(exc)) from None
+        chunks.append(chunk)
+    return types.ModelInput(chunks=chunks)
+
+
+def _check_expected(chunk, where: str) -> None:
+    n = chunk.expected_tokens
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise UserError(f"{where}: expected_tokens must be an integer >= 1 or unset, got {n!r}")
+
+
+def read_image_file(location: str, roots: Sequence[Path], private: Sequence[Path], max_bytes: int,
+                    where: str) -> bytes:
+    """The bytes of the file `location` names, if an image root allows it (else UserError).
+
+    Every refusal of an allowed-looking path reads the same, so the answer never tells
+    whether a file exists outside the roots."""
+    if not roots:
+        raise UserError(f"{where}: an image_asset_pointer needs the operator's --image-root (none is set); "
+                        "send the image's bytes as an ImageChunk instead")
+    if not isinstance(location, str) or not location or "\x00" in location or _SCHEME.match(location):
+        raise UserError(f"{where}: location {_shown(location)} is not a local file path (ember never fetches "
+                        "a URL; file: and other schemes are refused)")
+    path = _allowed_file(location, roots, private)
+    if path is None:
+        raise UserError(f"{where}: location {_shown(location)} is not a readable file under an image root")
+    return _read_bounded(path, max_bytes, where)
+
+
+def _allowed_file(location: str, roots: Sequence[Path], private: Sequence[Path]) -> Path | None:
+    candidates = [location] if os.path.isabs(location) else [os.path.join(r, location) for r in roots]
+    for candidate in candidates:
+        try:
+            p = real_path(candidate)
+        except (OSError, ValueError):
+            continue
+        if any(p.is_relative_to(d) for d in private) or not any(p.is_relative_to(r) for r in roots):
+            continue
+        try:
+            if stat.S_ISREG(os.stat(p).st_mode):
+                return p
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _read_bounded(path: Path, max_bytes: int, where: str) -> bytes:
+    try:
+        # O_NOFOLLOW: the checked real path, not a symlink swapped in since
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise OSError("not a regular file")
+            data = f.read(max_bytes + 1)
+    except OSError:
+        raise UserError(f"{where}: the file under the image root could not be read") from None
+    if len(data) > max_bytes:
+        raise UserError(f"{where}: the file is over {max_bytes} bytes; the limit is max_image_bytes={max_bytes}")
+    return data
+
+
+def _shown(location) -> str:
+    text = repr(location)
+    return text if len(text) <= 120 else text[:120] + "...'"
