@@ -13,6 +13,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
 from ember.sampling.prompt_extras import compute as compute_prompt_extras
 from ember.sampling.params import ResolvedRequest
+from ember.sampling.vision import PromptImages
 from ember.sampling.weights import TorchWeightVersion
 
 
@@ -24,6 +25,13 @@ class Job:
     spec: ResolvedRequest
     future: Future
     version: TorchWeightVersion | None
+    images: PromptImages | None = None  # the prompt's images (`sampling/vision.py`), None: text only
+    cache_prompt: tuple[int, ...] | None = None  # the prefix cache's view of the prompt (images by digest)
+
+    @property
+    def prefix_tokens(self) -> tuple[int, ...]:
+        """What the prefix cache compares: the prompt, each image run as its image's id."""
+        return self.cache_prompt if self.cache_prompt is not None else self.spec.prompt
 
     @property
     def full_version_id(self) -> int:

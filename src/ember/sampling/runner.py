@@ -82,10 +82,13 @@ class ModelRunner:
         logits_to_keep: int,
         full: TorchWeightVersion | None = None,
         lora: list[tuple[torch.Tensor | None, TorchWeightVersion]] = (),
+        vision: dict | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T', V] for a forward whose cache plan is already set."""
+        """Logits [B, T', V] for a forward whose cache plan is already set. `vision`: a
+        vision-language model's extra arguments (`PromptImages.forward_kwargs`; its
+        `position_ids` are 4 x B x T: cache positions, then M-RoPE's three)."""
         dtype = next(self.model.parameters()).dtype
-        if self.direct is not None:
+        if self.direct is not None and not vision:
             try:
                 return self.direct.forward(input_ids, position_ids, self._mask(mask, dtype), self.cache,
                                            logits_to_keep, params=full.params if full is not None else None,
@@ -100,6 +103,7 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
+        kwargs.update(vision or {})
         try:
             self.hooks.set_plan(lora_plan(list(lora)))
             if full is not None:

@@ -233,7 +233,8 @@ class Scheduler:
         keep_all = first.spec.scores_prompt  # batches never mix (see _prefill_batches)
         self.runner.cache.plan_prefill(slots_B, valid_B_T, positions_B_T)
         logits_B_T_V = self.runner.forward(ids_B_T, positions_B_T, mask, 0 if keep_all else 1,
-                                           full=_full_version(first), lora=self._lora_rows(requests))
+                                           full=_full_version(first), lora=self._lora_rows(requests),
+                                           vision=self._vision(first, 0))  # an image prompt is prefilled alone
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += len(batch)
         for row, (request, slot) in enumerate(batch):
@@ -245,6 +246,13 @@ class Scheduler:
         request.keep_last_logits(logits_T_V)
         if request.spec.scores_prompt:
             self._guarded(request, request.score_prompt, logits_T_V)
+
+    def _vision(self, request: RequestState, start: int) -> dict | None:
+        """The image arguments of a forward over request's prompt[start:] (None: text only)."""
+        images = request.job.images
+        if images is None:
+            return None
+        return images.forward_kwargs(start, self.device, next(self.runner.model.parameters()).dtype)
 
     def _lora_rows(self, requests: list[RequestState]) -> LoraRows:
         """LoRA hook plan for a prefill batch: [(batch rows, adapter version)] (base rows: none)."""
@@ -308,8 +316,11 @@ class Scheduler:
         for request, slot in to_prefill:
             hit, snapshot = 0, None
             if self.prefix_cache is not None:
-                hit, snapshot = self.prefix_cache.lookup(request.job.cache_key, request.spec.prompt,
+                hit, snapshot = self.prefix_cache.lookup(request.job.cache_key, request.job.prefix_tokens,
                                                          request.spec.first_scored_row)
+                if hit and request.job.images is not None:  # never inside an image (sampling/vision.py)
+                    hit = request.job.images.safe_hit(hit)
+                    snapshot = [(k[:, :hit], v[:, :hit]) for k, v in snapshot]
             if not hit:
                 rest.append((request, slot))
                 continue
@@ -326,7 +337,8 @@ class Scheduler:
         cache.plan_extend(slot, hit, len(prompt) - hit, self.device)
         keep_all = request.spec.scores_prompt
         logits_T_V = self.runner.forward(ids_1_T, positions_1_T, mask, 0 if keep_all else 1,
-                                         full=_full_version(request), lora=self._lora_rows([request]))[0]
+                                         full=_full_version(request), lora=self._lora_rows([request]),
+                                         vision=self._vision(request, hit))[0]
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += 1
         self.stats["prefix_cache_hit_tokens"] += hit
@@ -344,7 +356,7 @@ class Scheduler:
         if cache is None or request.failed:
             return
         length = cache.wanted_length(len(request.spec.prompt))
-        prefix = request.spec.prompt[:length]
+        prefix = request.job.prefix_tokens[:length]
         key = request.job.cache_key
         if length > 0 and not cache.contains(key, prefix):
             cache.insert(key, prefix, self.runner.cache.snapshot_prefix(slot, length), request.job.version)
@@ -400,8 +412,12 @@ class Scheduler:
         full = slots.request[rows[active][0]].job.version if full_id else None
         lora = self._decode_lora_rows(rows, active)
         self.runner.cache.plan_decode(slot_rows, positions_B, kv_len)
+        vision = None
+        if slots.rope_delta[rows].any():  # image prompts: M-RoPE runs `delta` ahead of the cache position
+            mrope_B = positions_B + torch.as_tensor(slots.rope_delta[rows], device=self.device)
+            vision = {"position_ids": torch.stack([positions_B, mrope_B, mrope_B, mrope_B])[:, :, None]}
         logits_B_1_V = self.runner.forward(ids_B_1, positions_B[:, None], decode_mask(positions_B, kv_len), 1,
-                                           full=full, lora=lora)
+                                           full=full, lora=lora, vision=vision)
         return logits_B_1_V[:, -1]
 
     def _decode_lora_rows(self, rows: np.ndarray, active: np.ndarray) -> LoraRows:
@@ -553,9 +569,10 @@ def owner_slot_cap(num_slots: int) -> int:
     return num_slots - num_slots // 16
 
 
-def _prefill_key(request: RequestState) -> tuple[int, bool]:
-    """Prompts prefilled in one forward share their full weights and whether every position's logits are kept."""
-    return request.job.full_version_id, request.spec.scores_prompt
+def _prefill_key(request: RequestState) -> tuple[int, bool, int]:
+    """Prompts prefilled in one forward share their full weights and whether every position's
+    logits are kept; an image prompt is prefilled alone (its M-RoPE positions and pixels are its own)."""
+    return request.job.full_version_id, request.spec.scores_prompt, id(request) if request.job.images else 0
 
 
 def _full_version(request: RequestState) -> TorchWeightVersion | None:

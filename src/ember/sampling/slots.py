@@ -38,6 +38,7 @@ class SlotTable:
         self.last_token = np.zeros(size, np.int64)
         self.num_generated = np.zeros(size, np.int64)
         self.max_tokens = np.zeros(size, np.int64)
+        self.rope_delta = np.zeros(size, np.int64)  # M-RoPE position - cache position (image prompts)
         # Sampling filters.
         self.temperature = np.ones(size, np.float32)
         self.top_k = np.full(size, self.vocab_size, np.int64)  # top-k filter; vocab_size = off
@@ -74,6 +75,7 @@ class SlotTable:
             self.out_top_logprobs[slot] = []
         self.sample[slots], self.active[slots] = samples, True
         self.position[slots], self.num_generated[slots], self.max_tokens[slots] = len(spec.prompt), 0, spec.max_tokens
+        self.rope_delta[slots] = job.images.delta if job.images is not None else 0
         self.temperature[slots] = spec.temperature if spec.temperature > 0 else 1.0
         self.greedy[slots] = spec.greedy
         self.top_k[slots] = self.vocab_size if spec.top_k == -1 else spec.top_k

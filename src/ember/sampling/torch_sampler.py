@@ -23,6 +23,7 @@ importance weights matter, take the trainer's logprobs, or sample in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.models import load_model, load_tokenizer
 from ember.models.families import non_full_attention_layers
+from ember.models.vision import VisionSpec, load_vision_spec
 from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
@@ -49,6 +51,7 @@ from ember.sampling.params import eos_token_ids as eos_token_ids_of
 from ember.sampling.runner import ModelRunner
 from ember.sampling.scheduler import Scheduler
 from ember.sampling.slots import SlotTable
+from ember.sampling.vision import ImageIds, expand_prompt, has_images
 from ember.sampling.weights import TorchWeightVersion, build_full_version, build_lora_version, parameter_aliases
 
 log = logging.getLogger(__name__)
@@ -56,8 +59,9 @@ _sampler_ids = itertools.count(1)
 
 
 def _check_supported(model: PreTrainedModel) -> None:
-    layer_types = getattr(model.config, "layer_types", None) or []
-    if non_full_attention_layers(model.config):
+    config = model.config.get_text_config()  # a vision-language model's decoder
+    layer_types = getattr(config, "layer_types", None) or []
+    if non_full_attention_layers(config):
         raise ValueError(
             f"TorchSampler supports full-attention decoders only; this model has layer types {sorted(set(layer_types))}"
         )
@@ -90,8 +94,11 @@ class TorchSampler(Sampler):
         tokenizer: PreTrainedTokenizerBase | None = None,
         config: SamplerConfig | None = None,
         eos_token_ids: Iterable[int] | None = None,
+        vision: VisionSpec | None = None,
     ) -> None:
         self.config = config or SamplerConfig()
+        self.vision = vision  # a vision-language model's image processor and placeholders (`sampling/vision.py`)
+        self._image_ids = ImageIds()
         _check_supported(model)
         self.device = torch.device(self.config.resolved_device)
         self.dtype = resolve_dtype(self.config.resolved_dtype)
@@ -101,11 +108,12 @@ class TorchSampler(Sampler):
         self.tokenizer = tokenizer
         self.eos_token_ids = (tuple(eos_token_ids) if eos_token_ids is not None else
                               eos_token_ids_of(model.config, getattr(model, "generation_config", None), tokenizer))
-        self.max_len = effective_max_len(self.config.max_len, model.config)
+        text_config = model.config.get_text_config()
+        self.max_len = effective_max_len(self.config.max_len, text_config)
         self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)
-        cache = SlotCache(model.config.num_hidden_layers, self.config.max_slots, self.max_len)
+        cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len)
         runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_cache_block)
@@ -128,7 +136,7 @@ class TorchSampler(Sampler):
             tokenizer = load_tokenizer(model_dir)
         except (OSError, ValueError):
             tokenizer = None  # stop strings then need a tokenizer; stop token ids still work
-        return cls(model, tokenizer, config)
+        return cls(model, tokenizer, config, vision=load_vision_spec(model_dir, model.config))
 
     # ------------------------------------------------------------------ Sampler API
     @property
@@ -200,12 +208,28 @@ class TorchSampler(Sampler):
         version = request.version
         if version is not None and (not isinstance(version, TorchWeightVersion) or version.sampler_id != self._id):
             raise ValueError(f"sample request: version: {version!r} was not loaded into this sampler")
+        images = cache_prompt = None
+        if has_images(request.prompt):
+            request, images, cache_prompt = self._expand_images(request)
         spec = resolve_request(
             request, vocab_size=self._vocab, eos_token_ids=self.eos_token_ids, max_len=self.max_len,
             default_max_tokens=self.config.default_max_tokens, default_logprobs_mode=self.config.logprobs_mode,
             can_decode=self.tokenizer is not None,
         )
-        return Job(spec, future, version)
+        return Job(spec, future, version, images, cache_prompt)
+
+    def _expand_images(self, request: SamplingRequest):
+        """(the request with its prompt as token ids, its `PromptImages`, the prefix
+        cache's view of the prompt); runs on the submitting thread, not the worker's."""
+        if self.vision is None:
+            j = next(j for j, c in enumerate(request.prompt.chunks) if not isinstance(c, types.EncodedTextChunk))
+            raise ValueError(f"prompt: chunk {j} is an image, but this model takes text only")
+        prompt, images = expand_prompt(request.prompt, self.vision, self.model)
+        generation = self._image_ids.generation
+        cache_prompt = images.cache_prompt(tuple(prompt.to_ints()), self._image_ids)
+        if self._image_ids.generation != generation:  # the id table started again: old keys are void
+            self.prefix_cache.clear()
+        return dataclasses.replace(request, prompt=prompt), images, cache_prompt
 
     def _work(self) -> None:
         """The worker thread: hand new requests to the scheduler, step it until idle."""
