@@ -10,6 +10,9 @@ unknown fields are ignored.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -148,21 +151,62 @@ class ChatRequest(_Common):
         return bool(self.logprobs)
 
 
-def chat_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: content parts of type "text" are joined."""
-    out = []
+ChatImage = tuple[bytes, str]  # (png/jpeg bytes, "png" | "jpeg")
+_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,", re.IGNORECASE)
+
+
+def chat_messages(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ChatImage]]:
+    """Messages as the chat template takes them, and their images in order.
+
+    Text parts are joined into one string; a message with `image_url` parts keeps its
+    parts (text ones, and `{"type": "image"}` where each image goes: the model's template
+    writes its placeholder there). An image is a `data:image/png|jpeg;base64,...` URL
+    only: ember never fetches a URL (`http(s):`, `file:` and the rest are refused)."""
+    out: list[dict[str, Any]] = []
+    images: list[ChatImage] = []
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str):
             raise Unsupported(f"messages[{i}].role: expected a string, got {role!r:.40}")
         if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise Unsupported(f"messages[{i}].content: only text parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
+            content = _content_parts(i, content, images)
+        if not isinstance(content, (str, list)):
             raise Unsupported(f"messages[{i}].content: expected a string, got {type(content).__name__}")
         out.append({"role": role, "content": content})
+    return out, images
+
+
+def _content_parts(i: int, parts: list, images: list[ChatImage]) -> str | list[dict[str, str]]:
+    kinds = [p.get("type") if isinstance(p, dict) else None for p in parts]
+    if any(kind not in ("text", "image_url") for kind in kinds):
+        raise Unsupported(f"messages[{i}].content: only text and image_url parts are supported")
+    if "image_url" not in kinds:
+        return "".join(str(p.get("text", "")) for p in parts)
+    out = []
+    for j, part in enumerate(parts):
+        if part["type"] == "text":
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+            continue
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        images.append(decode_data_url(url, f"messages[{i}].content[{j}].image_url.url"))
+        out.append({"type": "image"})
     return out
+
+
+def decode_data_url(url: Any, where: str) -> ChatImage:
+    """(bytes, format) of a base64 `data:` URL of a png or jpeg image (Unsupported otherwise)."""
+    if not isinstance(url, str):
+        raise Unsupported(f"{where}: expected a string, got {type(url).__name__}")
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise Unsupported(f"{where}: only data:image/png;base64 or data:image/jpeg;base64 URLs are accepted "
+                          f"(ember never fetches a URL), got {url[:40]!r}")
+    try:
+        data = base64.b64decode(url[match.end():], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise Unsupported(f"{where}: the base64 data is invalid ({exc})") from None
+    return data, "png" if match.group(1).lower() == "png" else "jpeg"
 
 
 # ------------------------------------------------------------------ responses

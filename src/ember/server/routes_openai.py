@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types
 
 from ember.models import load_tokenizer
+from ember.models.families.base import VISION_TOKENS
 from ember.server import openai_compat as oa
 from ember.server import requests as rq
 from ember.server.deps import Owner, ServiceDep, read_json
@@ -39,6 +40,7 @@ from ember.service.limits import Limits
 
 router = APIRouter()
 POLL_S = 30.0
+IMAGE_PLACEHOLDER = VISION_TOKENS[2]  # the Qwen-VL families' `<|image_pad|>`: where a chat template puts an image
 
 
 class ModelNotFound(Exception):
@@ -168,15 +170,15 @@ def _json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
         yield _dumps(value)
 
 
-async def _sample(request: Request, owner: str, service: ServiceAPI, model: str, prompt: list[int],
+async def _sample(request: Request, owner: str, service: ServiceAPI, model: str, prompt: types.ModelInput,
                   n: int, params: types.SamplingParams, topk: int) -> tuple[list[types.SampledSequence], Any]:
     """Sample on `model` for `owner`; once more on a fresh sampler if the cached one is gone."""
     cache = _cache(request, service)
     for attempt in range(2):
         sid, tokenizer = await run_in_threadpool(cache.get, owner, model)
         try:
-            sub = await run_in_threadpool(service.sample, owner, sid, None, types.ModelInput.from_ints(prompt),
-                                          n, params, topk_sample_logprobs=topk)
+            sub = await run_in_threadpool(service.sample, owner, sid, None, prompt, n, params,
+                                          topk_sample_logprobs=topk)
         except NotFoundError:
             cache.drop(owner, model)
             if attempt:
@@ -208,7 +210,8 @@ async def completions(request: Request, owner: str = Owner, service=ServiceDep):
     ids = await run_in_threadpool(tokenizer.encode, prompt, add_special_tokens=False) if isinstance(prompt, str) \
         else list(prompt)
     try:  # the checkpoint may have gone since the sampler was cached (unpublished, expired, deleted)
-        seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, req.logprobs or 0)
+        seqs, tokenizer = await _sample(request, owner, service, req.model, types.ModelInput.from_ints(ids), req.n,
+                                        params, req.logprobs or 0)
     except ModelNotFound as exc:
         return _not_found(exc)
     return await run_in_threadpool(_completion_answer, req, params, tokenizer, prompt, ids, seqs, rq.limits_of(request))
@@ -226,26 +229,50 @@ def _completion_answer(req, params, tokenizer, prompt, ids, seqs, limits: Limits
 async def chat_completions(request: Request, owner: str = Owner, service=ServiceDep):
     req, params = await _read_request(request, oa.ChatRequest, oa.DEFAULT_CHAT_MAX_TOKENS)
     try:
-        messages = oa.chat_messages(req.messages)
+        messages, images = oa.chat_messages(req.messages)
         _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
     except oa.Unsupported as exc:
         raise BadRequest(str(exc)) from exc
     except ModelNotFound as exc:
         return _not_found(exc)
-    ids = await run_in_threadpool(_chat_prompt, req.model, tokenizer, messages)
+    prompt = await run_in_threadpool(_chat_prompt, req.model, tokenizer, messages, images)
+    ids = prompt.to_ints() if not images else [t for c in prompt.chunks for t in getattr(c, "tokens", [0])]
     try:
-        seqs, tokenizer = await _sample(request, owner, service, req.model, ids, req.n, params, req.topk())
+        seqs, tokenizer = await _sample(request, owner, service, req.model, prompt, req.n, params, req.topk())
     except ModelNotFound as exc:
         return _not_found(exc)
     return await run_in_threadpool(_chat_answer, req, params, tokenizer, ids, seqs, rq.limits_of(request))
 
 
-def _chat_prompt(model: str, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _chat_prompt(model: str, tokenizer: Any, messages: list[dict[str, Any]],
+                 images: list[oa.ChatImage]) -> types.ModelInput:
+    """The templated conversation as a `ModelInput`: the template writes each image's
+    placeholder token where it goes; that token becomes the image's chunk (the sampler
+    expands it to the model's own run, as for an SDK `ImageChunk`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest(f"model {model!r}: its tokenizer has no chat template; use /v1/completions")
+    placeholder = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER) if images else None
+    if images and (placeholder is None or placeholder == tokenizer.unk_token_id):
+        raise BadRequest(f"model {model!r} takes text only: it has no image placeholder token")
     # The template's text, then its tokens (transformers' tokenize=True return type varies by version).
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not images:
+        return types.ModelInput.from_ints(ids)
+    cuts = [k for k, t in enumerate(ids) if t == placeholder]
+    if len(cuts) != len(images):
+        raise BadRequest(f"model {model!r}: its chat template placed {len(cuts)} image placeholders for "
+                         f"{len(images)} images")
+    chunks: list[Any] = []
+    start = 0
+    for k, (data, fmt) in zip(cuts, images):
+        if k > start:
+            chunks.append(types.EncodedTextChunk(tokens=ids[start:k]))
+        chunks.append(types.ImageChunk(data=data, format=fmt))
+        start = k + 1
+    if start < len(ids):
+        chunks.append(types.EncodedTextChunk(tokens=ids[start:]))
+    return types.ModelInput(chunks=chunks)
 
 
 def _chat_answer(req, params, tokenizer, ids, seqs, limits: Limits) -> Response:
