@@ -122,3 +122,14 @@ def test_lora_targets_the_language_model_only(vl_dir):
     lora = [n for n, _ in model.named_parameters() if "lora_A" in n]
     assert lora and all("language_model" in n or ".lm_head." in n for n in lora)
     assert any(".mlp.gate_proj." in n for n in lora) and not [n for n in lora if "visual" in n]
+
+
+def test_tiny_config_of_a_vision_family_needs_the_placeholder_ids():
+    from ember.models.testing import tiny_config
+
+    with pytest.raises(ValueError, match="'qwen3_vl' takes images: pass vision_token_ids"):
+        tiny_config("qwen3_vl", vocab_size=50)
+    ids = {"image_token_id": 40, "video_token_id": 41, "vision_start_token_id": 42, "vision_end_token_id": 43}
+    config = tiny_config("qwen3_vl", vocab_size=50, vision_token_ids=ids)
+    assert config.model_type == "qwen3_vl" and config.image_token_id == 40
+    assert sum(config.text_config.rope_parameters["mrope_section"]) == config.text_config.head_dim // 2
