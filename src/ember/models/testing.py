@@ -174,7 +174,10 @@ def tiny_config(
     )
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {sorted(FAMILIES)}")
-    if vision_token_ids is not None:
+    if FAMILIES[family].vision is not None:
+        if vision_token_ids is None:
+            raise ValueError(f"tiny model family {family!r} takes images: pass vision_token_ids (the tokenizer's "
+                             "image_token_id, video_token_id, vision_start_token_id, vision_end_token_id)")
         kwargs["vision_token_ids"] = vision_token_ids
     return FAMILIES[family].tiny_config(**kwargs)
 
