@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from ember.models.images import ImageBounds, ImageError, decode_image, image_digest, probe_image
-from tests.helpers.images import hostile_images, image_bytes, png_claiming
+from helpers.images import hostile_images, image_bytes, png_claiming
 
 BOUNDS = ImageBounds(max_bytes=1 << 20, max_pixels=1 << 20)
 

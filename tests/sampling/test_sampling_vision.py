@@ -10,7 +10,7 @@ from tinker import types
 from ember.models.testing import build_tiny_model
 from ember.models.vision import expand_model_input
 from ember.sampling import SamplerConfig, TorchSampler
-from tests.helpers.images import image_bytes
+from helpers.images import image_bytes
 
 RED, BLUE = image_bytes(56, 56, (220, 20, 20)), image_bytes(56, 56, (20, 20, 220))
 
@@ -91,6 +91,17 @@ def test_a_wrong_expected_tokens_names_the_chunk(sampler):
 def test_a_placeholder_token_in_text_is_refused(sampler):
     with pytest.raises(ValueError, match=r"prompt: chunk 0 \(encoded_text\) holds the image placeholder token"):
         sampler.sample(_prompt(RED, before=(20, sampler.vision.image_token_id)), 1, types.SamplingParams(max_tokens=1))
+
+
+def test_the_vllm_backend_refuses_a_vision_model_with_its_reason(vl_dir, tiny_vllm_model_dir):
+    from ember.sampling.base import UnsupportedModelError
+    from ember.sampling.vllm_support import check_vllm_model
+
+    for device in ("cpu", "cuda"):
+        with pytest.raises(UnsupportedModelError, match="vision_config: the vLLM sampler backend does not serve "
+                                                        "vision-language models.*--sampler.backend torch"):
+            check_vllm_model(vl_dir, device)
+    check_vllm_model(tiny_vllm_model_dir, "cpu")  # a text model it serves is still accepted
 
 
 def test_a_text_model_refuses_an_image_prompt(tiny_model_dir):

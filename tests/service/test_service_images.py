@@ -12,7 +12,7 @@ from tinker import types
 from ember.service.api import UserError
 from ember.service.images import check_request_images
 from ember.service.limits import Limits
-from tests.helpers.images import hostile_images, image_bytes
+from helpers.images import hostile_images, image_bytes
 
 from .conftest import new_run, wait
 
@@ -95,6 +95,10 @@ def test_the_service_refuses_a_bad_image_as_the_users_error_and_keeps_serving(ma
                         loss_fn_inputs={"target_tokens": [0] * 6, "weights": [1.0] * 6})
     state = wait(svc, "alice", svc.forward_backward("alice", run, 1, [datum], "cross_entropy"))
     assert state.category == "user" and "datum 0: model_input: chunk 1 (image):" in state.error, state.error
+    pointer = types.Datum(model_input=_prompt(_pointer("sub/cat.png")), loss_fn_inputs=datum.loss_fn_inputs)
+    [resolved] = svc._datums_with_images([pointer])  # the pointer is read into the file's image chunk
+    assert resolved.model_input.chunks[1].data == (root / "sub" / "cat.png").read_bytes()
+    assert resolved.loss_fn_inputs.keys() == datum.loss_fn_inputs.keys()
     text = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3})
     assert wait(svc, "alice", svc.forward_backward("alice", run, 2, [text], "cross_entropy")).status == "complete"

@@ -40,17 +40,30 @@ def cpu_head_sizes() -> list[int]:
     return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
+# Why the vLLM backend refuses a vision-language model (measured with vLLM 0.32 on CPU:
+# `LLM(model=<tiny qwen3_vl>)` fails while vLLM inspects the architecture, because its
+# `model_executor/models/qwen3_vl.py` imports transformers' torchvision image processor).
+VISION_REFUSAL = (
+    "vision_config: the vLLM sampler backend does not serve vision-language models in ember: vLLM's "
+    "Qwen-VL implementations import transformers' torchvision image processor (vLLM 0.32 on CPU fails to "
+    "load the model without torchvision), and ember passes no images to vLLM (multi_modal_data); serve this "
+    "model with the torch sampler backend (--sampler.backend torch)")
+
+
 def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
     """Raise `UnsupportedModelError` when vLLM cannot run the model on `device`.
 
-    On CUDA vLLM chooses among several attention backends by itself; only the CPU
-    backend's fixed head sizes are checked here."""
-    if device != "cpu":
-        return
+    A vision-language model (a `vision_config` in config.json) is refused on every device
+    (`VISION_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
+    only the CPU backend's fixed head sizes are checked here."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return  # loading the model reports an unreadable config with its own message
+    if isinstance(config, dict) and "vision_config" in config:
+        raise UnsupportedModelError(VISION_REFUSAL)
+    if device != "cpu":
+        return
     config = config.get("text_config", config)
     head_dim, field = head_dim_of(config)
     supported = cpu_head_sizes()

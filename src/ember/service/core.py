@@ -251,7 +251,10 @@ class Service(ServiceAPI):
             return data
         inputs = self._check_images([(f"datum {i}: model_input", getattr(d, "model_input", None))
                                      for i, d in enumerate(data)])
-        return [d if d.model_input is mi else d.model_copy(update={"model_input": mi}) for d, mi in zip(data, inputs)]
+        return [d if d.model_input is mi else
+                types.Datum(model_input=mi, loss_fn_inputs=d.loss_fn_inputs, model_input_spans=d.model_input_spans,
+                            loss_fn_input_spans=d.loss_fn_input_spans)
+                for d, mi in zip(data, inputs)]
 
     def _positions(self, owner: str, model_id: str) -> int | None:
         """The run's model's `max_position_embeddings` (None for a run that is not live: the

@@ -162,7 +162,7 @@ class Limits:
         max_tokens = getattr(sampling_params, "max_tokens", None)
         if max_tokens is not None:
             _bounded("sampling_params.max_tokens", max_tokens, self.max_sample_tokens, minimum=0)
-        n_prompt = _prompt_length(prompt)
+        n_prompt = prompt_length(prompt)
         if n_prompt is not None and n_prompt > self.max_prompt_tokens:
             raise UserError(f"prompt has {n_prompt} tokens; the limit is max_prompt_tokens={self.max_prompt_tokens}")
         _bounded("topk_prompt_logprobs", topk_prompt or 0, self.max_topk_logprobs, minimum=0)
@@ -189,7 +189,7 @@ class Limits:
         longest, why = self.datum_tokens(positions)
         total = 0
         for i, datum in enumerate(data):
-            n = _prompt_length(getattr(datum, "model_input", None))
+            n = prompt_length(getattr(datum, "model_input", None))
             if n is None:
                 continue  # malformed datums are the engine's validation's to name
             if n > longest:
@@ -307,12 +307,19 @@ _LIMIT_OF = {
 }
 
 
-def _prompt_length(model_input: Any) -> int | None:
-    """Tokens of a `ModelInput` without materialising them (None when it is not one)."""
-    length = getattr(model_input, "length", None)
-    if length is None:
+def prompt_length(model_input: Any) -> int | None:
+    """Tokens of a `ModelInput` without materialising them (None when it is not one). An
+    image chunk without `expected_tokens` (the SDK's `length` raises for it) counts as one
+    token here: the model's count is known only once it is expanded, where the sampler's
+    `max_len` and the engine's datum checks apply."""
+    chunks = getattr(model_input, "chunks", None)
+    if not isinstance(chunks, list):
         return None
     try:
-        return int(length() if callable(length) else length)
+        return sum(1 if getattr(c, "type", "") in _IMAGE_TYPES and c.expected_tokens is None else int(c.length)
+                   for c in chunks)
     except Exception:  # noqa: BLE001 - a malformed chunk is the validator's to report
         return None
+
+
+_IMAGE_TYPES = ("image", "image_asset_pointer")

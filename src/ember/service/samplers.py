@@ -45,7 +45,7 @@ from ember.service.api import NotFoundError, Submission, UserError
 from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
-from ember.service.limits import Limits
+from ember.service.limits import Limits, prompt_length
 from ember.service.stability import StabilityRecords
 from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
 
@@ -176,8 +176,8 @@ def request_work(kwargs: dict[str, Any], default_max_tokens: int) -> tuple[int, 
     samples = kwargs["num_samples"]
     max_tokens = getattr(kwargs.get("sampling_params"), "max_tokens", None)
     new_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens >= 0 else default_max_tokens
-    length = getattr(kwargs.get("prompt"), "length", 0)
-    return samples, samples * (int(length) + new_tokens)
+    length = prompt_length(kwargs.get("prompt")) or 0  # images without expected_tokens: 1 each
+    return samples, samples * (length + new_tokens)
 
 
 class SamplerManager:
