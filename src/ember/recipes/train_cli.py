@@ -1,6 +1,6 @@
-"""`ember train sft|grpo|ppo|reward_model --config file.toml [--key value ...]`: a recipe from a typed config.
+"""`ember train sft|grpo|ppo|reward_model|vlm_sft --config file.toml [--key value ...]`: a recipe from a typed config.
 
-The TOML file fills the recipe's config (`SFTConfig`, `GRPOConfig`, `PPOConfig`, `RMConfig`;
+The TOML file fills the recipe's config (`SFTConfig`, `GRPOConfig`, `PPOConfig`, `RMConfig`, `VLMSFTConfig`;
 tables for nested sections such as `[client]` and `[metrics]`); `--section.key value` (or
 `--key=value`) overrides it. A bad key, a wrong type, a missing file or an invalid value
 prints one clear message naming the key and exits with status 2. Outputs (config, metrics JSONL, TensorBoard) go to
@@ -35,6 +35,7 @@ RECIPES: dict[str, tuple[str, str]] = {
     "grpo": ("ember.recipes.grpo:GRPOConfig", "ember.recipes.grpo:run_grpo"),
     "ppo": ("ember.recipes.ppo:PPOConfig", "ember.recipes.ppo:run_ppo"),
     "reward_model": ("ember.recipes.reward_model:RMConfig", "ember.recipes.reward_model:run_reward_model"),
+    "vlm_sft": ("ember.recipes.vlm_sft:VLMSFTConfig", "ember.recipes.vlm_sft:run_vlm_sft"),
 }
 EXAMPLES = Path(__file__).resolve().parent / "examples"  # package data: <recipe>.toml
 USAGE = "ember train {" + ",".join(RECIPES) + "} [--config FILE.toml] [--section.key VALUE ...]"
