@@ -174,7 +174,7 @@ def test_checkpoint_resume_and_exports_load_back_in_transformers(service, vl_dir
             torch.testing.assert_close(lp, want[i], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} datum {i}: {m}")
 
 
-def test_full_fine_tuning_export_carries_the_whole_model(service, vl_dir, datums):
+def test_full_fine_tuning_export_and_sampler_weights_carry_the_whole_model(service, vl_dir, datums):
     from transformers import Qwen3VLForConditionalGeneration
 
     tc = service.create_full_training_client(base_model="vl").result()
@@ -182,17 +182,20 @@ def test_full_fine_tuning_export_carries_the_whole_model(service, vl_dir, datums
     tc.optim_step(ADAM).result()
     want = [o["logprobs"].to_torch() for o in tc.forward(datums[:1], "cross_entropy").result().loss_fn_outputs]
     out = _export_dir(service, tc.save_weights_external("full").result().path)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(out, local_files_only=True).eval()
+    sampler = _export_dir(service, tc.save_weights_for_sampler("s").result().path)
     base = Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, local_files_only=True)
     tower = dict(base.model.visual.named_parameters())
-    assert all(torch.equal(p, tower[n]) for n, p in model.model.visual.named_parameters())  # frozen, exported
     from ember.models.vision import expand_model_input, load_vision_spec
 
     ex = expand_model_input(datums[0].model_input, load_vision_spec(out), where="datum 0")
-    with torch.no_grad():
-        logits = model(input_ids=ex.input_ids[None], **ex.model_kwargs()).logits[0].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, datums[0].loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
-    torch.testing.assert_close(lp, want[0], rtol=1e-4, atol=1e-4)
+    for directory in (out, sampler):
+        model = Qwen3VLForConditionalGeneration.from_pretrained(directory, local_files_only=True).eval()
+        assert all(torch.equal(p, tower[n]) for n, p in model.model.visual.named_parameters())  # frozen, exported
+        with torch.no_grad():
+            logits = model(input_ids=ex.input_ids[None], **ex.model_kwargs()).logits[0].float()
+        targets = datums[0].loss_fn_inputs["target_tokens"].to_torch()
+        lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+        torch.testing.assert_close(lp, want[0], rtol=1e-4, atol=1e-4)
 
 
 def test_qwen2_5_vl_trains_with_an_image(tmp_path, tok):
