@@ -208,3 +208,11 @@ def test_qwen2_5_vl_trains_with_an_image(tmp_path, tok):
         engine.optim_step(ADAM)
         last = engine.forward_backward([datum], "cross_entropy").metrics["loss:sum"]
     assert last < first
+
+
+def test_a_vision_model_on_several_ranks_is_refused(vl_dir):
+    """FSDP2 gathers the tower's shards in its forward, which only ranks with images would run."""
+    from ember.engine.parallel import ParallelismConfig
+
+    with pytest.raises(ValueError, match="qwen3_vl is a vision-language model; ember trains it on one rank"):
+        TorchEngine.from_pretrained(vl_dir, EngineConfig(), parallelism=ParallelismConfig(dp_shard=2))
