@@ -68,6 +68,20 @@ def test_an_image_datum_trains_through_the_client(service, datums):
     assert [len(o["logprobs"].data) for o in out.loss_fn_outputs] == [d.model_input.length for d in datums[:2]]
 
 
+def test_forward_backward_custom_takes_image_datums(service, datums):
+    """The SDK's client-side custom loss (forward, user loss on the log-probs, weighted CE
+    backward) with images: a loss equal to cross-entropy gives cross-entropy's sum."""
+    tc = service.create_lora_training_client(base_model="vl", rank=4).result()
+    want = tc.forward(datums, "cross_entropy").result().metrics["loss:sum"]
+
+    def ce(data, logprobs):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs))
+        return loss, {}
+
+    out = tc.forward_backward_custom(datums, ce).result()
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+
+
 def test_wrong_expected_tokens_is_a_user_error_naming_the_chunk(service, tok, datums):
     tc = service.create_lora_training_client(base_model="vl", rank=4).result()
     bad = image_datum(tok, png_bytes(COLORS["red"]), "Q:", "red", 5)
