@@ -230,3 +230,10 @@ def test_a_vision_model_on_several_ranks_is_refused(vl_dir):
 
     with pytest.raises(ValueError, match="qwen3_vl is a vision-language model; ember trains it on one rank"):
         TorchEngine.from_pretrained(vl_dir, EngineConfig(), parallelism=ParallelismConfig(dp_shard=2))
+
+
+def test_estimate_builds_the_vision_model_on_the_meta_device(vl_dir, capsys):
+    from ember.cli import main
+
+    assert main(["estimate", "--model", str(vl_dir), "--tokens", "64"]) == 0
+    assert "peak" in capsys.readouterr().out
