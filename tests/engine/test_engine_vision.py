@@ -68,6 +68,20 @@ def test_an_image_datum_trains_through_the_client(service, datums):
     assert [len(o["logprobs"].data) for o in out.loss_fn_outputs] == [d.model_input.length for d in datums[:2]]
 
 
+def test_forward_backward_custom_takes_image_datums(service, datums):
+    """The SDK's client-side custom loss (forward, user loss on the log-probs, weighted CE
+    backward) with images: a loss equal to cross-entropy gives cross-entropy's sum."""
+    tc = service.create_lora_training_client(base_model="vl", rank=4).result()
+    want = tc.forward(datums, "cross_entropy").result().metrics["loss:sum"]
+
+    def ce(data, logprobs):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs))
+        return loss, {}
+
+    out = tc.forward_backward_custom(datums, ce).result()
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-5)
+
+
 def test_wrong_expected_tokens_is_a_user_error_naming_the_chunk(service, tok, datums):
     tc = service.create_lora_training_client(base_model="vl", rank=4).result()
     bad = image_datum(tok, png_bytes(COLORS["red"]), "Q:", "red", 5)
@@ -174,7 +188,7 @@ def test_checkpoint_resume_and_exports_load_back_in_transformers(service, vl_dir
             torch.testing.assert_close(lp, want[i], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} datum {i}: {m}")
 
 
-def test_full_fine_tuning_export_carries_the_whole_model(service, vl_dir, datums):
+def test_full_fine_tuning_export_and_sampler_weights_carry_the_whole_model(service, vl_dir, datums):
     from transformers import Qwen3VLForConditionalGeneration
 
     tc = service.create_full_training_client(base_model="vl").result()
@@ -182,17 +196,20 @@ def test_full_fine_tuning_export_carries_the_whole_model(service, vl_dir, datums
     tc.optim_step(ADAM).result()
     want = [o["logprobs"].to_torch() for o in tc.forward(datums[:1], "cross_entropy").result().loss_fn_outputs]
     out = _export_dir(service, tc.save_weights_external("full").result().path)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(out, local_files_only=True).eval()
+    sampler = _export_dir(service, tc.save_weights_for_sampler("s").result().path)
     base = Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, local_files_only=True)
     tower = dict(base.model.visual.named_parameters())
-    assert all(torch.equal(p, tower[n]) for n, p in model.model.visual.named_parameters())  # frozen, exported
     from ember.models.vision import expand_model_input, load_vision_spec
 
     ex = expand_model_input(datums[0].model_input, load_vision_spec(out), where="datum 0")
-    with torch.no_grad():
-        logits = model(input_ids=ex.input_ids[None], **ex.model_kwargs()).logits[0].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, datums[0].loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
-    torch.testing.assert_close(lp, want[0], rtol=1e-4, atol=1e-4)
+    for directory in (out, sampler):
+        model = Qwen3VLForConditionalGeneration.from_pretrained(directory, local_files_only=True).eval()
+        assert all(torch.equal(p, tower[n]) for n, p in model.model.visual.named_parameters())  # frozen, exported
+        with torch.no_grad():
+            logits = model(input_ids=ex.input_ids[None], **ex.model_kwargs()).logits[0].float()
+        targets = datums[0].loss_fn_inputs["target_tokens"].to_torch()
+        lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+        torch.testing.assert_close(lp, want[0], rtol=1e-4, atol=1e-4)
 
 
 def test_qwen2_5_vl_trains_with_an_image(tmp_path, tok):
@@ -205,3 +222,18 @@ def test_qwen2_5_vl_trains_with_an_image(tmp_path, tok):
         engine.optim_step(ADAM)
         last = engine.forward_backward([datum], "cross_entropy").metrics["loss:sum"]
     assert last < first
+
+
+def test_a_vision_model_on_several_ranks_is_refused(vl_dir):
+    """FSDP2 gathers the tower's shards in its forward, which only ranks with images would run."""
+    from ember.engine.parallel import ParallelismConfig
+
+    with pytest.raises(ValueError, match="qwen3_vl is a vision-language model; ember trains it on one rank"):
+        TorchEngine.from_pretrained(vl_dir, EngineConfig(), parallelism=ParallelismConfig(dp_shard=2))
+
+
+def test_estimate_builds_the_vision_model_on_the_meta_device(vl_dir, capsys):
+    from ember.cli import main
+
+    assert main(["estimate", "--model", str(vl_dir), "--tokens", "64"]) == 0
+    assert "peak" in capsys.readouterr().out

@@ -95,11 +95,15 @@ def load_config(model_dir: str | os.PathLike):
 
 
 def meta_model(hf_config) -> torch.nn.Module:
-    """The causal LM of `hf_config` with every tensor on the meta device (no memory)."""
+    """The causal LM of `hf_config` with every tensor on the meta device (no memory); a
+    vision-language model's own class (`ember.models.loading.model_class`), tower included."""
     from transformers import AutoModelForCausalLM
 
+    from ember.models.loading import model_class
+
+    cls = model_class(hf_config)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return AutoModelForCausalLM.from_config(hf_config) if cls is AutoModelForCausalLM else cls(hf_config)
 
 
 @dataclass

@@ -130,6 +130,10 @@ class TorchEngine(TrainingEngine):
         if parallelism is not None and config.activation_checkpointing:
             # under a mesh it must come before FSDP2 (torchtitan's order): let parallelize_model apply it
             parallelism = dataclasses.replace(parallelism, activation_checkpointing=True)
+        if parallelism is not None and parallelism.world_size > 1 and vision_of(model.config) is not None:
+            # FSDP2 gathers the tower's shards in its forward, which only ranks with images run
+            raise ValueError(f"{model.config.model_type} is a vision-language model; ember trains it on one rank "
+                             f"(world_size 1), got a layout of {parallelism.world_size} ranks")
         if parallelism is not None and parallelism.world_size > 1:
             from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
 

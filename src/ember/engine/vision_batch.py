@@ -1,4 +1,5 @@
-"""Images in a micro-batch: each sequence keeps its own pixel values, grid and M-RoPE.
+"""Images in a micro-batch: each sequence keeps its own pixel values, grid and M-RoPE
+(docs/architecture.md#images).
 
 A vision-language datum arrives expanded (`ember.models.vision.expand_model_input`: its
 image chunks are `<|image_pad|>` runs, its `ExpandedInput` holds the pixels). Laid out by

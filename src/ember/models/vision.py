@@ -6,7 +6,7 @@
     model(input_ids=ex.input_ids[None], mm_token_type_ids=ex.mm_token_type_ids[None],
           pixel_values=ex.pixel_values, image_grid_thw=ex.image_grid_thw)
 
-Counting is Tinker's (docs/architecture.md, "Images"): an image chunk stands for exactly
+Counting is Tinker's (docs/architecture.md#images): an image chunk stands for exactly
 `expected_tokens` positions of the `ModelInput` — the model's `<|image_pad|>` run, one
 token per merged patch (tinker-cookbook's `image_to_chunk`: patches // merge_size**2).
 The `<|vision_start|>` / `<|vision_end|>` around it are ordinary text tokens that the

@@ -121,7 +121,7 @@ def vision_config_kwargs(kwargs: dict, token_ids: dict[str, int]) -> dict:
 
 @dataclass(frozen=True)
 class VisionFamily:
-    """What a vision-language family adds (docs/architecture.md, "Images").
+    """What a vision-language family adds (docs/architecture.md#images).
 
     `model_class`: the transformers class the model loads through (from its own module,
     so no auto-class mapping decides it); `tower`: the vision tower's module name (LoRA
