@@ -148,6 +148,19 @@ def test_the_tower_is_frozen_unless_train_vision(vl_dir, datums):
         _engine(vl_dir, lora=types.LoraConfig(rank=4), train_vision=True)
 
 
+def test_a_full_checkpoint_resumes_only_with_the_same_train_vision(vl_dir, datums, tmp_path):
+    trained = _engine(vl_dir, train_vision=True)
+    trained.forward_backward(datums, "cross_entropy")
+    trained.optim_step(ADAM)
+    trained.save_state(tmp_path / "ckpt")
+    again = _engine(vl_dir, train_vision=True)
+    again.load_state(tmp_path / "ckpt")
+    assert_tensors_close(dict(trained.named_weights()), dict(again.named_weights()), rtol=0)
+    with pytest.raises(ValueError, match=r"saved with train_vision=True \(its vision tower trained\); this engine "
+                                         r"has train_vision=False"):
+        _engine(vl_dir).load_state(tmp_path / "ckpt")
+
+
 def _export_dir(service, path: str):
     from pathlib import Path
 
