@@ -148,6 +148,19 @@ def test_the_tower_is_frozen_unless_train_vision(vl_dir, datums):
         _engine(vl_dir, lora=types.LoraConfig(rank=4), train_vision=True)
 
 
+def test_a_full_checkpoint_resumes_only_with_the_same_train_vision(vl_dir, datums, tmp_path):
+    trained = _engine(vl_dir, train_vision=True)
+    trained.forward_backward(datums, "cross_entropy")
+    trained.optim_step(ADAM)
+    trained.save_state(tmp_path / "ckpt")
+    again = _engine(vl_dir, train_vision=True)
+    again.load_state(tmp_path / "ckpt")
+    assert_tensors_close(dict(trained.named_weights()), dict(again.named_weights()), rtol=0)
+    with pytest.raises(ValueError, match=r"saved with train_vision=True \(its vision tower trained\); this engine "
+                                         r"has train_vision=False"):
+        _engine(vl_dir).load_state(tmp_path / "ckpt")
+
+
 def _export_dir(service, path: str):
     from pathlib import Path
 
@@ -212,15 +225,25 @@ def test_full_fine_tuning_export_and_sampler_weights_carry_the_whole_model(servi
         torch.testing.assert_close(lp, want[0], rtol=1e-4, atol=1e-4)
 
 
-def test_qwen2_5_vl_trains_with_an_image(tmp_path, tok):
+def test_qwen2_5_vl_packs_exactly_and_trains_with_an_image(tmp_path):
+    """Qwen2.5-VL's windowed tower: images packed in one row (the long text datum sets the
+    row width) give each sequence's own log-probs; a LoRA run on an image datum learns."""
     model_dir = build_tiny_model(tmp_path / "q25", family="qwen2_5_vl", seed=0)
     tok25 = load_tokenizer(model_dir)
-    datum = image_datum(tok25, png_bytes(COLORS["yellow"]), "Q:", "yellow", 4)
+    data = [image_datum(tok25, png_bytes(COLORS["yellow"]), "Q:", "yellow", 4),
+            image_datum(tok25, png_bytes(COLORS["green"], 112, stripe=True), "Q:", "green", 16),
+            image_datum(tok25, png_bytes(COLORS["red"]), "", "red", 4),
+            sft_datum(tok25.encode("a long text datum that is as wide as two image datums"))]
+    assert data[0].model_input.length + data[2].model_input.length <= data[3].model_input.length
     engine = _engine(model_dir, lora=types.LoraConfig(rank=4))
-    first = engine.forward_backward([datum], "cross_entropy").metrics["loss:sum"]
+    packed = engine.forward(data, "cross_entropy").loss_fn_outputs
+    for i, d in enumerate(data):
+        alone = engine.forward([d], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_torch()
+        torch.testing.assert_close(packed[i]["logprobs"].to_torch(), alone, rtol=1e-5, atol=1e-6)
+    first = engine.forward_backward(data[:1], "cross_entropy").metrics["loss:sum"]
     for _ in range(3):
         engine.optim_step(ADAM)
-        last = engine.forward_backward([datum], "cross_entropy").metrics["loss:sum"]
+        last = engine.forward_backward(data[:1], "cross_entropy").metrics["loss:sum"]
     assert last < first
 
 
