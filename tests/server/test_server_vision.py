@@ -31,6 +31,9 @@ from helpers.images import hostile_images
 from helpers.server import API_KEY, MODEL_NAME, memory_cap, start_server
 from helpers.vision import COLORS, image_datum, image_tokens, png_bytes
 
+# `slow`: left out of `make test-fast` (see README, "Developing: the tests"); ~100 s with its server.
+pytestmark = pytest.mark.slow
+
 MEMORY_CAP_BYTES = 4 * 1024**3  # a decoded 50,000 x 50,000 bomb (7.5 GB) could not fit
 ADAM = types.AdamParams(learning_rate=2e-2)
 
