@@ -28,7 +28,7 @@ CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 
 SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # no-referrer would make chromium send `Origin: null` on our own forms
     "Cache-Control": "no-store",
     "X-Frame-Options": "DENY",
 }

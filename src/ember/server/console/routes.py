@@ -199,8 +199,11 @@ def _ttl(text: str) -> int | None:
 @router.get("/playground")
 async def playground_form(request: Request, owner: str = Owner, mode: str = "base", checkpoint: str = "",
                           base_model: str = ""):
-    choices = await playground.choices(request.app.state.service, owner)
+    service = request.app.state.service
+    choices = await playground.choices(service, owner)
     form = playground.defaults(mode, checkpoint, base_model, choices)
+    if form.checkpoint:  # a link to a checkpoint this key cannot read is the 404 page, like the API
+        await call(service.get_weights_info, owner, form.checkpoint)
     return render(request, "playground.html", form=form, choices=choices, results=None)
 
 
