@@ -23,9 +23,11 @@ RUN = f"{SESSION}:train:0"
 
 def legacy_metadata() -> MetaData:
     """The tables as ember's `create_all` made them before migration 0002 (no index on
-    (run_id, kind, created_at), no checkpoints.public: 0003)."""
+    (run_id, kind, created_at), no checkpoints.public: 0003, no run_metrics: 0004)."""
     md = MetaData()
     for table in Base.metadata.tables.values():
+        if table.name == "run_metrics":
+            continue
         if table.name == "checkpoints":
             Table(table.name, md, *[c._copy() for c in table.columns if c.name != "public"])
         else:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 WIDTH, HEIGHT = 640, 220
-LEFT, RIGHT, TOP, BOTTOM = 64, 16, 12, 30
+LEFT, RIGHT, TOP, BOTTOM = 64, 16, 12, 40
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,8 @@ def chart(points: Sequence[tuple[int, float | None]]) -> Chart:
     y0, y1 = (min(values), max(values)) if values else (0.0, 1.0)
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        pad = abs(y0) * 0.05 or 1.0
-        y0, y1 = y0 - pad, y1 + pad
+    pad = (y1 - y0) * 0.06 or abs(y0) * 0.05 or 1.0  # points clear of the axes
+    y0, y1 = y0 - pad, y1 + pad
     sx = (WIDTH - LEFT - RIGHT) / (x1 - x0)
     sy = (HEIGHT - TOP - BOTTOM) / (y1 - y0)
 
