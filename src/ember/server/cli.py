@@ -53,10 +53,10 @@ def build_app(config):
     service = build_service(config.service, config.workers)
     try:
         check_memory(service, config.workers)
-    except ValueError:
+        return create_app(service, config.server, close_service=True)  # may refuse the console's key file
+    except (ValueError, OSError):
         service.close()
         raise
-    return create_app(service, config.server, close_service=True)
 
 
 def check_memory(service, workers) -> None:

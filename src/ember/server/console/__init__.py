@@ -22,8 +22,10 @@ def install_console(app: FastAPI) -> None:
     from ember.server.console.routes import router
 
     config, service = app.state.config, app.state.service
-    app.state.console = pages.ConsoleState(secret=load_secret(service.config.data_dir),
-                                           session_ttl_s=config.console_session_ttl_s)
+    data_dir = service.config.data_dir if service is not None else None
+    app.state.console = pages.ConsoleState(data_dir=data_dir, session_ttl_s=config.console_session_ttl_s)
+    if service is not None:
+        load_secret(data_dir)  # at start-up: a bad key file stops `ember serve` with its reason
     app.include_router(router)
     app.add_exception_handler(pages.SignInRequired, pages.signin_redirect)
     app.add_exception_handler(pages.PageNotFound, pages.not_found_page)

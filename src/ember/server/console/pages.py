@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -53,8 +54,18 @@ class PageError(Exception):
 
 @dataclass
 class ConsoleState:
-    secret: bytes
+    """The console's settings; the signing key is read (or made) at its first use, so an
+    app built without a service (route listings in tests) never touches a data directory."""
+
+    data_dir: Path
     session_ttl_s: float
+    _secret: bytes | None = None
+
+    @property
+    def secret(self) -> bytes:
+        if self._secret is None:
+            self._secret = auth.load_secret(self.data_dir)
+        return self._secret
 
 
 @functools.cache
