@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from tinker import types
@@ -56,8 +56,12 @@ class Service(ServiceAPI):
         *,
         engine_factory: EngineFactory | None = None,
         sampler_factory: SamplerFactory | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock` (default `time.time`) times session heartbeats and idleness; tests pass a
+        manual one to expire sessions without sleeping."""
         self.config = config
+        self._clock = clock or time.time
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self._data_lock = DataDirLock(config.data_dir)
         self._data_lock.acquire()  # before the database: a second process must not fail our futures
@@ -96,7 +100,7 @@ class Service(ServiceAPI):
             self._colocate()
         self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end,
                                        idle_ttl_s=config.sessions.idle_ttl_s,
-                                       max_per_key=config.limits.max_sessions_per_key)
+                                       max_per_key=config.limits.max_sessions_per_key, clock=self._clock)
         self.futures.on_session_activity = self.sessions.touch
         self._closed = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
