@@ -47,7 +47,8 @@ def not_on(backend: str, reason: str, *more: tuple[str, str]):
     return pytest.mark.parametrize("sampler", values, indirect=True)
 
 
-POOL_CONFIG = dict(replicas=2, max_slots=16, max_len=256, forward="direct", replica_timeout_s=120.0)
+# replica_timeout_s: test_sampling_pool.py silences a replica and waits this out.
+POOL_CONFIG = dict(replicas=2, max_slots=16, max_len=256, forward="direct", replica_timeout_s=20.0, max_imbalance=64)
 
 
 @pytest.fixture(scope="session")

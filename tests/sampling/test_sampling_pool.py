@@ -19,17 +19,17 @@ from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler, create_
 from ember.sampling.pool import SamplerPool
 from ember.sampling.replica import ReplicaFailed
 
-from .conftest import params, prompt
+from .conftest import POOL_CONFIG, params, prompt
 
-TIMEOUT_S = 15.0  # replica_timeout_s of this file's pool: a silenced replica is out after this
+TIMEOUT_S = POOL_CONFIG["replica_timeout_s"]  # a silenced replica is out after this
 
 
-@pytest.fixture(scope="module")
-def pool(tiny_model_dir):
-    p = SamplerPool(tiny_model_dir, SamplerConfig(replicas=2, max_slots=16, max_len=256, forward="direct",
-                                                  replica_timeout_s=TIMEOUT_S, max_imbalance=1000))
-    yield p
-    p.close()
+@pytest.fixture
+def pool(pool_sampler):
+    """The session's 2-replica pool (conftest): whole again after each test here."""
+    _wait_all_up(pool_sampler)
+    yield pool_sampler
+    _wait_all_up(pool_sampler)
 
 
 def _request(session: str, max_tokens: int = 4, seed: int = 1, version=None) -> SamplingRequest:
@@ -83,8 +83,8 @@ def test_a_sessions_requests_land_on_one_replica(pool):
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
 
 
+@pytest.mark.slow  # a replacement replica starts (20-60 s here)
 def test_killed_replica_fails_only_its_requests_and_is_replaced(pool, tiny_model_dir):
-    _wait_all_up(pool)
     version = pool.load_weights(dict(load_model(tiny_model_dir).state_dict()))
     homes = _sessions_by_home(pool, n=3)
     for sessions in homes.values():  # place them
@@ -117,8 +117,8 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(pool, tiny_model
     assert [s.tokens for s in again.sequences] == [s.tokens for s in reference.sequences]
 
 
+@pytest.mark.slow  # waits out replica_timeout_s, then a replacement starts
 def test_silent_replica_is_taken_out_and_never_blocks_a_sync(pool, tiny_model_dir):
-    _wait_all_up(pool)
     homes = _sessions_by_home(pool, n=2)
     silent_pid = pool.replica_pids()[0]
     os.kill(silent_pid, signal.SIGSTOP)  # alive, but answers nothing
@@ -139,11 +139,9 @@ def test_silent_replica_is_taken_out_and_never_blocks_a_sync(pool, tiny_model_di
             os.kill(silent_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    _wait_all_up(pool)
 
 
 def test_requests_while_no_replica_is_up_fail_at_once(pool):
-    _wait_all_up(pool)
     with pool._lock:  # both out of the ring, as while both are being replaced
         pool._router.remove(0)
         pool._router.remove(1)

@@ -56,7 +56,7 @@ def _sample(client, seed: int = 1):
 
 def _replica_processes(server) -> list[psutil.Process]:
     children = psutil.Process(server.proc.pid).children()
-    return [p for p in children if "multiprocessing" in " ".join(p.cmdline())]
+    return [p for p in children if "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,6 @@ def test_a_silent_replica_fails_only_its_clients_as_server_and_is_replaced(serve
     dead = [r for r, results in outcomes.items() if all(o == "server" for o in results)]
     live = [r for r, results in outcomes.items() if all(o == "ok" for o in results)]
     assert len(dead) == 1 and len(live) == 1, outcomes
-    wait_until(lambda: _up(scrape(server.base_url))[dead[0]] == 0.0 or len(_replica_processes(server)) == 2,
-               timeout=60, message="the silent replica taken out")
     wait_until(lambda: _up(scrape(server.base_url)) == [1.0, 1.0], timeout=600, message="a replacement replica up")
     assert victim.pid not in {p.pid for p in _replica_processes(server)}
     for clients in placed.values():  # the moved sessions and the others all sample again

@@ -119,6 +119,7 @@ class SamplerPool(Sampler):
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._closed = False
+        self._starting: set[Replica] = set()
         self._info: ReplicaInfo | None = None
         self._load_tokenizer()
         self._start_all()
@@ -188,7 +189,10 @@ class SamplerPool(Sampler):
             slots = [s for s in self._slots if s.replica is not None]
             for s in slots:
                 s.up = False
+            starting = list(self._starting)
         self._wake.set()
+        for replica in starting:
+            replica.kill()
         for s in slots:
             s.replica.close(timeout=30)
         shutil.rmtree(self._dir if not self._own_scratch else self._scratch, ignore_errors=True)
@@ -342,25 +346,37 @@ class SamplerPool(Sampler):
     def _bring_up(self, slot: _Slot) -> None:
         """Start a replica in `slot`, load every live version, put it in the ring."""
         cfg = host_config(self.config, slot.index)
-        replica = self._replica_cls.start(slot.index, self.model_dir, cfg, self._scratch)
+        # Its own scratch directory: backends name their files by ids that every replica repeats.
+        scratch = tempfile.mkdtemp(prefix=f"replica-{slot.index}-", dir=self._dir)
+        replica = self._replica_cls.start(slot.index, self.model_dir, cfg, scratch)
+        with self._lock:
+            self._starting.add(replica)  # close() stops it too
         try:
             info = replica.call("info").result(self.config.engine_start_timeout_s)
             slot.replica, slot.loaded = replica, set()
-            while True:
+            while not self._join(slot, info):
                 with self._lock:
                     missing = sorted(set(self._versions) - slot.loaded)
-                    if not missing:
-                        if self._closed:
-                            raise RuntimeError("the sampler pool was closed while a replica started")
-                        self._info = self._info or info
-                        slot.up, slot.ping = True, None
-                        self._router.add(slot.index)
-                        break
                 self._load_missing(slot, missing)
         except BaseException:
             replica.kill()
             raise
+        finally:
+            with self._lock:
+                self._starting.discard(replica)
         log.info("sampler replica %d up (pid %s, %s on %s)", slot.index, info.pid, info.backend, info.device)
+
+    def _join(self, slot: _Slot, info: ReplicaInfo) -> bool:
+        """Put `slot` in the ring if it has every live version (else False: load them first)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the sampler pool was closed while a replica started")
+            if set(self._versions) - slot.loaded:
+                return False
+            self._info = self._info or info
+            slot.up, slot.ping = True, None
+            self._router.add(slot.index)
+            return True
 
     def _load_missing(self, slot: _Slot, keys: list[int]) -> None:
         for key in keys:
@@ -369,8 +385,8 @@ class SamplerPool(Sampler):
             if entry is None:
                 continue  # released meanwhile
             try:
-                slot.replica.call("load_file", key, *entry).result()
-            except (ValueError, RuntimeError):
+                slot.replica.call("load_file", key, *entry).result(self.config.engine_start_timeout_s)
+            except Exception:  # noqa: BLE001 - unless the version is gone, the replica is not fit to join
                 if os.path.exists(entry[0]):
                     raise
                 self._forget([key])  # released while we loaded it: nothing to serve
