@@ -75,6 +75,8 @@ class ReplicaInfo:
     backend: str
     device: str
     pid: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_len: int | None = None
 
 
 class Replica(abc.ABC):
@@ -148,7 +150,8 @@ class ReplicaHost:
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.sampler.vocab_size, self.config.default_max_tokens, self.config.backend,
-                           self.config.resolved_device, os.getpid())
+                           self.config.resolved_device, os.getpid(),
+                           tuple(getattr(self.sampler, "eos_token_ids", ())), getattr(self.sampler, "max_len", None))
 
     def sample(self, request, version_key: int | None) -> Future:
         if version_key is not None:
