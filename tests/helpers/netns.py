@@ -175,21 +175,29 @@ class TwoHosts:
         Not `ray stop`: it finds Ray processes by name on the whole machine (one PID
         namespace), so it would stop other clusters too. Every process of ours runs inside
         one of our namespaces, so `ip netns pids` names exactly ours: SIGTERM, then SIGKILL."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            pids = [p for ns in self._made for p in _netns_pids(ns)]
-            for pid in pids:
+        try:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                self._signal_all(sig)
+        finally:  # even when interrupted while waiting: the namespaces go
+            self._ray_up.clear()
+            for ns in self._made:
+                _ip("netns", "del", ns, check=False)
+            self._made.clear()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _signal_all(self, sig: int, grace_s: float = 10.0) -> None:
+        """`sig` (and SIGCONT, so a stopped process acts on it) to every process in our
+        namespaces; wait up to `grace_s` for them to go."""
+        pids = [p for ns in self._made for p in _netns_pids(ns)]
+        for pid in pids:
+            for s in (sig, signal.SIGCONT):
                 try:
-                    os.kill(pid, sig)
+                    os.kill(pid, s)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + 10
-            while pids and time.monotonic() < deadline and any(_netns_pids(ns) for ns in self._made):
-                time.sleep(0.2)
-        self._ray_up.clear()
-        for ns in self._made:
-            _ip("netns", "del", ns, check=False)
-        self._made.clear()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline and any(_netns_pids(ns) for ns in self._made):
+            time.sleep(0.2)
 
 
 def _netns_pids(ns: str) -> list[int]:
@@ -200,3 +208,17 @@ def _netns_pids(ns: str) -> list[int]:
 def namespaces_with_suffix(suffix: str) -> list[str]:
     """Namespaces still present whose name carries `suffix` (for the cleanup test)."""
     return [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if suffix in line]
+
+
+def pids_running(ns: str, text: str) -> list[int]:
+    """Processes in namespace `ns` whose command line contains `text` (e.g. Ray sets an
+    actor's process title to `ray::<Class>...`)."""
+    found = []
+    for pid in _netns_pids(ns):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(pid)
+    return found

@@ -41,8 +41,8 @@ from ember.sampling.config import SamplerConfig
 from ember.sampling.replica import Replica, ReplicaError, ReplicaFailed
 
 _cluster_address: str | None = None
-# pool (model directory) -> {replica index: (node id it was placed on, the replica)}
-_pool_nodes: dict[str, dict[int, tuple[str, Any]]] = {}
+# pool (model directory) -> {replica index: (node id it was placed on, the claim's token)}
+_pool_nodes: dict[str, dict[int, tuple[str | None, object]]] = {}
 _nodes_lock = threading.Lock()
 
 
@@ -55,11 +55,16 @@ def use_cluster(address: str | None) -> None:
 def _ensure_ray():
     import ray
 
-    if not ray.is_initialized():
-        address = _cluster_address or os.environ.get("RAY_ADDRESS") or None
-        local = {"include_dashboard": False} if address is None else {}
-        ray.init(address=address, log_to_driver=False, **local)
+    with _nodes_lock:  # the pool starts its replicas from several threads at once
+        if not ray.is_initialized():
+            _init_ray(ray)
     return ray
+
+
+def _init_ray(ray) -> None:
+    address = _cluster_address or os.environ.get("RAY_ADDRESS") or None
+    local = {"include_dashboard": False} if address is None else {}
+    ray.init(address=address, log_to_driver=False, **local)
 
 
 def replica_resources(config: SamplerConfig) -> dict[str, float]:
@@ -70,29 +75,30 @@ def replica_resources(config: SamplerConfig) -> dict[str, float]:
     return bundle
 
 
-def _pick_node(ray, key: str, bundle: dict[str, float]) -> str | None:
-    """The alive node that fits `bundle` and holds the fewest of this pool's replicas
-    (ties: the most free CPUs, then the node id, so the choice is deterministic)."""
-    candidates = []
-    with _nodes_lock:
-        placed = [node for node, _ in _pool_nodes.get(key, {}).values()]
-    for node in ray.nodes():
-        resources = node.get("Resources", {})
-        if not node.get("Alive") or any(resources.get(k, 0.0) < v for k, v in bundle.items()):
-            continue
-        candidates.append((placed.count(node["NodeID"]), -resources.get("CPU", 0.0), node["NodeID"]))
-    return min(candidates)[2] if candidates else None
-
-
-def _place(key: str, replica: "RayReplica", node_id: str | None) -> None:
-    """Record (node_id) or forget (None) where `replica` runs; a replacement in the same
-    slot is never forgotten by its predecessor's late `kill`."""
+def _claim_node(ray, key: str, index: int, bundle: dict[str, float]) -> tuple[str | None, object]:
+    """Pick the alive node that fits `bundle` and holds the fewest of this pool's replicas
+    (ties: the most CPUs, then the node id) and record the claim at once, so replicas
+    started together from several threads spread. Returns (node id, the claim's token)."""
+    token = object()
     with _nodes_lock:
         nodes = _pool_nodes.setdefault(key, {})
-        if node_id is not None:
-            nodes[replica.index] = (node_id, replica)
-        elif nodes.get(replica.index, (None, None))[1] is replica:
-            del nodes[replica.index]
+        placed = [node for i, (node, _) in nodes.items() if i != index]
+        candidates = []
+        for node in ray.nodes():
+            resources = node.get("Resources", {})
+            if node.get("Alive") and all(resources.get(k, 0.0) >= v for k, v in bundle.items()):
+                candidates.append((placed.count(node["NodeID"]), -resources.get("CPU", 0.0), node["NodeID"]))
+        node_id = min(candidates)[2] if candidates else None
+        nodes[index] = (node_id, token)
+    return node_id, token
+
+
+def _release_node(key: str, index: int, token: object) -> None:
+    """Forget a claim; a replacement's newer claim on the same slot is kept."""
+    with _nodes_lock:
+        nodes = _pool_nodes.get(key, {})
+        if nodes.get(index, (None, None))[1] is token:
+            del nodes[index]
 
 
 class _ReplicaActor:
@@ -137,11 +143,11 @@ def actor_config(config: SamplerConfig) -> SamplerConfig:
 class RayReplica(Replica):
     """The pool's handle on one replica actor (see the module docstring)."""
 
-    def __init__(self, index: int, actor: Any, group: Any, pool_key: str) -> None:
+    def __init__(self, index: int, actor: Any, group: Any, claim: tuple[str, object]) -> None:
         self.index = index
         self._actor = actor
         self._group = group
-        self._pool_key = pool_key
+        self._claim = claim  # (pool key, token) of its node claim
         self._pending: dict[int, Future] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -154,16 +160,14 @@ class RayReplica(Replica):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle, key = replica_resources(config), os.path.realpath(model_dir)
-        node_id = _pick_node(ray, key, bundle)
+        node_id, token = _claim_node(ray, key, index, bundle)
         group = placement_group([bundle], strategy="STRICT_PACK", _soft_target_node_id=node_id)
         actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(_ReplicaActor)
         actor = actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0),
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=config.max_slots + 4,
         ).remote(model_dir, actor_config(config), scratch_dir)
-        replica = cls(index, actor, group, key)
-        _place(key, replica, node_id)
-        return replica
+        return cls(index, actor, group, (key, token))
 
     def node(self, timeout: float = 60.0) -> tuple[str, int]:
         """(node IP, pid) of the actor (for operators and the two-host tests)."""
@@ -238,4 +242,4 @@ class RayReplica(Replica):
             remove_placement_group(self._group)
         except Exception:  # noqa: BLE001 - already dead, or the cluster is gone
             pass
-        _place(self._pool_key, self, None)
+        _release_node(self._claim[0], self.index, self._claim[1])
