@@ -67,3 +67,11 @@ def test_remote_replica_killed_mid_request(report):
     assert [o["ok"] for o in kill["next"]] == [True] * len(failed), kill["next"]
     assert max(kill["next_worst"]) < TOL, kill["next_worst"]
     assert kill["blocker_ok"]  # the head's replica, resumed, finished what it held
+
+
+def test_grpo_recipe_reward_rises_against_the_two_host_server():
+    pytest.skip(reason="not run here: a rising GRPO reward needs an SFT start and tens of steps "
+                       "(tests/recipes/test_recipes_demo.py calibrates 60 steps for a +0.03 rise), over "
+                       "10 minutes against a two-host server on this 2-core machine, past the suite's "
+                       "30-minute budget; not verified on two hosts (the recipe's sampling goes through "
+                       "the same SamplingClient path the tests above check)")
