@@ -39,12 +39,29 @@ def unavailable_reason() -> str | None:
         return "two-host tests need root to create network namespaces (ip netns); not root here"
     if shutil.which("ip") is None:
         return "two-host tests need `ip` (iproute2) for network namespaces; not on PATH"
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"`ip netns` does not work here: {probe.stderr.strip()}"
+    probe = _probe_network()
+    if probe:
+        return probe
     if not Path(RAY_BIN).exists():
         return f"the ray CLI is not installed next to {sys.executable}"
     return None
+
+
+def _probe_network() -> str | None:
+    """Make (and remove) a namespace holding a veth pair: a container without the needed
+    capabilities answers `ip netns list` but refuses this."""
+    sfx = secrets.token_hex(3)
+    ns, a, b = f"emb-probe-{sfx}", f"p{sfx}a", f"p{sfx}b"
+    try:
+        for args in (("netns", "add", ns), ("link", "add", a, "type", "veth", "peer", "name", b),
+                     ("link", "set", b, "netns", ns)):
+            out = _ip(*args, check=False)
+            if out.returncode != 0:
+                return f"`ip {' '.join(args)}` is refused here ({out.stderr.strip()}): no network namespaces"
+        return None
+    finally:
+        _ip("link", "del", a, check=False)
+        _ip("netns", "del", ns, check=False)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
