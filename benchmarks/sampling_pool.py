@@ -1,7 +1,7 @@
 """A pool of sampler replicas: 1 vs 2 replicas, session-affine vs round-robin routing.
 
 `--sessions` sampling sessions (64) each send `--turns` requests (4) one after another,
-all sessions at once: every request of a session is its own `--prefix`-token prefix (a
+all sessions at once (in a new order every turn, as their replies come back): every request of a session is its own `--prefix`-token prefix (a
 conversation so far) plus 8 new tokens, 8 tokens sampled. The model is the tiny Qwen3 of
 `_common.build_model` (hidden 256, 4 layers), fp32 on CPU, TorchSampler replicas with
 their prefix cache (`SamplerConfig.prefix_cache_tokens`).
@@ -41,13 +41,17 @@ def _prompts(sessions: int, turns: int, prefix: int, seed: int) -> list[list[lis
 
 
 def _run(sampler, prompts: list[list[list[int]]], tag: str) -> tuple[float, float]:
-    """All sessions at once, each session's turns in order; (seconds, cache hit rate)."""
+    """All sessions at once, each session's turns in order, the sessions in a new order
+    every turn (as replies arrive); (seconds, cache hit rate)."""
+    order = list(range(len(prompts)))
+    shuffle = random.Random(7).shuffle
     start = time.perf_counter()
     hits = total = 0
     for turn in range(len(prompts[0])):
-        reqs = [SamplingRequest(prompt=types.ModelInput.from_ints(p[turn]), session=f"{tag}-{i}",
+        shuffle(order)
+        reqs = [SamplingRequest(prompt=types.ModelInput.from_ints(prompts[i][turn]), session=f"{tag}-{i}",
                                 sampling_params=types.SamplingParams(max_tokens=8, seed=i, stop=[]))
-                for i, p in enumerate(prompts)]
+                for i in order]
         for req, resp in zip(reqs, sampler.sample_many(reqs, timeout=600)):
             if isinstance(resp, Exception):
                 raise resp

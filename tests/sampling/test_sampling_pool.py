@@ -154,3 +154,34 @@ def test_requests_while_no_replica_is_up_fail_at_once(pool):
             pool._router.add(0)
             pool._router.add(1)
     assert pool.submit(_request("no-replica")).result(120).sequences
+
+
+def test_host_config_gives_each_replica_its_device():
+    from ember.sampling.replica import host_config
+
+    cfg = SamplerConfig(replicas=3, devices=["cuda:1", "cuda:2"], device="cuda:0")
+    assert [host_config(cfg, i).device for i in range(3)] == ["cuda:1", "cuda:2", "cuda:1"]
+    assert all(host_config(cfg, i).replicas == 1 and host_config(cfg, i).devices is None for i in range(3))
+    assert host_config(SamplerConfig(replicas=2, device="cpu"), 1).device == "cpu"
+    for bad, match in [(dict(replicas=0), "replicas"), (dict(placement="moon"), "placement"),
+                       (dict(devices=["gpu1"]), r"devices\[0\]"), (dict(devices=[]), "devices"),
+                       (dict(max_imbalance=-1), "max_imbalance"), (dict(replica_timeout_s=0), "replica_timeout_s")]:
+        with pytest.raises(ValueError, match=match):
+            SamplerConfig(**bad)
+
+
+@pytest.mark.gpu
+def test_cuda_replicas_each_on_their_device(tiny_model_dir, ref_model):
+    import torch
+
+    n = torch.cuda.device_count()
+    devices = [f"cuda:{i % n}" for i in range(2)]
+    with SamplerPool(tiny_model_dir, SamplerConfig(replicas=2, devices=devices, dtype="float32", max_slots=8)) as p:
+        infos = [s.replica.call("info").result(60) for s in p._slots]
+        assert [i.device for i in infos] == devices
+        tokens = [5, 6, 7, 8, 9]
+        got = p.compute_logprobs(prompt(tokens))[1:]
+        from .conftest import full_logprobs
+
+        want = full_logprobs(ref_model, tokens).numpy()
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3

@@ -16,9 +16,11 @@ import pytest
 import tinker
 from tinker import types
 
+import httpx
+
 from helpers.server import MODEL_NAME, API_KEY, start_server, wait_until
 
-from .test_server_metrics import scrape, value
+from .test_server_metrics import parse, value
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 10
@@ -38,6 +40,12 @@ def sc(server):
     client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     yield client
     client.close("success").result(timeout=30)
+
+
+def scrape(base_url: str) -> dict:
+    resp = httpx.get(f"{base_url}/metrics", headers={"X-API-Key": API_KEY}, timeout=120)  # a loaded machine
+    assert resp.status_code == 200, resp.text
+    return parse(resp.text)
 
 
 def _requests(samples: dict) -> list[float]:
@@ -64,7 +72,7 @@ def placed(server, sc):
     """Sampling clients and the replica each one's requests went to (both replicas used)."""
     out: dict[int, list] = {0: [], 1: []}
     for _ in range(24):
-        client = sc.create_sampling_client(base_model=MODEL_NAME)
+        client = sc.create_sampling_client(base_model=MODEL_NAME).result()
         before = _requests(scrape(server.base_url))
         for k in range(3):
             assert _sample(client, k).result(timeout=300).sequences

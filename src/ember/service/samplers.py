@@ -214,8 +214,8 @@ class SamplerManager:
     def replica_stats(self) -> dict[str, list[dict]]:
         """Per base model served by a pool of replicas: each replica's `up` and
         `requests_total` (`SamplerPool.replica_stats`); models with one sampler are absent."""
-        with self._lock:
-            samplers = list(self._samplers.items())
+        # No lock: creating a sampler holds it for minutes, and a scrape must not wait for that.
+        samplers = dict(self._samplers).items()  # a dict copy is atomic under the GIL
         return {self._names.get(d, str(d)): s.replica_stats() for d, s in samplers if hasattr(s, "replica_stats")}
 
     def check_registered(self) -> None:
