@@ -114,3 +114,17 @@ def database_url(request, tmp_path_factory):
     name = f"t_{uuid.uuid4().hex[:16]}"
     yield server.create_database(name)
     server.drop_database(name)
+
+
+# ---------------------------------------------------------------- two hosts
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two network namespaces joined by a veth pair, a Ray node in each (helpers.netns);
+    always torn down, pass or fail. Skips, saying why, where namespaces cannot be made."""
+    from helpers.netns import TwoHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason=reason)
+    with TwoHosts.start() as hosts:
+        yield hosts

@@ -435,8 +435,15 @@ class Service(ServiceAPI):
 def build_service(config: ServiceConfig, workers: WorkersConfig | None = None) -> Service:
     """The service `config` describes, its engines on the worker group `workers` asks for
     (in process by default). The one constructor `ember serve` and `ember.ServiceClient`
-    share: a service that fails to start never leaves a started worker group behind."""
-    factory = engine_factory_for(workers or WorkersConfig(), config.engine)
+    share: a service that fails to start never leaves a started worker group behind.
+    Ray sampler replicas (`sampler.placement = "ray"`) join the cluster the worker groups
+    use (`workers.ray_address`; README "Scaling out")."""
+    workers = workers or WorkersConfig()
+    if config.sampler.placement == "ray":
+        from ember.sampling.ray_replica import use_cluster
+
+        use_cluster(workers.ray_address)
+    factory = engine_factory_for(workers, config.engine)
     try:
         return Service(config, engine_factory=factory)
     except BaseException:
