@@ -119,6 +119,9 @@ class TorchEngine(TrainingEngine):
         """
         config = config or EngineConfig()
         head_output(head)  # an unknown head is refused before the model is loaded
+        if parallelism is not None and parallelism.cp > 1 and config.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"ParallelismConfig.cp={parallelism.cp} runs its own (sdpa) attention over all-to-all; "
+                             f"EngineConfig.attn_implementation must be 'sdpa' or 'eager', got {config.attn_implementation!r}")
         model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
         if lora_config is not None:
             model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config, unembed=head == "policy")
@@ -126,9 +129,6 @@ class TorchEngine(TrainingEngine):
         if parallelism is not None and config.activation_checkpointing:
             # under a mesh it must come before FSDP2 (torchtitan's order): let parallelize_model apply it
             parallelism = dataclasses.replace(parallelism, activation_checkpointing=True)
-        if parallelism is not None and parallelism.cp > 1 and config.attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"ParallelismConfig.cp={parallelism.cp} runs its own (sdpa) attention over all-to-all; "
-                             f"EngineConfig.attn_implementation must be 'sdpa' or 'eager', got {config.attn_implementation!r}")
         if parallelism is not None and parallelism.world_size > 1:
             from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
 
