@@ -123,6 +123,9 @@ class TorchEngine(TrainingEngine):
         """
         config = config or EngineConfig()
         head_output(head)  # an unknown head is refused before the model is loaded
+        if parallelism is not None and parallelism.cp > 1 and config.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"ParallelismConfig.cp={parallelism.cp} runs its own (sdpa) attention over all-to-all; "
+                             f"EngineConfig.attn_implementation must be 'sdpa' or 'eager', got {config.attn_implementation!r}")
         model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
         if lora_config is not None:
             model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config, unembed=head == "policy")
@@ -188,7 +191,7 @@ class TorchEngine(TrainingEngine):
     @property
     def _autocast(self) -> str | None:
         # Under FSDP2 on GPU the MixedPrecisionPolicy casts instead (see ember.engine.parallel).
-        if self.distributed and self.parallel.config.dp_size > 1 and self.device.type == "cuda":
+        if self.distributed and self.parallel.config.fsdp and self.device.type == "cuda":
             return None
         return self.config.autocast_dtype
 
@@ -249,9 +252,23 @@ class TorchEngine(TrainingEngine):
     def _head_outputs(self, mb: MicroBatch) -> torch.Tensor:
         """The head's per-token output for the real tokens of `mb`: log-probs or values (fp32)."""
         dev = self.device
+        if self.distributed and self.parallel.cp > 1:
+            return self._cp_head_outputs(mb)
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
         out = self._model_forward(mb.input_ids.to(dev), mb.position_ids.to(dev), mask, mb.model_kwargs)
         return self.head.outputs(out, mb, dev)
+
+    def _cp_head_outputs(self, mb: MicroBatch) -> torch.Tensor:
+        """Context parallelism (`ember.engine.context_parallel`): this rank runs the model on its
+        columns of `mb` (true positions, the full micro-batch's mask), scores its own real
+        tokens, and all ranks exchange those outputs so each holds all T of them."""
+        from ember.engine.context_parallel import gather_token_outputs, shard_micro_batch
+
+        dev, rank, group = self.device, self.parallel.cp_rank(), self.parallel.cp_group()
+        shard = shard_micro_batch(mb, self.parallel.cp, rank, self._pad_id)
+        mask = None if shard.mask is None else shard.mask.to(dev)
+        out = self._model_forward(shard.input_ids.to(dev), shard.position_ids.to(dev), mask)
+        return gather_token_outputs(self.head.outputs(out, shard.local, dev), shard, group, rank)
 
     def _model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                        images: dict[str, torch.Tensor] | None = None):
