@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 256 << 20
 ALONE_BYTES = 1 << 20  # a tensor this large travels alone, from its own memory (`bucket_plan`)
+_ALIGN = 64  # bytes: every tensor in a bucket starts on a cache line
 IN_FLIGHT = 4  # sends started before the oldest is waited for
 MAX_HEADER_BYTES = 64 << 20  # names and shapes of even a huge model fit; a hostile length does not
 _DTYPES = {name: getattr(torch, name) for name in (
@@ -163,26 +164,31 @@ def bucket_plan(specs: Sequence[TensorSpec], bucket_bytes: int, alone_bytes: int
     return buckets
 
 
+def layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of tensors of these sizes in a flat buffer, each aligned to `_ALIGN` bytes
+    (a view as int64 / float32 needs an aligned offset), and the buffer's size."""
+    offsets, end = [], 0
+    for n in nbytes:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
 def pack(tensors: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    """The tensors' bytes, concatenated into one flat uint8 buffer on `device`."""
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
+    """The tensors' bytes, laid out by `layout` in one flat uint8 buffer on `device`."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = layout(sizes)
+    flat = torch.zeros(total, dtype=torch.uint8, device=device)  # zeroed padding: nothing stale travels
+    for t, offset, n in zip(tensors, offsets, sizes):
         flat[offset:offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        offset += n
     return flat
 
 
 def unpack(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
     """Views into `flat` with each spec's dtype and shape (inverse of `pack`)."""
-    out, offset = [], 0
-    for s in specs:
-        n = s.nbytes
-        out.append(flat[offset:offset + n].view(_DTYPES[s.dtype]).view(s.shape))
-        offset += n
-    return out
+    offsets, _ = layout([s.nbytes for s in specs])
+    return [flat[o:o + s.nbytes].view(_DTYPES[s.dtype]).view(s.shape) for s, o in zip(specs, offsets)]
 
 
 # ---------------------------------------------------------------------- standalone groups
@@ -332,7 +338,7 @@ def receive_version(channel: Channel, check: Callable[[SyncHeader], None] | None
     works = []  # every bucket's receive is queued at once: allocation overlaps the transfer
     for bucket in bucket_plan(header.tensors, header.bucket_bytes):
         specs = [header.tensors[i] for i in bucket]
-        flat = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=channel.device)
+        flat = torch.empty(layout([s.nbytes for s in specs])[1], dtype=torch.uint8, device=channel.device)
         works.append(channel.broadcast_async(flat))
         named.extend((s.name, t) for s, t in zip(specs, unpack(flat, specs)))
     for work in works:
