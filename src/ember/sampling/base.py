@@ -119,6 +119,10 @@ class SamplingRequest:
     it: prefix-cache entries are reusable only by the owner that computed them (so
     `prompt_cache_hit_tokens` reflects only the caller's own traffic), and queued work is
     scheduled fairly across owners (docs/architecture.md, trust boundaries).
+
+    `session` names the sampling session the request belongs to (the service passes the
+    sampling session id; "" = none): a `SamplerPool` sends all requests of one session
+    to one replica (ember.sampling.router). A single backend ignores it.
     """
 
     prompt: types.ModelInput
@@ -134,6 +138,7 @@ class SamplingRequest:
     target_prompt_logprobs: types.TensorData | None = None
     prompt_alt_tokens_k: int = 0
     owner: str = ""
+    session: str = ""
 
 
 class UnsupportedModelError(ValueError):

@@ -18,6 +18,7 @@ MAX_LORA_RANK = 64
 LOGPROBS_MODES = ("raw", "processed")
 FORWARDS = ("auto", "direct", "transformers")
 WEIGHT_SYNC_MODES = ("files", "memory")  # ember.sampling.weight_sync (kept here: config must stay light)
+PLACEMENTS = ("local", "ray")
 
 
 @dataclass
@@ -75,6 +76,19 @@ class SamplerConfig:
     engine_start_timeout_s: how long a vLLM engine may take to start before the sampler
         gives up (the engine core is a separate process).
 
+    Scaling out (`ember.sampling.pool`; README "Scaling out"):
+    replicas: copies of the backend serving this base model, behind one `Sampler` (a
+        `SamplerPool`) that routes each sampling session to one replica. 1 (default): no
+        pool, the backend runs in the server's process as before.
+    placement: where replicas run: "local" (a process each on this machine) or "ray"
+        (a Ray actor each on the cluster the server joined).
+    devices: the devices of the replicas, e.g. ["cuda:1", "cuda:2"] (replica i takes
+        devices[i % len(devices)]); None: every replica on `device`.
+    max_imbalance: a new session goes to its consistent-hash replica unless that
+        replica has more than this many requests in flight beyond the least busy one;
+        then it goes to the least busy (sessions already placed stay where they are).
+    replica_timeout_s: a replica that does not answer a ping for this long is taken out
+        of the pool (its in-flight requests fail with category server) and replaced.
     weight_sync: how a training run's new weights reach the sampler (`ember.sampling.weight_sync`).
         "files" (default): as today. "memory": nothing is written for an ephemeral
         snapshot (`save_weights_and_get_sampling_client`), and `save_weights_for_sampler`
@@ -106,6 +120,11 @@ class SamplerConfig:
     enforce_eager: bool = True
     colocate: bool = False
     engine_start_timeout_s: float = 600.0
+    replicas: int = 1
+    placement: str = "local"
+    devices: list[str] | None = None
+    max_imbalance: int = 8
+    replica_timeout_s: float = 60.0
     weight_sync: str = "files"
 
     def __post_init__(self) -> None:
@@ -114,6 +133,9 @@ class SamplerConfig:
         for name in positive:
             _check_int(name, getattr(self, name), 1)
         _check_int("prefix_cache_tokens", self.prefix_cache_tokens, 0)
+        _check_int("replicas", self.replicas, 1)
+        _check_int("max_imbalance", self.max_imbalance, 0)
+        self._check_placement()
         _check_int("prefix_cache_block", self.prefix_cache_block, 1)
         if self.max_len is not None:
             # a prompt token and a sampled one
@@ -150,6 +172,19 @@ class SamplerConfig:
         if self.colocate and self.device is not None and not self.device.startswith("cuda"):
             raise ValueError("SamplerConfig.colocate needs a CUDA device (vLLM sleep mode), got "
                              f"device={self.device!r}")
+
+    def _check_placement(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"SamplerConfig.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if not self.replica_timeout_s > 0:
+            raise ValueError(f"SamplerConfig.replica_timeout_s must be > 0, got {self.replica_timeout_s}")
+        if self.devices is not None:
+            if not isinstance(self.devices, list) or not self.devices:
+                raise ValueError(f"SamplerConfig.devices must be a non-empty list of devices or unset, got "
+                                 f"{self.devices!r}")
+            for i, device in enumerate(self.devices):
+                if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+                    raise ValueError(f"SamplerConfig.devices[{i}] must be 'cpu' or 'cuda[:N]', got {device!r}")
 
     @property
     def resolved_device(self) -> str:

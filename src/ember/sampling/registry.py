@@ -44,5 +44,10 @@ def check_model(model_dir: str | os.PathLike, config: SamplerConfig) -> None:
 
 
 def create_sampler(model_dir: str | os.PathLike, config: SamplerConfig, scratch_dir: str | os.PathLike | None = None):
-    """A `Sampler` of backend `config.backend` serving the model in `model_dir`."""
+    """A `Sampler` of backend `config.backend` serving the model in `model_dir`; with
+    `config.replicas > 1`, a `SamplerPool` of that many (ember.sampling.pool)."""
+    if config.replicas > 1:
+        from ember.sampling.pool import SamplerPool
+
+        return SamplerPool(model_dir, config, scratch_dir)
     return sampler_class(config.backend).from_pretrained(model_dir, config, scratch_dir=scratch_dir)

@@ -445,7 +445,7 @@ class SamplerManager:
             self.queued.reserve(live.owner, *work)
             reserved = work
             request = SamplingRequest(version=live.version, sequence_ids=sub.sample_sequence_ids,
-                                      owner=live.owner, **kwargs)
+                                      owner=live.owner, session=live.sampler_id, **kwargs)
             fut = backend.submit(request)
         except ValueError as exc:  # UserError is one too
             self._release(live.owner, reserved)

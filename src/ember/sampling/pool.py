@@ -1,0 +1,422 @@
+"""`SamplerPool`: `SamplerConfig.replicas` copies of a backend behind one `Sampler`.
+
+The service sees one `Sampler` per base model whatever the number of replicas
+(`create_sampler` returns a pool only when `replicas > 1`; with 1 nothing here runs).
+Each replica is a `Replica` (ember.sampling.replica: a process on this machine for
+placement "local", a Ray actor for "ray") running a `ReplicaHost` over the backend
+`SamplerConfig.backend` names, on its own device (`SamplerConfig.devices`).
+
+Routing: every request of one sampling session (`SamplingRequest.session`; the service
+passes the sampling session id, in-process callers get owner + version) goes to one
+replica, chosen by `ember.sampling.router.SessionRouter` (consistent hashing, spill of
+new sessions past `max_imbalance`; its module docstring states the policy).
+
+Versions (docs/architecture.md contract 4): `load_weights` writes the version once to a
+safetensors file under the pool's scratch directory and loads it on *every* up replica
+before it returns (eager, not lazy: any replica can then serve any session's version,
+which spilling and fail-over need, and no request ever waits for a load). The file is
+what a replacement replica loads the live versions from; it is deleted when the
+version's last handle is dropped (and the replicas forget it). A `ReplicaHost.load_tensors`
+seam takes tensors already on the replica for an in-memory sync.
+
+Faults: a replica whose process is gone, or that leaves a ping unanswered for
+`replica_timeout_s`, is taken out of the ring at once; its in-flight requests fail with
+`ReplicaFailed` (a RuntimeError: category `server`), other replicas' requests are
+untouched, its sessions move to their next replica on the ring, and a replacement is
+started in the background in the same slot, loads every live version, and rejoins. A
+`load_weights` waiting on a replica that dies gets its answer from the others: a sync
+never waits on a dead replica for longer than `replica_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from tinker import types
+
+from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
+from ember.sampling.config import SamplerConfig
+from ember.sampling.replica import (Replica, ReplicaFailed, ReplicaInfo, host_config, replica_class,
+                                    write_weight_file)
+from ember.sampling.router import NoReplicaError, SessionRouter
+
+log = logging.getLogger(__name__)
+_pool_ids = itertools.count(1)
+_RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class PoolWeightVersion(WeightVersion):
+    """A version of a pool: loaded on every replica under `key`."""
+
+    def __init__(self, sampler_id: int, key: int, is_lora: bool, lora_rank: int | None) -> None:
+        super().__init__(sampler_id, is_lora=is_lora, lora_rank=lora_rank)
+        self.key = key
+
+
+@dataclass
+class _Slot:
+    """One replica position in the pool; a replacement takes over the slot."""
+
+    index: int
+    replica: Replica | None = None
+    up: bool = False
+    in_flight: int = 0
+    requests_total: int = 0
+    restarts: int = 0
+    loaded: set[int] = field(default_factory=set)
+    ping: Future | None = None
+    ping_sent: float = 0.0
+
+
+class SamplerPool(Sampler):
+    """Replicas of one backend behind the `Sampler` interface (see the module docstring)."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: SamplerConfig,
+                 scratch_dir: str | os.PathLike | None = None, router=None) -> None:
+        self.config, self.model_dir = config, str(model_dir)
+        self._id = next(_pool_ids)
+        self._replica_cls = replica_class(config.placement)
+        self._own_scratch = scratch_dir is None
+        base = tempfile.mkdtemp(prefix="ember-pool-") if scratch_dir is None else str(scratch_dir)
+        self._dir = os.path.join(base, f"pool-{os.getpid()}-{self._id}")
+        os.makedirs(self._dir, exist_ok=True)
+        self._scratch = base
+        self._slots = [_Slot(i) for i in range(config.replicas)]
+        self._router = router if router is not None else SessionRouter([], config.max_imbalance)
+        self._versions: dict[int, tuple[str, types.LoraConfig | None]] = {}  # key -> (file, lora)
+        self._keys = itertools.count(1)
+        self._released: queue.SimpleQueue = queue.SimpleQueue()  # keys whose handle died (any thread)
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._info: ReplicaInfo | None = None
+        self._load_tokenizer()
+        self._start_all()
+        self._monitor = threading.Thread(target=self._watch, name=f"ember-pool-{self._id}", daemon=True)
+        self._monitor.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    @classmethod
+    def from_pretrained(cls, model_dir, config: SamplerConfig | None = None, scratch_dir=None) -> "SamplerPool":
+        return cls(model_dir, config or SamplerConfig(replicas=2), scratch_dir)
+
+    @classmethod
+    def check_model(cls, model_dir, config) -> None:
+        from ember.sampling.registry import sampler_class
+
+        sampler_class(config.backend).check_model(model_dir, config)
+
+    # ------------------------------------------------------------------ Sampler API
+    @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size
+
+    @property
+    def max_len(self) -> int | None:
+        return self._info.max_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._info.eos_token_ids
+
+    def live_versions(self) -> int:
+        """Versions of this pool still referenced somewhere."""
+        self._drain_released()
+        with self._lock:
+            return len(self._versions)
+
+    def load_weights(self, named_weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     lora_config: types.LoraConfig | None = None, *, copy: bool = True) -> PoolWeightVersion:
+        items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
+        key = next(self._keys)
+        path = os.path.join(self._dir, f"v{key}.safetensors")
+        write_weight_file(items, path)
+        with self._lock:
+            self._versions[key] = (path, lora_config)
+            targets = [s for s in self._slots if s.up]
+        try:
+            self._load_on(targets, [key])
+        except BaseException:
+            self._forget([key])
+            raise
+        version = PoolWeightVersion(self._id, key, lora_config is not None,
+                                    lora_config.rank if lora_config is not None else None)
+        weakref.finalize(version, self._released.put, key)  # put only: safe from a GC on any thread
+        return version
+
+    def submit(self, request: SamplingRequest) -> Future:
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[SamplingRequest]) -> list[Future]:
+        return [self._submit_one(r) for r in requests]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            slots = [s for s in self._slots if s.replica is not None]
+            for s in slots:
+                s.up = False
+        self._wake.set()
+        for s in slots:
+            s.replica.close(timeout=30)
+        shutil.rmtree(self._dir if not self._own_scratch else self._scratch, ignore_errors=True)
+
+    # ------------------------------------------------------------------ operators
+    def replica_stats(self) -> list[dict]:
+        """Per replica slot: up, requests routed to it since start, in flight now, restarts."""
+        with self._lock:
+            return [{"replica": s.index, "up": s.up, "requests_total": s.requests_total,
+                     "in_flight": s.in_flight, "restarts": s.restarts} for s in self._slots]
+
+    def replica_pids(self) -> list[int | None]:
+        with self._lock:
+            return [getattr(s.replica, "pid", None) if s.up else None for s in self._slots]
+
+    def route_of(self, session: str) -> int | None:
+        """The replica a session's requests go to now (None: not placed yet)."""
+        with self._lock:
+            return self._router.placement(session) if hasattr(self._router, "placement") else None
+
+    # ------------------------------------------------------------------ requests
+    def _submit_one(self, request: SamplingRequest) -> Future:
+        out: Future = Future()
+        try:
+            key = self._version_key(request)
+            slot, replica = self._route(request)
+        except ValueError as exc:
+            out.set_exception(exc)
+            return out
+        except NoReplicaError as exc:
+            out.set_exception(ReplicaFailed(f"{exc} (replacements are starting)"))
+            return out
+        inner = replica.call("sample", dataclasses.replace(request, version=None), key)
+        inner.add_done_callback(lambda f: self._finished(slot, f, out))
+        return out
+
+    def _version_key(self, request: SamplingRequest) -> int | None:
+        if not isinstance(request, SamplingRequest):
+            raise ValueError(f"submit: expected a SamplingRequest, got {type(request).__name__}")
+        version = request.version
+        if version is None:
+            return None
+        if not isinstance(version, PoolWeightVersion) or version.sampler_id != self._id:
+            raise ValueError(f"sample request: version: {version!r} was not loaded into this sampler")
+        return version.key
+
+    def _route(self, request: SamplingRequest) -> tuple[_Slot, Replica]:
+        session = request.session or f"{request.owner}:{getattr(request.version, 'key', 0)}"
+        with self._lock:
+            if self._closed:
+                raise NoReplicaError("the sampler is closed")
+            depths = {s.index: s.in_flight for s in self._slots if s.up}
+            slot = self._slots[self._router.route(session, depths)]
+            slot.in_flight += 1
+            slot.requests_total += 1
+            return slot, slot.replica
+
+    def _finished(self, slot: _Slot, inner: Future, out: Future) -> None:
+        with self._lock:
+            slot.in_flight -= 1
+        exc = inner.exception()
+        if exc is None:
+            out.set_result(inner.result())
+            return
+        if isinstance(exc, ReplicaFailed):
+            self._wake.set()  # the monitor takes the replica out now, not at its next tick
+        out.set_exception(exc)
+
+    # ------------------------------------------------------------------ versions
+    def _load_on(self, slots: list[_Slot], keys: list[int]) -> None:
+        """Load `keys` on every slot; a replica failing is taken out (its replacement loads
+        them), a ValueError (the weights themselves are bad) is the caller's."""
+        calls = []
+        for s in slots:
+            for key in keys:
+                path, lora = self._versions[key]
+                calls.append((s, key, s.replica.call("load_file", key, path, lora)))
+        loaded_somewhere = not slots
+        for s, key, fut in calls:
+            try:
+                fut.result()
+            except ValueError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - that replica's fault: replace it
+                self._take_out(s, f"loading weights failed: {exc}")
+                continue
+            loaded_somewhere = True
+            with self._lock:
+                s.loaded.add(key)
+        if not loaded_somewhere:
+            raise ReplicaFailed("no sampler replica could load the weights (all failed; replacements are starting)")
+
+    def _forget(self, keys: list[int]) -> None:
+        with self._lock:
+            paths = [self._versions.pop(k)[0] for k in keys if k in self._versions]
+            up = [s for s in self._slots if s.up]
+            for s in self._slots:
+                s.loaded.difference_update(keys)
+        for s in up:
+            s.replica.call("drop", keys)
+        for p in paths:
+            try:
+                os.remove(p)
+            except OSError:
+                pass
+
+    def _drain_released(self) -> None:
+        keys = []
+        while True:
+            try:
+                keys.append(self._released.get_nowait())
+            except queue.Empty:
+                break
+        if keys:
+            self._forget(keys)
+
+    # ------------------------------------------------------------------ replicas
+    def _load_tokenizer(self) -> None:
+        """The tokenizer, for callers that decode what they sampled (the replicas have their own)."""
+        from ember.models import load_tokenizer
+
+        try:
+            self.tokenizer = load_tokenizer(self.model_dir)
+        except (OSError, ValueError):
+            self.tokenizer = None
+
+    def _start_all(self) -> None:
+        errors: list[BaseException] = []
+
+        def up(slot: _Slot) -> None:
+            try:
+                self._bring_up(slot)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=up, args=(s,)) for s in self._slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.close()
+            raise errors[0]
+
+    def _bring_up(self, slot: _Slot) -> None:
+        """Start a replica in `slot`, load every live version, put it in the ring."""
+        cfg = host_config(self.config, slot.index)
+        replica = self._replica_cls.start(slot.index, self.model_dir, cfg, self._scratch)
+        try:
+            info = replica.call("info").result(self.config.engine_start_timeout_s)
+            slot.replica, slot.loaded = replica, set()
+            while True:
+                with self._lock:
+                    missing = sorted(set(self._versions) - slot.loaded)
+                    if not missing:
+                        if self._closed:
+                            raise RuntimeError("the sampler pool was closed while a replica started")
+                        self._info = self._info or info
+                        slot.up, slot.ping = True, None
+                        self._router.add(slot.index)
+                        break
+                self._load_missing(slot, missing)
+        except BaseException:
+            replica.kill()
+            raise
+        log.info("sampler replica %d up (pid %s, %s on %s)", slot.index, info.pid, info.backend, info.device)
+
+    def _load_missing(self, slot: _Slot, keys: list[int]) -> None:
+        for key in keys:
+            with self._lock:
+                entry = self._versions.get(key)
+            if entry is None:
+                continue  # released meanwhile
+            try:
+                slot.replica.call("load_file", key, *entry).result()
+            except (ValueError, RuntimeError):
+                with self._lock:
+                    if key in self._versions:
+                        raise
+                continue  # its file was deleted while we loaded it: nothing to serve
+            with self._lock:
+                slot.loaded.add(key)
+
+    def _take_out(self, slot: _Slot, reason: str) -> None:
+        with self._lock:
+            if not slot.up:
+                return
+            slot.up = False
+            moved = self._router.remove(slot.index)
+            replica = slot.replica
+        log.warning("sampler replica %d taken out of the pool (%s); %d session(s) move; starting a replacement",
+                    slot.index, reason, len(moved))
+        replica.kill()  # its in-flight requests fail now (ReplicaFailed: category server)
+        threading.Thread(target=self._replace, args=(slot,), name=f"ember-pool-replace-{slot.index}",
+                         daemon=True).start()
+
+    def _replace(self, slot: _Slot) -> None:
+        for attempt in itertools.count():
+            if self._closed:
+                return
+            try:
+                self._bring_up(slot)
+                with self._lock:
+                    slot.restarts += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - retried with back-off: the pool must heal
+                delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
+                log.error("sampler replica %d could not be replaced (%s); retrying in %.0f s", slot.index, exc, delay)
+                time.sleep(delay)
+
+    def _watch(self) -> None:
+        """The monitor: releases dropped versions, pings replicas, takes out the silent ones."""
+        interval = max(0.1, min(2.0, self.config.replica_timeout_s / 4))
+        while not self._closed:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._closed:
+                return
+            self._drain_released()
+            for slot in list(self._slots):
+                reason = self._check(slot)
+                if reason:
+                    self._take_out(slot, reason)
+
+    def _check(self, slot: _Slot) -> str | None:
+        """Why `slot`'s replica must go, or None (sends its next ping when the last was answered)."""
+        with self._lock:
+            if not slot.up:
+                return None
+            replica, ping, sent = slot.replica, slot.ping, slot.ping_sent
+        if not replica.alive():
+            return "its process exited"
+        now = time.monotonic()
+        if ping is not None and not ping.done():
+            silent = now - sent
+            return f"no answer for {silent:.1f} s" if silent > self.config.replica_timeout_s else None
+        if ping is not None and ping.exception() is not None:
+            return f"ping failed: {ping.exception()}"
+        with self._lock:
+            slot.ping, slot.ping_sent = replica.call("ping"), now
+        return None
+
+
+def _close_at_exit(ref) -> None:
+    pool = ref()
+    if pool is not None:
+        pool.close()
