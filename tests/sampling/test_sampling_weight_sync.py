@@ -259,3 +259,60 @@ def test_a_dead_receiver_is_dropped_without_hanging_the_sender(sender, replica):
     report = sender.send([("w", torch.randn(1000))], "to-the-dead")
     assert report.delivered == [] and "replica" in report.dropped, report
     assert sender.receivers == []
+
+
+# ---------------------------------------------------------------------- a pool in memory mode
+def _matches_forward(engine, prompts_and_responses) -> float:
+    datums, cuts, expected = [], [], []
+    for p, resp in prompts_and_responses:
+        for seq in resp.sequences:
+            datums.append(sft_datum(p + seq.tokens))
+            cuts.append(len(p) - 1)
+            expected.append(np.asarray(seq.logprobs))
+    outs = engine.forward(datums, "cross_entropy").loss_fn_outputs
+    return max(float(np.abs(o["logprobs"].to_numpy()[c:] - w).max()) for o, c, w in zip(outs, cuts, expected))
+
+
+def _pool_round(pool, version, sessions):
+    from ember.sampling import SamplingRequest
+
+    requests = [SamplingRequest(prompt=types.ModelInput.from_ints(PROMPTS[i % 2]), num_samples=1, version=version,
+                                sampling_params=types.SamplingParams(max_tokens=5, seed=i, stop=[]), session=s)
+                for i, s in enumerate(sessions)]
+    return [(PROMPTS[i % 2], f.result(TIMEOUT_S)) for i, f in enumerate(pool.submit_many(requests))]
+
+
+@pytest.mark.slow
+def test_a_pool_in_memory_mode_writes_no_file_and_a_replacement_gets_the_live_versions(tiny_model_dir, tmp_path):
+    """SamplerPool with weight_sync="memory": the version reaches both replicas over their
+    channels (no file under the pool's scratch directory), samples from each replica match
+    the trainer's forward (1e-4), and after a replica is killed its replacement is synced
+    the live version in memory and serves it."""
+    import time
+
+    from ember.sampling import SamplerConfig
+    from ember.sampling.pool import SamplerPool
+
+    engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig())
+    engine.forward_backward(random_sft_datums(4, 84, seed=1), "cross_entropy")
+    engine.optim_step(types.AdamParams(learning_rate=2e-2))
+    cfg = SamplerConfig(replicas=2, weight_sync="memory", device="cpu", dtype="float32", max_slots=8,
+                        replica_timeout_s=60.0)
+    pool = SamplerPool(tiny_model_dir, cfg, scratch_dir=tmp_path)
+    try:
+        version = pool.load_weights(engine.named_weights())
+        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        sessions = [f"session-{i}" for i in range(12)]
+        assert _matches_forward(engine, _pool_round(pool, version, sessions)) < 1e-4
+        assert all(s["requests_total"] > 0 for s in pool.replica_stats())  # both replicas served
+        os.kill(pool.replica_pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 2 * TIMEOUT_S
+        while not (pool.replica_stats()[0]["restarts"] == 1 and pool.replica_stats()[0]["up"]):
+            assert time.monotonic() < deadline, pool.replica_stats()
+            time.sleep(0.5)
+        before = pool.replica_stats()[0]["requests_total"]
+        assert _matches_forward(engine, _pool_round(pool, version, sessions)) < 1e-4
+        assert pool.replica_stats()[0]["requests_total"] > before  # the replacement served the version
+        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    finally:
+        pool.close()

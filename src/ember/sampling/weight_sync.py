@@ -399,14 +399,15 @@ class WeightSender:
             self._channels.pop(receiver_id, None)  # its group and store go with the last reference
 
     def send(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str | None = None,
-             lora_rank: int | None = None) -> SyncReport:
+             lora_rank: int | None = None, only: Iterable[str] | None = None) -> SyncReport:
+        """Push one version to every receiver (or those named in `only`)."""
         start = time.monotonic()
         named = distinct_tensors(named_weights)
         if version is None:
             self._version += 1
             version = str(self._version)
         with self._lock:
-            targets = dict(self._channels)
+            targets = {rid: p for rid, p in self._channels.items() if only is None or rid in set(only)}
         runs = {rid: _in_thread(self._send_one, p, named, version, lora_rank) for rid, p in targets.items()}
         delivered, dropped, refused = [], {}, []
         deadline = start + 2 * self.timeout_s + 5  # the rendezvous plus the transfer, each bounded
@@ -535,3 +536,80 @@ def sampler_check(sampler) -> Callable[[SyncHeader], None] | None:
             build_lora_version(-1, model, items, types.LoraConfig(rank=header.lora_rank), meta, torch.float32, False)
 
     return check
+
+
+# ---------------------------------------------------------------------- a pool's replicas
+class ReplicaSync:
+    """A `SamplerPool`'s memory mode: one channel per replica slot, the live versions' tensors
+    kept in this (the trainer's) process so that a replacement replica can be synced too.
+
+    The pool calls `attach` when a replica starts, `push` to load a version on some of its
+    replicas (each receives through the `ReplicaHost.receive_weights` op), `forget` when a
+    version's last handle is gone, and `detach` when a replica is taken out. `push` returns
+    within about `timeout_s` whatever the replicas do; the failed ones are returned so the
+    pool takes them out (a sync never blocks training).
+    """
+
+    def __init__(self, host: str, timeout_s: float, backend: str = "gloo") -> None:
+        self.sender = WeightSender(host, backend, timeout_s)
+        self.timeout_s = timeout_s
+        self._versions: dict[int, tuple[list[tuple[str, torch.Tensor]], int | None]] = {}
+        self._lock = threading.Lock()
+        self._pushing = threading.Lock()
+
+    def keep(self, key: int, named_weights: Iterable[tuple[str, torch.Tensor]], lora_rank: int | None) -> None:
+        named = distinct_tensors((n, t.detach()) for n, t in named_weights)
+        with self._lock:
+            self._versions[key] = (named, lora_rank)
+
+    def forget(self, keys: Iterable[int]) -> None:
+        with self._lock:
+            for key in keys:
+                self._versions.pop(key, None)
+
+    def attach(self, index: int, replica) -> None:
+        """Open slot `index`'s channel and have its (new) replica join it."""
+        self.detach(index)
+        replica.call("join_weight_sync", self.sender.open(_rid(index)))  # a failed join fails the next push
+
+    def detach(self, index: int) -> None:
+        self.sender.drop(_rid(index))
+
+    def push(self, replicas: dict[int, object], key: int) -> tuple[list[int], dict[int, str]]:
+        """Send version `key` to `replicas` (slot index -> Replica); (slots that loaded it,
+        {slot: why it failed}). A refusal raises `WeightSyncRefused` (the weights' fault)."""
+        with self._lock:
+            named, lora_rank = self._versions[key]
+        with self._pushing:  # one push at a time: a replica's receives then meet the sends in order
+            calls = {i: r.call("receive_weights") for i, r in replicas.items()}
+            report = self.sender.send(named, str(key), lora_rank, only=[_rid(i) for i in replicas])
+        failed = {int(rid.rsplit("-", 1)[1]): why for rid, why in report.dropped.items()}
+        loaded = []
+        for i, fut in calls.items():
+            if i in failed:
+                continue
+            try:
+                fut.result(self.timeout_s)
+                loaded.append(i)
+            except Exception as exc:  # noqa: BLE001 - that replica's fault: the pool replaces it
+                failed[i] = f"{type(exc).__name__}: {exc}"
+        return loaded, failed
+
+    def close(self) -> None:
+        self.sender.close()
+        with self._lock:
+            self._versions.clear()
+
+
+def _rid(index: int) -> str:
+    return f"replica-{index}"
+
+
+def sync_host(placement: str) -> str:
+    """The address replicas reach the trainer's channels on: loopback for local replicas,
+    this node's IP on a Ray cluster (the replicas may be on other nodes)."""
+    if placement == "ray":
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
