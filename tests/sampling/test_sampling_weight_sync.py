@@ -316,3 +316,73 @@ def test_a_pool_in_memory_mode_writes_no_file_and_a_replacement_gets_the_live_ve
         assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
     finally:
         pool.close()
+
+
+# ---------------------------------------------------------------------- vLLM's own weight-transfer API
+@pytest.mark.slow
+def test_vllm_cpu_receives_weights_in_memory_through_its_weight_transfer_engine(tiny_vllm_model_dir, monkeypatch):
+    """vLLM (CPU) started with `weight_transfer_config=ember_gloo` (registered in its engine
+    core through `worker_extension_cls`) joins a channel with `init_weight_transfer_engine`
+    and takes a trained engine's weights with `start_weight_update` / `update_weights` /
+    `finish_weight_update`; its logprob of the next token then equals the trainer's forward
+    (1e-4) and differs from the base model's."""
+    import asyncio
+    import threading
+
+    from ember.sampling.registry import backend_missing
+
+    if backend_missing("vllm"):
+        pytest.skip(reason=backend_missing("vllm"))
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from ember.sampling import SamplerConfig
+    from ember.sampling.vllm_sampler import engine_kwargs
+    from ember.sampling.vllm_weight_engine import ENGINE_NAME, WORKER_EXTENSION
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine = TorchEngine.from_pretrained(tiny_vllm_model_dir, EngineConfig())
+    engine.forward_backward(random_sft_datums(4, 84, seed=2), "cross_entropy")
+    engine.optim_step(types.AdamParams(learning_rate=5e-2))
+    prompt = PROMPTS[0]
+    kwargs = engine_kwargs(tiny_vllm_model_dir, SamplerConfig(backend="vllm", device="cpu", dtype="float32",
+                                                              max_slots=4), 128)
+    args = AsyncEngineArgs(**kwargs, gpu_memory_utilization=0.2, worker_extension_cls=WORKER_EXTENSION,
+                           weight_transfer_config=WeightTransferConfig(backend=ENGINE_NAME))
+
+    async def next_token_logprob(llm, tag):
+        params = SamplingParams(max_tokens=1, logprobs=0, temperature=1.0, seed=1)
+        async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id=tag):
+            final = out
+        token, = final.outputs[0].logprobs[0]
+        return token, final.outputs[0].logprobs[0][token].logprob
+
+    async def run():
+        llm = AsyncLLM.from_engine_args(args)
+        sender = ws.WeightSender(timeout_s=TIMEOUT_S)
+        try:
+            address = sender.open("vllm")
+            init = dict(host=address.host, port=address.port, timeout_s=TIMEOUT_S)
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init))
+            base = await next_token_logprob(llm, "base")
+            await llm.start_weight_update()
+            reports = []
+            push = threading.Thread(target=lambda: reports.append(sender.send(engine.named_weights(), "v1")))
+            push.start()
+            await llm.update_weights(WeightTransferUpdateRequest(update_info={"version": "v1"}))
+            await llm.finish_weight_update()
+            push.join(TIMEOUT_S)
+            await llm.reset_prefix_cache()
+            return base, await next_token_logprob(llm, "synced"), reports
+        finally:
+            llm.shutdown()
+
+    (base_token, base_lp), (token, logprob), reports = asyncio.run(run())
+    assert reports and reports[0].delivered == ["vllm"], reports
+    want = engine.forward([sft_datum(prompt + [token])], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()[-1]
+    assert abs(logprob - float(want)) < 1e-4, (logprob, float(want))
+    base = TorchEngine.from_pretrained(tiny_vllm_model_dir, EngineConfig())
+    untrained = base.forward([sft_datum(prompt + [token])], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert abs(float(untrained[-1]) - float(want)) > 1e-3  # the trained weights differ: the check is not vacuous
