@@ -386,3 +386,50 @@ def test_vllm_cpu_receives_weights_in_memory_through_its_weight_transfer_engine(
     base = TorchEngine.from_pretrained(tiny_vllm_model_dir, EngineConfig())
     untrained = base.forward([sft_datum(prompt + [token])], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
     assert abs(float(untrained[-1]) - float(want)) > 1e-3  # the trained weights differ: the check is not vacuous
+
+
+# ---------------------------------------------------------------------- CUDA (GPU-marked)
+def _open_ipc(conn) -> None:
+    handles = conn.recv()
+    named = ws.open_cuda_ipc_handles(handles)
+    conn.send([(n, t.cpu()) for n, t in named])
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_handles_give_the_tensors_to_a_colocated_process():
+    named = [("a", torch.randn(64, 32, device="cuda")), ("b", torch.arange(10, device="cuda"))]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_open_ipc, args=(child,), daemon=True)
+    proc.start()
+    parent.send(ws.cuda_ipc_handles(named))
+    assert parent.poll(TIMEOUT_S)
+    got = dict(parent.recv())
+    proc.join(30)
+    for name, t in named:
+        assert torch.equal(got[name], t.cpu()), name
+
+
+def _nccl_receiver(address, conn) -> None:
+    torch.cuda.set_device(1)
+    _, named = ws.receive_version(ws.join_channel(address))
+    conn.send([(n, t.cpu()) for n, t in named])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: this machine has fewer than 2")
+def test_nccl_channel_moves_tensors_between_gpus():
+    torch.cuda.set_device(0)
+    address, connect = ws.open_channel(backend="nccl", timeout_s=TIMEOUT_S)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_nccl_receiver, args=(address, child), daemon=True)
+    proc.start()
+    channel = connect()
+    named = [("w", torch.randn(1000, 100, device="cuda")), ("n", torch.randn(7, device="cuda"))]
+    ws.send_version(channel, named, "1", None, bucket_bytes=4096)
+    assert parent.poll(TIMEOUT_S)
+    got = dict(parent.recv())
+    proc.join(30)
+    for name, t in named:
+        assert torch.equal(got[name], t.cpu()), name
