@@ -1,7 +1,7 @@
 """Weights in memory: the seam between the trainer and sampler replicas in other processes.
 
 `SamplerConfig.weight_sync` chooses how a new weight version reaches a sampler that runs
-in another process (docs/architecture.md, "Sampling"):
+in another process (docs/architecture.md, "The weight path: trainer to sampler"):
 
 * `"files"` (default): today's path: the version is written as safetensors (or a peft
   adapter directory) and read back by the sampler.
