@@ -44,9 +44,11 @@ $(COOKBOOK_STAMP): $(STAMP)
 	touch $(COOKBOOK_STAMP)
 
 # Two pytest-xdist workers (one per core of the CI machine), a test file per worker at a
-# time: a file's module-scoped servers and models are made once. `make test JOBS=0` runs serially.
+# time: a file's module-scoped servers and models are made once. Files go out in collection
+# order (--no-loadscope-reorder), which tests/conftest.py's HEAVY_FIRST starts with the
+# longest files. `make test JOBS=0` runs serially.
 JOBS ?= 2
-PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile)
+PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
 	$(PYTEST) tests

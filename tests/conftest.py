@@ -21,7 +21,32 @@ import torch
 torch.set_num_threads(1)
 
 
+# The files that each hold an xdist worker for minutes under `make test` (a server and
+# several recipe subprocesses, or a vLLM engine and a training run). They are scheduled
+# first (the Makefile passes --no-loadscope-reorder, so xdist keeps this order instead of
+# ordering files by their number of tests, which put the cookbook's 7 long tests last) and
+# the many short files fill in behind them: no worker ends the run alone on one of them.
+HEAVY_FIRST = (
+    "tests/recipes/test_recipes_cookbook.py",
+    "tests/recipes/test_recipes_vllm.py",
+    "tests/recipes/test_recipes_demo.py",
+    "tests/server/test_server_fuzz.py",
+    "tests/recipes/test_recipes_ppo.py",
+    "tests/recipes/test_recipes_grpo_kl.py",
+    "tests/recipes/test_recipes_serve.py",
+    "tests/recipes/test_recipes_grpo_resume.py",
+    "tests/engine/test_engine_estimate.py",
+)
+
+
+def heavy_first(items) -> None:
+    """Reorder `items` in place: HEAVY_FIRST's files in that order, then the rest as collected."""
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
+
+
 def pytest_collection_modifyitems(config, items):
+    heavy_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CPU-only CI)")
@@ -89,3 +114,17 @@ def database_url(request, tmp_path_factory):
     name = f"t_{uuid.uuid4().hex[:16]}"
     yield server.create_database(name)
     server.drop_database(name)
+
+
+# ---------------------------------------------------------------- two hosts
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two network namespaces joined by a veth pair, a Ray node in each (helpers.netns);
+    always torn down, pass or fail. Skips, saying why, where namespaces cannot be made."""
+    from helpers.netns import TwoHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason=reason)
+    with TwoHosts.start() as hosts:
+        yield hosts

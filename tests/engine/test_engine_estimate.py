@@ -16,6 +16,7 @@ from ember.engine import EngineConfig
 from ember.engine.estimate import MemoryEstimate, check_fits, estimate_memory
 from ember.engine.parallel import ParallelismConfig
 from ember.models.testing import tiny_config
+from helpers.cli import run_cli
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600,
@@ -40,6 +41,7 @@ def qwen3_32b_dir(tmp_path_factory):
 
 
 def ember(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`ember ...` in a fresh process (for what only a process shows: its CPU time, its exit)."""
     return subprocess.run([sys.executable, "-m", "ember.cli", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -65,7 +67,7 @@ def test_ember_estimate_qwen3_32b_from_config_json_only(qwen3_32b_dir):
 
 
 def test_table_output_names_every_part(qwen3_32b_dir):
-    r = ember("estimate", "--model", str(qwen3_32b_dir), "--tokens", "4096", "--engine.dtype", "bfloat16")
+    r = run_cli("estimate", "--model", str(qwen3_32b_dir), "--tokens", "4096", "--engine.dtype", "bfloat16")
     assert r.returncode == 0, r.stderr
     for part in ("parameters", "gradients", "optimizer state", "activations", "output head", "peak"):
         assert part in r.stdout
@@ -94,12 +96,12 @@ def test_layouts_divide_what_they_shard(qwen3_32b_dir):
     (["--tokens", "8", "--engine.logprob_chunk_tokens", "-3"], "logprob_chunk_tokens"),
 ])
 def test_bad_input_is_a_clear_error(qwen3_32b_dir, args, message):
-    r = ember("estimate", "--model", str(qwen3_32b_dir), *args)
+    r = run_cli("estimate", "--model", str(qwen3_32b_dir), *args)
     assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr[-500:])
 
 
 def test_missing_config_json_is_named(tmp_path):
-    r = ember("estimate", "--model", str(tmp_path), "--tokens", "8")
+    r = run_cli("estimate", "--model", str(tmp_path), "--tokens", "8")
     assert r.returncode == 2 and "has no config.json" in r.stderr
 
 

@@ -128,3 +128,10 @@ class FailingFactory:
         if ctx.rank == self.rank:
             raise ValueError(f"rank {self.rank} cannot build this object")
         return Counter(ctx)
+
+
+def node_ip(_obj: Any) -> str:
+    """The Ray node address this rank runs on (the two-host tests check placement)."""
+    import ray
+
+    return ray.util.get_node_ip_address()

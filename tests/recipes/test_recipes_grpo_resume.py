@@ -78,7 +78,8 @@ def assert_same_steps(resumed: dict, uninterrupted: dict) -> None:
 
 @pytest.mark.parametrize("overrides", [
     pytest.param(dict(kl_coef=0.5), id="on-policy-kl"),
-    pytest.param(dict(kl_coef=0.5, max_staleness=1, loss_fn="ppo"), id="async-kl-ppo"),
+    # `make test-fast` runs the on-policy variant; the async one (and the HTTP test below) is slow
+    pytest.param(dict(kl_coef=0.5, max_staleness=1, loss_fn="ppo"), id="async-kl-ppo", marks=pytest.mark.slow),
 ])
 def test_killed_and_resumed_equals_uninterrupted(digit_model_dir, tmp_path, overrides):
     data_dir = tmp_path / "ember"  # one service's data, as one machine's disk
@@ -104,6 +105,7 @@ def test_killed_and_resumed_equals_uninterrupted(digit_model_dir, tmp_path, over
     assert [uninterrupted[s]["grpo/staleness"] for s in range(6)] == want_staleness
 
 
+@pytest.mark.slow  # an `ember serve` start and three runs over HTTP: most of the file's time
 def test_killed_and_resumed_over_http(ember_server, tmp_path):
     """The same through the official SDK against `ember serve`: what a checkpoint holds is all the
     SDK offers (save_state, create_training_client_from_state_with_optimizer, sampler paths)."""

@@ -2,8 +2,10 @@
 plain HF model of the same weights for full-forward references.
 
 `sampler` runs every test that takes it on each backend: TorchSampler with both forward
-implementations and VLLMSampler (one vLLM engine for the whole session: it takes
-20-50 s to start). A test that cannot hold for a backend says why with `not_on`."""
+implementations, VLLMSampler (one vLLM engine for the whole session: it takes
+20-50 s to start) and a `SamplerPool` of two local TorchSampler replicas ("pool": the
+same semantics must hold whichever replica serves a request). A test that cannot hold
+for a backend says why with `not_on`."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def tiny_model_dir(tiny_vllm_model_dir):
     return tiny_vllm_model_dir
 
 
-BACKENDS = ["direct", "transformers", "vllm"]  # TorchSampler's two forwards, then vLLM
+BACKENDS = ["direct", "transformers", "vllm", "pool"]  # TorchSampler's two forwards, vLLM, a 2-replica pool
 
 
 def backend_param(backend: str, *marks):
@@ -36,11 +38,27 @@ def vllm_missing() -> str | None:
     return backend_missing("vllm")
 
 
-def not_on(backend: str, reason: str):
-    """Run a `sampler` test on every backend but `backend`, which is skipped with `reason`."""
-    values = [backend_param(b, pytest.mark.skip(reason=f"{backend}: {reason}")) if b == backend else backend_param(b)
+def not_on(backend: str, reason: str, *more: tuple[str, str]):
+    """Run a `sampler` test on every backend but `backend`, which is skipped with `reason`
+    (and each further (backend, reason) pair)."""
+    skips = dict([(backend, reason), *more])
+    values = [backend_param(b, pytest.mark.skip(reason=f"{b}: {skips[b]}")) if b in skips else backend_param(b)
               for b in BACKENDS]
     return pytest.mark.parametrize("sampler", values, indirect=True)
+
+
+# replica_timeout_s: test_sampling_pool.py silences a replica and waits this out.
+POOL_CONFIG = dict(replicas=2, max_slots=16, max_len=256, forward="direct", replica_timeout_s=20.0, max_imbalance=64)
+
+
+@pytest.fixture(scope="session")
+def pool_sampler(tiny_model_dir):
+    """The session's SamplerPool: two TorchSampler replica processes (fp32 CPU)."""
+    from ember.sampling.pool import SamplerPool
+
+    s = SamplerPool(tiny_model_dir, SamplerConfig(**POOL_CONFIG))
+    yield s
+    s.close()
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +78,8 @@ def vllm_sampler(tiny_model_dir):
 @pytest.fixture(scope="session", params=[backend_param(b) for b in BACKENDS])
 def sampler(tiny_model_dir, request):
     """Every test that takes it runs on each backend (see BACKENDS)."""
-    if request.param == "vllm":
-        yield request.getfixturevalue("vllm_sampler")
+    if request.param in ("vllm", "pool"):
+        yield request.getfixturevalue(f"{request.param}_sampler")
         return
     s = TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16, max_len=256, forward=request.param))
     yield s

@@ -58,7 +58,7 @@ def _run(scheduler) -> int:
 
 
 def test_enqueue_and_step_serve_every_request_as_the_sampler_does(small_sampler, expected):
-    scheduler = small_sampler._scheduler
+    scheduler = small_sampler.scheduler
     jobs = _jobs(small_sampler, _requests())
     scheduler.enqueue(jobs)
     steps = _run(scheduler)
@@ -75,7 +75,7 @@ def test_enqueue_and_step_serve_every_request_as_the_sampler_does(small_sampler,
 
 
 def test_fail_in_flight_fails_the_slot_holders_and_the_rest_are_served(small_sampler, expected):
-    scheduler = small_sampler._scheduler
+    scheduler = small_sampler.scheduler
     first, second, third = _jobs(small_sampler, _requests())
     scheduler.enqueue([first, second, third])
     _step(scheduler)  # the first request's two samples take both slots
@@ -90,7 +90,7 @@ def test_fail_in_flight_fails_the_slot_holders_and_the_rest_are_served(small_sam
 
 
 def test_fail_everything_fails_waiting_and_in_flight_requests(small_sampler):
-    scheduler = small_sampler._scheduler
+    scheduler = small_sampler.scheduler
     jobs = _jobs(small_sampler, _requests())
     scheduler.enqueue(jobs)
     _step(scheduler)

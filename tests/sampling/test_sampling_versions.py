@@ -23,12 +23,12 @@ PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14], [30, 31]]
 ADAM = types.AdamParams(learning_rate=2e-2)
 
 
-@pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.slow)])  # vLLM: see backend_param
+@pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.slow), "pool"])  # vLLM: see backend_param
 def versioned(request, tiny_model_dir):
-    """A sampler of each backend (vLLM: the session's engine, whose start-up is too slow
-    to repeat per test)."""
-    if request.param == "vllm":
-        yield request.getfixturevalue("vllm_sampler")
+    """A sampler of each backend (vLLM and the 2-replica pool: the session's, whose
+    start-up is too slow to repeat per test)."""
+    if request.param in ("vllm", "pool"):
+        yield request.getfixturevalue(f"{request.param}_sampler")
         return
     with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16)) as s:
         yield s
@@ -36,7 +36,7 @@ def versioned(request, tiny_model_dir):
 
 def _storage_gone(version):
     """A check that a version's storage was freed: its tensors (TorchSampler) or its
-    files (VLLMSampler)."""
+    files (VLLMSampler, SamplerPool)."""
     if hasattr(version, "params"):
         ref = weakref.ref(next(iter(version.params.values())))
         return lambda: ref() is None

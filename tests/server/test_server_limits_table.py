@@ -4,8 +4,6 @@ is that output, every `Limits` field is in it with its doc, and max_lora_rank is
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 from ember.config import field_docs
@@ -13,6 +11,7 @@ from ember.sampling.config import MAX_LORA_RANK, SamplerConfig
 from ember.server.limits_table import limit_rows, markdown, readme_table
 from ember.service.config import ServiceConfig
 from ember.service.limits import Limits
+from helpers.cli import run_cli
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -33,8 +32,7 @@ def test_every_limits_field_is_in_the_table_with_its_doc():
 
 
 def test_ember_limits_prints_the_table():
-    out = subprocess.run([sys.executable, "-m", "ember.cli", "limits", "--markdown"], capture_output=True,
-                         text=True, timeout=120)
+    out = run_cli("limits", "--markdown")
     assert out.returncode == 0 and out.stdout == markdown(), out.stderr
 
 

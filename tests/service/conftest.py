@@ -12,9 +12,9 @@ from ember.service import Service, ServiceConfig
 def make_service(tmp_path, tiny_model_dir):
     services = []
 
-    def make(data_dir=None, **overrides) -> Service:
+    def make(data_dir=None, clock=None, **overrides) -> Service:
         cfg = ServiceConfig(data_dir=data_dir or tmp_path / "data", models={"tiny": str(tiny_model_dir)}, **overrides)
-        svc = Service(cfg)
+        svc = Service(cfg, clock=clock)
         services.append(svc)
         return svc
 

@@ -13,7 +13,6 @@ from tinker import types
 
 from helpers.datums import random_sft_datums
 from ember.service import NotFoundError, UserError
-from ember.service.store import CheckpointRow
 
 from .conftest import new_run, result, wait
 
@@ -105,7 +104,7 @@ def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service, database
     assert abs((listed[short].expires_at - listed[short].time).total_seconds() - 1) < 0.05
     sampler_id = svc.create_sampling_session("alice", sid, 0, model_path=short).sampling_session_id
     svc.set_checkpoint_public("alice", *_ids(short), True)
-    directory = Path(svc.store.get(CheckpointRow, short).directory)
+    directory = Path(svc.checkpoints.row(short).directory)
     time.sleep(1.1)
     # Expired, not yet swept: files still there, but every call answers 404 (user).
     assert directory.is_dir()
@@ -129,7 +128,7 @@ def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service, database
     assert result(svc, "alice", svc.save_weights("alice", mid, 7, "short", ttl_seconds=1)).path == short
     time.sleep(1.1)
     assert svc.sweep_expired_checkpoints() == 1
-    assert svc.store.get(CheckpointRow, short) is None and not directory.exists()
+    assert svc.checkpoints.row(short) is None and not directory.exists()
     assert not any(Path(svc.config.data_dir, "checkpoints").rglob("short*"))
     assert [c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints] == [state, state.replace(
         "/weights/st", "/sampler_weights/sw")]
@@ -194,11 +193,11 @@ def test_the_housekeeping_thread_sweeps_at_its_interval_and_state_survives_a_res
     svc.set_checkpoint_public("alice", *_ids(state), True)
     svc.set_checkpoint_ttl("alice", *_ids(sampler), 3600)
     short = result(svc, "alice", svc.save_weights("alice", mid, 5, "short", ttl_seconds=1)).path
-    directory = Path(svc.store.get(CheckpointRow, short).directory)
+    directory = Path(svc.checkpoints.row(short).directory)
     deadline = time.monotonic() + 10
     while directory.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not directory.exists() and svc.store.get(CheckpointRow, short) is None
+    assert not directory.exists() and svc.checkpoints.row(short) is None
     before = {c.tinker_path: (c.public, c.expires_at) for c in svc.list_user_checkpoints("alice").checkpoints}
     svc.close()
     again = make_service(data_dir=data, database_url=database_url)

@@ -186,12 +186,12 @@ def test_saves_write_fresh_directories_and_every_use_goes_through_the_row(make_s
     svc = make_service()
     _, mid = new_run(svc, "alice")
     path = result(svc, "alice", svc.save_weights("alice", mid, 1, "ck")).path
-    first = svc.store.get(CheckpointRow, path).directory
+    first = svc.checkpoints.row(path).directory
     segment = Path(first).parent
     assert Path(first).name.startswith("ck.") and len(Path(first).name) == len("ck.") + 8
     lp = _probe_lp(svc, "alice", mid, 2)
     result(svc, "alice", svc.save_weights("alice", mid, 3, "ck", overwrite=True))
-    second = svc.store.get(CheckpointRow, path).directory
+    second = svc.checkpoints.row(path).directory
     assert second != first and [p.name for p in segment.iterdir()] == [Path(second).name]
     # A row of the old layout (directory == <name>) keeps working: load, overwrite, delete.
     old = segment / "ck"
@@ -203,13 +203,12 @@ def test_saves_write_fresh_directories_and_every_use_goes_through_the_row(make_s
     result(svc, "alice", svc.save_weights("alice", mid, 4, "ck", overwrite=True))
     assert not old.exists() and len(list(segment.iterdir())) == 1
     svc.delete_checkpoint("alice", mid, "weights/ck")
-    assert list(segment.iterdir()) == [] and svc.store.get(CheckpointRow, path) is None
+    assert list(segment.iterdir()) == [] and svc.checkpoints.row(path) is None
 
 
 @pytest.mark.parametrize("point", ["checkpoint.before_write", "checkpoint.after_write", "checkpoint.after_commit"])
 def test_a_failed_save_leaves_rows_naming_complete_directories_after_restart(make_service, tmp_path, point):
     from ember import failpoints
-    from ember.service.store import CheckpointRow
 
     svc = make_service()
     _, mid = new_run(svc, "alice")
@@ -221,11 +220,11 @@ def test_a_failed_save_leaves_rows_naming_complete_directories_after_restart(mak
             assert state.status == "failed" and f"fail point {point}" in state.error
     finally:
         failpoints.disarm()
-    segment = Path(svc.store.get(CheckpointRow, path).directory).parent
+    segment = Path(svc.checkpoints.row(path).directory).parent
     assert len(list(segment.iterdir())) == (1 if point == "checkpoint.before_write" else 3)  # leftovers
     svc.close()
     svc = make_service()  # the same data directory: the start-up sweep runs
-    rows = [svc.store.get(CheckpointRow, p) for p in (path, path.replace("/ck", "/new"))]
+    rows = [svc.checkpoints.row(p) for p in (path, path.replace("/ck", "/new"))]
     dirs = {r.directory for r in rows if r is not None}
     assert (rows[1] is not None) == (point == "checkpoint.after_commit")
     assert {str(p) for p in segment.iterdir()} == dirs

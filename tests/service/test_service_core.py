@@ -152,11 +152,13 @@ def test_visibility_is_by_owner(make_service):
 
 
 def test_sessions_heartbeat_finish_and_expiry(make_service):
-    svc = make_service(session_timeout_s=0.5)
+    # A manual clock: the session is silent for 0.7 s of its time however slow the machine is.
+    now = [1_000_000.0]
+    svc = make_service(session_timeout_s=0.5, clock=lambda: now[0])
     sid, mid = new_run(svc)
     svc.heartbeat("alice", sid)
     assert svc.get_session("alice", sid).training_run_ids == [mid]
-    time.sleep(0.7)
+    now[0] += 0.7
     svc.expire_sessions()  # returns [] when the housekeeping thread expired it first; either way:
     with pytest.raises(SessionGoneError):
         svc.heartbeat("alice", sid)

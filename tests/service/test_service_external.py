@@ -11,7 +11,6 @@ import pytest
 
 from ember.service import NotFoundError
 from ember.service.external import REFUSED, LinkSigner, export_files, load_secret, resolve_file
-from ember.service.store import CheckpointRow
 
 from .conftest import new_run, result
 
@@ -24,7 +23,7 @@ def test_overwrite_and_delete_revoke_links_and_remove_files(make_service):
     svc = make_service()
     _, mid = new_run(svc, "alice")
     first = _export(svc, mid, 1)
-    assert first.size_bytes == sum(f.stat().st_size for f in Path(svc.store.get(CheckpointRow, first.path).directory)
+    assert first.size_bytes == sum(f.stat().st_size for f in Path(svc.checkpoints.row(first.path).directory)
                                    .iterdir())
     old = svc.external_weights_links("alice", mid, "external_weights/ex")
     assert svc.open_external_weights_file(old.token, "adapter_config.json").startswith(old.directory)

@@ -88,3 +88,56 @@ def test_duplicate_pending_seq_and_close(lane):
     assert late[-1] == "shutting down"
     seq.offer(1, lambda: None, late.append)
     assert "closed" in late[-1]
+
+
+def _gated(lane):
+    """Occupy `lane` until the returned event is set (owner "gate")."""
+    gate, started = threading.Event(), threading.Event()
+    lane.submit(lambda: (started.set(), gate.wait(10)), "gate")
+    assert started.wait(5)
+    return gate
+
+
+def test_lane_serves_owners_round_robin_and_one_owner_in_order(lane):
+    gate = _gated(lane)
+    done, op, finished = _recorder()
+    for i in range(5):
+        lane.submit(op(f"a{i}", 8), "alice")
+    lane.submit(op("b0", 8), "bob")
+    lane.submit(op("b1", 8), "bob")
+    lane.submit(op("c0", 8), "carol")
+    gate.set()
+    assert finished.wait(5)
+    # one turn per owner per rotation; alice's own ops keep their order
+    assert done == ["a0", "b0", "c0", "a1", "b1", "a2", "a3", "a4"]
+
+
+def test_an_owner_with_many_runs_gets_one_turn_per_rotation(lane):
+    """Each run releases one op at a time; four busy runs of one owner still delay
+    another owner's op by at most one op, not by one op per run."""
+    gate = _gated(lane)
+    done, op, finished = _recorder()
+    runs = [RunSequencer(f"a{r}", lane, gap_timeout_s=10.0, next_seq=1, owner="alice") for r in range(4)]
+    for s in (1, 2, 3):
+        for r, seq in enumerate(runs):
+            seq.offer(s, op(f"a{r}.{s}", 13), lambda reason: None)
+    RunSequencer("b", lane, gap_timeout_s=10.0, next_seq=1, owner="bob").offer(1, op("b.1", 13), lambda r: None)
+    gate.set()
+    assert finished.wait(10)
+    assert done.index("b.1") == 1
+    for r in range(4):  # every run still runs in seq_id order
+        mine = [tag for tag in done if tag.startswith(f"a{r}.")]
+        assert mine == [f"a{r}.1", f"a{r}.2", f"a{r}.3"]
+
+
+def test_closed_lane_refuses_and_drops_what_waits():
+    lane = Lane("closing")
+    gate = _gated(lane)
+    ran = []
+    lane.submit(lambda: ran.append("queued"), "alice")
+    lane.close(wait=False)
+    gate.set()
+    with pytest.raises(RuntimeError, match="closed"):
+        lane.submit(lambda: None, "alice")
+    lane.close(wait=True)
+    assert ran == []

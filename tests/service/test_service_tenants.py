@@ -126,3 +126,30 @@ def test_service_on_cuda_trains_and_samples_consistently(tmp_path, tiny_model_di
         torch.testing.assert_close(_sampler_logprobs(svc, "alice", snap.sampling_session_id, 0), lp, rtol=0, atol=1e-3)
         path = result(svc, "alice", svc.save_weights("alice", mid, 5, "gpu-ck")).path
         assert svc.list_checkpoints("alice", mid).checkpoints[0].tinker_path == path
+
+
+def test_a_shared_training_lane_serves_owners_round_robin(make_service, tmp_path):
+    """Alice keeps four LoRA runs busy on the base model's lane; Bob's one op waits for at
+    most one of hers (docs/architecture.md, trust boundaries), not one per run of hers."""
+    import sqlite3
+
+    from ember import failpoints
+
+    svc = make_service()
+    alice_runs = [new_run(svc, "alice", seed=s) for s in range(4)]
+    _, bob = new_run(svc, "bob", seed=9)
+    # Occupy the shared lane for 3 s (a fifth run being created) while everything queues.
+    failpoints.arm("run.create_engine", "sleep:3", times=1)
+    try:
+        gate = svc.create_model("alice", alice_runs[0][0], 1, "tiny", types.LoraConfig(rank=4))
+        subs = [svc.forward_backward("alice", mid, s, random_sft_datums(2, VOCAB, seed=s), "cross_entropy")
+                for s in (1, 2, 3) for _, mid in alice_runs]
+        bob_sub = svc.forward_backward("bob", bob, 1, random_sft_datums(2, VOCAB, seed=7), "cross_entropy")
+        for sub in [gate, *subs, bob_sub]:
+            result(svc, "alice" if sub is not bob_sub else "bob", sub)
+    finally:
+        failpoints.disarm()
+    with sqlite3.connect(tmp_path / "data" / "ember.db") as db:
+        finished = dict(db.execute("SELECT request_id, finished_at FROM futures"))
+    before_bob = [s for s in subs if finished[s.request_id] < finished[bob_sub.request_id]]
+    assert len(before_bob) <= 1, f"{len(before_bob)} of alice's ops ran before bob's one"

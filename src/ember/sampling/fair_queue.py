@@ -1,5 +1,7 @@
-"""`OwnerQueues`: the waiting requests of a sampler, one first-come-first-served queue per
-owner, served round robin over owners (docs/architecture.md, trust boundaries).
+"""`OwnerQueues`: waiting work, one first-come-first-served queue per owner, served round
+robin over owners (docs/architecture.md, trust boundaries). The sampler's scheduler queues
+its requests here (owner: `request.job.owner`); a training `Lane` queues its ops here
+(owner: the run's API key), so every shared queue in ember is fair the same way.
 
     queues.extend(requests)          # each joins its owner's queue (`Job.owner`)
     request = queues.head()          # the oldest request of the owner whose turn it is
@@ -8,20 +10,27 @@ owner, served round robin over owners (docs/architecture.md, trust boundaries).
 An owner that arrives joins the end of the rotation, so with k owners waiting it is served
 after at most k - 1 turns of the others, whatever their backlogs: one owner's queue
 cannot delay another owner's next request (a turn is one sample placed in a free slot).
-Only the sampler's worker thread uses it (not thread-safe).
+Not thread-safe: its user holds a lock or a single thread uses it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
 
-from ember.sampling.request_state import RequestState
+T = TypeVar("T")
 
 
-class OwnerQueues:
-    def __init__(self) -> None:
-        self._queues: OrderedDict[str, deque[RequestState]] = OrderedDict()  # rotation order: first is next
+def job_owner(request: Any) -> str:
+    """The owner of a sampler's `RequestState`."""
+    return request.job.owner
+
+
+class OwnerQueues(Generic[T]):
+    def __init__(self, owner_of: Callable[[T], str] = job_owner) -> None:
+        self._owner_of = owner_of
+        self._queues: OrderedDict[str, deque[T]] = OrderedDict()  # rotation order: first is next
         self._count = 0
 
     def __len__(self) -> int:
@@ -30,7 +39,7 @@ class OwnerQueues:
     def __bool__(self) -> bool:
         return self._count > 0
 
-    def __iter__(self) -> Iterator[RequestState]:
+    def __iter__(self) -> Iterator[T]:
         for queue in self._queues.values():
             yield from queue
 
@@ -38,12 +47,12 @@ class OwnerQueues:
         """Owners with waiting requests, in the order of their next turns."""
         return list(self._queues)
 
-    def extend(self, requests: Iterable[RequestState]) -> None:
+    def extend(self, requests: Iterable[T]) -> None:
         for request in requests:
-            self._queues.setdefault(request.job.owner, deque()).append(request)
+            self._queues.setdefault(self._owner_of(request), deque()).append(request)
             self._count += 1
 
-    def head(self) -> RequestState:
+    def head(self) -> T:
         """The oldest waiting request of the owner whose turn it is."""
         return next(iter(self._queues.values()))[0]
 
@@ -59,7 +68,7 @@ class OwnerQueues:
         else:
             del self._queues[owner]
 
-    def remove_if(self, dead: Callable[[RequestState], bool]) -> None:
+    def remove_if(self, dead: Callable[[T], bool]) -> None:
         """Drop every waiting request for which `dead(request)` holds (failed or closing)."""
         for owner in list(self._queues):
             kept = deque(request for request in self._queues[owner] if not dead(request))

@@ -150,18 +150,19 @@ def serve_replica(conn, model_dir: str, config: SamplerConfig, scratch_dir: str 
         host, failure = None, ("value" if isinstance(exc, ValueError) else "error",
                                f"the sampler replica could not start: {type(exc).__name__}: {exc}")
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-replica-ops")
-    _serve_loop(conn, host, failure, send, worker)
-    if host is not None:
+    closed = _serve_loop(conn, host, failure, send, worker)
+    if host is not None and not closed:
         host.close()
     os._exit(0)  # without waiting for the backend's non-daemon threads: the pool is gone
 
 
-def _serve_loop(conn, host, failure, send, worker) -> None:
+def _serve_loop(conn, host, failure, send, worker) -> bool:
+    """Answer calls until the pipe closes (False) or the pool sends `close` (True)."""
     while True:
         try:
             rid, op, args = conn.recv()
         except (EOFError, OSError):
-            return
+            return False
         if failure is not None:
             send((rid, False, failure))
             continue
@@ -173,7 +174,7 @@ def _serve_loop(conn, host, failure, send, worker) -> None:
             worker.shutdown(wait=True)
             host.close()
             send((rid, True, None))
-            return
+            return True
         else:
             worker.submit(_run_op, host, rid, op, args, send)
 
@@ -200,5 +201,6 @@ def _run_op(host, rid: int, op: str, args, send) -> None:
     try:
         send((rid, True, method(*args)))
     except Exception as exc:  # noqa: BLE001 - the op's failure, reported to its caller
-        log.exception("replica op %s failed", op)
+        if not isinstance(exc, ValueError):  # a ValueError is the caller's input, reported to it alone
+            log.exception("replica op %s failed", op)
         send((rid, False, _encode(exc)))

@@ -44,6 +44,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tinker import types
@@ -60,11 +61,26 @@ _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class PoolWeightVersion(WeightVersion):
-    """A version of a pool: loaded on every replica under `key`."""
+    """A version of a pool: loaded on every replica under `key`, kept in the file `path`
+    (what a replacement replica loads; deleted with the last handle)."""
 
-    def __init__(self, sampler_id: int, key: int, is_lora: bool, lora_rank: int | None) -> None:
+    def __init__(self, sampler_id: int, key: int, path: str, is_lora: bool, lora_rank: int | None) -> None:
         super().__init__(sampler_id, is_lora=is_lora, lora_rank=lora_rank)
         self.key = key
+        self.path = Path(path)
+
+    def nbytes(self) -> int:
+        return self.path.stat().st_size
+
+
+def _release(released: queue.SimpleQueue, key: int, path: str) -> None:
+    """A version's last handle is gone (any thread, possibly inside a GC): delete its file
+    and queue the key for the monitor, which tells the replicas (no locks taken here)."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+    released.put(key)
 
 
 @dataclass
@@ -86,7 +102,7 @@ class SamplerPool(Sampler):
     """Replicas of one backend behind the `Sampler` interface (see the module docstring)."""
 
     def __init__(self, model_dir: str | os.PathLike, config: SamplerConfig,
-                 scratch_dir: str | os.PathLike | None = None, router=None) -> None:
+                 scratch_dir: str | os.PathLike | None = None) -> None:
         self.config, self.model_dir = config, str(model_dir)
         self._id = next(_pool_ids)
         self._replica_cls = replica_class(config.placement)
@@ -96,13 +112,14 @@ class SamplerPool(Sampler):
         os.makedirs(self._dir, exist_ok=True)
         self._scratch = base
         self._slots = [_Slot(i) for i in range(config.replicas)]
-        self._router = router if router is not None else SessionRouter([], config.max_imbalance)
+        self._router = SessionRouter([], config.max_imbalance)
         self._versions: dict[int, tuple[str, types.LoraConfig | None]] = {}  # key -> (file, lora)
         self._keys = itertools.count(1)
         self._released: queue.SimpleQueue = queue.SimpleQueue()  # keys whose handle died (any thread)
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._closed = False
+        self._starting: set[Replica] = set()
         self._info: ReplicaInfo | None = None
         self._sync = _memory_sync(config)  # None: versions travel as files
         self._load_tokenizer()
@@ -157,9 +174,9 @@ class SamplerPool(Sampler):
         except BaseException:
             self._forget([key])
             raise
-        version = PoolWeightVersion(self._id, key, lora_config is not None,
+        version = PoolWeightVersion(self._id, key, path, lora_config is not None,
                                     lora_config.rank if lora_config is not None else None)
-        weakref.finalize(version, self._released.put, key)  # put only: safe from a GC on any thread
+        weakref.finalize(version, _release, self._released, key, path)
         return version
 
     def submit(self, request: SamplingRequest) -> Future:
@@ -176,7 +193,10 @@ class SamplerPool(Sampler):
             slots = [s for s in self._slots if s.replica is not None]
             for s in slots:
                 s.up = False
+            starting = list(self._starting)
         self._wake.set()
+        for replica in starting:
+            replica.kill()
         for s in slots:
             s.replica.close(timeout=30)
         if self._sync is not None:
@@ -193,6 +213,12 @@ class SamplerPool(Sampler):
     def replica_pids(self) -> list[int | None]:
         with self._lock:
             return [getattr(s.replica, "pid", None) if s.up else None for s in self._slots]
+
+    def use_router(self, router_cls) -> None:
+        """Route with a fresh `router_cls(up replicas, max_imbalance)` from now on
+        (`ember.sampling.router`: the benchmark compares SessionRouter with RoundRobinRouter)."""
+        with self._lock:
+            self._router = router_cls([s.index for s in self._slots if s.up], self.config.max_imbalance)
 
     def route_of(self, session: str) -> int | None:
         """The replica a session's requests go to now (None: not placed yet)."""
@@ -212,7 +238,7 @@ class SamplerPool(Sampler):
             out.set_exception(ReplicaFailed(f"{exc} (replacements are starting)"))
             return out
         inner = replica.call("sample", dataclasses.replace(request, version=None), key)
-        inner.add_done_callback(lambda f: self._finished(slot, f, out))
+        inner.add_done_callback(lambda f: self._finished(slot, replica, f, out))
         return out
 
     def _version_key(self, request: SamplingRequest) -> int | None:
@@ -236,15 +262,15 @@ class SamplerPool(Sampler):
             slot.requests_total += 1
             return slot, slot.replica
 
-    def _finished(self, slot: _Slot, inner: Future, out: Future) -> None:
+    def _finished(self, slot: _Slot, replica: Replica, inner: Future, out: Future) -> None:
         with self._lock:
             slot.in_flight -= 1
         exc = inner.exception()
         if exc is None:
             out.set_result(inner.result())
             return
-        if isinstance(exc, ReplicaFailed):
-            self._wake.set()  # the monitor takes the replica out now, not at its next tick
+        if isinstance(exc, ReplicaFailed):  # out of the ring before the caller hears of it
+            self._take_out(slot, str(exc), replica)
         out.set_exception(exc)
 
     # ------------------------------------------------------------------ versions
@@ -258,15 +284,15 @@ class SamplerPool(Sampler):
         for s in slots:
             for key in keys:
                 path, lora = self._versions[key]
-                calls.append((s, key, s.replica.call("load_file", key, path, lora)))
+                calls.append((s, s.replica, key, s.replica.call("load_file", key, path, lora)))
         loaded_somewhere = not slots
-        for s, key, fut in calls:
+        for s, replica, key, fut in calls:
             try:
                 fut.result()
             except ValueError:
                 raise
             except Exception as exc:  # noqa: BLE001 - that replica's fault: replace it
-                self._take_out(s, f"loading weights failed: {exc}")
+                self._take_out(s, f"loading weights failed: {exc}", replica)
                 continue
             loaded_somewhere = True
             with self._lock:
@@ -345,27 +371,39 @@ class SamplerPool(Sampler):
     def _bring_up(self, slot: _Slot) -> None:
         """Start a replica in `slot`, load every live version, put it in the ring."""
         cfg = host_config(self.config, slot.index)
-        replica = self._replica_cls.start(slot.index, self.model_dir, cfg, self._scratch)
+        # Its own scratch directory: backends name their files by ids that every replica repeats.
+        scratch = tempfile.mkdtemp(prefix=f"replica-{slot.index}-", dir=self._dir)
+        replica = self._replica_cls.start(slot.index, self.model_dir, cfg, scratch)
+        with self._lock:
+            self._starting.add(replica)  # close() stops it too
         try:
             info = replica.call("info").result(self.config.engine_start_timeout_s)
             slot.replica, slot.loaded = replica, set()
             if self._sync is not None:
                 self._sync.attach(slot.index, replica)
-            while True:
+            while not self._join(slot, info):
                 with self._lock:
                     missing = sorted(set(self._versions) - slot.loaded)
-                    if not missing:
-                        if self._closed:
-                            raise RuntimeError("the sampler pool was closed while a replica started")
-                        self._info = self._info or info
-                        slot.up, slot.ping = True, None
-                        self._router.add(slot.index)
-                        break
                 self._load_missing(slot, missing)
         except BaseException:
             replica.kill()
             raise
+        finally:
+            with self._lock:
+                self._starting.discard(replica)
         log.info("sampler replica %d up (pid %s, %s on %s)", slot.index, info.pid, info.backend, info.device)
+
+    def _join(self, slot: _Slot, info: ReplicaInfo) -> bool:
+        """Put `slot` in the ring if it has every live version (else False: load them first)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the sampler pool was closed while a replica started")
+            if set(self._versions) - slot.loaded:
+                return False
+            self._info = self._info or info
+            slot.up, slot.ping = True, None
+            self._router.add(slot.index)
+            return True
 
     def _load_missing(self, slot: _Slot, keys: list[int]) -> None:
         for key in keys:
@@ -377,12 +415,12 @@ class SamplerPool(Sampler):
                 self._sync_missing(slot, key)
                 continue
             try:
-                slot.replica.call("load_file", key, *entry).result()
-            except (ValueError, RuntimeError):
-                with self._lock:
-                    if key in self._versions:
-                        raise
-                continue  # its file was deleted while we loaded it: nothing to serve
+                slot.replica.call("load_file", key, *entry).result(self.config.engine_start_timeout_s)
+            except Exception:  # noqa: BLE001 - unless the version is gone, the replica is not fit to join
+                if os.path.exists(entry[0]):
+                    raise
+                self._forget([key])  # released while we loaded it: nothing to serve
+                continue
             with self._lock:
                 slot.loaded.add(key)
 
@@ -394,9 +432,11 @@ class SamplerPool(Sampler):
         with self._lock:
             slot.loaded.add(key)
 
-    def _take_out(self, slot: _Slot, reason: str) -> None:
+    def _take_out(self, slot: _Slot, reason: str, replica: Replica | None = None) -> None:
+        """Out of the ring at once (no new request reaches it); killed and replaced on a thread.
+        `replica`: only if it still holds the slot (a late failure of a replaced one is old news)."""
         with self._lock:
-            if not slot.up:
+            if not slot.up or (replica is not None and slot.replica is not replica):
                 return
             slot.up = False
             moved = self._router.remove(slot.index)
@@ -405,11 +445,11 @@ class SamplerPool(Sampler):
                     slot.index, reason, len(moved))
         if self._sync is not None:
             self._sync.detach(slot.index)
-        replica.kill()  # its in-flight requests fail now (ReplicaFailed: category server)
-        threading.Thread(target=self._replace, args=(slot,), name=f"ember-pool-replace-{slot.index}",
+        threading.Thread(target=self._replace, args=(slot, replica), name=f"ember-pool-replace-{slot.index}",
                          daemon=True).start()
 
-    def _replace(self, slot: _Slot) -> None:
+    def _replace(self, slot: _Slot, dead: Replica) -> None:
+        dead.kill()  # its in-flight requests fail now (ReplicaFailed: category server)
         for attempt in itertools.count():
             if self._closed:
                 return

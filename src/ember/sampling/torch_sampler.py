@@ -141,6 +141,12 @@ class TorchSampler(Sampler):
         and sequences moved to a lower slot as the batch drained (compaction)."""
         return dict(self._scheduler.stats)
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """Read-only: the continuous-batching scheduler this sampler's thread drives (its
+        slots and waiting queue; tests inject decode faults into it)."""
+        return self._scheduler
+
     def live_versions(self) -> int:
         """Versions of this sampler still referenced somewhere."""
         return len(self._versions)

@@ -17,6 +17,11 @@ Exported (names as scraped):
   reach its sampler: `memory` = a run's tensors handed over (ephemeral snapshots; with
   `--sampler.weight_sync memory` also `save_weights_for_sampler`), `files` = a checkpoint
   read back from disk (`SamplerManager.add_sync_listener`).
+* `ember_sampler_replica_up{model,replica}` (gauge: 1 while the replica is in its pool's
+  ring, 0 while it is out or being replaced) and
+  `ember_sampler_replica_requests_total{model,replica}` (requests routed to it since
+  start-up): base models served by `SamplerConfig.replicas > 1` only (bounded: models x
+  replicas).
 * `process_*` (prometheus-client's process collector: `process_resident_memory_bytes`,
   CPU seconds, open fds) and `python_gc_*`.
 
@@ -49,7 +54,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -129,6 +134,22 @@ class ServiceCollector(Collector):
         for run_id, queued in sorted(_queue_depths(self.service).items()):
             depth.add_metric([run_id], queued)
         yield depth
+        yield from _replica_families(self.service)
+
+
+def _replica_families(service: Any):
+    samplers = getattr(service, "samplers", None)
+    stats = samplers.replica_stats() if hasattr(samplers, "replica_stats") else {}
+    up = GaugeMetricFamily("ember_sampler_replica_up", "1 while a sampler replica serves requests, 0 while it "
+                           "is out of its pool or being replaced", labels=["model", "replica"])
+    total = CounterMetricFamily("ember_sampler_replica_requests", "Sample requests routed to a sampler replica",
+                                labels=["model", "replica"])
+    for model, replicas in sorted(stats.items()):
+        for r in replicas:
+            up.add_metric([model, str(r["replica"])], 1.0 if r["up"] else 0.0)
+            total.add_metric([model, str(r["replica"])], r["requests_total"])
+    yield up
+    yield total
 
 
 def _pending_futures(service: Any) -> int:

@@ -162,6 +162,11 @@ class CheckpointStore:
                             "tinker://<run>/weights/<name> path (written by save_state)")
         return tpath, row
 
+    def row(self, tinker_path: str) -> CheckpointRow | None:
+        """Read-only: the checkpoint's database row (its directory, TTL, owner), or None, with
+        no access check (diagnostics and tests; requests go through `readable`)."""
+        return self.store.get(CheckpointRow, tinker_path)
+
     def _owned_rest(self, owner: str, run_id: object, checkpoint_id: object) -> CheckpointRow:
         return owned(self.store, owner, rest_path(run_id, checkpoint_id))[1]
 

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from tinker import types
@@ -56,8 +56,12 @@ class Service(ServiceAPI):
         *,
         engine_factory: EngineFactory | None = None,
         sampler_factory: SamplerFactory | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock` (default `time.time`) times session heartbeats and idleness; tests pass a
+        manual one to expire sessions without sleeping."""
         self.config = config
+        self._clock = clock or time.time
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self._data_lock = DataDirLock(config.data_dir)
         self._data_lock.acquire()  # before the database: a second process must not fail our futures
@@ -96,7 +100,7 @@ class Service(ServiceAPI):
             self._colocate()
         self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end,
                                        idle_ttl_s=config.sessions.idle_ttl_s,
-                                       max_per_key=config.limits.max_sessions_per_key)
+                                       max_per_key=config.limits.max_sessions_per_key, clock=self._clock)
         self.futures.on_session_activity = self.sessions.touch
         self._closed = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
@@ -434,8 +438,15 @@ class Service(ServiceAPI):
 def build_service(config: ServiceConfig, workers: WorkersConfig | None = None) -> Service:
     """The service `config` describes, its engines on the worker group `workers` asks for
     (in process by default). The one constructor `ember serve` and `ember.ServiceClient`
-    share: a service that fails to start never leaves a started worker group behind."""
-    factory = engine_factory_for(workers or WorkersConfig(), config.engine)
+    share: a service that fails to start never leaves a started worker group behind.
+    Ray sampler replicas (`sampler.placement = "ray"`) join the cluster the worker groups
+    use (`workers.ray_address`; README "Scaling out")."""
+    workers = workers or WorkersConfig()
+    if config.sampler.placement == "ray":
+        from ember.sampling.ray_replica import use_cluster
+
+        use_cluster(workers.ray_address)
+    factory = engine_factory_for(workers, config.engine)
     try:
         return Service(config, engine_factory=factory)
     except BaseException:

@@ -216,7 +216,7 @@ class RunManager:
                 raise UserError(RUNS_QUOTA.format(n=n, quota=self.limits.max_runs_per_key))
             lane = self._lanes.acquire(self.factory.lane_key(spec))
             run = LiveRun(spec.run_id, owner, session_id, spec, lane,
-                          RunSequencer(spec.run_id, lane, self.gap_timeout_s, next_seq=0))
+                          RunSequencer(spec.run_id, lane, self.gap_timeout_s, next_seq=0, owner=owner))
             self._runs[spec.run_id] = run
         now = time.time()
         try:

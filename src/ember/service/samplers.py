@@ -189,6 +189,7 @@ class SamplerManager:
         self.max_per_session = max_per_session
         self.queued = QueuedWork(limits or Limits())
         self._samplers: dict[Path, Any] = {}
+        self._names: dict[Path, str] = {}  # base model directory -> its name (metrics labels)
         self._live: dict[str, OrderedDict[str, LiveSampler]] = {}  # session_id -> sampler_id -> live
         self._by_id: dict[str, LiveSampler] = {}  # sampler_id -> live, for every loaded session
         self._evicted: OrderedDict[str, None] = OrderedDict()  # snapshot sampler ids evicted (bounded)
@@ -205,11 +206,19 @@ class SamplerManager:
                 start = time.monotonic()
                 try:
                     sampler = self._samplers[base.directory] = self.factory.create(base)
+                    self._names[base.directory] = base.name
                 except UnsupportedModelError as exc:  # the model asked for, not ember, is the cause
                     raise UserError(f"base model {base.name!r}: the sampler backend cannot serve it: {exc}") from exc
                 log.info("sampler loaded for base model %s (%s, %.1f s)", base.name, type(sampler).__name__,
                          time.monotonic() - start)
             return sampler
+
+    def replica_stats(self) -> dict[str, list[dict]]:
+        """Per base model served by a pool of replicas: each replica's `up` and
+        `requests_total` (`SamplerPool.replica_stats`); models with one sampler are absent."""
+        # No lock: creating a sampler holds it for minutes, and a scrape must not wait for that.
+        samplers = dict(self._samplers).items()  # a dict copy is atomic under the GIL
+        return {self._names.get(d, str(d)): s.replica_stats() for d, s in samplers if hasattr(s, "replica_stats")}
 
     def check_registered(self) -> None:
         """Refuse to start (ValueError naming model, field and what is supported) when a

@@ -3,7 +3,12 @@
 * A `Lane` is one worker thread. Everything that touches one shared base model (all
   LoRA runs on it: creation, forward/backward, optimizer steps, saves, loads, snapshots)
   runs on that base model's lane, so peft's active-adapter switch and the engines' ops
-  never interleave. A full fine-tuning run has a lane of its own.
+  never interleave. A full fine-tuning run has a lane of its own. A lane shared by
+  several owners (API keys) serves them round robin, first come first served within
+  one owner (`fair_queue.OwnerQueues`): a run releases one op at a time, so an owner
+  with many busy runs holds many places in its own queue but one turn per rotation,
+  and another owner's next op waits for at most one op of each other owner with work
+  queued, plus the op already executing (docs/architecture.md, trust boundaries).
 * A `RunSequencer` holds the requests of one training run and releases them to the lane
   strictly in `seq_id` order, one at a time. A missing seq_id is waited for at most
   `gap_timeout_s` — counted from the moment the run is idle with a later request
@@ -18,26 +23,45 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from ember.sampling.fair_queue import OwnerQueues
+
 log = logging.getLogger(__name__)
 
 Op = Callable[[], None]
 
 
 class Lane:
-    """A single worker thread executing submitted callables in FIFO order."""
+    """A single worker thread executing submitted callables: round robin over owners,
+    FIFO within one owner (a single owner's ops run in submission order)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # The executor keeps its semantics (one thread, joined at interpreter exit, queued
+        # work cancelled on close); each submit queues one "run the next fair op" task, so
+        # the executor's FIFO only counts turns and `_waiting` decides whose turn it is.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ember-lane-{name}")
+        self._waiting: OwnerQueues[tuple[str, Op]] = OwnerQueues(owner_of=lambda item: item[0])
+        self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, fn: Op) -> None:
-        if self._closed:
-            raise RuntimeError(f"lane {self.name!r} is closed")
-        self._pool.submit(_guard, fn)
+    def submit(self, fn: Op, owner: str = "") -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"lane {self.name!r} is closed")
+            self._waiting.extend([(owner, fn)])
+        self._pool.submit(self._next_turn)
+
+    def _next_turn(self) -> None:
+        with self._lock:
+            if not self._waiting:
+                return
+            _, fn = self._waiting.head()
+            self._waiting.next_turn(done=True)
+        _guard(fn)
 
     def close(self, wait: bool = False) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
@@ -51,9 +75,11 @@ def _guard(fn: Op) -> None:
 class RunSequencer:
     """Releases one run's requests in seq_id order, waiting a bounded time for gaps."""
 
-    def __init__(self, run_id: str, lane: Lane, gap_timeout_s: float, next_seq: int = 1) -> None:
+    def __init__(self, run_id: str, lane: Lane, gap_timeout_s: float, next_seq: int = 1,
+                 owner: str = "") -> None:
         self.run_id = run_id
         self.lane = lane
+        self.owner = owner  # the lane's fair share: one turn per owner per rotation
         self.gap_timeout_s = gap_timeout_s
         self._next = next_seq
         self._pending: dict[int, tuple[Op, Callable[[str], None]]] = {}
@@ -102,7 +128,7 @@ class RunSequencer:
             op = item[0]
             self._cancel_timer_locked()
             self._busy = True
-            self.lane.submit(lambda: self._run(op))
+            self.lane.submit(lambda: self._run(op), self.owner)
         elif self._pending and self._timer is None:
             expected = self._next
             self._timer = threading.Timer(self.gap_timeout_s, self._gap_expired, args=(expected,))
@@ -110,7 +136,7 @@ class RunSequencer:
             self._timer.start()
         elif not self._pending and self._on_drained is not None:
             then, self._on_drained = self._on_drained, None
-            self.lane.submit(then)
+            self.lane.submit(then, self.owner)
 
     def _run(self, op: Op) -> None:
         try:

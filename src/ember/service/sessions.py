@@ -43,21 +43,23 @@ def session_of(resource_id: object) -> str | None:
 
 class SessionManager:
     def __init__(self, store: Store, timeout_s: float | None, on_expire: Callable[[str], None],
-                 idle_ttl_s: float | None = None, max_per_key: int | None = None) -> None:
+                 idle_ttl_s: float | None = None, max_per_key: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self._store = store
+        self._clock = clock  # wall-clock seconds; tests pass a manual clock to drive expiry
         self._timeout_s = timeout_s
         self._on_expire = on_expire
         self._idle_ttl_s = idle_ttl_s
         self._max_per_key = max_per_key
         self._active: dict[str, float] = {}  # session id -> time of its last request (this lifetime)
-        self._started = time.time()
+        self._started = self._clock()
 
     def touch(self, session_id: str | None) -> None:
         """A request (or a finished future) of `session_id`: it is not idle now. Only
         sessions already tracked are (an id from a request may name nothing: the map stays
         bounded by the active sessions)."""
         if session_id in self._active:
-            self._active[session_id] = time.time()
+            self._active[session_id] = self._clock()
 
     def create(
         self,
@@ -72,7 +74,7 @@ class SessionManager:
             n = self._store.count_active_sessions(owner)
             if n >= self._max_per_key:
                 raise UserError(SESSIONS_QUOTA.format(n=n, quota=self._max_per_key, ttl=self._idle_ttl_s))
-        now = time.time()
+        now = self._clock()
         sid = f"sess-{uuid.uuid4().hex[:20]}"
         self._active[sid] = now
         self._store.add(
@@ -99,7 +101,7 @@ class SessionManager:
 
     def heartbeat(self, owner: str, session_id: str) -> None:
         self.require_active(owner, session_id)
-        self._store.update(SessionRow, session_id, last_heartbeat=time.time())
+        self._store.update(SessionRow, session_id, last_heartbeat=self._clock())
 
     def finish(self, owner: str, session_id: str, reason: str = "success", detail: str | None = None) -> bool:
         """Mark the session finished; False if it already was (first finish wins)."""
@@ -117,7 +119,7 @@ class SessionManager:
         `idle_ttl_s` that are not in `busy` (sessions with pending work); their ids."""
         ended: list[str] = []
         if self._timeout_s is not None:
-            for row in self._store.stale_sessions(time.time() - self._timeout_s):
+            for row in self._store.stale_sessions(self._clock() - self._timeout_s):
                 self._end(row.id, f"no heartbeat for more than {self._timeout_s:g} s")
                 ended.append(row.id)
         if self._idle_ttl_s is not None:
@@ -128,7 +130,7 @@ class SessionManager:
         return ended
 
     def _idle(self, busy: Collection[str]) -> list[str]:
-        now = time.time()
+        now = self._clock()
         idle = []
         for row in self._store.active_sessions():
             # a session of an earlier lifetime is tracked from this one's start
