@@ -9,7 +9,12 @@
 
     python benchmarks/http_overhead.py [--steps 30] [--clients 8] [--client-steps 50] [--quick]
 
-Last line: `http_ratio=<x> lost=<n>`.
+3. The metric history's cost to a training step (`ember.service.metric_history`): the
+   median time of one history row write (an INSERT into the same kind of SQLite database
+   the server uses), times the two rows a fb+step round trip writes, over the in-process
+   round trip's median (`metrics_history_overhead`; 0.01 = 1%).
+
+Last line: `http_ratio=<x> lost=<n> metrics_history_overhead=<x>`.
 """
 
 from __future__ import annotations
@@ -125,6 +130,25 @@ def concurrent_clients(base_url: str, api_key: str, clients: int, steps: int, da
             "failures": failures[:5]}
 
 
+def history_row_seconds(tmp: Path, rows: int = 400) -> float:
+    """Median seconds of one `MetricHistory.record` (one INSERT; the training path's only cost)."""
+    from ember.service.metric_history import MetricHistory
+    from ember.service.store import Store, default_database_url
+
+    store = Store(default_database_url(tmp))
+    history = MetricHistory(store, max_rows=1 << 20)  # no thinning inside the measurement
+    times = []
+    try:
+        for i in range(rows):
+            t0 = time.perf_counter()
+            history.record("bench-run", i, "forward_backward", {"loss:sum": 1.0 + i, "tokens:sum": 256.0})
+            times.append(time.perf_counter() - t0)
+    finally:
+        history.close()
+        store.close()
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="timed fb+step round trips per side")
@@ -173,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         local.close("success")
         conc = concurrent_clients(server.base_url, API_KEY, args.clients, args.client_steps,
                                   batch(max(1, args.datums // 2), args.seq_len // 2))
+        (tmp / "history").mkdir()
+        row_s = history_row_seconds(tmp / "history")
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
           f"p99 {pct(lat, 99) * 1e3:.1f} ms; failed {conc['failed']} lost {conc['lost']}")
     for line in conc["failures"]:
         print("  failure:", line)
-    print(f"http_ratio={ratio:.3f} lost={conc['lost'] + conc['failed']}")
+    step_s = statistics.median(fb + opt for fb, opt in rounds["local"])
+    history = 2 * row_s / step_s  # a fb + optim_step round trip writes two rows
+    print(f"metric history: one row write p50 {row_s * 1e3:.2f} ms; 2 per fb+step round trip of "
+          f"{step_s * 1e3:.1f} ms (in-process p50) = {history * 100:.2f}% of the step")
+    print(f"http_ratio={ratio:.3f} lost={conc['lost'] + conc['failed']} metrics_history_overhead={history:.4f}")
     return 0
 
 

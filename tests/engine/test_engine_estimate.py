@@ -89,6 +89,16 @@ def test_layouts_divide_what_they_shard(qwen3_32b_dir):
     assert unchunked.output_head > 10 * chunked.output_head
 
 
+def test_context_parallelism_splits_activations_and_shards_parameters(qwen3_32b_dir):
+    engine = EngineConfig(dtype="bfloat16", packing=False)  # no (T, T) mask: the split shows alone
+    one = estimate_memory(qwen3_32b_dir, engine=engine, tokens=32768)
+    cp = estimate_memory(qwen3_32b_dir, engine=engine, tokens=32768, parallel=ParallelismConfig(cp=4))
+    assert cp.activations == pytest.approx(one.activations / 4, rel=1e-3)
+    assert cp.output_head < one.output_head
+    assert cp.parameters == one.parameters // 4 and cp.fsdp_working_set > 0  # FSDP2 over (dp_shard, cp)
+    assert any("each rank holds 8192 of the 32768 tokens" in n for n in cp.notes)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--tokens", "0"], "tokens must be an integer >= 1"),
     (["--tokens", "8", "--engine.bogus", "1"], "engine.bogus"),

@@ -20,7 +20,7 @@ from ember.models import add_lora_adapter, load_model
 from helpers import ranks as wt
 
 
-@pytest.mark.parametrize("field", ["dp_replicate", "dp_shard", "tp"])
+@pytest.mark.parametrize("field", ["dp_replicate", "dp_shard", "tp", "cp"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_config_rejects_bad_degrees_naming_the_field(field, bad):
     with pytest.raises(ValueError, match=rf"ParallelismConfig\.{field} must be an integer >= 1, got"):
@@ -37,6 +37,22 @@ def test_config_layout_arithmetic():
         p.dp_rank(12)
     with pytest.raises(ValueError, match="cpu_offload needs FSDP2"):
         ParallelismConfig(tp=2, cpu_offload=True)
+
+
+def test_config_cp_layout():
+    p = ParallelismConfig(dp_shard=2, cp=2)
+    assert (p.world_size, p.dp_size, p.fsdp) == (4, 2, True)
+    assert [p.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # the cp ranks of a dp rank share its datums
+    assert p.as_dict() == {"world_size": 4, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2}
+    assert ParallelismConfig(cp=2).fsdp and not ParallelismConfig(tp=2).fsdp
+    with pytest.raises(ValueError, match=r"cp=2 with tp=2 is not supported"):
+        ParallelismConfig(cp=2, tp=2)
+
+
+def test_cp_refuses_a_non_sdpa_attention_before_loading(tiny_model_dir):
+    config = EngineConfig(attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match=r"cp=2 .* must be 'sdpa' or 'eager', got 'flash_attention_2'"):
+        TorchEngine.from_pretrained(tiny_model_dir, config, parallelism=ParallelismConfig(cp=2))
 
 
 def test_build_mesh_needs_a_process_group():

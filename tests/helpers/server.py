@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -36,6 +36,7 @@ class ServerProc:
     data_dir: Path
     log_path: Path
     stderr_path: Path
+    stdout_lines: list[str] = field(default_factory=list)  # what it printed (read as it comes)
 
     def requests(self, path_suffix: str | None = None) -> list[dict]:
         """Entries of the server's request log, in arrival order.
@@ -110,12 +111,14 @@ def start_server(
     model_name: str = MODEL_NAME,
     wrap: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    keys: Sequence[str] = (API_KEY, OTHER_KEY),
 ) -> ServerProc:
     """Start `ember serve` (or a wrapper script taking the same arguments) and wait for it.
 
     `wrap` prefixes the command, e.g. `memory_cap(4 << 30)` to bound a server that tests
     are about to send hostile sizes; `env` adds to the server's environment (e.g.
-    `{"EMBER_FAILPOINTS": "checkpoint.after_write=kill"}`)."""
+    `{"EMBER_FAILPOINTS": "checkpoint.after_write=kill"}`); `keys=()` starts it in the
+    default loopback mode (any `tml-` key, each its own tenant)."""
     workdir.mkdir(parents=True, exist_ok=True)
     data_dir = data_dir or workdir / "data"
     log_path = workdir / "requests.jsonl"
@@ -126,25 +129,27 @@ def start_server(
         "--model", f"{model_name}={model_dir}",
         "--data-dir", str(data_dir),
         "--port", str(port),
-        "--api-key", API_KEY,
-        "--api-key", OTHER_KEY,
+        *(arg for key in keys for arg in ("--api-key", key)),
         "--request-log", str(log_path), "--request-log-bodies", "on",
         "--log-level", "warning",
         *extra_args,
     ]
     stderr = open(stderr_path, "w")  # noqa: SIM115 (owned by the child)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**server_env(), **(env or {})})
-    url = _wait_for_url(proc, timeout, stderr_path)
-    server = ServerProc(proc, url, int(url.rsplit(":", 1)[1]), data_dir, log_path, stderr_path)
+    lines: list[str] = []
+    url = _wait_for_url(proc, timeout, stderr_path, lines)
+    server = ServerProc(proc, url, int(url.rsplit(":", 1)[1]), data_dir, log_path, stderr_path, lines)
     _wait_healthy(server, timeout)
     return server
 
 
-def _wait_for_url(proc: subprocess.Popen, timeout: float, stderr_path: Path) -> str:
+def _wait_for_url(proc: subprocess.Popen, timeout: float, stderr_path: Path, lines: list[str]) -> str:
     found: list[str] = []
 
     def reader() -> None:
         for line in proc.stdout:  # keep draining so the child never blocks on a full pipe
+            if len(lines) < 1000:
+                lines.append(line.rstrip("\n"))
             if "listening on" in line and not found:
                 found.append(line.strip().rsplit(" ", 1)[1])
 

@@ -137,3 +137,26 @@ def test_compute_is_independent_of_row_chunking(monkeypatch):
     freq = np.bincount(X.compute(logits[:1].expand(4000, 50), None, 1, 1.0, seed=9)[1].tokens.to_numpy().ravel(),
                        minlength=50) / 4000
     np.testing.assert_allclose(freq, torch.softmax(logits[0], -1).numpy(), atol=0.03)  # draws follow the distribution
+
+
+@pytest.mark.parametrize("last_n", [None, 20])
+def test_prompt_scores_chunked_equal_one_pass(last_n):
+    """`jobs.prompt_scores` runs its fp32 log-softmax over row chunks: prompt logprobs and
+    top-k equal one log-softmax over all rows (rtol 1e-5), for any chunk size."""
+    from types import SimpleNamespace
+
+    from ember.sampling import jobs
+
+    g = torch.Generator().manual_seed(3)
+    logits, prompt = torch.randn(37, 50, generator=g), tuple(torch.randint(0, 50, (37,), generator=g).tolist())
+    spec = SimpleNamespace(prompt_logprobs_last_n=last_n, topk_prompt_logprobs=4)
+    first = 1 if last_n is None else 37 - last_n
+    ref = torch.log_softmax(logits[first - 1 : 36], -1)
+    want = ref.gather(1, torch.tensor(prompt[first:])[:, None]).squeeze(1).numpy()
+    for rows in (1, 5, 36, 512):
+        got, top = jobs.prompt_scores(logits, prompt, spec, chunk_rows=rows)
+        assert np.isnan(got[:first]).all()
+        np.testing.assert_allclose(got[first:], want, rtol=1e-5, atol=1e-6)
+        vals, ids = torch.topk(ref, 4, dim=-1)
+        np.testing.assert_array_equal(top.token_ids[first:], ids.numpy())
+        np.testing.assert_allclose(top.logprobs[first:], vals.numpy(), rtol=1e-5)

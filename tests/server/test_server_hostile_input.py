@@ -309,7 +309,9 @@ def json_routes() -> list[tuple[str, str]]:
     no_body = {"/api/v1" + p for _, p, _ in routes_unsupported.ENDPOINTS}  # answered 404 without reading
     out = []
     for route in app.routes:
-        if not isinstance(route, APIRoute) or route.path in no_body or route.path.endswith(("/publish",
+        if not isinstance(route, APIRoute) or not route.path.startswith(("/api/v1/", "/v1/")):
+            continue  # the console's pages take forms, not JSON (tests/server/test_server_console.py)
+        if route.path in no_body or route.path.endswith(("/publish",
                                                                                             "/forward_backward")):
             continue
         for method in sorted(route.methods & {"POST", "PUT"}):

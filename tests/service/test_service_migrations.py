@@ -23,9 +23,11 @@ RUN = f"{SESSION}:train:0"
 
 def legacy_metadata() -> MetaData:
     """The tables as ember's `create_all` made them before migration 0002 (no index on
-    (run_id, kind, created_at), no checkpoints.public: 0003)."""
+    (run_id, kind, created_at), no checkpoints.public: 0003, no run_metrics: 0004)."""
     md = MetaData()
     for table in Base.metadata.tables.values():
+        if table.name == "run_metrics":
+            continue
         if table.name == "checkpoints":
             Table(table.name, md, *[c._copy() for c in table.columns if c.name != "public"])
         else:
@@ -48,9 +50,9 @@ def engine(database_url):
 
 
 def test_upgrade_to_head_creates_exactly_the_orm_tables(engine):
-    assert migrations.upgrade(engine) == migrations.head() == "0003"
+    assert migrations.upgrade(engine) == migrations.head() == "0004"
     assert schema_diff(engine, Base.metadata) == []
-    assert migrations.upgrade(engine) == "0003"  # idempotent
+    assert migrations.upgrade(engine) == "0004"  # idempotent
 
 
 def test_baseline_is_the_pre_migration_schema(engine):
@@ -116,19 +118,19 @@ def test_database_of_the_old_code_upgrades_keeping_its_rows(engine, database_url
 
 def test_db_cli_upgrade_and_current(database_url, engine, capsys):
     assert ember_main(["db", "current", "--database-url", database_url]) == 0
-    assert capsys.readouterr().out.split() == ["current", "None", "head", "0003"]
+    assert capsys.readouterr().out.split() == ["current", "None", "head", "0004"]
     assert ember_main(["db", "upgrade", "--database-url", database_url, "--revision", "0001"]) == 0
     assert "revision 0001" in capsys.readouterr().out
     assert ember_main(["db", "upgrade", "--database-url", database_url]) == 0
-    assert "revision 0003" in capsys.readouterr().out
+    assert "revision 0004" in capsys.readouterr().out
     assert set(inspect(engine).get_table_names()) >= {"alembic_version", "sessions", "futures"}
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0004"
 
 
 def test_db_cli_data_dir_is_the_servers_sqlite_file(tmp_path, capsys):
     assert ember_main(["db", "upgrade", "--data-dir", str(tmp_path / "d")]) == 0
-    assert "revision 0003" in capsys.readouterr().out
+    assert "revision 0004" in capsys.readouterr().out
     assert (tmp_path / "d" / "ember.db").is_file()
 
 

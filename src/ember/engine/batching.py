@@ -11,18 +11,26 @@ one row. Leftover room in a row is filled with pad tokens forming their own segm
 (positions restart at 0), which no real token can attend to and no loss reads.
 `tests/engine/test_engine_packing.py` checks packed logprobs against one-sequence forwards.
 Padding (`EngineConfig.packing=False`) right-pads each micro-batch to its longest datum.
+
+Images (a vision-language model, `prepare_datums(..., vision=spec)`): each image chunk is
+expanded to the model's placeholder run before anything else (`ember.models.vision`), so
+lengths, budgets and the loss inputs' positions are the expanded ones, which are Tinker's
+(an image chunk counts its `expected_tokens`); the laid-out micro-batch then gets its
+M-RoPE positions and pixels (`ember.engine.vision_batch`, packing stays exact).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tinker import types
 
 from ember.losses import LOSSES, LossSpec, validate_datum_inputs
 from ember.losses.validation import first_bad_datum
+from ember.engine.vision_batch import RopeIndex, vision_kwargs
+from ember.models.vision import ExpandedInput, VisionSpec, expand_model_input
 
 _DTYPES = {"int64": torch.int64, "float32": torch.float32}
 
@@ -32,6 +40,7 @@ class PreparedDatum:
     index: int  # position in the request
     input_ids: torch.Tensor  # (N,) int64
     inputs: dict[str, torch.Tensor]  # validated loss inputs, first dim N
+    vision: ExpandedInput | None = None  # its images (a vision-language model's datum with image chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +57,9 @@ class MicroBatch:
     valid_index: torch.Tensor  # flat indices of the real tokens in (B*L), datum by datum
     inputs: dict[str, torch.Tensor]  # loss inputs concatenated over the T real tokens
     segment_ids: torch.Tensor  # (T,) datum index within this micro-batch
+    # images (`ember.engine.vision_batch`): pixel_values, image_grid_thw, mm_token_type_ids;
+    # position_ids then has 4 rows (text, then M-RoPE time/height/width)
+    model_kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +84,16 @@ def _model_input_ids(index: int, datum: types.Datum, vocab_size: int, scan: bool
             f"vocabulary [0, {vocab_size})"
         )
     return ids
+
+
+def _datum_ids(index: int, datum: types.Datum, vocab_size: int, vision: VisionSpec | None,
+               scan: bool = True) -> tuple[torch.Tensor, ExpandedInput | None]:
+    """The datum's token ids, its image chunks expanded when the model takes images."""
+    if vision is None or all(isinstance(c, types.EncodedTextChunk) for c in datum.model_input.chunks):
+        return _model_input_ids(index, datum, vocab_size, scan), None
+    expanded = expand_model_input(datum.model_input, vision, where=f"datum {index}")
+    text = types.Datum(model_input=types.ModelInput.from_ints(expanded.input_ids.tolist()), loss_fn_inputs={})
+    return _model_input_ids(index, text, vocab_size, scan), expanded
 
 
 def _loss_input_tensors(index: int, datum: types.Datum) -> dict[str, torch.Tensor]:
@@ -106,7 +128,8 @@ def head_mismatch(spec: LossSpec, output: str) -> str:
 
 
 def prepare_datums(
-    datums: Sequence[types.Datum], spec: LossSpec, vocab_size: int, output: str = "logprobs"
+    datums: Sequence[types.Datum], spec: LossSpec, vocab_size: int, output: str = "logprobs",
+    vision: VisionSpec | None = None,
 ) -> list[PreparedDatum]:
     """Validate every datum before any compute (so a bad datum never leaves half a gradient).
 
@@ -115,7 +138,9 @@ def prepare_datums(
     Keys, shapes and dtypes are checked datum by datum; the value scans (token ids in the
     vocabulary, finite floats) run once per field over the whole request, and the first
     datum they flag is re-validated in full for its error message. On a value head
-    ``target_tokens`` are checked (the SDK's custom-loss path sends them) but dropped."""
+    ``target_tokens`` are checked (the SDK's custom-loss path sends them) but dropped.
+    ``vision`` (a vision-language model's `VisionSpec`) expands image chunks; without it an
+    image chunk is refused."""
     if output not in OUTPUT_NAMES:
         raise ValueError(f"head output must be one of {sorted(OUTPUT_NAMES)}, got {output!r}")
     if output not in spec.consumes:
@@ -124,10 +149,10 @@ def prepare_datums(
         raise ValueError("forward_backward needs at least one datum; got an empty list")
     prepared = []
     for i, datum in enumerate(datums):
-        ids = _model_input_ids(i, datum, vocab_size, scan=False)
+        ids, expanded = _datum_ids(i, datum, vocab_size, vision, scan=False)
         inputs = validate_datum_inputs(spec.name, i, int(ids.shape[0]), _loss_input_tensors(i, datum), vocab_size,
                                        scan_values=False)
-        prepared.append(PreparedDatum(index=i, input_ids=ids, inputs=inputs))
+        prepared.append(PreparedDatum(index=i, input_ids=ids, inputs=inputs, vision=expanded))
     _scan_values(datums, prepared, spec, vocab_size)
     return _check_targets(prepared, output)
 
@@ -155,7 +180,12 @@ def _scan_values(datums: Sequence[types.Datum], prepared: list[PreparedDatum], s
     """Raise the per-datum error of the first datum with a bad value, if any."""
     first = first_bad_datum([{**p.inputs, "model_input": p.input_ids} for p in prepared], vocab_size)
     if first is not None:
-        ids = _model_input_ids(first, datums[first], vocab_size)
+        ids = prepared[first].input_ids
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            pos = int(bad.nonzero()[0, 0])
+            raise ValueError(f"datum {first}: model_input token {int(ids[pos])} at position {pos} is outside the "
+                             f"vocabulary [0, {vocab_size})")
         validate_datum_inputs(spec.name, first, int(ids.shape[0]), _loss_input_tensors(first, datums[first]),
                               vocab_size)
         raise AssertionError(f"datum {first}: the batched value scan and the per-datum checks disagree")
@@ -229,9 +259,12 @@ def _padded_layout(items: Sequence[PreparedDatum], pad_id: int):
 
 
 def build_micro_batch(
-    items: Sequence[PreparedDatum], packed: bool, pad_id: int = 0, single_row: bool = False
+    items: Sequence[PreparedDatum], packed: bool, pad_id: int = 0, single_row: bool = False,
+    rope_index: RopeIndex | None = None,
 ) -> MicroBatch:
-    """Lay out one micro-batch; `single_row` packs everything in one row (varlen attention)."""
+    """Lay out one micro-batch; `single_row` packs everything in one row (varlen attention).
+    With images among the items, `rope_index` (the model's M-RoPE) places them
+    (`ember.engine.vision_batch`)."""
     lengths = [d.num_tokens for d in items]
     segment_ids = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lengths))
     attention_mask = None
@@ -240,6 +273,12 @@ def build_micro_batch(
         input_ids, position_ids, valid_index = _packed_layout(items, width, pad_id)
     else:
         input_ids, position_ids, attention_mask, valid_index = _padded_layout(items, pad_id)
+    model_kwargs: dict[str, torch.Tensor] = {}
+    if any(d.vision is not None for d in items):
+        if rope_index is None:
+            raise ValueError("a micro-batch with images needs the model's M-RoPE (rope_index)")
+        position_ids, model_kwargs = vision_kwargs(position_ids, valid_index, lengths, [d.vision for d in items],
+                                                   rope_index)
     return MicroBatch(
         datum_indices=[d.index for d in items],
         lengths=lengths,
@@ -249,4 +288,5 @@ def build_micro_batch(
         valid_index=valid_index,
         inputs=_concat_inputs(items),
         segment_ids=segment_ids,
+        model_kwargs=model_kwargs,
     )

@@ -42,7 +42,8 @@ def _rank() -> int:
 
 
 def _meta(engine: "TorchEngine", optimizer: bool) -> dict:
-    return {
+    vision = {"train_vision": engine.config.train_vision} if getattr(engine, "vision", None) is not None else {}
+    return vision | {
         "format_version": FORMAT_VERSION,
         "kind": "lora" if engine.is_lora else "full",
         "lora_config": engine.lora_config.model_dump() if engine.is_lora else None,
@@ -104,6 +105,11 @@ def _check_compatible(engine: "TorchEngine", meta: dict, path: Path) -> None:
     kind = "lora" if engine.is_lora else "full"
     if meta["kind"] != kind:
         raise ValueError(f"checkpoint {str(path)!r} holds {meta['kind']} weights; this run trains {kind} weights")
+    tower = meta.get("train_vision", False)
+    if kind == "full" and getattr(engine, "vision", None) is not None and tower != engine.config.train_vision:
+        raise ValueError(f"checkpoint {str(path)!r} was saved with train_vision={tower} (its vision tower "
+                         f"{'trained' if tower else 'frozen'}); this engine has train_vision="
+                         f"{engine.config.train_vision}")
     if engine.is_lora:
         mine, theirs = engine.lora_config.model_dump(), dict(meta["lora_config"])
         mine.pop("seed", None), theirs.pop("seed", None)
@@ -161,4 +167,5 @@ def export_hf(engine: "TorchEngine", path: Path) -> None:
         return
     peft_cfg = engine.model.peft_config[engine.adapter_name]
     hf_export.write_lora_adapter(path, adapter, rank=peft_cfg.r, alpha=peft_cfg.lora_alpha,
-                                 base_model=peft_cfg.base_model_name_or_path or engine.model_name, head=head or None)
+                                 base_model=peft_cfg.base_model_name_or_path or engine.model_name, head=head or None,
+                                 exclude_modules=peft_cfg.exclude_modules)

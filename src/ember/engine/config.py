@@ -39,6 +39,10 @@ class EngineConfig:
         memory (`torch.autograd.graph.save_on_cpu`) and copied back in backward.
     optimizer_offload: CUDA only: the optimizer state (AdamW moments, Dimuon momentum)
         lives in host memory between steps and visits the device for `optim_step` only.
+    train_vision: a vision-language model's tower is trained too (full fine-tuning of its
+        weights) in a full fine-tuning run; off, the tower is frozen and only the language
+        model learns. LoRA adapters never go on the tower, and a LoRA run with it on is
+        refused (the tower's weights are the shared base model's).
     """
 
     micro_batch_tokens: int = 8192
@@ -53,6 +57,7 @@ class EngineConfig:
     activation_checkpointing: bool = False
     activation_offload: bool = False
     optimizer_offload: bool = False
+    train_vision: bool = False
 
     def __post_init__(self) -> None:
         from ember.engine.registry import ENGINE_BACKENDS

@@ -8,7 +8,8 @@ activations of one micro-batch of N tokens:
 
 * parameters: every tensor in the stored dtype; decoder-layer projections divided by `tp`
   (ember's TP plan: embeddings, norms and `lm_head` stay replicated); everything divided by
-  `dp_shard` (FSDP2), plus FSDP2's working set: the root's unsharded tensors (embeddings,
+  `dp_shard * cp` (FSDP2; under context parallelism it shards over the flattened
+  `(dp_shard, cp)` dims), plus FSDP2's working set: the root's unsharded tensors (embeddings,
   final norm, lm_head) and two unsharded layers (the one computing and the prefetched one).
 * gradients: the trained tensors (the adapter's for LoRA) in the stored dtype, sharded alike.
 * optimizer: AdamW two moments, Dimuon one momentum per trained tensor; 0 on the device with
@@ -19,6 +20,9 @@ activations of one micro-batch of N tokens:
   many (chunk, vocab) tensors chunked (`EngineConfig.logprob_chunk_tokens`). With activation
   checkpointing one hidden state per layer plus one layer's activations; with activation
   offload the saved tensors go to the host and only one layer's stay on the device.
+* context parallelism (`cp`): each rank runs the decoder and the output head on
+  `ceil(N / cp)` tokens; the (T, T) attention mask stays full-size on every rank (Ulysses
+  attention sees the whole sequence for its heads).
 * peak: all of the above (gradients and saved activations coexist during backward).
 
 The model on the meta device is built by transformers (`AutoModelForCausalLM.from_config`),
@@ -95,11 +99,15 @@ def load_config(model_dir: str | os.PathLike):
 
 
 def meta_model(hf_config) -> torch.nn.Module:
-    """The causal LM of `hf_config` with every tensor on the meta device (no memory)."""
+    """The causal LM of `hf_config` with every tensor on the meta device (no memory); a
+    vision-language model's own class (`ember.models.loading.model_class`), tower included."""
     from transformers import AutoModelForCausalLM
 
+    from ember.models.loading import model_class
+
+    cls = model_class(hf_config)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return AutoModelForCausalLM.from_config(hf_config) if cls is AutoModelForCausalLM else cls(hf_config)
 
 
 @dataclass
@@ -159,14 +167,17 @@ def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
     return per_elem * compute_bytes + norm_extra
 
 
-def _activations(hf_config, engine: EngineConfig, tp: int, tokens: int, compute_bytes: int) -> tuple[int, int, list]:
-    """(device bytes, host bytes, notes) of the decoder's saved activations for `tokens`."""
+def _activations(hf_config, engine: EngineConfig, tp: int, tokens: int, compute_bytes: int,
+                 cp: int = 1) -> tuple[int, int, list]:
+    """(device bytes, host bytes, notes) of the decoder's saved activations for `tokens`
+    (this rank's `ceil(tokens / cp)` of them under context parallelism)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     layers, hidden = int(text.num_hidden_layers), int(text.hidden_size)
-    per_layer = saved_bytes_per_token(hf_config, compute_bytes, tp) * tokens
     mask = 0
     if engine.packing and not engine.attn_implementation.startswith("flash"):
-        mask = 5 * tokens * tokens  # sdpa's block-diagonal mask: bool + fp32 additive, (T, T)
+        mask = 5 * tokens * tokens  # sdpa's block-diagonal mask: bool + fp32 additive, (T, T), full size under cp
+    tokens = -(-tokens // cp)
+    per_layer = saved_bytes_per_token(hf_config, compute_bytes, tp) * tokens
     notes = []
     if mask:
         notes.append(f"packed sdpa attention builds a (T, T) mask: {_gib(mask).strip()}; flash_attention_2 does not")
@@ -217,17 +228,19 @@ def estimate_memory(
     counts = _count(meta if meta is not None else meta_model(hf_config), parallel.tp, lora_rank, lora)
     param_bytes = resolve_dtype(engine.dtype).itemsize
     compute_bytes = resolve_dtype(engine.autocast_dtype or engine.dtype).itemsize
-    shard = parallel.dp_shard
+    shard = parallel.dp_shard * parallel.cp
     params = (counts.layer + counts.root) * param_bytes // shard
     trained = counts.trained * param_bytes // shard  # FSDP2 shards the adapter too
     moments = {"adamw": 2, "dimuon": 1}[optimizer] * trained
     working = (counts.root + 2 * counts.largest_layer) * param_bytes if shard > 1 else 0
-    acts, host_acts, notes = _activations(hf_config, engine, parallel.tp, tokens, compute_bytes)
+    acts, host_acts, notes = _activations(hf_config, engine, parallel.tp, tokens, compute_bytes, parallel.cp)
+    if parallel.cp > 1:
+        notes.append(f"context parallelism: each rank holds {-(-tokens // parallel.cp)} of the {tokens} tokens")
     host = host_acts + (moments if engine.optimizer_offload else 0)
     return MemoryEstimate(
         tokens=tokens, world_size=parallel.world_size, parameters=params, gradients=trained,
         optimizer=0 if engine.optimizer_offload else moments, activations=acts,
-        output_head=_output_head(hf_config, engine, tokens, compute_bytes), fsdp_working_set=working,
+        output_head=_output_head(hf_config, engine, -(-tokens // parallel.cp), compute_bytes), fsdp_working_set=working,
         host_offloaded=host, notes=notes,
     )
 

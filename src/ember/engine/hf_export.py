@@ -32,6 +32,7 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import safetensors.torch
 import torch
@@ -43,10 +44,12 @@ from ember.models.families import FAMILIES
 
 MODEL_WEIGHTS = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
-# Files of a model directory that describe the model or its tokenizer (never weights).
+# Files of a model directory that describe the model or its tokenizer (never weights); a
+# vision-language model's image processor (and processor) configs go along.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
 
@@ -77,20 +80,33 @@ def _check_head(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_lora_adapter(out: Path, adapter: dict[str, torch.Tensor], *, rank: int, alpha: int, base_model: str,
-                       base_dir: Path | None = None, head: dict[str, torch.Tensor] | None = None) -> None:
+                       base_dir: Path | None = None, head: dict[str, torch.Tensor] | None = None,
+                       exclude_modules: str | None = None) -> None:
     """A peft adapter directory for `adapter` (`ember.models.adapter.write_peft_adapter`),
-    with the tokenizer files of `base_dir` when given.
+    with the tokenizer files of `base_dir` when given. `exclude_modules` (peft's): the
+    modules the adapter's suffixes must not match (a vision tower, `ember.models.lora.
+    lora_exclude_modules`); read from `base_dir`'s config when not given.
 
     With `head` (a value head's `score.weight` / `score.bias`): a `TOKEN_CLS` adapter that
     saves the head beside it (`modules_to_save=["score"]`, tensors `base_model.model.score.*`)."""
+    if exclude_modules is None and base_dir is not None:
+        exclude_modules = _exclude_modules(Path(base_dir))
     if head is None:
-        write_peft_adapter(out, adapter, rank=rank, alpha=alpha, base_model=base_model)
+        write_peft_adapter(out, adapter, rank=rank, alpha=alpha, base_model=base_model,
+                           exclude_modules=exclude_modules)
     else:
         tensors = dict(adapter) | {"base_model.model." + n: t for n, t in _check_head(head).items()}
         write_peft_adapter(out, tensors, rank=rank, alpha=alpha, base_model=base_model, task_type="TOKEN_CLS",
                            modules_to_save=["score"])
     if base_dir is not None:
         copy_model_files(base_dir, out, TOKENIZER_FILES)
+
+
+def _exclude_modules(base_dir: Path) -> str | None:
+    from ember.models.lora import lora_exclude_modules
+
+    config = json.loads((base_dir / "config.json").read_text()) if (base_dir / "config.json").is_file() else {}
+    return lora_exclude_modules(SimpleNamespace(model_type=config.get("model_type")))
 
 
 def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], base_dir: Path, *,

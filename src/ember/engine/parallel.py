@@ -1,11 +1,17 @@
 """Parallel layouts for a Hugging Face causal LM on a DeviceMesh: FSDP2, HSDP/replication, TP.
 
-Mesh: three named dims, outermost first, `("dp_replicate", "dp_shard", "tp")`, so the
-ranks of one tensor-parallel group are contiguous and the data-parallel rank of global
-rank r is `r // tp` (`ParallelismConfig.dp_rank`). Every data-parallel rank receives its
-own datums; the `tp` ranks of one data-parallel rank receive the same datums.
+Mesh: four named dims, outermost first, `("dp_replicate", "dp_shard", "cp", "tp")`, so
+the ranks of one tensor-parallel group are contiguous and the data-parallel rank of global
+rank r is `r // (cp * tp)` (`ParallelismConfig.dp_rank`). Every data-parallel rank receives
+its own datums; the `cp * tp` ranks of one data-parallel rank receive the same datums.
 
-Order of application (as torchtitan): tensor parallel → activation checkpointing → FSDP2.
+Order of application (as torchtitan): tensor parallel → context parallel → activation
+checkpointing → FSDP2.
+
+* **CP** (`cp > 1`, `ember.engine.context_parallel`): each micro-batch's columns are split
+  over the cp ranks; attention is DeepSpeed-Ulysses (all-to-all over heads), installed
+  through transformers' `AttentionInterface`. FSDP2 then shards over the flattened
+  `(dp_shard, cp)` dims (`dp_shard_cp`, as torchtitan), which SUMs the cp ranks' gradients.
 
 * **TP** (`tp > 1`, the families of `ember.models.families` with a `tp_plan`): DTensor `parallelize_module` per decoder layer —
   `ColwiseParallel` for q/k/v/gate/up, `RowwiseParallel` for o/down. The attention modules
@@ -49,17 +55,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ember.models.families import LLAMA_TP_PLAN, TensorParallelPlan, family_of, tp_families
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
 class ParallelismConfig:
-    """How one engine is laid out over `world_size = dp_replicate * dp_shard * tp` ranks.
+    """How one engine is laid out over `world_size = dp_replicate * dp_shard * cp * tp` ranks.
 
     dp_replicate: replicas holding a full copy each (HSDP across replicas; DDP-style when
         dp_shard == 1). Gradients are summed across replicas.
     dp_shard: FSDP2 degree: parameters, gradients and optimizer state are sharded dim-0.
     tp: tensor-parallel degree (Llama/Qwen3 attention heads and MLP columns).
+    cp: context-parallel degree: each sequence's tokens are split over `cp` ranks (Ulysses
+        attention, `ember.engine.context_parallel`); must divide the attention heads.
+        Activations per rank shrink `cp` times; parameters are sharded over dp_shard * cp.
     activation_checkpointing: recompute each decoder layer's activations in backward.
     cpu_offload: FSDP2 CPUOffloadPolicy (sharded params/grads/optimizer on CPU; GPU only).
     """
@@ -68,19 +77,27 @@ class ParallelismConfig:
     dp_shard: int = 1
     tp: int = 1
     activation_checkpointing: bool = False
+    cp: int = 1
     cpu_offload: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.cpu_offload and self.dp_size == 1:
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError(f"ParallelismConfig.cp={self.cp} with tp={self.tp} is not supported yet; use one of them")
+        if self.cpu_offload and not self.fsdp:
             raise ValueError("ParallelismConfig.cpu_offload needs FSDP2 (dp_shard or dp_replicate > 1)")
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 wraps the model (data parallelism or context parallelism)."""
+        return self.dp_size * self.cp > 1
 
     @property
     def dp_size(self) -> int:
@@ -88,14 +105,17 @@ class ParallelismConfig:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        """Data-parallel rank of global rank `rank` (tp is the innermost mesh dim)."""
+        """Data-parallel rank of global rank `rank` (cp, then tp, are the innermost mesh dims)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of size {self.world_size}")
-        return rank // self.tp
+        return rank // (self.cp * self.tp)
 
     def as_dict(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "dp_replicate": self.dp_replicate,
-                "dp_shard": self.dp_shard, "tp": self.tp}
+        out = {"world_size": self.world_size, "dp_replicate": self.dp_replicate,
+               "dp_shard": self.dp_shard, "tp": self.tp}
+        if self.cp > 1:  # listed only when used: layouts without CP read as before
+            out["cp"] = self.cp
+        return out
 
     @classmethod
     def for_world(cls, world_size: int, **kwargs) -> "ParallelismConfig":
@@ -104,7 +124,7 @@ class ParallelismConfig:
 
 
 def build_mesh(pconfig: ParallelismConfig, device_type: str = "cpu") -> DeviceMesh:
-    """A DeviceMesh of shape (dp_replicate, dp_shard, tp) with those dim names.
+    """A DeviceMesh of shape (dp_replicate, dp_shard, cp, tp) with those dim names.
 
     The default process group must be initialised with exactly `pconfig.world_size` ranks.
     """
@@ -115,7 +135,7 @@ def build_mesh(pconfig: ParallelismConfig, device_type: str = "cpu") -> DeviceMe
         raise ValueError(
             f"ParallelismConfig {pconfig.as_dict()} needs {pconfig.world_size} ranks; the process group has {world}"
         )
-    shape = (pconfig.dp_replicate, pconfig.dp_shard, pconfig.tp)
+    shape = (pconfig.dp_replicate, pconfig.dp_shard, pconfig.cp, pconfig.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
 
@@ -266,19 +286,41 @@ def parallelize_model(
     `dtype` is the compute dtype (bf16 on GPU turns on FSDP2 mixed precision). With a
     world of one and no activation checkpointing the model is returned untouched.
     """
-    if pconfig.tp > 1 or pconfig.dp_size > 1:
+    if pconfig.world_size > 1:
         if mesh is None:
             raise ValueError(f"ParallelismConfig {pconfig.as_dict()} needs a DeviceMesh (see build_mesh)")
         if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
             raise ValueError(f"mesh dims must be {MESH_DIMS}, got {mesh.mesh_dim_names}")
     if pconfig.tp > 1:
         apply_tp(model, mesh["tp"])
+    if pconfig.cp > 1:
+        apply_cp(model, mesh["cp"])
     if pconfig.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if pconfig.dp_size > 1:
-        dp_mesh = mesh["dp_shard"] if pconfig.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
-        apply_fsdp(model, dp_mesh, dtype, pconfig.cpu_offload)
+    if pconfig.fsdp:
+        apply_fsdp(model, fsdp_mesh(mesh, pconfig), dtype, pconfig.cpu_offload)
     return model
+
+
+def fsdp_mesh(mesh: DeviceMesh, pconfig: ParallelismConfig) -> DeviceMesh:
+    """FSDP2's mesh: `dp_shard` (× `cp`, flattened to `dp_shard_cp`), with `dp_replicate` outside for HSDP."""
+    shard = "dp_shard"
+    if pconfig.cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard = "dp_shard_cp"
+    return mesh[shard] if pconfig.dp_replicate == 1 else mesh["dp_replicate", shard]
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Ulysses attention over `cp_mesh`'s group (see `ember.engine.context_parallel`)."""
+    from ember.engine.context_parallel import install_attention
+
+    config = hf_model(model).config
+    heads = int(config.num_attention_heads)
+    if heads % cp_mesh.size():
+        raise ValueError(f"cp={cp_mesh.size()} must divide config.num_attention_heads={heads} "
+                         "(Ulysses attention gives each rank whole heads)")
+    install_attention(hf_model(model), cp_mesh.get_group(), cp_mesh.size())
 
 
 # ---------------------------------------------------------------------- runtime helpers for engines
@@ -311,18 +353,29 @@ class ParallelContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
 
+    @property
+    def cp(self) -> int:
+        return self.config.cp
+
+    def cp_group(self) -> "dist.ProcessGroup":
+        return self.mesh["cp"].get_group()
+
+    def cp_rank(self) -> int:
+        return self.mesh["cp"].get_local_rank()
+
     def dp_group(self) -> "dist.ProcessGroup":
-        """The process group of this rank's data-parallel peers (same TP rank)."""
-        if self.config.dp_replicate == 1:
+        """The process group of the ranks that hold distinct tokens (data-parallel and
+        context-parallel peers; same TP rank)."""
+        if self.config.dp_replicate == 1 and self.config.cp == 1:
             return self.mesh["dp_shard"].get_group()
         if "_dp_pg" not in self.__dict__:  # flattened once; every rank gets here on the same call
-            self.__dict__["_dp_pg"] = self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+            self.__dict__["_dp_pg"] = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
         return self.__dict__["_dp_pg"]
 
     def sum_over_dp_(self, tensors: list[torch.Tensor]) -> None:
-        """In place: SUM each (plain, replicated) tensor over the data-parallel ranks, in one
-        all-reduce. Every rank of the group must call it; a no-op without data parallelism."""
-        if not tensors or self.config.dp_size == 1 or not self.is_distributed:
+        """In place: SUM each (plain, replicated) tensor over the data- and context-parallel
+        ranks, in one all-reduce. Every rank of the group must call it; a no-op without them."""
+        if not tensors or self.config.dp_size * self.config.cp == 1 or not self.is_distributed:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group())

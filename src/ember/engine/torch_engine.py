@@ -38,6 +38,8 @@ from ember.engine.optimizers import Optimizer, build_optimizer
 from ember.engine.parallel import apply_activation_checkpointing, hf_model
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
+from ember.models.families import vision_of
+from ember.models.vision import VisionSpec, load_vision_spec
 
 if TYPE_CHECKING:
     from ember.engine.parallel import ParallelContext, ParallelismConfig
@@ -77,10 +79,12 @@ class TorchEngine(TrainingEngine):
         parallel: "ParallelContext | None" = None,
         optimizer_config: types.OptimizerConfig | dict | None = None,
         head: str = "policy",
+        vision: VisionSpec | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.parallel = parallel
         self.model = model
+        self.vision = vision if vision is not None else self._load_vision(model)
         self.model_name = model_name
         self.lora_config = lora_config
         self.adapter_name = adapter_name if lora_config is not None else None
@@ -119,6 +123,9 @@ class TorchEngine(TrainingEngine):
         """
         config = config or EngineConfig()
         head_output(head)  # an unknown head is refused before the model is loaded
+        if parallelism is not None and parallelism.cp > 1 and config.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"ParallelismConfig.cp={parallelism.cp} runs its own (sdpa) attention over all-to-all; "
+                             f"EngineConfig.attn_implementation must be 'sdpa' or 'eager', got {config.attn_implementation!r}")
         model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
         if lora_config is not None:
             model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config, unembed=head == "policy")
@@ -126,6 +133,10 @@ class TorchEngine(TrainingEngine):
         if parallelism is not None and config.activation_checkpointing:
             # under a mesh it must come before FSDP2 (torchtitan's order): let parallelize_model apply it
             parallelism = dataclasses.replace(parallelism, activation_checkpointing=True)
+        if parallelism is not None and parallelism.world_size > 1 and vision_of(model.config) is not None:
+            # FSDP2 gathers the tower's shards in its forward, which only ranks with images run
+            raise ValueError(f"{model.config.model_type} is a vision-language model; ember trains it on one rank "
+                             f"(world_size 1), got a layout of {parallelism.world_size} ranks")
         if parallelism is not None and parallelism.world_size > 1:
             from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
 
@@ -137,6 +148,30 @@ class TorchEngine(TrainingEngine):
                    optimizer_config=optimizer_config, head=head)
 
     # ------------------------------------------------------------------ helpers
+    def _load_vision(self, model) -> VisionSpec | None:
+        """A vision-language model's image side, from the directory it was loaded from;
+        refuses `train_vision` for a LoRA run (its tower is the base model's, shared)."""
+        hf = hf_model(model)
+        if vision_of(hf.config) is None:
+            return None
+        if self.config.train_vision and isinstance(model, PeftModel):
+            raise ValueError("train_vision trains the vision tower's own weights, which a LoRA run shares with the "
+                             "other runs on its base model; train the tower in a full fine-tuning run")
+        return load_vision_spec(hf.name_or_path, hf.config)
+
+    def _rope_index(self):
+        from ember.engine.vision_batch import model_rope_index
+
+        return model_rope_index(hf_model(self.model)) if self.vision is not None else None
+
+    def _frozen_tower(self) -> set[int]:
+        """ids of the vision tower's parameters when they are not trained (`train_vision` off)."""
+        if self.vision is None or self.config.train_vision:
+            return set()
+        tower = self.vision.family.tower
+        return {id(p) for n, m in hf_model(self.model).named_modules() if n.rsplit(".", 1)[-1] == tower
+                for p in m.parameters()}
+
     @property
     def is_lora(self) -> bool:
         return self.lora_config is not None
@@ -156,7 +191,7 @@ class TorchEngine(TrainingEngine):
     @property
     def _autocast(self) -> str | None:
         # Under FSDP2 on GPU the MixedPrecisionPolicy casts instead (see ember.engine.parallel).
-        if self.distributed and self.parallel.config.dp_size > 1 and self.device.type == "cuda":
+        if self.distributed and self.parallel.config.fsdp and self.device.type == "cuda":
             return None
         return self.config.autocast_dtype
 
@@ -167,7 +202,7 @@ class TorchEngine(TrainingEngine):
 
     @property
     def _pad_id(self) -> int:
-        pad = getattr(self.hf_config, "pad_token_id", None)
+        pad = getattr(self.hf_config.get_text_config(), "pad_token_id", None)
         return int(pad) if isinstance(pad, int) else 0
 
     def _activate(self) -> None:
@@ -180,7 +215,8 @@ class TorchEngine(TrainingEngine):
         head = [("head." + n, p) for n, p in self.head.named_parameters()]
         if not self.is_lora:
             unused = self._unused_output_embedding()
-            return [(n, p) for n, p in self.model.named_parameters() if p is not unused] + head
+            frozen = self._frozen_tower()
+            return [(n, p) for n, p in self.model.named_parameters() if p is not unused and id(p) not in frozen] + head
         tag_a, tag_b = f".lora_A.{self.adapter_name}.", f".lora_B.{self.adapter_name}."
         return [(n, p) for n, p in self.model.named_parameters() if tag_a in n or tag_b in n] + head
 
@@ -199,6 +235,10 @@ class TorchEngine(TrainingEngine):
         unused = None if self.is_lora else self._unused_output_embedding()
         if unused is not None:
             unused.requires_grad_(False)
+        frozen = self._frozen_tower()  # a vision tower left as it is (empty for text models)
+        for p in hf_model(self.model).parameters():
+            if id(p) in frozen:
+                p.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
         if not params:
@@ -212,19 +252,36 @@ class TorchEngine(TrainingEngine):
     def _head_outputs(self, mb: MicroBatch) -> torch.Tensor:
         """The head's per-token output for the real tokens of `mb`: log-probs or values (fp32)."""
         dev = self.device
+        if self.distributed and self.parallel.cp > 1:
+            return self._cp_head_outputs(mb)
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
-        out = self._model_forward(mb.input_ids.to(dev), mb.position_ids.to(dev), mask)
+        out = self._model_forward(mb.input_ids.to(dev), mb.position_ids.to(dev), mask, mb.model_kwargs)
         return self.head.outputs(out, mb, dev)
 
-    def _model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
+    def _cp_head_outputs(self, mb: MicroBatch) -> torch.Tensor:
+        """Context parallelism (`ember.engine.context_parallel`): this rank runs the model on its
+        columns of `mb` (true positions, the full micro-batch's mask), scores its own real
+        tokens, and all ranks exchange those outputs so each holds all T of them."""
+        from ember.engine.context_parallel import gather_token_outputs, shard_micro_batch
+
+        dev, rank, group = self.device, self.parallel.cp_rank(), self.parallel.cp_group()
+        shard = shard_micro_batch(mb, self.parallel.cp, rank, self._pad_id)
+        mask = None if shard.mask is None else shard.mask.to(dev)
+        out = self._model_forward(shard.input_ids.to(dev), shard.position_ids.to(dev), mask)
+        return gather_token_outputs(self.head.outputs(out, shard.local, dev), shard, group, rank)
+
+    def _model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                       images: dict[str, torch.Tensor] | None = None):
         """The HF model's output object (always the root module: FSDP2/TP/peft hooks stay in play).
 
         A chunked policy head asks for no logits (`logits_to_keep` empty); the decoder's last
         hidden state (after the final norm) is then read by a forward hook on the decoder
         — not `output_hidden_states`, which would keep every layer's output in a no-grad
-        forward — and put on the output as `ember_last_hidden`."""
+        forward — and put on the output as `ember_last_hidden`. `images`: a vision-language
+        micro-batch's pixels, grids and token types (`ember.engine.vision_batch`)."""
         amp = self._autocast
-        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.head.model_kwargs.items()}
+        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v
+                  for k, v in {**self.head.model_kwargs, **(images or {})}.items()}
         captured: list[torch.Tensor] = []
         with self._capture_last_hidden(captured, "logits_to_keep" in kwargs and self.head.uses_lm_head), \
                 self._activation_offload(), \
@@ -262,9 +319,9 @@ class TorchEngine(TrainingEngine):
 
     def _prepare(self, datums: Sequence[types.Datum], spec) -> tuple[list, list[list[int]], int]:
         """Validate and plan; under data parallelism all ranks agree on errors and pass count."""
-        vocab = int(self.hf_config.vocab_size)
+        vocab = int(self.hf_config.get_text_config().vocab_size)
         if not self.distributed:
-            prepared = prepare_datums(datums, spec, vocab, output=self.head.output)
+            prepared = prepare_datums(datums, spec, vocab, output=self.head.output, vision=self.vision)
             plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
             return prepared, plan, len(plan)
         error: ValueError | None = None
@@ -272,7 +329,8 @@ class TorchEngine(TrainingEngine):
         try:  # a rank may get no datum at all (a batch smaller than the data-parallel degree)
             if self.head.output not in spec.consumes:  # the same refusal on a rank without datums
                 raise ValueError(head_mismatch(spec, self.head.output))
-            prepared = prepare_datums(datums, spec, vocab, output=self.head.output) if len(datums) else []
+            prepared = prepare_datums(datums, spec, vocab, output=self.head.output,
+                                      vision=self.vision) if len(datums) else []
             plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
         except ValueError as exc:
             error = exc
@@ -303,9 +361,11 @@ class TorchEngine(TrainingEngine):
         total = 0.0
         for _ in range(passes - len(plan)):
             self._padding_pass(backward)
+        rope_index = self._rope_index()
         for group in plan:
             mb = build_micro_batch(
-                [prepared[i] for i in group], self.config.packing, self._pad_id, single_row=self._varlen_attention
+                [prepared[i] for i in group], self.config.packing, self._pad_id, single_row=self._varlen_attention,
+                rope_index=rope_index,
             )
             with torch.set_grad_enabled(backward):
                 logp = self._head_outputs(mb)  # log-probs, or values for a value head

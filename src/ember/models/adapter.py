@@ -41,14 +41,16 @@ def adapter_target_modules(adapter_names: Iterable[str]) -> list[str]:
 
 def write_peft_adapter(out: Path, tensors: Mapping[str, torch.Tensor], *, rank: int, alpha: int,
                        base_model: str | None = None, task_type: str = "CAUSAL_LM",
-                       modules_to_save: Sequence[str] | None = None) -> None:
-    """`out` as a peft LoRA adapter directory holding `tensors` (see the module docstring)."""
+                       modules_to_save: Sequence[str] | None = None, exclude_modules: str | None = None) -> None:
+    """`out` as a peft LoRA adapter directory holding `tensors` (see the module docstring);
+    `exclude_modules` (peft's regex) keeps the target suffixes off a vision tower."""
     from peft import LoraConfig
 
     targets = adapter_target_modules(tensors)  # before anything is written
+    extra = {"exclude_modules": exclude_modules} if exclude_modules is not None else {}
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=targets,
                         base_model_name_or_path=base_model, task_type=task_type,
-                        modules_to_save=list(modules_to_save) if modules_to_save else None)
+                        modules_to_save=list(modules_to_save) if modules_to_save else None, **extra)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
     on_cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}

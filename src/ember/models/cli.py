@@ -9,6 +9,9 @@ The defaults are what a first user needs: a byte-level tokenizer (any text round
 with the chat markers tinker-cookbook's renderers expect as single tokens (`<|im_start|>`,
 `<|im_end|>`, `<|endoftext|>`, Llama 3's `<|eot_id|>`, ...), 4096 positions, and
 head_dim 32, which every sampler backend serves (vLLM's CPU attention needs >= 32).
+`--family qwen3_vl` / `qwen2_5_vl` write a vision-language model: a 2-block vision tower in
+front of the decoder, the image placeholder tokens in the tokenizer (and a chat template
+that renders image parts as them) and `preprocessor_config.json` (the PIL image processor).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+FAMILY_CHOICES = ("qwen3", "llama", "qwen3_vl", "qwen2_5_vl")
 
 # (flag, attribute, lowest, highest): a value outside is refused before anything is built
 SIZES = (
@@ -28,7 +33,9 @@ SIZES = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="directory to write (must not exist, or be empty)")
-    parser.add_argument("--family", choices=("qwen3", "llama"), default="qwen3", help="architecture (default qwen3)")
+    parser.add_argument("--family", choices=FAMILY_CHOICES, default="qwen3",
+                        help="architecture (default qwen3; qwen3_vl and qwen2_5_vl add a tiny vision tower, "
+                             "the image placeholder tokens and a PIL image processor config)")
     parser.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--heads", type=int, default=None,
@@ -72,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     build_tiny_model(out, family=args.family, seed=args.seed, tokenizer="bytes", hidden_size=args.hidden_size,
                      num_layers=args.layers, num_heads=heads, num_kv_heads=heads,
                      head_dim=args.hidden_size // heads, max_position_embeddings=args.max_positions)
-    print(f"ember tiny-model: wrote a random-weight {args.family} (hidden {args.hidden_size}, {args.layers} "
+    print(f"ember tiny-model: wrote a random-weight {args.family}{' (with a vision tower)' if 'vl' in args.family else ''} (hidden {args.hidden_size}, {args.layers} "
           f"layers, {heads} heads of {args.hidden_size // heads}, {args.max_positions} positions) and a "
           f"byte-level tokenizer with a ChatML template to {out}")
     return 0

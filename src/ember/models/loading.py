@@ -10,7 +10,10 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ember.models.families import vision_of
 
 _DTYPES = {
     "float32": torch.float32,
@@ -42,6 +45,14 @@ def _check_dir(path: str | os.PathLike) -> Path:
     return p
 
 
+def model_class(config) -> type:
+    """The transformers class a config loads through: `AutoModelForCausalLM`, or a
+    vision-language family's own class (`VisionFamily.model_class`: transformers maps
+    those to no causal-LM auto class)."""
+    vision = vision_of(config)
+    return AutoModelForCausalLM if vision is None else getattr(transformers, vision.model_class)
+
+
 def load_model(
     path: str | os.PathLike,
     dtype: str | torch.dtype = "float32",
@@ -52,10 +63,11 @@ def load_model(
 
     `sdpa` attention is the default: with `position_ids` restarting per sequence and no
     attention mask, transformers builds a block-diagonal causal mask, which is what
-    ember's sequence packing relies on (see `ember.engine.batching`).
+    ember's sequence packing relies on (see `ember.engine.batching`). A vision-language
+    model loads through its family's class (`model_class`), vision tower included.
     """
     p = _check_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = model_class(AutoConfig.from_pretrained(p, local_files_only=True)).from_pretrained(
         p,
         dtype=resolve_dtype(dtype),
         attn_implementation=attn_implementation,

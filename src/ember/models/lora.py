@@ -19,7 +19,7 @@ from peft import PeftModel, get_peft_model
 from tinker import types
 from transformers import PreTrainedModel
 
-from ember.models.families import lora_targets
+from ember.models.families import lora_targets, vision_of
 
 LORA_ALPHA = 32
 
@@ -50,9 +50,18 @@ def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig, unembe
     return targets
 
 
+def lora_exclude_modules(config) -> str | None:
+    """peft's `exclude_modules` for a model: a vision-language model's tower (adapters go
+    on the language model only; Qwen2.5-VL's tower names its MLP like the decoder's)."""
+    vision = vision_of(config)
+    return vision.tower_pattern if vision is not None else None
+
+
 def peft_config(model: PreTrainedModel, config: types.LoraConfig, unembed: bool = True) -> PeftLoraConfig:
     if config.rank < 1:
         raise ValueError(f"LoraConfig.rank must be >= 1, got {config.rank}")
+    exclude = lora_exclude_modules(model.config)
+    extra = {"exclude_modules": exclude} if exclude is not None else {}
     return PeftLoraConfig(
         r=config.rank,
         lora_alpha=LORA_ALPHA,
@@ -60,6 +69,7 @@ def peft_config(model: PreTrainedModel, config: types.LoraConfig, unembed: bool 
         bias="none",
         target_modules=lora_target_modules(model, config, unembed),
         task_type="CAUSAL_LM",
+        **extra,
     )
 
 

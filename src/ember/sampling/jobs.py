@@ -11,6 +11,7 @@ import torch
 from tinker import types
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 
+from ember.sampling.prompt_extras import ROW_CHUNK
 from ember.sampling.prompt_extras import compute as compute_prompt_extras
 from ember.sampling.params import ResolvedRequest
 from ember.sampling.weights import TorchWeightVersion
@@ -74,21 +75,32 @@ def topk_matrix(rows: list[tuple[np.ndarray, np.ndarray] | None], k: int) -> Top
 
 
 def prompt_scores(
-    logits: torch.Tensor, prompt: tuple[int, ...], spec: ResolvedRequest
+    logits: torch.Tensor, prompt: tuple[int, ...], spec: ResolvedRequest, chunk_rows: int = ROW_CHUNK
 ) -> tuple[np.ndarray, TopkLogprobs | None]:
-    """Prompt logprobs (NaN where not scored) and top-k rows from the prompt's logits [P, V]."""
+    """Prompt logprobs (NaN where not scored) and top-k rows from the prompt's logits [P, V].
+
+    The fp32 log-softmax runs `chunk_rows` positions at a time (row-wise, so equal to one
+    pass over all rows): a long prompt never holds a second, fp32 (P, V) tensor."""
     p = len(prompt)
     first = 1 if spec.prompt_logprobs_last_n is None else p - spec.prompt_logprobs_last_n
-    logp = torch.log_softmax(logits[first - 1 : p - 1].float(), dim=-1)
-    targets = torch.tensor(prompt[first:], device=logp.device)
-    scored = logp.gather(1, targets[:, None]).squeeze(1).cpu().numpy()
+    k = min(spec.topk_prompt_logprobs, logits.shape[-1])
+    scored, top_ids, top_vals = [], [], []
+    for start in range(first - 1, p - 1, chunk_rows):
+        stop = min(start + chunk_rows, p - 1)
+        logp = torch.log_softmax(logits[start:stop].float(), dim=-1)
+        targets = torch.tensor(prompt[start + 1 : stop + 1], device=logp.device)
+        scored.append(logp.gather(1, targets[:, None]).squeeze(1).cpu().numpy())
+        if k > 0:
+            vals, ids = torch.topk(logp, k, dim=-1)
+            top_ids.append(ids.cpu().numpy())
+            top_vals.append(vals.cpu().numpy())
     out = np.full(p, np.nan, np.float32)
-    out[first:] = scored
+    if scored:
+        out[first:] = np.concatenate(scored)
     topk = None
     if spec.topk_prompt_logprobs > 0:
-        k = min(spec.topk_prompt_logprobs, logp.shape[-1])
-        vals, ids = torch.topk(logp, k, dim=-1)
-        ids_np, vals_np = ids.cpu().numpy(), vals.cpu().numpy()
+        ids_np = np.concatenate(top_ids) if top_ids else np.zeros((0, k), np.int64)
+        vals_np = np.concatenate(top_vals) if top_vals else np.zeros((0, k), np.float32)
         rows = [None] * first + [(ids_np[i], vals_np[i]) for i in range(p - first)]
         topk = topk_matrix(rows, spec.topk_prompt_logprobs)
     return out, topk

@@ -49,6 +49,10 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
                    routes_rest):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(routes_openai.router, prefix="/v1")  # OpenAI-compatible completions
+    if config.console:
+        from ember.server.console import install_console
+
+        install_console(app)  # the web console at /, Tinker's console paths
 
     # add_middleware: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)

@@ -53,10 +53,10 @@ def build_app(config):
     service = build_service(config.service, config.workers)
     try:
         check_memory(service, config.workers)
-    except ValueError:
+        return create_app(service, config.server, close_service=True)  # may refuse the console's key file
+    except (ValueError, OSError):
         service.close()
         raise
-    return create_app(service, config.server, close_service=True)
 
 
 def check_memory(service, workers) -> None:
@@ -80,7 +80,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: float = 10.0) -> int:
+def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: float = 10.0,
+          path_prefix: str = "", console: bool = False) -> int:
     """Run `app` with uvicorn on host:port (0 = any free port), announcing the URL on stdout.
 
     The HTTP protocol is h11 (uvicorn's one hard dependency), never "auto": the header
@@ -95,6 +96,8 @@ def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: 
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"ember serve: listening on http://{shown}:{actual}", flush=True)
+    if console:
+        print(f"ember serve: console at http://{shown}:{actual}{path_prefix}/ (sign in with an API key)", flush=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=5, lifespan="on",
                             http=header_timeout_protocol(header_timeout_s))
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         server = config.server
-        return serve(app, server.host, server.port, config.log_level, server.header_timeout_s)
+        return serve(app, server.host, server.port, config.log_level, server.header_timeout_s,
+                     server.path_prefix, server.console)
     finally:
         app.state.service.close()  # idempotent; covers a uvicorn that never ran its lifespan
 

@@ -99,6 +99,12 @@ class ServerConfig:
         chunks, or is not complete this long after the request arrived, gets 408 and the
         connection is closed. Only the wait for body bytes is bounded, never the answer
         (a `retrieve_future` long-poll holds its response as long as `long_poll_s`).
+    console: serve the web console (runs, curves, checkpoints, a sampling playground) at
+        the server's root, at Tinker's console paths (`/`, `/training_runs/...`, ...);
+        sign in at `/login` with an API key.
+    console_session_ttl_s: how long a console sign-in lasts (its signed, HttpOnly cookie
+        expires then). The cookie's signing key is generated once per data directory
+        (`<data_dir>/console-secret`, mode 0600).
     max_requests_per_key: in-flight HTTP requests of one API key (owner) beyond this get
         429 with Retry-After. Above the SDK's own ceiling (a SamplingClient keeps up to
         2000 sample requests in flight, each one HTTP request at a time), so a normal
@@ -122,6 +128,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     body_deadline_s: float = 600.0
     max_requests_per_key: int = field(default=4096, metadata=meta(limit=True))
+    console: bool = True
+    console_session_ttl_s: float = 12 * 3600.0
 
     def __post_init__(self) -> None:
         if not 0 < self.long_poll_s <= SDK_RETRIEVE_TIMEOUT_S - 10:
@@ -131,7 +139,7 @@ class ServerConfig:
             )
         if self.max_body_bytes < 1024:
             raise ValueError(f"ServerConfig.max_body_mb must be at least 1 KiB, got {self.max_body_mb}")
-        for name in ("header_timeout_s", "body_timeout_s", "body_deadline_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "body_deadline_s", "console_session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_requests_per_key < 1:

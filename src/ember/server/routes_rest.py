@@ -34,6 +34,12 @@ async def get_training_run(run_id: str, owner: str = Owner, service=ServiceDep):
     return model_response(await run_in_threadpool(service.get_training_run, owner, run_id))
 
 
+@router.get("/training_runs/{run_id}/metrics")
+async def metric_history(run_id: str, owner: str = Owner, service=ServiceDep):
+    """ember's own: the run's per-step metrics (`ember.service.metric_history`), the console's curves."""
+    return model_response(await run_in_threadpool(service.metric_history_of, owner, run_id))
+
+
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_checkpoints(run_id: str, owner: str = Owner, service=ServiceDep):
     return model_response(await run_in_threadpool(service.list_checkpoints, owner, run_id))

@@ -459,6 +459,11 @@ class ServiceAPI(abc.ABC):
     def get_training_run(self, owner: str, run_id: str) -> types.TrainingRun: ...
 
     @abc.abstractmethod
+    def metric_history_of(self, owner: str, run_id: str) -> dict[str, Any]:
+        """The run's per-step metrics (`ember.service.metric_history.MetricHistory.history`):
+        {run_id, steps_taken, max_rows, rows: [{step, kind, metrics, time}]}, oldest first."""
+
+    @abc.abstractmethod
     def list_checkpoints(self, owner: str, run_id: str) -> types.CheckpointsListResponse: ...
 
     @abc.abstractmethod

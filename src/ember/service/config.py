@@ -167,6 +167,10 @@ class ServiceConfig:
     checkpoints: checkpoint TTL sweep and bounds of ttl_seconds / user_metadata
         (`CheckpointConfig`).
     sessions: when idle client sessions end (`SessionsConfig`).
+    metric_history_rows: per-step metric rows kept per training run (the console's
+        curves; one row per forward_backward / forward / optim_step). Past it the older
+        half of the run's steps is thinned to every second step (`ember.service.metric_history`).
+        0 = no history recorded.
     """
 
     data_dir: str | os.PathLike = "./ember-data"
@@ -188,6 +192,7 @@ class ServiceConfig:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    metric_history_rows: int = 4096
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -219,6 +224,9 @@ class ServiceConfig:
             raise ValueError(f"ServiceConfig.future_retention_s must be > 0 or None, got {self.future_retention_s}")
         if self.housekeeping_interval_s <= 0:
             raise ValueError(f"ServiceConfig.housekeeping_interval_s must be > 0, got {self.housekeeping_interval_s}")
+        if isinstance(self.metric_history_rows, bool) or not (
+                self.metric_history_rows == 0 or self.metric_history_rows >= 8):
+            raise ValueError(f"ServiceConfig.metric_history_rows must be 0 (off) or >= 8, got {self.metric_history_rows!r}")
         if self.retrieve_max_wait_s < 0:
             raise ValueError(f"ServiceConfig.retrieve_max_wait_s must be >= 0, got {self.retrieve_max_wait_s}")
 

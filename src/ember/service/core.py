@@ -32,6 +32,7 @@ from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, engine_factory_for
 from ember.service.model_registry import ModelRegistry
 from ember.service.futures import FutureTable
+from ember.service.metric_history import MetricHistory
 from ember.service.run_validation import check_samplable
 from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
@@ -90,6 +91,7 @@ class Service(ServiceAPI):
             self.checkpoints, config.seq_gap_timeout_s, config.limits,
         )
         self.records = StabilityRecords(config.stability)
+        self.metric_history = MetricHistory(self.store, config.metric_history_rows)
         self.samplers = SamplerManager(
             self.store, self.futures, self.registry,
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
@@ -237,9 +239,10 @@ class Service(ServiceAPI):
             engine = run.require_engine()
             # resolved on the lane, in seq_id order: a sample finished before this op ran
             batch = self.records.resolve(run.owner, run.session_id, data) if loss_fn == "stable_reinforce" else data
-            if forward_only:
-                return engine.forward(batch, loss_fn, cfg)
-            return engine.forward_backward(batch, loss_fn, cfg)
+            out = engine.forward(batch, loss_fn, cfg) if forward_only else engine.forward_backward(batch, loss_fn, cfg)
+            self.metric_history.record(run.run_id, run.steps, "forward" if forward_only else "forward_backward",
+                                       out.metrics)
+            return out
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
 
@@ -258,7 +261,10 @@ class Service(ServiceAPI):
             if not isinstance(adam_params, want):
                 raise UserError(f"optim_step got {params_name(adam_params)}, but this run's optimizer is "
                                 f"{run.spec.optimizer}, which takes {want.__name__}")
-            return types.OptimStepResponse(metrics=run.require_engine().optim_step(adam_params))
+            metrics = run.require_engine().optim_step(adam_params)
+            self.metric_history.record(run.run_id, run.steps, "optim_step", metrics)
+            run.steps += 1
+            return types.OptimStepResponse(metrics=metrics)
 
         return self.runs.submit_op(owner, model_id, seq_id, "OptimStep", op)
 
@@ -411,6 +417,36 @@ class Service(ServiceAPI):
     def get_weights_info(self, owner, tinker_path) -> types.WeightsInfoResponse:
         return self.checkpoints.weights_info(owner, tinker_path)
 
+    def metric_history_of(self, owner, run_id) -> dict[str, Any]:
+        rest.run_row(self.store, owner, run_id)
+        return self.metric_history.history(run_id)
+
+    def owner_state(self, owner) -> dict[str, Any]:
+        """What the server holds for `owner` now: queued requests per loaded run, futures
+        pending, sampling sessions loaded (the console's overview; no database)."""
+        live = self.runs.live_runs_of(owner)
+        return {"queue_depths": {rid: run.seq.queued for rid, run in live.items()},
+                "futures_pending": self.futures.pending_count_of(owner),
+                "samplers_loaded": self.samplers.loaded_count(owner)}
+
+    def run_facts(self, owner, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """run_id -> {steps, loaded, head, created} for `owner`'s runs among `run_ids` (the
+        console's listing): steps from the live run, else from the metric history."""
+        live = self.runs.live_runs_of(owner)
+        stored = self.store.steps_taken([r for r in run_ids if r not in live])
+        out = {}
+        for rid in run_ids:
+            row = rest.run_row(self.store, owner, rid)
+            run = live.get(rid)
+            out[rid] = {"steps": run.steps if run is not None else stored.get(rid, 0),
+                        "loaded": run is not None and run.error is None,
+                        "head": run.spec.head if run is not None else None, "created": row.created_at}
+        return out
+
+    def session_row(self, owner, session_id):
+        """The session's row (heartbeat, status), NotFoundError unless `owner`'s."""
+        return self.sessions.row(owner, session_id)
+
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         return rest.capabilities(self.registry, self.config.limits)
 
@@ -424,6 +460,7 @@ class Service(ServiceAPI):
         self._closed.set()
         self.runs.close()
         self.samplers.close()
+        self.metric_history.close()
         self.futures.fail_all_pending("the service was shut down before this request finished")
         self.store.close()
         self._data_lock.release()

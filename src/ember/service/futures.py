@@ -349,6 +349,11 @@ class FutureTable:
         with self._lock:
             return len(self._live)
 
+    def pending_count_of(self, owner: str) -> int:
+        """`owner`'s futures of this lifetime not finished yet (the console's server state)."""
+        with self._lock:
+            return sum(1 for e in self._live.values() if e.owner == owner)
+
     def pending_ids(self) -> list[str]:
         with self._lock:
             return list(self._live)

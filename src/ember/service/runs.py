@@ -63,6 +63,7 @@ class LiveRun:
     engine: TrainingEngine | None = None
     error: str | None = None  # why creation failed
     touched: float = 0.0  # last time last_request_time was written
+    steps: int = 0  # optim_steps taken in this lifetime (the metric history's step)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def require_engine(self) -> TrainingEngine:
@@ -353,6 +354,11 @@ class RunManager:
             self.factory.release(run.spec, run.engine)
             run.engine = None
         self._lanes.release(self.factory.lane_key(run.spec))
+
+    def live_runs_of(self, owner: str) -> dict[str, LiveRun]:
+        """run_id -> live run, for `owner`'s runs loaded now (the console)."""
+        with self._lock:
+            return {r.run_id: r for r in self._runs.values() if r.owner == owner}
 
     def queue_depths(self) -> dict[str, int]:
         """run_id -> requests waiting in its sequencer, for every live run (metrics)."""

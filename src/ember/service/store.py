@@ -34,10 +34,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ember.service.api import UserError
 from ember.service.faults import StoreBusy
-from ember.service.tables import Base, CheckpointRow, FutureRow, RunRow, SamplerRow, SessionRow
+from ember.service.tables import Base, CheckpointRow, FutureRow, MetricRow, RunRow, SamplerRow, SessionRow
 
 __all__ = [
-    "Base", "CheckpointRow", "FutureRow", "RunRow", "SamplerRow", "SessionRow", "Store",
+    "Base", "CheckpointRow", "FutureRow", "MetricRow", "RunRow", "SamplerRow", "SessionRow", "Store",
     "default_database_url", "dump_payload", "load_payload", "make_engine",
 ]
 
@@ -338,3 +338,35 @@ class Store(_Db):
             update(FutureRow).where(FutureRow.request_id == request_id, FutureRow.status == "pending")
             .values(status="failed", error=message, category="server", finished_at=time.time())
         ) > 0
+
+    # ------------------------------------------------------------------ per-step metrics
+    def insert_metrics(self, values: dict[str, Any]) -> None:
+        """One op's metrics row (Core insert: the training path's only cost of the history)."""
+        with self._write_core() as conn:
+            conn.execute(insert(MetricRow).values(**values))
+
+    def metric_rows(self, run_id: str) -> list[MetricRow]:
+        """The run's metric rows, oldest first."""
+        return self._all(select(MetricRow).where(MetricRow.run_id == run_id).order_by(MetricRow.id))
+
+    def metric_row_steps(self, run_id: str) -> list[tuple[int, int]]:
+        """(id, step) of the run's metric rows, oldest first (what thinning decides on)."""
+        with self._read() as s:
+            return [(int(i), int(st)) for i, st in s.execute(
+                select(MetricRow.id, MetricRow.step).where(MetricRow.run_id == run_id).order_by(MetricRow.id))]
+
+    def delete_metric_rows(self, ids: list[int]) -> int:
+        deleted = 0
+        for i in range(0, len(ids), 500):  # bounded statements (SQLite's variable limit)
+            deleted += self._changed(delete(MetricRow).where(MetricRow.id.in_(ids[i:i + 500])))
+        return deleted
+
+    def steps_taken(self, run_ids: list[str]) -> dict[str, int]:
+        """run_id -> optim_steps recorded (the newest optim_step row is never thinned away)."""
+        if not run_ids:
+            return {}
+        with self._read() as s:
+            found = s.execute(select(MetricRow.run_id, func.max(MetricRow.step))
+                              .where(MetricRow.run_id.in_(run_ids), MetricRow.kind == "optim_step")
+                              .group_by(MetricRow.run_id)).all()
+        return {run_id: int(top) + 1 for run_id, top in found}

@@ -1,4 +1,5 @@
-"""The database schema as ORM tables: sessions, training runs, checkpoints, samplers, futures.
+"""The database schema as ORM tables: sessions, training runs, checkpoints, samplers, futures,
+per-step metrics.
 
 This is the schema the code expects *at head*; every change to it comes with a migration
 in `ember.service.migrations.versions` (a test checks that upgrading to head yields
@@ -92,3 +93,18 @@ class FutureRow(Base):
     category: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class MetricRow(Base):
+    """One op's metrics (forward_backward, forward or optim_step) of a training run: the
+    console's curves (`ember.service.metric_history`). Migration 0004."""
+
+    __tablename__ = "run_metrics"
+    # A run's rows in insertion (= step) order: the curves and the thinning read exactly these.
+    __table_args__ = (Index("ix_run_metrics_run_id_id", "run_id", "id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    step: Mapped[int] = mapped_column(Integer)  # optim_steps the run had taken before this op
+    kind: Mapped[str] = mapped_column(String(16))  # forward_backward | forward | optim_step
+    metrics: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)

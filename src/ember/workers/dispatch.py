@@ -89,7 +89,10 @@ def item_tokens(item: Any) -> int:
     """Token count of a datum / ModelInput / anything with a `length` or `__len__`."""
     model_input = getattr(item, "model_input", None)
     if model_input is not None:
-        return int(model_input.length)
+        try:
+            return int(model_input.length)
+        except ValueError:  # an image chunk without expected_tokens: its text, for balancing only
+            return sum(int(getattr(c, "length", 0)) for c in model_input.chunks if hasattr(c, "tokens"))
     length = getattr(item, "length", None)
     if isinstance(length, int):
         return length

@@ -1,8 +1,10 @@
 """Model-family knowledge, one file per family (as torchtitan keeps `models/<family>/`).
 
-Each family file (`llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `olmo2.py`) builds one
-`ModelFamily` (`base.py`): its tensor-parallel plan, LoRA target modules, direct-decode
-layer, sliding-window rule, value-head export class and tiny-model config. `FAMILIES` maps
+Each family file (`llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `olmo2.py`, and the
+vision-language `qwen2_5_vl.py`, `qwen3_vl.py`) builds one `ModelFamily` (`base.py`): its
+tensor-parallel plan, LoRA target modules, direct-decode layer, sliding-window rule,
+value-head export class, tiny-model config and, for a vision-language model, its
+`VisionFamily` (placeholder tokens, the tower, the transformers class). `FAMILIES` maps
 `config.model_type` to it.
 
 Adding a family is one new file here plus its line in `_MODULES` (and its tests).
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.models.families import llama, mistral, olmo2, qwen2, qwen3
+from ember.models.families import llama, mistral, olmo2, qwen2, qwen2_5_vl, qwen3, qwen3_vl
 from ember.models.families.base import (
     LLAMA_TP_PLAN,
     DecodeOps,
@@ -20,6 +22,7 @@ from ember.models.families.base import (
     LoraTargets,
     ModelFamily,
     TensorParallelPlan,
+    VisionFamily,
 )
 
 __all__ = [
@@ -30,15 +33,18 @@ __all__ = [
     "LoraTargets",
     "ModelFamily",
     "TensorParallelPlan",
+    "VisionFamily",
     "direct_decode_families",
     "family_of",
     "lora_targets",
     "non_full_attention_layers",
     "tp_families",
     "uses_sliding_window",
+    "vision_families",
+    "vision_of",
 ]
 
-_MODULES = (llama, mistral, qwen2, qwen3, olmo2)
+_MODULES = (llama, mistral, qwen2, qwen3, olmo2, qwen2_5_vl, qwen3_vl)
 
 FAMILIES: dict[str, ModelFamily] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 
@@ -46,6 +52,16 @@ FAMILIES: dict[str, ModelFamily] = {m.FAMILY.model_type: m.FAMILY for m in _MODU
 def family_of(config: Any) -> ModelFamily | None:
     """The family of a transformers config (None for a model_type ember has no entry for)."""
     return FAMILIES.get(str(getattr(config, "model_type", "")))
+
+
+def vision_of(config: Any) -> VisionFamily | None:
+    """The vision side of a config's family; None for a text-only model."""
+    family = family_of(config)
+    return family.vision if family is not None else None
+
+
+def vision_families() -> tuple[str, ...]:
+    return tuple(name for name, f in FAMILIES.items() if f.vision is not None)
 
 
 def tp_families() -> tuple[str, ...]:

@@ -8,7 +8,9 @@ collects them into `FAMILIES`. The fields are read by exactly one place each:
 * `decode` by the sampler's direct decode forward (`ember.sampling.decoder`);
 * `window_when_set` by `uses_sliding_window` (the sampler and the decoder);
 * `value_head_class` by the value-head export (`ember.engine.hf_export`);
-* `tiny_config` by the tiny test models (`ember.models.testing`, `ember tiny-model`).
+* `tiny_config` by the tiny test models (`ember.models.testing`, `ember tiny-model`);
+* `vision` (vision-language families only) by image inputs (`ember.models.vision`), model
+  loading (`ember.models.loading`), LoRA target selection and the engine's tower freezing.
 
 This module imports nothing from ember: the layer functions get the direct decoder's
 operations as an argument (`DecodeOps`), so models/ stays below sampling/.
@@ -95,6 +97,60 @@ class DirectDecode:
             raise ValueError(f"DirectDecode.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
 
 
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """M-RoPE's split of the rotary half-dimension over (time, height, width), in Qwen's
+    proportions (24:20:20 of 64); the three parts sum to head_dim // 2."""
+    half = head_dim // 2
+    spatial = (half * 5) // 16
+    return [half - 2 * spatial, spatial, spatial]
+
+
+def vision_config_kwargs(kwargs: dict, token_ids: dict[str, int]) -> dict:
+    """A vision-language config's top-level arguments from ember's tiny-model arguments:
+    the text ones go in `text_config` (with M-RoPE), the placeholder ids and the
+    embedding tie at the top."""
+    text = dict(kwargs)
+    tie = text.pop("tie_word_embeddings", False)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                               "mrope_section": mrope_section(int(text["head_dim"]))}
+    return dict(text_config=text, tie_word_embeddings=tie, **token_ids)
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What a vision-language family adds (docs/architecture.md#images).
+
+    `model_class`: the transformers class the model loads through (from its own module,
+    so no auto-class mapping decides it); `tower`: the vision tower's module name (LoRA
+    never targets it; the engine freezes it unless `train_vision`); `language_model`: the
+    decoder's module name; the placeholder tokens are the chat template's (`image_token`
+    repeated once per merged patch, between `start_token` and `end_token`);
+    `tiny_vision_config(out_hidden_size)` the tower of the tiny test model;
+    `tiny_patch_size` its patch size (the tiny image processor's too)."""
+
+    model_class: str
+    tiny_vision_config: Callable[[int], dict]
+    tiny_patch_size: int
+    tower: str = "visual"
+    language_model: str = "language_model"
+    start_token: str = VISION_TOKENS[0]
+    end_token: str = VISION_TOKENS[1]
+    image_token: str = VISION_TOKENS[2]
+    video_token: str = VISION_TOKENS[3]
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return (self.start_token, self.end_token, self.image_token, self.video_token)
+
+    @property
+    def tower_pattern(self) -> str:
+        """A regex (peft's `exclude_modules`) matching the tower and every module inside it."""
+        return rf"(.*\.)?{self.tower}(\..*)?"
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One decoder family (see the module docstring for who reads each field).
@@ -103,7 +159,7 @@ class ModelFamily:
     forward; `value_head_class` None: transformers has no token classifier for the family,
     so a value-head run exports only as a training checkpoint or a peft adapter;
     `tiny_config(**kwargs)` builds the family's transformers config from ember's tiny-model
-    arguments (`ember.models.testing.tiny_config`)."""
+    arguments (`ember.models.testing.tiny_config`); `vision` None: a text-only model."""
 
     model_type: str
     tiny_config: Callable[..., Any]
@@ -112,6 +168,7 @@ class ModelFamily:
     decode: DirectDecode | None = field(default_factory=DirectDecode)
     window_when_set: bool = False
     value_head_class: str | None = None
+    vision: VisionFamily | None = None
 
     @property
     def direct_decode(self) -> bool:
