@@ -84,6 +84,8 @@ def test_counts_match_what_the_sdk_did(server, sc):
     assert tokens > 0
     assert value(after, "ember_sampled_tokens_total") - value(before, "ember_sampled_tokens_total") == tokens
     assert value(after, "ember_samples_total") - value(before, "ember_samples_total") == 2
+    sync = "ember_weight_sync_seconds_count"  # the snapshot: one version handed to the sampler
+    assert value(after, sync, mode="memory") - value(before, sync, mode="memory") == 1
     done = value(after, "ember_futures", state="complete") - value(before, "ember_futures", state="complete")
     assert done >= 2 * steps + 2  # fb + optim per step, the sampler snapshot, the sample
     finished = "ember_futures_finished_total"

@@ -17,6 +17,7 @@ DEFAULT_MAX_TOKENS = 128
 MAX_LORA_RANK = 64
 LOGPROBS_MODES = ("raw", "processed")
 FORWARDS = ("auto", "direct", "transformers")
+WEIGHT_SYNC_MODES = ("files", "memory")  # ember.sampling.weight_sync (kept here: config must stay light)
 PLACEMENTS = ("local", "ray")
 
 
@@ -88,6 +89,13 @@ class SamplerConfig:
         then it goes to the least busy (sessions already placed stay where they are).
     replica_timeout_s: a replica that does not answer a ping for this long is taken out
         of the pool (its in-flight requests fail with category server) and replaced.
+    weight_sync: how a training run's new weights reach the sampler (`ember.sampling.weight_sync`).
+        "files" (default): as today. "memory": nothing is written for an ephemeral
+        snapshot (`save_weights_and_get_sampling_client`), and `save_weights_for_sampler`
+        also hands its tensors to the sampler so that sampling from the saved path reads
+        no file back; replicas in other processes receive the tensors over a standalone
+        gloo (CPU) / NCCL (CUDA) group. vLLM versions stay files (vLLM loads adapters and
+        swaps pinned full versions from a path).
     """
 
     backend: str = "torch"
@@ -117,6 +125,7 @@ class SamplerConfig:
     devices: list[str] | None = None
     max_imbalance: int = 8
     replica_timeout_s: float = 60.0
+    weight_sync: str = "files"
 
     def __post_init__(self) -> None:
         positive = ("max_slots", "default_max_tokens", "max_prefill_tokens", "max_loras", "max_lora_rank",
@@ -158,6 +167,8 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if not self.engine_start_timeout_s > 0:
             raise ValueError(f"SamplerConfig.engine_start_timeout_s must be > 0, got {self.engine_start_timeout_s}")
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"SamplerConfig.weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
         if self.colocate and self.device is not None and not self.device.startswith("cuda"):
             raise ValueError("SamplerConfig.colocate needs a CUDA device (vLLM sleep mode), got "
                              f"device={self.device!r}")

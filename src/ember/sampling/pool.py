@@ -121,6 +121,7 @@ class SamplerPool(Sampler):
         self._closed = False
         self._starting: set[Replica] = set()
         self._info: ReplicaInfo | None = None
+        self._sync = _memory_sync(config)  # None: versions travel as files
         self._load_tokenizer()
         self._start_all()
         self._monitor = threading.Thread(target=self._watch, name=f"ember-pool-{self._id}", daemon=True)
@@ -161,7 +162,10 @@ class SamplerPool(Sampler):
         items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
         key = next(self._keys)
         path = os.path.join(self._dir, f"v{key}.safetensors")
-        write_weight_file(items, path)
+        if self._sync is not None:  # memory: no file; the tensors stay here for replacements
+            self._sync.keep(key, items, lora_config.rank if lora_config is not None else None)
+        else:
+            write_weight_file(items, path)
         with self._lock:
             self._versions[key] = (path, lora_config)
             targets = [s for s in self._slots if s.up]
@@ -195,6 +199,8 @@ class SamplerPool(Sampler):
             replica.kill()
         for s in slots:
             s.replica.close(timeout=30)
+        if self._sync is not None:
+            self._sync.close()
         shutil.rmtree(self._dir if not self._own_scratch else self._scratch, ignore_errors=True)
 
     # ------------------------------------------------------------------ operators
@@ -271,6 +277,9 @@ class SamplerPool(Sampler):
     def _load_on(self, slots: list[_Slot], keys: list[int]) -> None:
         """Load `keys` on every slot; a replica failing is taken out (its replacement loads
         them), a ValueError (the weights themselves are bad) is the caller's."""
+        if self._sync is not None:
+            self._sync_on(slots, keys)
+            return
         calls = []
         for s in slots:
             for key in keys:
@@ -291,6 +300,20 @@ class SamplerPool(Sampler):
         if not loaded_somewhere:
             raise ReplicaFailed("no sampler replica could load the weights (all failed; replacements are starting)")
 
+    def _sync_on(self, slots: list[_Slot], keys: list[int]) -> None:
+        """`_load_on` in memory mode: each version pushed over the replicas' channels."""
+        for key in keys:
+            loaded, failed = self._sync.push({s.index: s.replica for s in slots}, key)
+            for s in slots:
+                if s.index in failed:
+                    self._take_out(s, f"weight sync failed: {failed[s.index]}")
+                elif s.index in loaded:
+                    with self._lock:
+                        s.loaded.add(key)
+            if slots and not loaded:
+                raise ReplicaFailed("no sampler replica could load the weights (all failed; replacements are "
+                                    "starting)")
+
     def _forget(self, keys: list[int]) -> None:
         with self._lock:
             paths = [self._versions.pop(k)[0] for k in keys if k in self._versions]
@@ -299,6 +322,8 @@ class SamplerPool(Sampler):
                 s.loaded.difference_update(keys)
         for s in up:
             s.replica.call("drop", keys)
+        if self._sync is not None:
+            self._sync.forget(keys)
         for p in paths:
             try:
                 os.remove(p)
@@ -354,6 +379,8 @@ class SamplerPool(Sampler):
         try:
             info = replica.call("info").result(self.config.engine_start_timeout_s)
             slot.replica, slot.loaded = replica, set()
+            if self._sync is not None:
+                self._sync.attach(slot.index, replica)
             while not self._join(slot, info):
                 with self._lock:
                     missing = sorted(set(self._versions) - slot.loaded)
@@ -384,6 +411,9 @@ class SamplerPool(Sampler):
                 entry = self._versions.get(key)
             if entry is None:
                 continue  # released meanwhile
+            if self._sync is not None:
+                self._sync_missing(slot, key)
+                continue
             try:
                 slot.replica.call("load_file", key, *entry).result(self.config.engine_start_timeout_s)
             except Exception:  # noqa: BLE001 - unless the version is gone, the replica is not fit to join
@@ -393,6 +423,14 @@ class SamplerPool(Sampler):
                 continue
             with self._lock:
                 slot.loaded.add(key)
+
+    def _sync_missing(self, slot: _Slot, key: int) -> None:
+        """Memory mode: push a live version to a starting replica (a failure fails its start)."""
+        loaded, failed = self._sync.push({slot.index: slot.replica}, key)
+        if slot.index in failed:
+            raise ReplicaFailed(f"weight sync to replica {slot.index} failed: {failed[slot.index]}")
+        with self._lock:
+            slot.loaded.add(key)
 
     def _take_out(self, slot: _Slot, reason: str, replica: Replica | None = None) -> None:
         """Out of the ring at once (no new request reaches it); killed and replaced on a thread.
@@ -405,6 +443,8 @@ class SamplerPool(Sampler):
             replica = slot.replica
         log.warning("sampler replica %d taken out of the pool (%s); %d session(s) move; starting a replacement",
                     slot.index, reason, len(moved))
+        if self._sync is not None:
+            self._sync.detach(slot.index)
         threading.Thread(target=self._replace, args=(slot, replica), name=f"ember-pool-replace-{slot.index}",
                          daemon=True).start()
 
@@ -454,6 +494,18 @@ class SamplerPool(Sampler):
         with self._lock:
             slot.ping, slot.ping_sent = replica.call("ping"), now
         return None
+
+
+def _memory_sync(config: SamplerConfig):
+    """The pool's in-memory weight channels (`weight_sync="memory"`), or None for files.
+    vLLM replicas keep files: vLLM loads LoRA adapters and swaps pinned full versions from
+    a path (ember.sampling.weight_sync's docstring)."""
+    if config.weight_sync != "memory" or config.backend == "vllm":
+        return None
+    from ember.sampling.weight_sync import ReplicaSync, sync_host
+
+    backend = "nccl" if (config.device or "cpu").startswith("cuda") else "gloo"
+    return ReplicaSync(sync_host(config.placement), config.replica_timeout_s, backend)
 
 
 def _close_at_exit(ref) -> None:

@@ -21,6 +21,10 @@ through `Replica.call(op, *args)`, which runs `ReplicaHost.<op>(*args)` there:
                                   seam where an in-memory receiver hands over what it
                                   received (docs/architecture.md contract 4 holds: a key
                                   is immutable and loaded once)
+    join_weight_sync(address)     join the pool's in-memory weight channel
+                                  (`ember.sampling.weight_sync`; weight_sync "memory")
+    receive_weights()             receive one version over that channel and load it
+                                  under the key its header names; returns the key
     drop(keys)                    forget versions (their memory is freed)
     ping()                        answered at once, also while the backend computes
     close()                       stop the backend; pending samples fail
@@ -177,6 +181,23 @@ class ReplicaHost:
         version = self.sampler.load_weights(named_weights, lora_config, copy=copy)
         with self._lock:
             self._versions[key] = version
+
+    def join_weight_sync(self, address) -> None:
+        from ember.sampling.weight_sync import WeightReceiver
+
+        self._receiver = WeightReceiver(address)
+
+    def receive_weights(self) -> int:
+        """One version from the pool's channel, checked against the model before any data
+        moves (a mismatch is refused naming the tensor; nothing is loaded)."""
+        from tinker import types
+
+        from ember.sampling.weight_sync import sampler_check
+
+        header, named = self._receiver.receive(sampler_check(self.sampler))
+        lora = types.LoraConfig(rank=header.lora_rank) if header.lora_rank is not None else None
+        self.load_tensors(int(header.version), named, lora, copy=False)  # views of buckets nobody else holds
+        return int(header.version)
 
     def drop(self, keys: Iterable[int]) -> None:
         with self._lock:

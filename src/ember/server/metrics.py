@@ -13,6 +13,10 @@ Exported (names as scraped):
   training run's seq_id sequencer (only live runs, so the label set stays bounded).
 * `ember_samples_total`, `ember_sampled_tokens_total`: sequences and tokens returned by
   completed `sample` requests; `ember_optim_steps_total`: completed optimizer steps.
+* `ember_weight_sync_seconds{mode}` (histogram): how long each new weight version took to
+  reach its sampler: `memory` = a run's tensors handed over (ephemeral snapshots; with
+  `--sampler.weight_sync memory` also `save_weights_for_sampler`), `files` = a checkpoint
+  read back from disk (`SamplerManager.add_sync_listener`).
 * `ember_sampler_replica_up{model,replica}` (gauge: 1 while the replica is in its pool's
   ring, 0 while it is out or being replaced) and
   `ember_sampler_replica_requests_total{model,replica}` (requests routed to it since
@@ -62,6 +66,7 @@ METRICS_PATH = "/metrics"
 UNMATCHED = "unmatched"
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 # Long-polls of retrieve_future take up to ServerConfig.long_poll_s (20 s): buckets reach past it.
+_SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -81,6 +86,11 @@ class EmberMetrics:
         self.sampled_tokens = Counter("ember_sampled_tokens", "Tokens in sequences returned by completed "
                                       "sample requests", registry=r)
         self.optim_steps = Counter("ember_optim_steps", "Completed optimizer steps", registry=r)
+        self.weight_sync = Histogram("ember_weight_sync_seconds", "Seconds for a new weight version to reach its "
+                                     "sampler, by mode (memory | files)", ("mode",), buckets=_SYNC_BUCKETS, registry=r)
+        samplers = getattr(service, "samplers", None)
+        if hasattr(samplers, "add_sync_listener"):
+            samplers.add_sync_listener(lambda mode, seconds: self.weight_sync.labels(mode).observe(seconds))
         r.register(ServiceCollector(service, self))
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux /proc)
         GCCollector(registry=r)

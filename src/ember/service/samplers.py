@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,6 +195,8 @@ class SamplerManager:
         self._evicted: OrderedDict[str, None] = OrderedDict()  # snapshot sampler ids evicted (bounded)
         self._lock = threading.RLock()
         self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ember-sample-finish")
+        self._sync_listeners: list[Callable[[str, float], None]] = []
+        self._synced: dict[str, tuple[str, BaseModel, Any]] = {}  # run_id -> (tinker path, base, version)
 
     # ------------------------------------------------------------------ backends and versions
     def backend(self, base: BaseModel) -> Any:
@@ -228,11 +230,46 @@ class SamplerManager:
             except UnsupportedModelError as exc:
                 raise ValueError(f"model {name!r}: the sampler backend cannot serve it: {exc}") from exc
 
-    def _load(self, base: BaseModel, weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None):
-        return self.backend(base).load_weights(weights, lora)
+    @property
+    def weight_sync(self) -> str:
+        """`SamplerConfig.weight_sync` of this service's samplers ("files" or "memory")."""
+        return getattr(getattr(self.factory, "config", None), "weight_sync", None) or "files"
+
+    def add_sync_listener(self, listener: Callable[[str, float], None]) -> None:
+        """Call `listener(mode, seconds)` after every new version reaches a sampler: mode
+        "memory" for a run's tensors handed over, "files" for a checkpoint read from disk
+        (the server's `ember_weight_sync_seconds` histogram)."""
+        self._sync_listeners.append(listener)
+
+    def _load(self, base: BaseModel, weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None,
+              mode: str = "memory", start: float | None = None):
+        start = time.monotonic() if start is None else start
+        version = self.backend(base).load_weights(weights, lora)
+        for listener in self._sync_listeners:
+            listener(mode, time.monotonic() - start)
+        return version
+
+    def sync_saved(self, run_id: str, path: str, base: BaseModel, weights: Iterable[tuple[str, torch.Tensor]],
+                   lora: types.LoraConfig | None) -> None:
+        """Memory mode: `save_weights_for_sampler(path)` also hands the run's tensors to the
+        sampler, so sampling from `path` reads no file back. One such version per run is kept
+        (the newest); any other path is read from its files as before."""
+        version = self._load(base, weights, lora)
+        with self._lock:
+            self._synced[run_id] = (path, base, version)
+
+    def _synced_version(self, path: str) -> tuple[BaseModel, Any] | None:
+        with self._lock:
+            for synced_path, base, version in self._synced.values():
+                if synced_path == path:
+                    return base, version
+        return None
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
         tpath, crow = readable(self.store, owner, path)  # the owner's, or a published one
+        synced = self._synced_version(tpath.uri)  # after the access check, never instead of it
+        if synced is not None:
+            return synced
         run = self.store.get(RunRow, crow.run_id)
         if run is None:
             raise UserError(f"checkpoint {path!r} has no training run record")
@@ -244,9 +281,10 @@ class SamplerManager:
                             "tinker://<run>/sampler_weights/<name> or tinker://<run>/weights/<name> path")
         if tpath.kind == "training":
             _check_policy_head(path, d)
+        start = time.monotonic()  # the read counts: it is the files mode's cost
         weights = ckpt.read_state_weights(d) if tpath.kind == "training" else ckpt.read_sampler_weights(d)
         try:
-            return base, self._load(base, weights.items(), lora)
+            return base, self._load(base, weights.items(), lora, mode="files", start=start)
         except ValueError as exc:  # the backend refused the tensors: the checkpoint's content, not our fault
             raise UserError(f"checkpoint {path!r} cannot be sampled from: {exc}") from None
 

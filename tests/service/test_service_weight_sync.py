@@ -1,0 +1,62 @@
+"""`SamplerConfig.weight_sync="memory"` in the service: an ephemeral snapshot
+(`save_weights_and_get_sampling_client`) writes no file, and `save_weights_for_sampler(name)`
+writes its checkpoint (for restarts) yet hands the sampler its tensors, so sampling from the
+saved path reads no file back. Each new version is reported to the sync listeners (the
+server's `ember_weight_sync_seconds{mode}`)."""
+
+from __future__ import annotations
+
+from tinker import types
+
+import ember
+from ember.sampling import SamplerConfig
+from ember.service.config import ServiceConfig
+from helpers.datums import sft_datum
+
+PARAMS = types.SamplingParams(max_tokens=4, seed=3, stop=[])
+PROMPT = types.ModelInput.from_ints([5, 9, 14])
+DB_FILES = (".db", ".db-wal", ".db-shm", ".db-journal", ".sqlite", ".sqlite-wal", ".sqlite-shm", ".sqlite-journal")
+
+
+def _files(root):
+    return {p for p in root.rglob("*") if p.is_file() and not p.name.endswith(DB_FILES)}
+
+
+def test_memory_mode_snapshots_write_nothing_and_saved_paths_are_not_read_back(tmp_path, tiny_model_dir):
+    data = tmp_path / "data"
+    sc = ember.ServiceClient(config=ServiceConfig(data_dir=data, models={"tiny": str(tiny_model_dir)},
+                                                  sampler=SamplerConfig(weight_sync="memory")))
+    syncs: list[str] = []
+    try:
+        sc._service.samplers.add_sync_listener(lambda mode, seconds: syncs.append(mode))
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        tc.forward_backward([sft_datum([5, 9, 14, 22, 31])], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        before = _files(data)
+        snapshot = tc.save_weights_and_get_sampling_client().result()
+        from_snapshot = snapshot.sample(PROMPT, 1, PARAMS).result().sequences[0]
+        assert _files(data) == before, sorted(map(str, _files(data) - before))
+        assert syncs == ["memory"]
+
+        path = tc.save_weights_for_sampler("step-1").result().path
+        written = _files(data) - before
+        assert any(p.suffix == ".safetensors" for p in written), written  # the checkpoint survives a restart
+        from_path = sc.create_sampling_client(model_path=path).result().sample(PROMPT, 1, PARAMS).result().sequences[0]
+        assert syncs == ["memory", "memory"]  # no "files" load: the saved path was not read back
+        assert from_path.tokens == from_snapshot.tokens and from_path.logprobs == from_snapshot.logprobs
+    finally:
+        sc.close("success")
+
+
+def test_files_mode_reads_a_saved_path_back(tmp_path, tiny_model_dir):
+    """The default is today's path: sampling from a saved path loads its files."""
+    sc = ember.ServiceClient(config=ServiceConfig(data_dir=tmp_path / "data", models={"tiny": str(tiny_model_dir)}))
+    syncs: list[str] = []
+    try:
+        sc._service.samplers.add_sync_listener(lambda mode, seconds: syncs.append(mode))
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        path = tc.save_weights_for_sampler("step-0").result().path
+        sc.create_sampling_client(model_path=path).result().sample(PROMPT, 1, PARAMS).result()
+        assert syncs == ["files"]
+    finally:
+        sc.close("success")
