@@ -36,6 +36,14 @@ HEAVY_FIRST = (
     "tests/recipes/test_recipes_serve.py",
     "tests/recipes/test_recipes_grpo_resume.py",
     "tests/engine/test_engine_estimate.py",
+    "tests/server/test_server_two_hosts.py",
+    "tests/workers/test_workers_two_hosts.py",
+    "tests/server/test_server_sampler_pool.py",
+    "tests/recipes/test_recipes_vlm_sft.py",
+    "tests/server/test_server_console.py",
+    "tests/engine/test_engine_parallel_cp.py",
+    "tests/server/test_server_vision.py",
+    "tests/sampling/test_sampling_ray_replica.py",
 )
 
 

@@ -102,3 +102,24 @@ def test_the_service_refuses_a_bad_image_as_the_users_error_and_keeps_serving(ma
     text = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3})
     assert wait(svc, "alice", svc.forward_backward("alice", run, 2, [text], "cross_entropy")).status == "complete"
+
+
+def test_a_wrong_expected_tokens_is_refused_when_the_request_arrives(tmp_path):
+    """With the model's `VisionSpec`, the count is checked before anything is queued
+    (a 56x56 image is 4 tokens on the tiny Qwen3-VL); a right or unset count passes."""
+    from ember.models.testing import build_tiny_model
+    from ember.service.images import vision_spec_of
+    from helpers.vision import png_bytes
+
+    spec = vision_spec_of(str(build_tiny_model(tmp_path / "vl", family="qwen3_vl", seed=0)))
+    data = png_bytes((200, 30, 30))
+    good = types.ImageChunk(data=data, format="png", expected_tokens=4)
+    unset = types.ImageChunk.model_construct(data=data, format="png", expected_tokens=None, type="image")
+    check_request_images([("datum 0: model_input", _prompt(good)), ("datum 1: model_input", _prompt(unset))],
+                         LIMITS, spec=spec)
+    bad = good.model_copy(update={"expected_tokens": 5})
+    with pytest.raises(UserError, match=r"^datum 1: model_input chunk 1 \(image\) has expected_tokens=5, but this "
+                                        r"model makes 4 tokens of it \(a 56x56 image"):
+        check_request_images([("datum 0: model_input", _prompt(good)), ("datum 1: model_input", _prompt(bad))],
+                             LIMITS, spec=spec)
+    check_request_images([("prompt", _prompt(bad))], LIMITS)  # no model given: the count is the expansion's

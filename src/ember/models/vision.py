@@ -130,6 +130,16 @@ def _check_expected(where: str, index: int, chunk: Any, count: int, image, grid:
             f"{count} tokens of it (a {w}x{h} image -> {t}x{gh}x{gw} patches, merged {merge}x{merge})")
 
 
+def check_image_tokens(spec: VisionSpec, chunk: Any, image: Any, where: str, index: int) -> int:
+    """The number of placeholder tokens the model makes of `image`; ValueError (naming
+    `where`, the chunk index, expected and computed) when the chunk's `expected_tokens`
+    says otherwise. The service calls it when a request arrives, the expansion again."""
+    _, grid = spec.encode(image)
+    count = spec.token_count(grid)
+    _check_expected(where, index, chunk, count, image, grid, spec.merge_size)
+    return count
+
+
 def expand_model_input(model_input: types.ModelInput, spec: VisionSpec, where: str,
                        images: Sequence[Any] | None = None) -> ExpandedInput:
     """Expand each image chunk of `model_input` to the model's placeholder run.

@@ -32,7 +32,7 @@ from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, engine_factory_for
 from ember.service.model_registry import ModelRegistry
 from ember.service.futures import FutureTable
-from ember.service.images import check_request_images, count_images
+from ember.service.images import check_request_images, count_images, vision_spec_of
 from ember.service.metric_history import MetricHistory
 from ember.service.run_validation import check_samplable
 from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
@@ -233,7 +233,7 @@ class Service(ServiceAPI):
         rtype = "Forward" if forward_only else "ForwardBackward"
         try:
             self.config.limits.check_datums(data, self._positions(owner, model_id))
-            data = self._datums_with_images(data)
+            data = self._datums_with_images(data, self._run_dir(owner, model_id))
         except UserError as exc:
             return self.runs.reject(owner, rtype, str(exc), model_id=model_id)
 
@@ -248,20 +248,38 @@ class Service(ServiceAPI):
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
 
-    def _check_images(self, inputs):
-        """`check_request_images` with this service's limits, image roots and data directory."""
-        return check_request_images(inputs, self.config.limits, self.config.image_roots, [self.config.data_dir])
+    def _check_images(self, inputs, model_dir: str | None = None):
+        """`check_request_images` with this service's limits, image roots and data directory,
+        and (given the model's directory) the model's image token counts."""
+        spec = vision_spec_of(str(model_dir)) if model_dir is not None else None
+        return check_request_images(inputs, self.config.limits, self.config.image_roots, [self.config.data_dir],
+                                    spec)
 
-    def _datums_with_images(self, data: list) -> list:
+    def _datums_with_images(self, data: list, model_dir: str | None = None) -> list:
         """The datums with their images checked and pointers read (`service/images.py`)."""
         if not any(count_images(getattr(d, "model_input", None)) for d in data):
             return data
         inputs = self._check_images([(f"datum {i}: model_input", getattr(d, "model_input", None))
-                                     for i, d in enumerate(data)])
+                                     for i, d in enumerate(data)], model_dir)
         return [d if d.model_input is mi else
                 types.Datum(model_input=mi, loss_fn_inputs=d.loss_fn_inputs, model_input_spans=d.model_input_spans,
                             loss_fn_input_spans=d.loss_fn_input_spans)
                 for d, mi in zip(data, inputs)]
+
+    def _run_dir(self, owner: str, model_id: str) -> str | None:
+        """The directory of the run's base model (None for a run that is not live)."""
+        try:
+            return str(self.runs.live(owner, model_id).spec.base.directory)
+        except (NotFoundError, RunNotLoadedError):
+            return None
+
+    def _sampler_dir(self, owner: str, sampling_session_id: str) -> str | None:
+        """The directory of the sampling session's base model (None for an unknown session:
+        the sample itself is refused with the reason)."""
+        try:
+            return str(self.registry.resolve(self.samplers.get(owner, sampling_session_id).base_model).directory)
+        except (NotFoundError, UserError):
+            return None
 
     def _positions(self, owner: str, model_id: str) -> int | None:
         """The run's model's `max_position_embeddings` (None for a run that is not live: the
@@ -373,7 +391,8 @@ class Service(ServiceAPI):
         try:  # before the future reserves num_samples sequence ids and a sampler any memory
             self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
                                             topk_sample_logprobs, prompt_alt_tokens_k)
-            [prompt] = self._check_images([("prompt", prompt)])
+            if count_images(prompt):
+                [prompt] = self._check_images([("prompt", prompt)], self._sampler_dir(owner, sampling_session_id))
         except UserError as exc:
             return self.runs.reject(owner, "Sample", str(exc))
         kwargs = dict(

@@ -7,6 +7,9 @@ process and over HTTP alike), before a future is made. It
 * counts the request's images (`Limits.max_images_per_request`);
 * checks each `ImageChunk` (`ember.models.images.decode_image`: bytes, magic and header
   dimensions before anything is decoded, then a decode, so corrupt data is refused here);
+* checks each image's `expected_tokens` against the model's own count (given the base
+  model's `VisionSpec`), so a wrong count is refused when the request arrives, not after
+  it waited on the run's lane;
 * turns each `ImageAssetPointerChunk` into the `ImageChunk` of its file, when its
   location is a regular file whose real path (symlinks and `..` resolved) lies under an
   operator's `--image-root` and not under the data directory, the rules `ModelRegistry`
@@ -18,15 +21,18 @@ Each refusal is a `UserError` naming the datum (or prompt) and the chunk index.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tinker import types
 
 from ember.models.images import ImageBounds, ImageError, decode_image
+from ember.models.vision import VisionSpec, check_image_tokens, load_vision_spec
 from ember.service.api import UserError
 from ember.service.limits import Limits
 from ember.service.model_registry import real_path
@@ -41,10 +47,18 @@ def count_images(model_input: types.ModelInput) -> int:
     return sum(isinstance(c, IMAGE_CHUNKS) for c in chunks) if isinstance(chunks, list) else 0
 
 
+@functools.lru_cache(maxsize=16)
+def vision_spec_of(model_dir: str) -> VisionSpec | None:
+    """The `VisionSpec` of the model in `model_dir` (None: a text-only model), loaded once."""
+    return load_vision_spec(model_dir)
+
+
 def check_request_images(inputs: Sequence[tuple[str, types.ModelInput]], limits: Limits,
-                         roots: Sequence[Path] = (), private: Sequence[Path] = ()) -> list[types.ModelInput]:
+                         roots: Sequence[Path] = (), private: Sequence[Path] = (),
+                         spec: VisionSpec | None = None) -> list[types.ModelInput]:
     """Each `(name, model_input)` checked; returns the inputs with pointers read into
-    `ImageChunk`s (an input without images is returned as is)."""
+    `ImageChunk`s (an input without images is returned as is). With the model's `spec`,
+    each image's `expected_tokens` is checked against the model's count too."""
     total = sum(count_images(mi) for _, mi in inputs)
     if total > limits.max_images_per_request:
         raise UserError(f"the request holds {total} images; the limit is "
@@ -52,11 +66,11 @@ def check_request_images(inputs: Sequence[tuple[str, types.ModelInput]], limits:
     if not total:
         return [mi for _, mi in inputs]
     bounds = limits.image_bounds
-    return [_checked(name, mi, bounds, roots, private) for name, mi in inputs]
+    return [_checked(name, mi, bounds, roots, private, spec) for name, mi in inputs]
 
 
 def _checked(name: str, model_input: types.ModelInput, bounds: ImageBounds, roots: Sequence[Path],
-             private: Sequence[Path]) -> types.ModelInput:
+             private: Sequence[Path], spec: VisionSpec | None) -> types.ModelInput:
     if not count_images(model_input):
         return model_input
     chunks = []
@@ -71,9 +85,10 @@ def _checked(name: str, model_input: types.ModelInput, bounds: ImageBounds, root
             try:
                 # decoded here, once its header passed the bounds: corrupt data is the
                 # caller's 400 now, not a failure inside a shared training or sampling batch
-                decode_image(chunk.data, chunk.format, bounds, where)
+                image = decode_image(chunk.data, chunk.format, bounds, where)
             except ImageError as exc:
                 raise UserError(str(exc)) from None
+            _check_count(spec, chunk, image, name, j)
         chunks.append(chunk)
     return types.ModelInput(chunks=chunks)
 
@@ -82,6 +97,15 @@ def _check_expected(chunk, where: str) -> None:
     n = chunk.expected_tokens
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise UserError(f"{where}: expected_tokens must be an integer >= 1 or unset, got {n!r}")
+
+
+def _check_count(spec: VisionSpec | None, chunk: Any, image: Any, name: str, index: int) -> None:
+    if spec is None or chunk.expected_tokens is None:
+        return
+    try:  # the engine's words: "datum 3: model_input chunk 1 (image) has expected_tokens=..."
+        check_image_tokens(spec, chunk, image, name.split(":", 1)[0], index)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def read_image_file(location: str, roots: Sequence[Path], private: Sequence[Path], max_bytes: int,
