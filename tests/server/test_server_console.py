@@ -92,6 +92,7 @@ def trained(server):
 def page_a(browser, server, trained):
     """A browser context signed in as key A (through the login form)."""
     context = browser.new_context(base_url=server.base_url, viewport={"width": 1366, "height": 900})
+    context.set_default_timeout(180_000)  # a loaded CI machine: the playground's first sample loads a sampler
     page = context.new_page()
     page.goto("/login")
     page.fill("input[name=api_key]", KEY_A)

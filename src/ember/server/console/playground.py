@@ -98,9 +98,9 @@ async def run(request: Request, owner: str, service, form: PlaygroundForm) -> li
     cache = routes_openai._cache(request, service)
     try:
         _, tokenizer = await run_in_threadpool(cache.get, owner, form.model)
-        ids = await run_in_threadpool(_prompt_tokens, form, tokenizer)
+        prompt = await run_in_threadpool(_prompt, form, tokenizer)
         params = types.SamplingParams(max_tokens=form.max_tokens, temperature=form.temperature, seed=form.seed)
-        seqs, tokenizer = await routes_openai._sample(request, owner, service, form.model, ids, form.num_samples,
+        seqs, tokenizer = await routes_openai._sample(request, owner, service, form.model, prompt, form.num_samples,
                                                       params, 0)
     except routes_openai.ModelNotFound as exc:
         raise PageNotFound(str(exc)) from None
@@ -109,10 +109,11 @@ async def run(request: Request, owner: str, service, form: PlaygroundForm) -> li
     return await run_in_threadpool(_decode, tokenizer, seqs)
 
 
-def _prompt_tokens(form: PlaygroundForm, tokenizer: Any) -> list[int]:
+def _prompt(form: PlaygroundForm, tokenizer: Any) -> types.ModelInput:
+    """The prompt as the OpenAI routes build it (text only: the playground takes no image)."""
     if form.prompt_format == "chat":
-        return routes_openai._chat_prompt(form.model, tokenizer, [{"role": "user", "content": form.prompt}])
-    return tokenizer.encode(form.prompt, add_special_tokens=False)
+        return routes_openai._chat_prompt(form.model, tokenizer, [{"role": "user", "content": form.prompt}], [])
+    return types.ModelInput.from_ints(tokenizer.encode(form.prompt, add_special_tokens=False))
 
 
 def _decode(tokenizer: Any, seqs: list[types.SampledSequence]) -> list[dict[str, Any]]:
