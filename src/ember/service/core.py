@@ -233,7 +233,7 @@ class Service(ServiceAPI):
         rtype = "Forward" if forward_only else "ForwardBackward"
         try:
             self.config.limits.check_datums(data, self._positions(owner, model_id))
-            data = self._datums_with_images(data, self._run_dir(owner, model_id))
+            data = self._datums_with_images(data, owner, model_id)
         except UserError as exc:
             return self.runs.reject(owner, rtype, str(exc), model_id=model_id)
 
@@ -255,10 +255,12 @@ class Service(ServiceAPI):
         return check_request_images(inputs, self.config.limits, self.config.image_roots, [self.config.data_dir],
                                     spec)
 
-    def _datums_with_images(self, data: list, model_dir: str | None = None) -> list:
-        """The datums with their images checked and pointers read (`service/images.py`)."""
+    def _datums_with_images(self, data: list, owner: str | None = None, model_id: str | None = None) -> list:
+        """The datums with their images checked and pointers read (`service/images.py`);
+        given the run, each image's token count against its base model's too."""
         if not any(count_images(getattr(d, "model_input", None)) for d in data):
             return data
+        model_dir = self._run_dir(owner, model_id) if model_id is not None else None
         inputs = self._check_images([(f"datum {i}: model_input", getattr(d, "model_input", None))
                                      for i, d in enumerate(data)], model_dir)
         return [d if d.model_input is mi else
