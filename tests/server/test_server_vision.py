@@ -135,6 +135,7 @@ def test_sampled_logprobs_and_compute_logprobs_equal_forward(tc, tok, vl_dir, n_
 
 
 def test_tinker_cookbook_renderer_and_image_to_chunk_build_the_inputs(tc, tok, vl_dir, n_image):
+    pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (`make test` installs it)")
     from PIL import Image
     from tinker_cookbook.renderers.qwen3 import Qwen3VLInstructRenderer
     from tinker_cookbook.supervised.common import datum_from_model_input_weights
