@@ -101,7 +101,7 @@ def _tokenizer(directory: str) -> Any:
     return load_tokenizer(directory)
 
 
-def _cache(request: Request, service: ServiceAPI) -> SamplerCache:
+def sampler_cache(request: Request, service: ServiceAPI) -> SamplerCache:
     cache = getattr(request.app.state, "openai_samplers", None)
     if cache is None:
         cache = request.app.state.openai_samplers = SamplerCache(service)
@@ -170,10 +170,10 @@ def _json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
         yield _dumps(value)
 
 
-async def _sample(request: Request, owner: str, service: ServiceAPI, model: str, prompt: types.ModelInput,
+async def sample_prompt(request: Request, owner: str, service: ServiceAPI, model: str, prompt: types.ModelInput,
                   n: int, params: types.SamplingParams, topk: int) -> tuple[list[types.SampledSequence], Any]:
     """Sample on `model` for `owner`; once more on a fresh sampler if the cached one is gone."""
-    cache = _cache(request, service)
+    cache = sampler_cache(request, service)
     for attempt in range(2):
         sid, tokenizer = await run_in_threadpool(cache.get, owner, model)
         try:
@@ -203,14 +203,14 @@ def _not_found(exc: ModelNotFound) -> JSONResponse:
 async def completions(request: Request, owner: str = Owner, service=ServiceDep):
     req, params = await _read_request(request, oa.CompletionRequest, oa.DEFAULT_MAX_TOKENS)
     try:
-        _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
+        _, tokenizer = await run_in_threadpool(sampler_cache(request, service).get, owner, req.model)
     except ModelNotFound as exc:
         return _not_found(exc)
     prompt = req.single_prompt()
     ids = await run_in_threadpool(tokenizer.encode, prompt, add_special_tokens=False) if isinstance(prompt, str) \
         else list(prompt)
     try:  # the checkpoint may have gone since the sampler was cached (unpublished, expired, deleted)
-        seqs, tokenizer = await _sample(request, owner, service, req.model, types.ModelInput.from_ints(ids), req.n,
+        seqs, tokenizer = await sample_prompt(request, owner, service, req.model, types.ModelInput.from_ints(ids), req.n,
                                         params, req.logprobs or 0)
     except ModelNotFound as exc:
         return _not_found(exc)
@@ -230,21 +230,21 @@ async def chat_completions(request: Request, owner: str = Owner, service=Service
     req, params = await _read_request(request, oa.ChatRequest, oa.DEFAULT_CHAT_MAX_TOKENS)
     try:
         messages, images = oa.chat_messages(req.messages)
-        _, tokenizer = await run_in_threadpool(_cache(request, service).get, owner, req.model)
+        _, tokenizer = await run_in_threadpool(sampler_cache(request, service).get, owner, req.model)
     except oa.Unsupported as exc:
         raise BadRequest(str(exc)) from exc
     except ModelNotFound as exc:
         return _not_found(exc)
-    prompt = await run_in_threadpool(_chat_prompt, req.model, tokenizer, messages, images)
+    prompt = await run_in_threadpool(chat_prompt, req.model, tokenizer, messages, images)
     ids = prompt.to_ints() if not images else [t for c in prompt.chunks for t in getattr(c, "tokens", [0])]
     try:
-        seqs, tokenizer = await _sample(request, owner, service, req.model, prompt, req.n, params, req.topk())
+        seqs, tokenizer = await sample_prompt(request, owner, service, req.model, prompt, req.n, params, req.topk())
     except ModelNotFound as exc:
         return _not_found(exc)
     return await run_in_threadpool(_chat_answer, req, params, tokenizer, ids, seqs, rq.limits_of(request))
 
 
-def _chat_prompt(model: str, tokenizer: Any, messages: list[dict[str, Any]],
+def chat_prompt(model: str, tokenizer: Any, messages: list[dict[str, Any]],
                  images: list[oa.ChatImage]) -> types.ModelInput:
     """The templated conversation as a `ModelInput`: the template writes each image's
     placeholder token where it goes; that token becomes the image's chunk (the sampler

@@ -95,12 +95,12 @@ async def run(request: Request, owner: str, service, form: PlaygroundForm) -> li
     """Sample; each sequence as its tokens (id, text, logprob) and text."""
     if not form.model:
         raise PageError("pick a base model or a sampler checkpoint")
-    cache = routes_openai._cache(request, service)
+    cache = routes_openai.sampler_cache(request, service)
     try:
         _, tokenizer = await run_in_threadpool(cache.get, owner, form.model)
         prompt = await run_in_threadpool(_prompt, form, tokenizer)
         params = types.SamplingParams(max_tokens=form.max_tokens, temperature=form.temperature, seed=form.seed)
-        seqs, tokenizer = await routes_openai._sample(request, owner, service, form.model, prompt, form.num_samples,
+        seqs, tokenizer = await routes_openai.sample_prompt(request, owner, service, form.model, prompt, form.num_samples,
                                                       params, 0)
     except routes_openai.ModelNotFound as exc:
         raise PageNotFound(str(exc)) from None
@@ -112,7 +112,7 @@ async def run(request: Request, owner: str, service, form: PlaygroundForm) -> li
 def _prompt(form: PlaygroundForm, tokenizer: Any) -> types.ModelInput:
     """The prompt as the OpenAI routes build it (text only: the playground takes no image)."""
     if form.prompt_format == "chat":
-        return routes_openai._chat_prompt(form.model, tokenizer, [{"role": "user", "content": form.prompt}], [])
+        return routes_openai.chat_prompt(form.model, tokenizer, [{"role": "user", "content": form.prompt}], [])
     return types.ModelInput.from_ints(tokenizer.encode(form.prompt, add_special_tokens=False))
 
 
