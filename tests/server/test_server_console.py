@@ -35,9 +35,9 @@ def _playwright():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("playwright (the Python package) is not installed: pip install -e '.[test]'")
+        pytest.skip(reason="playwright (the Python package) is not installed: pip install -e '.[test]'")
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"no {CHROMIUM}: install Debian's chromium (apt-get install chromium; .ci/run does)")
+        pytest.skip(reason=f"no {CHROMIUM}: install Debian's chromium (apt-get install chromium; .ci/run does)")
     return sync_playwright
 
 
