@@ -57,9 +57,9 @@ def test_kill_from_the_environment_kills_the_process():
 
 
 def test_at_k_lets_the_first_hits_pass():
-    assert failpoints._parse("checkpoint.after_write=raise*1@3")["checkpoint.after_write"].skip == 2
+    assert failpoints.parse("checkpoint.after_write=raise*1@3")["checkpoint.after_write"].skip == 2
     with pytest.raises(ValueError, match="counts hits from 1"):
-        failpoints._parse("checkpoint.after_write=kill@0")
+        failpoints.parse("checkpoint.after_write=kill@0")
     failpoints.arm("checkpoint.after_write", "raise", times=1, skip=2)
     failpoints.hit("checkpoint.after_write")
     failpoints.hit("checkpoint.after_write")

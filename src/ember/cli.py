@@ -33,7 +33,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         if name == selected:
             module = load(module_name)
             module.add_arguments(sp)
-            sp.set_defaults(_module=module)
+            sp.set_defaults(command_module=module)
     return parser
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     selected = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(selected if selected in SUBCOMMANDS else None).parse_args(argv)
-    return int(args._module.run(args) or 0)
+    return int(args.command_module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ _armed: dict[str, _Armed] = {}
 _env_loaded = False
 
 
-def _parse(spec: str) -> dict[str, _Armed]:
+def parse(spec: str) -> dict[str, _Armed]:
+    """The points an `EMBER_FAILPOINTS` value arms, by name (the syntax of the module
+    docstring); an unknown name or action, a missing `=` or `@0` is a ValueError."""
     out: dict[str, _Armed] = {}
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         name, sep, action = item.partition("=")
@@ -100,7 +102,7 @@ def _load_env() -> None:
     global _env_loaded
     with _lock:
         if not _env_loaded:
-            _armed.update(_parse(os.environ.get(ENV, "")))
+            _armed.update(parse(os.environ.get(ENV, "")))
             _env_loaded = True
 
 

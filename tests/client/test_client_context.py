@@ -29,16 +29,16 @@ def test_sub_clients_never_touch_service_client_privates(module):
 
 def test_sub_clients_share_the_service_clients_context(make_client):
     sc = make_client()
-    ctx = sc._context
+    ctx = sc.context
     assert isinstance(ctx, ClientContext) and ctx.service is sc.service and ctx.owner == "local"
     with pytest.raises(AttributeError):
         ctx.owner = "other"  # frozen
     rest = sc.create_rest_client()
-    assert rest._owner == "local"
+    assert rest.context is ctx
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
-    assert tc._ctx is ctx
+    assert tc.context is ctx
     sampler = tc.save_weights_and_get_sampling_client().result()
-    assert sampler._ctx is ctx and sampler.get_base_model() == MODEL
+    assert sampler.context is ctx and sampler.get_base_model() == MODEL
 
 
 def test_an_equal_configuration_shares_the_service(make_client, tmp_path):

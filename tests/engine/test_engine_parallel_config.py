@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.parallel import (
     ParallelismConfig,
-    _check_tp_divisibility,
+    check_tp_divisibility,
     build_mesh,
     decoder_layers,
     layer_tp_plan,
@@ -62,12 +62,12 @@ def test_build_mesh_needs_a_process_group():
 
 def test_tp_divisibility_and_family_checks(tiny_model_dir):
     cfg = load_model(tiny_model_dir).config  # 4 heads, 2 kv heads, intermediate 128
-    _check_tp_divisibility(cfg, 2)
+    check_tp_divisibility(cfg, 2)
     with pytest.raises(ValueError, match=r"tp=4 must divide config.num_key_value_heads=2"):
-        _check_tp_divisibility(cfg, 4)
+        check_tp_divisibility(cfg, 4)
     cfg.model_type = "gpt2"
     with pytest.raises(ValueError, match="tensor parallelism supports"):
-        _check_tp_divisibility(cfg, 2)
+        check_tp_divisibility(cfg, 2)
 
 
 def test_layer_tp_plan_plain_and_lora(tiny_model_dir):

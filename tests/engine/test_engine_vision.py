@@ -13,7 +13,6 @@ import ember
 from ember.engine import EngineConfig, TorchEngine
 from ember.models import load_tokenizer
 from ember.models.testing import build_tiny_model
-from ember.service.store import CheckpointRow
 from helpers.datums import assert_tensors_close, sft_datum
 from helpers.vision import COLORS, image_datum, png_bytes
 
@@ -164,7 +163,7 @@ def test_a_full_checkpoint_resumes_only_with_the_same_train_vision(vl_dir, datum
 def _export_dir(service, path: str):
     from pathlib import Path
 
-    return Path(service.service.store.get(CheckpointRow, path).directory)
+    return Path(service.service.checkpoints.row(path).directory)
 
 
 def test_checkpoint_resume_and_exports_load_back_in_transformers(service, vl_dir, datums):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from ember.engine.parallel import _check_tp_divisibility
+from ember.engine.parallel import check_tp_divisibility
 from ember.models import families
 from ember.models.families import FAMILIES, family_of, non_full_attention_layers, uses_sliding_window
 
@@ -39,8 +39,8 @@ def test_a_family_without_a_tp_plan_is_refused_by_tensor_parallelism(monkeypatch
     monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], tp_plan=None))
     with pytest.raises(ValueError, match=r"tensor parallelism supports \('mistral', 'qwen2', 'qwen3'\); this "
                                          r"model is 'llama'"):
-        _check_tp_divisibility(LlamaConfig(**SMALL), 2)
-    _check_tp_divisibility(Qwen3Config(**SMALL), 2)
+        check_tp_divisibility(LlamaConfig(**SMALL), 2)
+    check_tp_divisibility(Qwen3Config(**SMALL), 2)
     assert families.tp_families() == ("mistral", "qwen2", "qwen3")
 
 

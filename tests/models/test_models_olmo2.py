@@ -15,7 +15,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine, hf_export
-from ember.engine.parallel import _check_tp_divisibility
+from ember.engine.parallel import check_tp_divisibility
 from helpers.datums import assert_tensors_close, random_rl_datums, random_sft_datums, sft_datum
 from ember.models import load_model, lora_target_modules
 from ember.models.families import FAMILIES, family_of
@@ -172,7 +172,7 @@ def test_tensor_parallelism_and_value_model_export_refuse_it_with_the_reason(olm
     config = load_model(olmo2_dir).config
     with pytest.raises(ValueError, match=r"tensor parallelism supports \('llama', 'mistral', 'qwen2', 'qwen3'\); "
                                          r"this model is 'olmo2'"):
-        _check_tp_divisibility(config, 2)
+        check_tp_divisibility(config, 2)
     with pytest.raises(ValueError, match="model family 'olmo2' has no transformers token-classification class"):
         hf_export.token_classification_config(json.loads((olmo2_dir / "config.json").read_text()))
 

@@ -186,7 +186,7 @@ def test_forward_failure_message_names_no_request(torch_sampler):
     """A failure of the shared forward still fails what is in flight, without its shapes."""
     from ember.sampling.weights import TorchWeightVersion
 
-    broken = TorchWeightVersion(torch_sampler._id, params={"lm_head.weight": torch.zeros(84, 63)})
+    broken = TorchWeightVersion(torch_sampler.sampler_id, params={"lm_head.weight": torch.zeros(84, 63)})
     bad = torch_sampler.sample_many([request_b(version=broken)], timeout=60)[0]
     assert isinstance(bad, RuntimeError)
     assert str(bad).startswith("sampling failed: the batched model forward raised ")

@@ -35,7 +35,7 @@ def _worker_threads() -> list[threading.Thread]:
 def test_fault_fails_in_flight_requests_only(tiny_model_dir):
     with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4)) as s:
         # A version that passed no validation (built by hand): its forward raises.
-        broken = TorchWeightVersion(s._id, params={"lm_head.weight": torch.zeros(84, 63)})
+        broken = TorchWeightVersion(s.sampler_id, params={"lm_head.weight": torch.zeros(84, 63)})
         bad = s.submit(SamplingRequest(prompt=prompt([5, 6]), version=broken, sampling_params=params(max_tokens=3)))
         with pytest.raises(RuntimeError, match="sampling failed"):
             bad.result(timeout=60)

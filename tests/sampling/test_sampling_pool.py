@@ -18,6 +18,7 @@ from ember.models import load_model
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler, create_sampler
 from ember.sampling.pool import SamplerPool
 from ember.sampling.replica import ReplicaFailed
+from ember.sampling.router import HashRing, SessionRouter
 
 from .conftest import POOL_CONFIG, params, prompt
 
@@ -38,12 +39,14 @@ def _request(session: str, max_tokens: int = 4, seed: int = 1, version=None) -> 
 
 
 def _sessions_by_home(pool: SamplerPool, n: int = 4) -> dict[int, list[str]]:
-    """Fresh session ids whose consistent-hash home is each replica."""
+    """Fresh session ids whose consistent-hash home is each replica (the pool's ring of both
+    replicas, up: `ember.sampling.router`'s hash is the same in every process)."""
+    ring = HashRing(range(pool.config.replicas))
     homes: dict[int, list[str]] = {0: [], 1: []}
     i = 0
     while min(len(v) for v in homes.values()) < n:
         s = f"test-session-{time.monotonic_ns()}-{i}"
-        homes[pool._router.ring.lookup(s)].append(s)
+        homes[ring.lookup(s)].append(s)
         i += 1
     return {r: v[:n] for r, v in homes.items()}
 
@@ -141,18 +144,21 @@ def test_silent_replica_is_taken_out_and_never_blocks_a_sync(pool, tiny_model_di
             pass
 
 
+class _NoReplicaRouter(SessionRouter):
+    """The pool's router with both replicas out of the ring, as while both are being replaced."""
+
+    def __init__(self, replicas, max_imbalance: int) -> None:
+        super().__init__([], max_imbalance)
+
+
 def test_requests_while_no_replica_is_up_fail_at_once(pool):
-    with pool._lock:  # both out of the ring, as while both are being replaced
-        pool._router.remove(0)
-        pool._router.remove(1)
+    pool.use_router(_NoReplicaRouter)
     try:
         fut = pool.submit(_request("no-replica"))
         assert isinstance(fut.exception(timeout=5), ReplicaFailed)
         assert "no sampler replica is up" in str(fut.exception())
     finally:
-        with pool._lock:
-            pool._router.add(0)
-            pool._router.add(1)
+        pool.use_router(SessionRouter)  # both back in the ring
     assert pool.submit(_request("no-replica")).result(120).sequences
 
 
@@ -177,7 +183,7 @@ def test_cuda_replicas_each_on_their_device(tiny_model_dir, ref_model):
     n = torch.cuda.device_count()
     devices = [f"cuda:{i % n}" for i in range(2)]
     with SamplerPool(tiny_model_dir, SamplerConfig(replicas=2, devices=devices, dtype="float32", max_slots=8)) as p:
-        infos = [s.replica.call("info").result(60) for s in p._slots]
+        infos = p.replica_infos(60)
         assert [i.device for i in infos] == devices
         tokens = [5, 6, 7, 8, 9]
         got = p.compute_logprobs(prompt(tokens))[1:]

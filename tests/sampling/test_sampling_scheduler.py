@@ -41,7 +41,7 @@ def _requests() -> list[SamplingRequest]:
 
 
 def _jobs(sampler, requests):
-    return [sampler._make_job(request, Future()) for request in requests]
+    return [sampler.make_job(request, Future()) for request in requests]
 
 
 def _step(scheduler) -> None:

@@ -109,7 +109,7 @@ def test_serve_is_the_ember_subcommand(tmp_path):
     args = dispatcher.build_parser("serve").parse_args(["serve", "--model", f"a={tmp_path}", "--port", "0",
                                                         "--data-dir", str(tmp_path / "d")])
     config = cli.load_serve_config(args)  # the flags' values are typed by ember.config, not argparse
-    assert args._module is cli and config.service.models == {"a": str(tmp_path)} and config.server.host == "127.0.0.1"
+    assert args.command_module is cli and config.service.models == {"a": str(tmp_path)} and config.server.host == "127.0.0.1"
 
 
 @pytest.mark.parametrize("key, want", [

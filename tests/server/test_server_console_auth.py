@@ -3,6 +3,7 @@ and the chart geometry (`ember.server.console.svg`): pure, no server, no browser
 
 from __future__ import annotations
 
+import base64
 import os
 import stat
 
@@ -19,7 +20,8 @@ def test_cookie_round_trip_and_refusals(tmp_path):
     assert auth.read_cookie(secret, value, now=1030.0) == signin
     assert auth.read_cookie(secret, value, now=1061.0) is None  # expired
     body, mac = value.split(".")
-    forged_body = auth._b64(b'{"o": "key-other", "s": "x", "e": 9e9}')
+    # An attacker's body, encoded as the cookie's (URL-safe base64, unpadded), under the old MAC.
+    forged_body = base64.urlsafe_b64encode(b'{"o": "key-other", "s": "x", "e": 9e9}').decode().rstrip("=")
     for bad in (f"{forged_body}.{mac}", f"{body}.{mac[:-2]}AA", value + "x" * 2000, "", "a.b.c", "nodot"):
         assert auth.read_cookie(secret, bad, now=1030.0) is None
     assert auth.read_cookie(os.urandom(32), value, now=1030.0) is None  # another server's secret

@@ -18,7 +18,7 @@ from ember.server import openai_compat as oa
 from ember.server import wire
 from ember.server.errors import BadRequest
 from ember.server.requests import decode_json
-from ember.server.routes_openai import _json_pieces
+from ember.server.routes_openai import json_pieces
 from ember.service.api import UserError
 from ember.service.limits import Limits, check_json_tree
 
@@ -133,8 +133,8 @@ def test_openai_answers_are_encoded_in_pieces_equal_to_json_dumps():
     entry = {"token": "ü", "logprob": -0.5, "bytes": [195, 188], "top_logprobs": [{"token": "a", "logprob": -1.0}] * 5}
     answer = {"id": "x", "choices": [{"index": i, "logprobs": {"content": [entry] * 300}} for i in range(3)],
               "usage": {"total_tokens": 9}, "empty": [], "none": None}
-    pieces = list(_json_pieces(answer))
+    pieces = list(json_pieces(answer))
     assert json.loads(b"".join(pieces)) == answer
     assert max(len(p) for p in pieces) < 64 * len(json.dumps(entry)) + 100  # no piece holds a whole choice
     with pytest.raises(ValueError):
-        b"".join(_json_pieces({"choices": [{"logprob": -math.inf}]}))
+        b"".join(json_pieces({"choices": [{"logprob": -math.inf}]}))

@@ -96,7 +96,7 @@ def test_the_service_refuses_a_bad_image_as_the_users_error_and_keeps_serving(ma
     state = wait(svc, "alice", svc.forward_backward("alice", run, 1, [datum], "cross_entropy"))
     assert state.category == "user" and "datum 0: model_input: chunk 1 (image):" in state.error, state.error
     pointer = types.Datum(model_input=_prompt(_pointer("sub/cat.png")), loss_fn_inputs=datum.loss_fn_inputs)
-    [resolved] = svc._datums_with_images([pointer])  # the pointer is read into the file's image chunk
+    [resolved] = svc.datums_with_images([pointer])  # the pointer is read into the file's image chunk
     assert resolved.model_input.chunks[1].data == (root / "sub" / "cat.png").read_bytes()
     assert resolved.loss_fn_inputs.keys() == datum.loss_fn_inputs.keys()
     text = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),

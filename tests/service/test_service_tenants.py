@@ -37,7 +37,7 @@ def test_two_tenants_share_one_base_model_and_see_only_their_own_updates(make_se
     _, alice = new_run(svc, "alice", seed=1)
     _, bob = new_run(svc, "bob", seed=2)
     # One base model in memory, carrying both adapters.
-    factory = svc.runs.factory
+    factory = svc.engine_factory
     shared = factory.shared_models()
     assert len(shared) == 1 and {adapter_name(alice), adapter_name(bob)} <= set(shared[0].peft_config)
 
@@ -94,7 +94,7 @@ def test_finishing_a_session_frees_its_adapter_and_the_other_tenant_trains_on(ma
     queued = svc.forward_backward("alice", alice, 1, batch, "cross_entropy")
     svc.finish_session("alice", alice_sid, "success")
     assert result(svc, "alice", queued).metrics["loss:sum"] > 0  # queued work still completes
-    shared = svc.runs.factory.shared_models()[0]
+    shared = svc.engine_factory.shared_models()[0]
     deadline = time.monotonic() + 10
     while adapter_name(alice) in shared.peft_config and time.monotonic() < deadline:
         time.sleep(0.05)  # the release runs on the lane after the queued work

@@ -28,7 +28,7 @@ def test_memory_mode_snapshots_write_nothing_and_saved_paths_are_not_read_back(t
                                                   sampler=SamplerConfig(weight_sync="memory")))
     syncs: list[str] = []
     try:
-        sc._service.samplers.add_sync_listener(lambda mode, seconds: syncs.append(mode))
+        sc.service.samplers.add_sync_listener(lambda mode, seconds: syncs.append(mode))
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         tc.forward_backward([sft_datum([5, 9, 14, 22, 31])], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -53,7 +53,7 @@ def test_files_mode_reads_a_saved_path_back(tmp_path, tiny_model_dir):
     sc = ember.ServiceClient(config=ServiceConfig(data_dir=tmp_path / "data", models={"tiny": str(tiny_model_dir)}))
     syncs: list[str] = []
     try:
-        sc._service.samplers.add_sync_listener(lambda mode, seconds: syncs.append(mode))
+        sc.service.samplers.add_sync_listener(lambda mode, seconds: syncs.append(mode))
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         path = tc.save_weights_for_sampler("step-0").result().path
         sc.create_sampling_client(model_path=path).result().sample(PROMPT, 1, PARAMS).result()

@@ -28,7 +28,14 @@ class RestClient:
     """Same method names, arguments and return types (APIFuture[...]) as `tinker.RestClient`."""
 
     def __init__(self, context: ClientContext) -> None:
+        self._ctx = context
         self._service, self._owner = context.service, context.owner
+
+    @property
+    def context(self) -> ClientContext:
+        """Read-only: the `ClientContext` (service, owner, session) this client works from,
+        the one its `ServiceClient` made. ember's own (the SDK's client has none), for inspection."""
+        return self._ctx
 
     def get_server_capabilities(self) -> APIFuture[types.GetServerCapabilitiesResponse]:
         return _now(self._service.get_server_capabilities)

@@ -54,6 +54,12 @@ class SamplingClient:
         self._seq = itertools.count(0)
         self._seq_lock = threading.Lock()
 
+    @property
+    def context(self) -> "ClientContext":
+        """Read-only: the `ClientContext` (service, owner, session) this client works from,
+        the one its `ServiceClient` made. ember's own (the SDK's client has none), for inspection."""
+        return self._ctx
+
     def _next_seq(self) -> int:
         with self._seq_lock:
             return next(self._seq)

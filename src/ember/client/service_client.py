@@ -213,6 +213,12 @@ class ServiceClient:
         """The caller's identity in the service (read-only; `"local"` unless given)."""
         return self._owner
 
+    @property
+    def context(self) -> ClientContext:
+        """Read-only: the `ClientContext` (service, owner, session) every sub-client of this
+        client works from. ember's own (the SDK's client has none), for inspection."""
+        return self._context
+
     # ------------------------------------------------------------------ plumbing
     def _session(self) -> str:
         with self._lock:

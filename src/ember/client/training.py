@@ -101,6 +101,12 @@ class TrainingClient:
         self._info = info
         self._submitter = OrderedSubmitter(first_seq=1)
 
+    @property
+    def context(self) -> ClientContext:
+        """Read-only: the `ClientContext` (service, owner, session) this client works from,
+        the one its `ServiceClient` made. ember's own (the SDK's client has none), for inspection."""
+        return self._ctx
+
     # ------------------------------------------------------------------ plumbing
     @property
     def _service(self):

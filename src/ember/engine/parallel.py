@@ -17,7 +17,7 @@ checkpointing → FSDP2.
   `ColwiseParallel` for q/k/v/gate/up, `RowwiseParallel` for o/down. The attention modules
   of these families read head counts only through `view(..., -1, head_dim)` and the
   ratio `num_key_value_groups` (unchanged by TP), so nothing in the model needs to be
-  rewritten; `_check_tp_divisibility` makes sure every rank holds whole heads. Qwen3's
+  rewritten; `check_tp_divisibility` makes sure every rank holds whole heads. Qwen3's
   per-head `q_norm`/`k_norm` see only the local heads, so their weights become replicated
   DTensors (`SequenceParallel` over the heads dim) whose gradient DTensor sums across TP
   ranks. Embeddings, layer norms and `lm_head` stay replicated plain tensors: they see the
@@ -164,7 +164,9 @@ def _mixed_precision(device_type: str, dtype: torch.dtype):
 
 
 # ---------------------------------------------------------------------- tensor parallel
-def _check_tp_divisibility(config, tp: int) -> None:
+def check_tp_divisibility(config, tp: int) -> None:
+    """Refuse (ValueError naming the size) a model whose family has no TP plan or whose heads
+    or MLP width do not divide by `tp`: every rank must hold whole heads."""
     family = family_of(config)
     if family is None or family.tp_plan is None:
         model_type = str(getattr(config, "model_type", "?"))
@@ -225,7 +227,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     config = hf_model(model).config
-    _check_tp_divisibility(config, tp_mesh.size())
+    check_tp_divisibility(config, tp_mesh.size())
     family_plan = family_of(config).tp_plan
     # parallelize_module re-registers parameters; keep frozen ones frozen (LoRA base weights).
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}

@@ -214,6 +214,13 @@ class SamplerPool(Sampler):
         with self._lock:
             return [getattr(s.replica, "pid", None) if s.up else None for s in self._slots]
 
+    def replica_infos(self, timeout: float = 60.0) -> list[ReplicaInfo]:
+        """What each replica reports of itself now (pid, backend, device), asked of each in
+        turn; for inspection (a test checks each replica's device)."""
+        with self._lock:
+            replicas = [s.replica for s in self._slots]
+        return [r.call("info").result(timeout) for r in replicas]
+
     def use_router(self, router_cls) -> None:
         """Route with a fresh `router_cls(up replicas, max_imbalance)` from now on
         (`ember.sampling.router`: the benchmark compares SessionRouter with RoundRobinRouter)."""

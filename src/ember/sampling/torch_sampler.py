@@ -155,6 +155,12 @@ class TorchSampler(Sampler):
         slots and waiting queue; tests inject decode faults into it)."""
         return self._scheduler
 
+    @property
+    def sampler_id(self) -> int:
+        """Read-only: the id every `TorchWeightVersion` of this sampler carries (a version of
+        another id is refused). For inspection: tests build a version by hand with it."""
+        return self._id
+
     def live_versions(self) -> int:
         """Versions of this sampler still referenced somewhere."""
         return len(self._versions)
@@ -186,7 +192,7 @@ class TorchSampler(Sampler):
             future: Future = Future()
             futures.append(future)
             try:
-                jobs.append(self._make_job(request, future))
+                jobs.append(self.make_job(request, future))
             except ValueError as exc:
                 future.set_exception(exc)
         with self._lock:
@@ -207,8 +213,10 @@ class TorchSampler(Sampler):
         if thread is not None:
             thread.join()
 
-    # ------------------------------------------------------------------ internals
-    def _make_job(self, request: SamplingRequest, future: Future) -> Job:
+    def make_job(self, request: SamplingRequest, future: Future) -> Job:
+        """The scheduler `Job` of a request: checked (its version must be this sampler's) and
+        resolved. `submit_many` enqueues these; a test that drives `scheduler` itself (enqueue,
+        then `step()`) makes its jobs here. ValueError for a request this sampler refuses."""
         if not isinstance(request, SamplingRequest):
             raise ValueError(f"submit: expected a SamplingRequest, got {type(request).__name__}")
         version = request.version
@@ -224,6 +232,7 @@ class TorchSampler(Sampler):
         )
         return Job(spec, future, version, images, cache_prompt)
 
+    # ------------------------------------------------------------------ internals
     def _expand_images(self, request: SamplingRequest):
         """(the request with its prompt as token ids, its `PromptImages`, the prefix
         cache's view of the prompt); runs on the submitting thread, not the worker's."""

@@ -133,9 +133,9 @@ def _answer(body: dict[str, Any], limits: Limits) -> Response:
     """The JSON answer, refused (400) when it is over `max_openai_response_bytes`. Runs in the
     thread pool: an answer of a few hundred thousand logprob entries takes seconds to build."""
     try:
-        raw = b"".join(_json_pieces(body))
+        raw = b"".join(json_pieces(body))
     except ValueError:  # a -inf logprob: JSON has no infinity (see wire.json_safe)
-        raw = b"".join(_json_pieces(json_safe(body)))
+        raw = b"".join(json_pieces(json_safe(body)))
     if len(raw) > limits.max_openai_response_bytes:
         raise BadRequest(f"the answer is {len(raw)} bytes; the limit is max_openai_response_bytes="
                          f"{limits.max_openai_response_bytes} (ask for fewer choices, tokens or logprobs)")
@@ -146,7 +146,7 @@ def _dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-def _json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
+def json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
     """`value` as JSON, in pieces: the envelope, choices and logprobs objects are walked,
     and lists below them (token entries) encoded 64 items per `json.dumps` call. One call
     over a whole 8 MB answer held the interpreter lock, and so the event loop, for seconds."""
@@ -154,14 +154,14 @@ def _json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
         yield b"{"
         for i, (key, item) in enumerate(value.items()):
             yield (b"," if i else b"") + _dumps(str(key)) + b":"
-            yield from _json_pieces(item, depth + 1)
+            yield from json_pieces(item, depth + 1)
         yield b"}"
     elif isinstance(value, list):
         yield b"["
         if depth < 3:
             for i, item in enumerate(value):
                 yield b"," if i else b""
-                yield from _json_pieces(item, depth + 1)
+                yield from json_pieces(item, depth + 1)
         else:
             for i in range(0, len(value), 64):
                 yield (b"," if i else b"") + _dumps(value[i:i + 64])[1:-1]

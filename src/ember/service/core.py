@@ -10,6 +10,13 @@
 
 This class validates arguments, checks visibility (owner) and delegates; the training
 and sampling work happens in the managers' lanes and samplers.
+
+The managers are attributes (`store`, `futures`, `runs`, `samplers`, `sessions`,
+`checkpoints`, `registry`, `records`, `metric_history`), read-only by contract: the server
+holds a `ServiceAPI` and never reaches them. What a test must see inside has a read-only
+accessor here ("Inspection" below) or on the manager (e.g. `CheckpointStore.row`); tests
+use the managers directly only to make a state no request can (a crashed process's future
+row, an op gated on an event, a checkpoint row of an older layout).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager, session_of
 from ember.service.stability import StabilityRecords
-from ember.service.store import Store
+from ember.service.store import FutureRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +240,7 @@ class Service(ServiceAPI):
         rtype = "Forward" if forward_only else "ForwardBackward"
         try:
             self.config.limits.check_datums(data, self._positions(owner, model_id))
-            data = self._datums_with_images(data, owner, model_id)
+            data = self.datums_with_images(data, owner, model_id)
         except UserError as exc:
             return self.runs.reject(owner, rtype, str(exc), model_id=model_id)
 
@@ -255,9 +262,11 @@ class Service(ServiceAPI):
         return check_request_images(inputs, self.config.limits, self.config.image_roots, [self.config.data_dir],
                                     spec)
 
-    def _datums_with_images(self, data: list, owner: str | None = None, model_id: str | None = None) -> list:
+    def datums_with_images(self, data: list, owner: str | None = None, model_id: str | None = None) -> list:
         """The datums with their images checked and pointers read (`service/images.py`);
-        given the run, each image's token count against its base model's too."""
+        given the run, each image's token count against its base model's too. What
+        `forward_backward` does before queueing; public so that a test sees what a pointer
+        chunk resolves to."""
         if not any(count_images(getattr(d, "model_input", None)) for d in data):
             return data
         model_dir = self._run_dir(owner, model_id) if model_id is not None else None
@@ -491,6 +500,28 @@ class Service(ServiceAPI):
 
     def base_model_directory(self, base_model: str) -> str:
         return str(self.registry.resolve(base_model).directory)
+
+    # ------------------------------------------------------------------ inspection (read-only)
+    @property
+    def engine_factory(self) -> EngineFactory:
+        """Read-only: the `EngineFactory` this service's runs are built by (its argument, else
+        a `LocalEngineFactory`). For inspection: tests check which one and its shared models."""
+        return self.runs.factory
+
+    def live_run(self, owner: str, model_id: str) -> LiveRun:
+        """Read-only: `owner`'s loaded run (its spec, lane, steps); NotFoundError unless it is
+        theirs, RunNotLoadedError unless loaded. For inspection: tests compare runs' lanes."""
+        return self.runs.live(owner, model_id)
+
+    def stored_future(self, request_id: str) -> FutureRow | None:
+        """Read-only: the future's database row as it is now (None if absent), whatever memory
+        serves; no owner check. For inspection: the fault tests compare it with `retrieve`."""
+        return self.store.get(FutureRow, request_id)
+
+    def unsaved_futures(self) -> int:
+        """Read-only: how many finished futures have their final state in memory only, its
+        database write still failing (housekeeping writes it later). For inspection and tests."""
+        return self.futures.unsaved_count()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -1,0 +1,139 @@
+"""The tests reach ember through its public interfaces (tests/README.md): no test reads a
+private attribute of an ember object or imports a private name of an ember module.
+
+A private name is one that starts with a single underscore. "Of ember" is decided by name:
+the private names that `src/ember` defines (functions, classes, attributes and variables it
+assigns, keyword arguments it passes). An AST walk of every file under tests/ finds the
+private names a test reads (`obj._x`, `getattr(obj, "_x")`, `monkeypatch.setattr(obj, "_x",
+...)`, `from ember.m import _x`); a read of one of ember's is an error unless `ALLOWED`
+names the file and the name, with why. A test's own classes may read their own privates
+(`self._x` where the test file defines `_x`). Where a test must look inside, ember gives it
+a documented read-only accessor (e.g. `Service.stored_future`, `TorchSampler.sampler_id`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+SRC = TESTS.parent / "src" / "ember"
+
+# (test file, private name of ember's) -> why the test reads it: each is another
+# library's object with a private of the same name, never ember's own.
+ALLOWED = {
+    ("tests/server/test_server_limits.py", "_sampling_session_id"):
+        "the tinker SDK's SamplingClient (ember's has the same private name): the SDK has no public accessor for it",
+    ("tests/server/test_server_tenants_sampling.py", "_sampling_session_id"):
+        "the tinker SDK's SamplingClient (ember's has the same private name): the SDK has no public accessor for it",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and name != "_" and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """The private names a module defines or assigns (anywhere in it)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)  # e.g. argparse's set_defaults(_x=...) makes a Namespace attribute
+    return {n for n in names if _private(n)}
+
+
+@functools.cache
+def ember_private_names() -> frozenset[str]:
+    return frozenset().union(*(_defined(ast.parse(p.read_text())) for p in SRC.rglob("*.py")))
+
+
+def _callee(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def _string_args(call: ast.Call) -> list[str]:
+    return [a.value for a in call.args[:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+
+
+def _reads(tree: ast.AST, own: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, name) of each name a test module reads off another object or module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if not (on_self and node.attr in own):
+                yield node.lineno, node.attr
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ember":
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.Call) and _callee(node) in ("getattr", "setattr", "hasattr", "delattr"):
+            for text in _string_args(node):  # getattr(obj, "_x"); monkeypatch.setattr("ember.m._x", v)
+                parts = text.split(".")
+                if len(parts) == 1 or parts[0] == "ember":
+                    yield from ((node.lineno, part) for part in parts)
+
+
+def violations(source: str, rel: str, ember_names: frozenset[str]) -> list[str]:
+    """`rel:line: name` for each private name of ember that `source` reads and `ALLOWED` does not list."""
+    tree = ast.parse(source)
+    own = _defined(tree)
+    return [f"{rel}:{line}: {name}" for line, name in sorted(_reads(tree, own))
+            if _private(name) and name in ember_names and (rel, name) not in ALLOWED]
+
+
+def _test_files() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if p.name != Path(__file__).name)
+
+
+def test_no_test_reads_a_private_attribute_of_ember():
+    names = ember_private_names()
+    found = [v for p in _test_files() for v in violations(p.read_text(), p.relative_to(TESTS.parent).as_posix(), names)]
+    assert not found, ("tests read private names of ember; use a public interface or add a documented "
+                       "read-only accessor (or, for an object that is not ember's, an ALLOWED entry):\n"
+                       + "\n".join(found))
+
+
+def test_every_allowed_entry_is_still_read_and_says_why():
+    """A stale entry would let a new read of the same name through unnoticed."""
+    for (rel, name), why in ALLOWED.items():
+        tree = ast.parse((TESTS.parent / rel).read_text())
+        assert name in ember_private_names(), f"ALLOWED[{rel!r}, {name!r}]: ember has no such private name"
+        assert any(n == name for _, n in _reads(tree, set())), f"ALLOWED[{rel!r}, {name!r}] is no longer read"
+        assert len(why) > 20, (rel, name)
+
+
+def test_the_check_finds_each_form_of_read():
+    names = ember_private_names()
+    assert {"_scheduler", "_context", "_ctx", "_service"} <= names  # ember's privates that tests once read
+    source = """
+from ember.server.routes_openai import _dumps
+class Mine:
+    def __init__(self):
+        self._mine = 1
+    def f(self, sampler, monkeypatch):
+        self._mine, self._scheduler
+        sampler._scheduler
+        getattr(sampler, "_ctx")
+        monkeypatch.setattr("ember.client.rest._now", None)
+        monkeypatch.setattr(sampler, "_service", None)
+        sampler.__class__, sampler.scheduler
+"""
+    got = violations(source, "x.py", names)
+    assert [v.split(": ")[1] for v in got] == ["_dumps", "_scheduler", "_scheduler", "_ctx", "_now", "_service"], got
+
+
+def test_every_test_file_the_readme_names_exists():
+    """tests/README.md is where a feature's tests are found: each file it names is there."""
+    text = (TESTS / "README.md").read_text()
+    named = set(re.findall(r"\btest_\w+\.py\b", text))
+    present = {p.name for p in TESTS.rglob("test_*.py")}
+    assert named and not named - present, sorted(named - present)
