@@ -53,7 +53,7 @@ def test_colocated_vllm_sleeps_while_training_and_wakes_to_sample(make_service):
     awake = torch.cuda.memory_allocated()
     sub = svc.forward_backward("alice", model_id, 2, [sft_datum([5, 6, 7, 8])], "cross_entropy")
     result(svc, "alice", sub)
-    backend = svc.samplers.backend(svc.registry.resolve("tiny"))  # the one the sampler above runs on
+    backend = svc.sampler_backend("tiny")  # the one the sampler above runs on
     assert backend.asleep  # released the GPU while the trainer ran
     assert result(svc, "alice", svc.sample("alice", sampler_id, 1, prompt, 2, params)).sequences
     assert not backend.asleep and torch.cuda.memory_allocated() <= awake * 1.5

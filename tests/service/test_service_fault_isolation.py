@@ -41,7 +41,7 @@ def test_one_owners_failing_sample_leaves_the_other_owners_samples_alone(make_se
     svc = make_service()
     alice, bob = _sampling_session(svc, "alice"), _sampling_session(svc, "bob")
     alone = result(svc, "alice", _alice_sample(svc, alice, 0))
-    sampler = svc.samplers.backend(svc.registry.resolve("tiny"))
+    sampler = svc.sampler_backend("tiny")
     decode = sampler.scheduler.decode_text
 
     def broken_decode(ids):  # only bob's request has stop strings: only bob's text is decoded

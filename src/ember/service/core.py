@@ -12,11 +12,12 @@ This class validates arguments, checks visibility (owner) and delegates; the tra
 and sampling work happens in the managers' lanes and samplers.
 
 The managers are attributes (`store`, `futures`, `runs`, `samplers`, `sessions`,
-`checkpoints`, `registry`, `records`, `metric_history`), read-only by contract: the server
-holds a `ServiceAPI` and never reaches them. What a test must see inside has a read-only
-accessor here ("Inspection" below) or on the manager (e.g. `CheckpointStore.row`); tests
-use the managers directly only to make a state no request can (a crashed process's future
-row, an op gated on an event, a checkpoint row of an older layout).
+`checkpoints`, `registry`, `records`, `metric_history`), read-only by contract: the
+server's routes call `ServiceAPI` methods, and only its metrics read the managers'
+counters (`server/metrics.py`). What a test must see inside has a read-only accessor here
+("inspection" below) or a documented read method on its manager (`CheckpointStore.row`);
+beyond that, tests use a manager only to make a state no request can (a crashed process's
+future row, an op gated on an event, a checkpoint row of an older layout, hooks around ops).
 """
 
 from __future__ import annotations
@@ -512,6 +513,11 @@ class Service(ServiceAPI):
         """Read-only: `owner`'s loaded run (its spec, lane, steps); NotFoundError unless it is
         theirs, RunNotLoadedError unless loaded. For inspection: tests compare runs' lanes."""
         return self.runs.live(owner, model_id)
+
+    def sampler_backend(self, base_model: str) -> Any:
+        """The sampler backend serving `base_model` (started on first use, as a sampling
+        session would). For inspection: tests check its state or inject a fault into it."""
+        return self.samplers.backend(self.registry.resolve(base_model))
 
     def stored_future(self, request_id: str) -> FutureRow | None:
         """Read-only: the future's database row as it is now (None if absent), whatever memory
