@@ -228,8 +228,9 @@ def test_a_heavy_openai_answer_does_not_stall_the_event_loop(server, http, path)
     assert len(choices) == 16
     entries = (choices[0]["logprobs"]["content"] if "chat" in path else choices[0]["logprobs"]["top_logprobs"])
     assert len(entries) == r.json()["usage"]["completion_tokens"] // 16 > 0
-    assert took > 2.0, f"the request took {took:.2f} s: too light to show anything"
-    assert max(latencies, default=0.0) < HEALTHZ_BOUND_S, f"healthz took {max(latencies, default=0.0):.2f} s during a {took:.1f} s request"
+    # watched throughout (not a duration bound, which a fast machine fails: 1.5 s there)
+    assert len(latencies) >= 3, f"healthz answered {len(latencies)} times during a {took:.2f} s request"
+    assert max(latencies) < HEALTHZ_BOUND_S, f"healthz took {max(latencies):.2f} s during a {took:.1f} s request"
 
 
 # ---------------------------------------------------------------------------------------
