@@ -498,9 +498,10 @@ class SamplerPool(Sampler):
 
 def _memory_sync(config: SamplerConfig):
     """The pool's in-memory weight channels (`weight_sync="memory"`), or None for files.
-    vLLM replicas keep files: vLLM loads LoRA adapters and swaps pinned full versions from
-    a path (ember.sampling.weight_sync's docstring)."""
-    if config.weight_sync != "memory" or config.backend == "vllm":
+    A vLLM replica receives the same way and keeps a full version in memory, pushed into
+    its engine through vLLM's weight-transfer API; it writes a LoRA version as an adapter
+    directory in its own scratch directory (vLLM loads adapters only from a path)."""
+    if config.weight_sync != "memory":
         return None
     from ember.sampling.weight_sync import ReplicaSync, sync_host
 

@@ -43,10 +43,11 @@ colocated path (a replica on the trainer's own GPU maps the trainer's tensors th
 IPC, no copy through the host). Both are written for GPUs and covered only by GPU-marked
 tests.
 
-vLLM replicas keep `"files"`: vLLM 0.32 takes LoRA adapters only from a path
-(`LoRARequest.lora_path`), and `VLLMSampler` keeps every pinned full version as a file that
-its `WeightGate` reloads when requests for it run (the engine holds one full set at a
-time), so a version that exists only in memory could not be swapped back in.
+vLLM replicas receive the same way. `VLLMSampler` (with `weight_sync="memory"`) keeps a
+full version's tensors in the replica's process and pushes them into its engine through
+vLLM's weight-transfer API whenever its `WeightGate` swaps that version in
+(`ember.sampling.vllm_weight_engine`); a LoRA version is written as an adapter directory,
+because vLLM 0.32 takes adapters only from a path (`LoRARequest.lora_path`).
 """
 
 from __future__ import annotations
