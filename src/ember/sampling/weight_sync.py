@@ -558,10 +558,12 @@ class ReplicaSync:
         self._lock = threading.Lock()
         self._pushing = threading.Lock()
 
-    def keep(self, key: int, named_weights: Iterable[tuple[str, torch.Tensor]], lora_rank: int | None) -> None:
+    def keep(self, key: int, named_weights: Iterable[tuple[str, torch.Tensor]], lora_rank: int | None) -> int:
+        """Hold version `key`'s tensors (each distinct one once); their bytes."""
         named = distinct_tensors((n, t.detach()) for n, t in named_weights)
         with self._lock:
             self._versions[key] = (named, lora_rank)
+        return sum(t.numel() * t.element_size() for _, t in named)
 
     def forget(self, keys: Iterable[int]) -> None:
         with self._lock:
