@@ -46,7 +46,7 @@ costs one read of the version's file plus the drain; benchmarks/sampling.py meas
 `update_weights` / `finish_weight_update`; `vllm_weight_engine.WeightPusher`: the
 `ember_gloo` engine on CPU, vLLM's `ipc` on CUDA): no file is written. LoRA versions stay
 adapter directories on disk: vLLM 0.32 loads an adapter only from a path
-(`LoRARequest.lora_path`). Swapping back to the base weights reads the base model's own
+(`LoRARequest.lora_path`; benchmarks/vllm_lora_files.py measures what the files cost). Swapping back to the base weights reads the base model's own
 files, as before.
 """
 
