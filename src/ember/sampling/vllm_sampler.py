@@ -46,8 +46,8 @@ costs one read of the version's file plus the drain; benchmarks/sampling.py meas
 `update_weights` / `finish_weight_update`; `vllm_weight_engine.WeightPusher`: the
 `ember_gloo` engine on CPU, vLLM's `ipc` on CUDA): no file is written. LoRA versions stay
 adapter directories on disk: vLLM 0.32 loads an adapter only from a path
-(`LoRARequest.lora_path`; benchmarks/vllm_lora_files.py measures what the files cost). Swapping back to the base weights reads the base model's own
-files, as before.
+(`LoRARequest.lora_path`; benchmarks/vllm_lora_files.py measures what the files cost).
+Swapping back to the base weights reads the base model's own files, as before.
 """
 
 from __future__ import annotations
