@@ -97,7 +97,10 @@ def outcome(http: httpx.Client, request_id: str) -> dict:
 
 @contextmanager
 def healthz_watch(base_url: str) -> Iterator[list[float]]:
-    """Poll /healthz from another thread while the block runs; yields its latencies."""
+    """Poll /healthz from another thread while the block runs; yields its latencies.
+
+    Empty when the request ended before the next poll began (a poll in flight is always
+    counted: the thread is joined), so callers take `max(latencies, default=0.0)`."""
     latencies: list[float] = []
     done, polled = threading.Event(), threading.Event()
 
@@ -225,7 +228,8 @@ def test_a_heavy_openai_answer_does_not_stall_the_event_loop(server, http, path)
     assert len(choices) == 16
     entries = (choices[0]["logprobs"]["content"] if "chat" in path else choices[0]["logprobs"]["top_logprobs"])
     assert len(entries) == r.json()["usage"]["completion_tokens"] // 16 > 0
-    assert took > 2.0, f"the request took {took:.2f} s: too light to show anything"
+    # watched throughout (not a duration bound, which a fast machine fails: 1.5 s there)
+    assert len(latencies) >= 3, f"healthz answered {len(latencies)} times during a {took:.2f} s request"
     assert max(latencies) < HEALTHZ_BOUND_S, f"healthz took {max(latencies):.2f} s during a {took:.1f} s request"
 
 
@@ -286,7 +290,7 @@ def test_healthz_answers_while_a_big_json_body_is_handled(server, http, case):
         assert r.status_code == 200, r.text[:300]
     else:
         assert r.status_code in (400, 413) and refused_by in r.text, (r.status_code, r.text[:300])
-    assert max(latencies) < HEALTHZ_BOUND_S, f"healthz took {max(latencies):.2f} s"
+    assert max(latencies, default=0.0) < HEALTHZ_BOUND_S, f"healthz took {max(latencies, default=0.0):.2f} s"
 
 
 @pytest.mark.parametrize("field", [b"\x0a\x00", b"\x1a\x00"], ids=["model_id", "datum"])
@@ -295,7 +299,7 @@ def test_healthz_answers_while_a_47_mb_protobuf_is_refused(server, http, field):
     body = field * (47 * 1024 * 1024 // 2)
     with healthz_watch(server.base_url) as latencies:
         user_error(http.post("/api/v1/forward_backward", content=body, headers=PROTO), "max_protobuf_fields")
-    assert max(latencies) < HEALTHZ_BOUND_S, f"healthz took {max(latencies):.2f} s"
+    assert max(latencies, default=0.0) < HEALTHZ_BOUND_S, f"healthz took {max(latencies, default=0.0):.2f} s"
 
 
 # ---------------------------------------------------------------------------------------

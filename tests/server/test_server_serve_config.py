@@ -14,6 +14,7 @@ from ember.engine.config import EngineConfig
 from ember.sampling.config import SamplerConfig
 from ember.server import cli
 from ember.service.limits import Limits
+from helpers.cli import run_cli
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -122,8 +123,9 @@ def test_file_values_and_command_line_precedence(tmp_path):
 def test_bad_config_file_exits_2_naming_the_key(tmp_path, body, named):
     cfg = tmp_path / "serve.toml"
     cfg.write_text(body)
-    proc = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--config", str(cfg),
-                           "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=120)
+    # in this process (helpers.cli): the config is refused before anything starts;
+    # test_missing_config_file_exits_2 runs the real `python -m ember.cli` exit path
+    proc = run_cli("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"))
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("ember serve:")]
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in proc.stderr, proc.stderr
@@ -136,8 +138,7 @@ def test_missing_config_file_exits_2(tmp_path):
 
 
 def test_help_lists_every_key():
-    out = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--help"], capture_output=True, text=True,
-                         timeout=120).stdout
+    out = run_cli("serve", "--help").stdout
     for flag in ("--config", "--sampler.max_len", "--sampler.backend", "--engine.micro_batch_tokens",
                  "--workers.runtime", "--parallel.tp", "--data-dir", "--model-root", "--limits.max_num_samples"):
         assert flag in out, flag
