@@ -50,8 +50,9 @@ $(COOKBOOK_STAMP): $(STAMP)
 JOBS ?= 2
 PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
+# --durations: CI's log names the longest tests (HEAVY_FIRST in tests/conftest.py follows them).
 test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
-	$(PYTEST) tests
+	$(PYTEST) --durations=40 tests
 
 # No vLLM install: its tests are all `slow` (and skip, saying why, where vLLM is missing).
 test-fast: $(STAMP)

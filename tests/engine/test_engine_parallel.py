@@ -104,13 +104,24 @@ def config_for(layout: str) -> EngineConfig:
     return TP_CONFIG if layout.startswith("tp") else CONFIG
 
 
-# Activation checkpointing does not depend on the runtime: it runs on the process runtime only.
-RUNTIME_LAYOUTS = [(r, layout) for r in ("process", "ray") for layout in LAYOUTS
-                   if not (r == "ray" and layout == "fsdp-ac")]
+# One group per runtime for the whole module: a parametrization of `group` must name the
+# runtime by itself (`PROCESS_ONLY`), so pytest sees the same parameter and reuses the group
+# (a tuple of (runtime, layout) is a new parameter each, and a new group: 40 s under Ray).
+PROCESS_ONLY = pytest.mark.parametrize("group", ["process"], indirect=True)
 
 
-@pytest.mark.parametrize(("group", "layout"), RUNTIME_LAYOUTS, indirect=["group"])
+@pytest.mark.parametrize("layout", ["fsdp", "replicate", "tp"])
 def test_world2_layout_matches_world1(group, tiny_model_dir, layout):
+    check_layout_matches_world1(group, tiny_model_dir, layout)
+
+
+@PROCESS_ONLY
+def test_world2_activation_checkpointing_matches_world1(group, tiny_model_dir):
+    """Activation checkpointing does not depend on the runtime: process only."""
+    check_layout_matches_world1(group, tiny_model_dir, "fsdp-ac")
+
+
+def check_layout_matches_world1(group, tiny_model_dir, layout):
     name = f"exact-{layout}"
     ref = TorchEngine.from_pretrained(tiny_model_dir, config_for(layout))
     eng = GroupEngine.create(group, name, EngineSpec(str(tiny_model_dir), config_for(layout), LAYOUTS[layout]))
@@ -172,7 +183,8 @@ def test_lora_gradients_reach_adapters_in_every_layer(group, tiny_model_dir, lay
 CHUNKED_CASES = [("fsdp", False), ("tp", False), ("fsdp-ac", False), ("fsdp", True), ("tp", True)]
 
 
-@pytest.mark.parametrize(("group", "layout", "lora"), [("process", *c) for c in CHUNKED_CASES], indirect=["group"],
+@PROCESS_ONLY
+@pytest.mark.parametrize(("layout", "lora"), CHUNKED_CASES,
                          ids=[f"{layout}-{'lora' if lora else 'full'}" for layout, lora in CHUNKED_CASES])
 def test_world2_chunked_head_matches_world1_unchunked(group, tiny_model_dir, layout, lora):
     lora_config = types.LoraConfig(rank=4) if lora else None
@@ -273,8 +285,8 @@ VALUE_LR = 1e-5  # value-loss gradients reach ~1e2–1e3 (a sum of V − R over 
 VALUE_LAYOUTS = [("fsdp", None), ("replicate", None), ("tp", None), ("fsdp", types.LoraConfig(rank=4, seed=2))]
 
 
-@pytest.mark.parametrize(("group", "layout", "lora"), [("process", *v) for v in VALUE_LAYOUTS], indirect=["group"],
-                         ids=["fsdp", "hsdp-replicate", "tp", "fsdp-lora"])
+@PROCESS_ONLY
+@pytest.mark.parametrize(("layout", "lora"), VALUE_LAYOUTS, ids=["fsdp", "hsdp-replicate", "tp", "fsdp-lora"])
 def test_value_head_world2_matches_world1(group, tiny_model_dir, layout, lora, tmp_path):
     """A value head is replicated; its gradient is SUMmed over data-parallel ranks once per call."""
     name = f"value-{layout}-{'lora' if lora else 'full'}"

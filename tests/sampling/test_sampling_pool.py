@@ -141,6 +141,38 @@ def test_silent_replica_is_taken_out_and_never_blocks_a_sync(pool, tiny_model_di
             pass
 
 
+def _queue_depths(pool: SamplerPool) -> dict[str, float]:
+    """`ember_sampler_replica_queue_depth` by replica, as `/metrics` renders it for this pool."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ember.server.metrics import EmberMetrics
+
+    service = SimpleNamespace(samplers=SimpleNamespace(replica_stats=lambda: {"tiny": pool.replica_stats()}))
+    text = EmberMetrics(service).render().decode()
+    return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "ember_sampler_replica_queue_depth" and s.labels["model"] == "tiny"}
+
+
+def test_queue_depth_gauge_counts_a_replicas_unanswered_requests(pool):
+    """`ember_sampler_replica_queue_depth{model,replica}`: requests routed to a replica and
+    not answered yet. A stopped replica (SIGSTOP, well under replica_timeout_s) holds three;
+    the other replica's gauge stays 0; both read 0 once the answers are in."""
+    assert _queue_depths(pool) == {"0": 0.0, "1": 0.0}
+    sessions = _sessions_by_home(pool, n=1)[0]
+    pid = pool.replica_pids()[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        futures = [pool.submit(_request(sessions[0], seed=k)) for k in range(3)]
+        assert _queue_depths(pool) == {"0": 3.0, "1": 0.0}
+        assert [s["in_flight"] for s in pool.replica_stats()] == [3, 0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert all(isinstance(f.result(timeout=120), types.SampleResponse) for f in futures)
+    assert _queue_depths(pool) == {"0": 0.0, "1": 0.0}
+
+
 def test_requests_while_no_replica_is_up_fail_at_once(pool):
     with pool._lock:  # both out of the ring, as while both are being replaced
         pool._router.remove(0)

@@ -302,6 +302,8 @@ def test_a_pool_in_memory_mode_writes_no_file_and_a_replacement_gets_the_live_ve
     try:
         version = pool.load_weights(engine.named_weights())
         assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        kept = sum(t.numel() * t.element_size() for _, t in ws.distinct_tensors(engine.named_weights()))
+        assert version.nbytes() == kept > 0  # what the pool holds for replacements (no file to measure)
         sessions = [f"session-{i}" for i in range(12)]
         assert _matches_forward(engine, _pool_round(pool, version, sessions)) < 1e-4
         assert all(s["requests_total"] > 0 for s in pool.replica_stats())  # both replicas served

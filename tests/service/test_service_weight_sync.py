@@ -60,3 +60,39 @@ def test_files_mode_reads_a_saved_path_back(tmp_path, tiny_model_dir):
         assert syncs == ["files"]
     finally:
         sc.close("success")
+
+
+def test_memory_mode_releases_a_saved_paths_tensors_with_its_checkpoint_or_session(tmp_path, tiny_model_dir):
+    """The tensors `save_weights_for_sampler(name)` hands the sampler are held only while its
+    checkpoint exists and its run's session lasts: deleting the checkpoint (as its files go)
+    or ending the session lets the sampler free the version; a sampling client made from
+    the path before keeps its version alive (it holds it itself, as with files)."""
+    import gc
+
+    sc = ember.ServiceClient(config=ServiceConfig(data_dir=tmp_path / "data", models={"tiny": str(tiny_model_dir)},
+                                                  sampler=SamplerConfig(weight_sync="memory")))
+    try:
+        samplers = sc._service.samplers
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+        sampler = samplers.backend(sc._service.registry.resolve("tiny"))
+        kept = tc.save_weights_for_sampler("kept").result().path
+        client = sc.create_sampling_client(model_path=kept).result()
+        assert samplers.synced_paths() == [kept] and sampler.live_versions() == 1
+        sc.create_rest_client().delete_checkpoint_from_tinker_path(kept).result()
+        assert samplers.synced_paths() == []
+        gc.collect()
+        assert client is not None and sampler.live_versions() == 1  # the sampling client's own reference
+
+        gone = tc.save_weights_for_sampler("gone").result().path
+        assert samplers.synced_paths() == [gone] and sampler.live_versions() == 2
+        sc.create_rest_client().delete_checkpoint_from_tinker_path(gone).result()
+        gc.collect()
+        assert samplers.synced_paths() == [] and sampler.live_versions() == 1  # nothing else held it
+
+        ended = tc.save_weights_for_sampler("ended").result().path
+        assert samplers.synced_paths() == [ended] and sampler.live_versions() == 2
+        sc._service.finish_session(sc.owner, sc._session(), "success")
+        gc.collect()
+        assert samplers.synced_paths() == [] and sampler.live_versions() == 0  # the session's clients went too
+    finally:
+        sc.close("success")

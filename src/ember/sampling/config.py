@@ -100,8 +100,9 @@ class SamplerConfig:
         snapshot (`save_weights_and_get_sampling_client`), and `save_weights_for_sampler`
         also hands its tensors to the sampler so that sampling from the saved path reads
         no file back; replicas in other processes receive the tensors over a standalone
-        gloo (CPU) / NCCL (CUDA) group. vLLM versions stay files (vLLM loads adapters and
-        swaps pinned full versions from a path).
+        gloo (CPU) / NCCL (CUDA) group. A vLLM sampler keeps full versions in memory and
+        pushes them into its engine through vLLM's weight-transfer API; its LoRA versions
+        stay adapter directories (vLLM loads adapters only from a path).
     """
 
     backend: str = "torch"

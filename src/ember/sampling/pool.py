@@ -62,15 +62,19 @@ _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 class PoolWeightVersion(WeightVersion):
     """A version of a pool: loaded on every replica under `key`, kept in the file `path`
-    (what a replacement replica loads; deleted with the last handle)."""
+    (what a replacement replica loads; deleted with the last handle) or, in memory mode,
+    as tensors in this process (no file at `path`)."""
 
-    def __init__(self, sampler_id: int, key: int, path: str, is_lora: bool, lora_rank: int | None) -> None:
+    def __init__(self, sampler_id: int, key: int, path: str, is_lora: bool, lora_rank: int | None,
+                 nbytes: int = 0) -> None:
         super().__init__(sampler_id, is_lora=is_lora, lora_rank=lora_rank)
         self.key = key
         self.path = Path(path)
+        self._nbytes = nbytes
 
     def nbytes(self) -> int:
-        return self.path.stat().st_size
+        """What the pool keeps of it here: the file's size, or the kept tensors' bytes."""
+        return self._nbytes
 
 
 def _release(released: queue.SimpleQueue, key: int, path: str) -> None:
@@ -163,9 +167,10 @@ class SamplerPool(Sampler):
         key = next(self._keys)
         path = os.path.join(self._dir, f"v{key}.safetensors")
         if self._sync is not None:  # memory: no file; the tensors stay here for replacements
-            self._sync.keep(key, items, lora_config.rank if lora_config is not None else None)
+            nbytes = self._sync.keep(key, items, lora_config.rank if lora_config is not None else None)
         else:
             write_weight_file(items, path)
+            nbytes = os.path.getsize(path)
         with self._lock:
             self._versions[key] = (path, lora_config)
             targets = [s for s in self._slots if s.up]
@@ -175,7 +180,7 @@ class SamplerPool(Sampler):
             self._forget([key])
             raise
         version = PoolWeightVersion(self._id, key, path, lora_config is not None,
-                                    lora_config.rank if lora_config is not None else None)
+                                    lora_config.rank if lora_config is not None else None, nbytes)
         weakref.finalize(version, _release, self._released, key, path)
         return version
 
@@ -498,9 +503,10 @@ class SamplerPool(Sampler):
 
 def _memory_sync(config: SamplerConfig):
     """The pool's in-memory weight channels (`weight_sync="memory"`), or None for files.
-    vLLM replicas keep files: vLLM loads LoRA adapters and swaps pinned full versions from
-    a path (ember.sampling.weight_sync's docstring)."""
-    if config.weight_sync != "memory" or config.backend == "vllm":
+    A vLLM replica receives the same way and keeps a full version in memory, pushed into
+    its engine through vLLM's weight-transfer API; it writes a LoRA version as an adapter
+    directory in its own scratch directory (vLLM loads adapters only from a path)."""
+    if config.weight_sync != "memory":
         return None
     from ember.sampling.weight_sync import ReplicaSync, sync_host
 

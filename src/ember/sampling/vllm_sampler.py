@@ -39,6 +39,15 @@ safetensors file; the engine holds one full set at a time, so requests pinned to
 different sets take turns (`WeightGate`: drain the running set, load the next with the
 vLLM's in-place `reload_weights` in the engine process, reset the prefix cache, resume). A swap
 costs one read of the version's file plus the drain; benchmarks/sampling.py measures it.
+
+`SamplerConfig.weight_sync="memory"`: a full version is kept as tensors in this process
+(`keep_full_version`) and a swap pushes them through vLLM's weight-transfer API
+(`init_weight_transfer_engine` once per engine, then `start_weight_update` /
+`update_weights` / `finish_weight_update`; `vllm_weight_engine.WeightPusher`: the
+`ember_gloo` engine on CPU, vLLM's `ipc` on CUDA): no file is written. LoRA versions stay
+adapter directories on disk: vLLM 0.32 loads an adapter only from a path
+(`LoRARequest.lora_path`; benchmarks/vllm_lora_files.py measures what the files cost).
+Swapping back to the base weights reads the base model's own files, as before.
 """
 
 from __future__ import annotations
@@ -72,8 +81,8 @@ from ember.sampling.jobs import sampled_sequence
 from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
 from ember.sampling.vllm_support import check_vllm_model, engine_fault_message
 from ember.sampling.vllm_versions import (
-    BASE_KEY, VLLMWeightVersion, lora_refused_modules, meta_model, remove_version_files, write_full_version,
-    write_lora_version,
+    BASE_KEY, VLLMWeightVersion, keep_full_version, lora_refused_modules, meta_model, remove_version_files,
+    write_full_version, write_lora_version,
 )
 from ember.sampling.weight_gate import WeightGate
 
@@ -134,6 +143,11 @@ class VLLMSampler(Sampler):
         self._gate = WeightGate(BASE_KEY)
         self._backlog = OwnerBacklog()
         self._asleep = False  # colocate: the engine released the GPU for the trainer
+        self._pusher = None  # weight_sync "memory": full versions enter the engine in memory
+        if self.config.weight_sync == "memory":
+            from ember.sampling.vllm_weight_engine import WeightPusher
+
+            self._pusher = WeightPusher(self.config.resolved_device, self.config.replica_timeout_s)
         self.engine_starts = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"ember-vllm-{self._id}", daemon=True)
@@ -163,7 +177,9 @@ class VLLMSampler(Sampler):
     def load_weights(self, named_weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                      lora_config: types.LoraConfig | None = None, *, copy: bool = True) -> VLLMWeightVersion:
         items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
-        if lora_config is None:
+        if lora_config is None and self._pusher is not None:
+            version = keep_full_version(self._id, self._meta, items, self.dtype, self.config.resolved_device, copy)
+        elif lora_config is None:
             version = write_full_version(self._id, self._meta, items, self.dtype, self._scratch)
         else:
             version = write_lora_version(self._id, self._meta, items, lora_config, self.dtype,
@@ -198,6 +214,8 @@ class VLLMSampler(Sampler):
         gc.collect()  # collect the engine client now, not at interpreter exit (its __del__ then fails)
         if self._scorer is not None:
             self._scorer.close()
+        if self._pusher is not None:
+            self._pusher.close()
         remove_version_files(self._scratch)
 
     # ------------------------------------------------------------------ requests
@@ -302,6 +320,8 @@ class VLLMSampler(Sampler):
                 self._llm = None
             start = asyncio.get_running_loop().run_in_executor(None, self._start_engine)
             self._llm = await asyncio.wait_for(start, self.config.engine_start_timeout_s)
+            if self._pusher is not None:
+                await self._pusher.init(self._llm)
             self.engine_starts += 1
             self._asleep = False
             self._gate.reset(BASE_KEY)
@@ -313,13 +333,20 @@ class VLLMSampler(Sampler):
 
         if self.config.resolved_device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gb))))
-        args = AsyncEngineArgs(**engine_kwargs(self.model_dir, self.config, self.max_len))
-        return AsyncLLM.from_engine_args(args)
+        kwargs = engine_kwargs(self.model_dir, self.config, self.max_len)
+        if self._pusher is not None:
+            from ember.sampling.vllm_weight_engine import engine_options
+
+            kwargs.update(engine_options(self.config.resolved_device))
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     async def _swap(self, llm, key: str, version: VLLMWeightVersion | None) -> None:
-        path = self.model_dir if key == BASE_KEY else version.path
-        # vLLM's in-place reload (the model's own load_weights, LoRA wrappers and fused layouts included)
-        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        if key != BASE_KEY and version.tensors is not None:  # weight_sync "memory": no file
+            await self._pusher.push(llm, version.tensors, key)
+        else:
+            path = self.model_dir if key == BASE_KEY else version.path
+            # vLLM's in-place reload (the model's own load_weights, LoRA wrappers and fused layouts included)
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
         await llm.reset_prefix_cache()  # cached KV was computed with the previous weights
 
     async def _remove_lora(self, lora_id: int) -> None:

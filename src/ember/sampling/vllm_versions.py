@@ -6,7 +6,9 @@
   pinned to an adapter id always means those tensors).
 * A full fine-tuning version is a directory with one safetensors file of every parameter
   (HF names), loaded into the engine in place when a request pinned to it runs (see
-  `WeightGate`).
+  `WeightGate`). With `SamplerConfig.weight_sync="memory"` it is the same tensors kept in
+  this process instead (`keep_full_version`; on the sampler's device), pushed into the
+  engine through vLLM's weight-transfer API when its turn comes: no file at all.
 
 Names and shapes are checked against the base model built on the meta device (no
 memory), with the same checks as TorchSampler's versions, before anything is written.
@@ -35,12 +37,15 @@ BASE_KEY = "base"  # the engine holds the base model's own weights (LoRA version
 
 
 class VLLMWeightVersion(WeightVersion):
-    """A version on disk: `path` is the adapter directory (LoRA) or the weights directory (full)."""
+    """A version on disk: `path` is the adapter directory (LoRA) or the weights directory
+    (full); or, for a full version kept in memory, `tensors` (HF names; `path` is None)."""
 
-    def __init__(self, sampler_id: int, path: Path, lora_config: types.LoraConfig | None) -> None:
+    def __init__(self, sampler_id: int, path: Path | None, lora_config: types.LoraConfig | None,
+                 tensors: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__(sampler_id, is_lora=lora_config is not None,
                          lora_rank=lora_config.rank if lora_config else None)
         self.path = path
+        self.tensors = tensors
         self.lora_config = lora_config
         self.lora_id = next(_lora_ids) if lora_config else None
         self.scorer_version: WeightVersion | None = None  # the same weights in the torch scorer
@@ -51,6 +56,8 @@ class VLLMWeightVersion(WeightVersion):
         return BASE_KEY if self.is_lora else f"full-{self.version_id}"
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
+        if self.tensors is not None:
+            return self.tensors
         from safetensors.torch import load_file
 
         return load_file(self.path / (ADAPTER_WEIGHTS if self.is_lora else "model.safetensors"))
@@ -117,19 +124,30 @@ def _check_servable(items: list[tuple[str, torch.Tensor]], refused: tuple[str, .
                          f"{bad}; train with LoraConfig(train_unembed=False) or use the torch sampler backend")
 
 
-def write_full_version(
-    sampler_id: int, model: nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]],
-    dtype: torch.dtype, scratch: Path,
-) -> VLLMWeightVersion:
+def full_tensors(model: nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 device: torch.device | str = "cpu", copy: bool = True) -> dict[str, torch.Tensor]:
+    """A full version's tensors by HF name, checked against the meta model (names, shapes;
+    tied aliases once), in `dtype` on `device`. `copy`: never alias the caller's memory
+    (a trainer's parameters change at its next step; a version must not)."""
     items = list(named_weights)
     names = parameter_aliases(model)
-    checked = build_full_version(sampler_id, items, names, torch.device("meta"), dtype, False)
+    checked = build_full_version(-1, items, names, torch.device("meta"), dtype, False)
     aliases = names[0]
     tensors: dict[str, torch.Tensor] = {}
     for name, t in items:
         key = aliases[name]
         if key in checked.params and key not in tensors:  # tied aliases: one copy
-            tensors[key] = _cpu(t, dtype)
+            out = _cpu(t, dtype) if str(device) == "cpu" else t.detach().to(device=device, dtype=dtype).contiguous()
+            tensors[key] = out.clone() if copy and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() \
+                else out
+    return tensors
+
+
+def write_full_version(
+    sampler_id: int, model: nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype, scratch: Path,
+) -> VLLMWeightVersion:
+    tensors = full_tensors(model, named_weights, dtype, copy=False)  # the file is the copy
     version = VLLMWeightVersion(sampler_id, Path(), None)
     version.path = scratch / f"full-{version.version_id}"
     version.path.mkdir(parents=True)
@@ -137,6 +155,17 @@ def write_full_version(
     return version
 
 
-def remove_version_files(path: Path) -> None:
-    """Delete a version's files (called when the version is garbage-collected)."""
-    shutil.rmtree(path, ignore_errors=True)
+def keep_full_version(
+    sampler_id: int, model: nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype, device: torch.device | str, copy: bool = True,
+) -> VLLMWeightVersion:
+    """`weight_sync="memory"`: the full version's tensors kept in this process (on the
+    sampler's device: a CUDA engine maps them through IPC), nothing written."""
+    return VLLMWeightVersion(sampler_id, None, None, full_tensors(model, named_weights, dtype, device, copy))
+
+
+def remove_version_files(path: Path | None) -> None:
+    """Delete a version's files (called when the version is garbage-collected; None: it
+    had none, its tensors go with the object)."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)

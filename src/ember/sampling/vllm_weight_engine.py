@@ -11,7 +11,15 @@ none is available" on a CPU build. This engine joins an `ember.sampling.weight_s
 channel (a standalone gloo group) and loads what it receives with the model's own
 `load_weights`, without that synchronize.
 
-`register()` adds it to vLLM's factory under `ENGINE_NAME`. It must run in the process
+`VLLMSampler` uses it with `SamplerConfig.weight_sync="memory"` (`engine_options`,
+`WeightPusher`): a full version kept in the sampler's process is pushed into its engine
+when requests pinned to it run (`WeightGate`), with no file. On CUDA the engine shares the
+sampler's GPU, so the push is vLLM's own `ipc` engine (CUDA IPC handles of the kept
+tensors, no copy through the host); vLLM's `nccl` engine would need the sender on another
+GPU (NCCL refuses two ranks on one device), which is the trainer-to-replica hop
+(`ember.sampling.weight_sync`), not this one. The CUDA push is written and GPU-marked only.
+
+`register()` adds the gloo engine to vLLM's factory under `ENGINE_NAME`. It must run in the process
 that builds the worker (vLLM's engine core, which vLLM starts with `spawn`, so nothing
 registered in the parent is there): the engine is started with
 `worker_extension_cls=WORKER_EXTENSION`, vLLM imports this module in the worker before it
@@ -20,8 +28,13 @@ loads the model, and the import registers the engine.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import os
+import pickle
 from dataclasses import dataclass
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -81,6 +94,80 @@ class EmberGlooEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
 
     def shutdown(self) -> None:
         self.receiver = None
+
+
+def engine_options(device: str) -> dict:
+    """`AsyncEngineArgs` options of an engine that takes versions through `WeightPusher`."""
+    if device == "cpu":
+        return {"weight_transfer_config": {"backend": ENGINE_NAME}, "worker_extension_cls": WORKER_EXTENSION}
+    # vLLM refuses pickled IPC handles otherwise; they come from this process only (the
+    # engine core's socket is local to it)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return {"weight_transfer_config": {"backend": "ipc"}}
+
+
+class WeightPusher:
+    """The sampler's side of its engine's weight-transfer engine: `init(llm)` once per
+    engine, then `push(llm, tensors, tag)` loads a full version (HF names) into it in place.
+    Runs on the sampler's event loop; a failed push raises RuntimeError (category server)."""
+
+    def __init__(self, device: str, timeout_s: float) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self._sender = None
+
+    async def init(self, llm) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self.device != "cpu":  # pragma: no cover - CUDA only (GPU-marked test)
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))
+            return
+        from ember.sampling.weight_sync import WeightSender
+
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = WeightSender(timeout_s=self.timeout_s)
+        address = self._sender.open("engine")
+        info = dict(host=address.host, port=address.port, timeout_s=self.timeout_s)
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def push(self, llm, tensors: dict[str, torch.Tensor], tag: str) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if self.device == "cpu" and "engine" not in self._sender.receivers:
+            await self.init(llm)  # the last push broke the channel: a new one
+        await llm.start_weight_update()
+        if self.device == "cpu":
+            loop = asyncio.get_running_loop()
+            send = loop.run_in_executor(None, self._sender.send, list(tensors.items()), tag)
+            try:
+                await llm.update_weights(WeightTransferUpdateRequest(update_info={"version": tag}))
+            finally:
+                report = await send
+            if report.dropped:
+                raise RuntimeError(f"weight sync into the vLLM engine failed: {report.dropped['engine']}")
+        else:  # pragma: no cover - CUDA only (GPU-marked test)
+            await llm.update_weights(WeightTransferUpdateRequest(update_info=ipc_update_info(tensors)))
+        await llm.finish_weight_update()
+        if self.device != "cpu":  # pragma: no cover
+            torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+
+
+def ipc_update_info(tensors: dict[str, torch.Tensor]) -> dict:
+    """vLLM `ipc` engine's update info for CUDA tensors on the engine's own GPU (unpacked:
+    one handle per tensor, keyed by the GPU's UUID as vLLM's trainer side does)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles = []
+    for t in tensors.values():
+        uuid = str(torch.cuda.get_device_properties(t.device).uuid)
+        handles.append({uuid: reduce_tensor(t)[1]})
+    return {"names": list(tensors), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()],
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}
 
 
 def register() -> None:

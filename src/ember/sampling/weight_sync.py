@@ -43,10 +43,11 @@ colocated path (a replica on the trainer's own GPU maps the trainer's tensors th
 IPC, no copy through the host). Both are written for GPUs and covered only by GPU-marked
 tests.
 
-vLLM replicas keep `"files"`: vLLM 0.32 takes LoRA adapters only from a path
-(`LoRARequest.lora_path`), and `VLLMSampler` keeps every pinned full version as a file that
-its `WeightGate` reloads when requests for it run (the engine holds one full set at a
-time), so a version that exists only in memory could not be swapped back in.
+vLLM replicas receive the same way. `VLLMSampler` (with `weight_sync="memory"`) keeps a
+full version's tensors in the replica's process and pushes them into its engine through
+vLLM's weight-transfer API whenever its `WeightGate` swaps that version in
+(`ember.sampling.vllm_weight_engine`); a LoRA version is written as an adapter directory,
+because vLLM 0.32 takes adapters only from a path (`LoRARequest.lora_path`).
 """
 
 from __future__ import annotations
@@ -557,10 +558,12 @@ class ReplicaSync:
         self._lock = threading.Lock()
         self._pushing = threading.Lock()
 
-    def keep(self, key: int, named_weights: Iterable[tuple[str, torch.Tensor]], lora_rank: int | None) -> None:
+    def keep(self, key: int, named_weights: Iterable[tuple[str, torch.Tensor]], lora_rank: int | None) -> int:
+        """Hold version `key`'s tensors (each distinct one once); their bytes."""
         named = distinct_tensors((n, t.detach()) for n, t in named_weights)
         with self._lock:
             self._versions[key] = (named, lora_rank)
+        return sum(t.numel() * t.element_size() for _, t in named)
 
     def forget(self, keys: Iterable[int]) -> None:
         with self._lock:

@@ -20,8 +20,10 @@ Exported (names as scraped):
 * `ember_sampler_replica_up{model,replica}` (gauge: 1 while the replica is in its pool's
   ring, 0 while it is out or being replaced) and
   `ember_sampler_replica_requests_total{model,replica}` (requests routed to it since
-  start-up): base models served by `SamplerConfig.replicas > 1` only (bounded: models x
-  replicas).
+  start-up) and `ember_sampler_replica_queue_depth{model,replica}` (gauge: requests routed
+  to it and not answered yet, queued or running: the depth the router compares against
+  `max_imbalance`): base models served by `SamplerConfig.replicas > 1` only (bounded:
+  models x replicas).
 * `process_*` (prometheus-client's process collector: `process_resident_memory_bytes`,
   CPU seconds, open fds) and `python_gc_*`.
 
@@ -144,12 +146,16 @@ def _replica_families(service: Any):
                            "is out of its pool or being replaced", labels=["model", "replica"])
     total = CounterMetricFamily("ember_sampler_replica_requests", "Sample requests routed to a sampler replica",
                                 labels=["model", "replica"])
+    depth = GaugeMetricFamily("ember_sampler_replica_queue_depth", "Sample requests routed to a sampler replica "
+                              "and not answered yet (queued or running)", labels=["model", "replica"])
     for model, replicas in sorted(stats.items()):
         for r in replicas:
             up.add_metric([model, str(r["replica"])], 1.0 if r["up"] else 0.0)
             total.add_metric([model, str(r["replica"])], r["requests_total"])
+            depth.add_metric([model, str(r["replica"])], r["in_flight"])
     yield up
     yield total
+    yield depth
 
 
 def _pending_futures(service: Any) -> int:

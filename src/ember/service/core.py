@@ -39,7 +39,7 @@ from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager, session_of
 from ember.service.stability import StabilityRecords
-from ember.service.store import Store
+from ember.service.store import CheckpointRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,8 @@ class Service(ServiceAPI):
                 row = self.runs.save_checkpoint(run, path, "sampler", True, ttl_seconds, user_metadata)
                 if self.samplers.weight_sync == "memory":  # the file is for restarts; samplers get tensors
                     self.samplers.sync_saved(run.run_id, row.tinker_path, run.spec.base,
-                                             run.require_engine().named_weights(), run.spec.lora_config)
+                                             run.require_engine().named_weights(), run.spec.lora_config,
+                                             run.session_id)
                 return types.SaveWeightsForSamplerResponseInternal(path=row.tinker_path)
         else:
             def op(run: LiveRun):
@@ -436,6 +437,7 @@ class Service(ServiceAPI):
 
     def delete_checkpoint(self, owner, run_id, checkpoint_id) -> None:
         self.checkpoints.delete(owner, run_id, checkpoint_id)
+        self._release_synced()
 
     def set_checkpoint_public(self, owner, run_id, checkpoint_id, public: bool) -> None:
         self.checkpoints.set_public(owner, run_id, checkpoint_id, public)
@@ -445,7 +447,14 @@ class Service(ServiceAPI):
 
     def sweep_expired_checkpoints(self) -> int:
         """Delete every checkpoint past its expiry (row, then files); how many."""
-        return self.checkpoints.sweep_expired()
+        removed = self.checkpoints.sweep_expired()
+        if removed:
+            self._release_synced()
+        return removed
+
+    def _release_synced(self) -> None:
+        """Memory mode: a deleted checkpoint's tensors go too (`SamplerManager.release_synced`)."""
+        self.samplers.release_synced(lambda path: self.store.get(CheckpointRow, path) is not None)
 
     def external_weights_links(self, owner, run_id, checkpoint_id) -> ExternalWeightsLinks:
         return self.checkpoints.external_links(owner, run_id, checkpoint_id)

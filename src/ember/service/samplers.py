@@ -197,7 +197,8 @@ class SamplerManager:
         self._lock = threading.RLock()
         self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ember-sample-finish")
         self._sync_listeners: list[Callable[[str, float], None]] = []
-        self._synced: dict[str, tuple[str, BaseModel, Any]] = {}  # run_id -> (tinker path, base, version)
+        # run_id -> (its session id, tinker path, base, version): `sync_saved`
+        self._synced: dict[str, tuple[str, str, BaseModel, Any]] = {}
 
     # ------------------------------------------------------------------ backends and versions
     def backend(self, base: BaseModel) -> Any:
@@ -251,20 +252,39 @@ class SamplerManager:
         return version
 
     def sync_saved(self, run_id: str, path: str, base: BaseModel, weights: Iterable[tuple[str, torch.Tensor]],
-                   lora: types.LoraConfig | None) -> None:
+                   lora: types.LoraConfig | None, session_id: str = "") -> None:
         """Memory mode: `save_weights_for_sampler(path)` also hands the run's tensors to the
         sampler, so sampling from `path` reads no file back. One such version per run is kept
-        (the newest); any other path is read from its files as before."""
+        (the newest), and only while the run's session lasts and its checkpoint exists
+        (`drop_session`, `release_synced`): sampling clients made from it hold the version
+        themselves, as with files; after that, the path is read from its files as before."""
         version = self._load(base, weights, lora)
         with self._lock:
-            self._synced[run_id] = (path, base, version)
+            self._synced[run_id] = (session_id, path, base, version)
 
     def _synced_version(self, path: str) -> tuple[BaseModel, Any] | None:
         with self._lock:
-            for synced_path, base, version in self._synced.values():
+            for _, synced_path, base, version in self._synced.values():
                 if synced_path == path:
                     return base, version
         return None
+
+    def synced_paths(self) -> list[str]:
+        """The checkpoint paths whose tensors the service holds for sampling (read-only)."""
+        with self._lock:
+            return sorted(entry[1] for entry in self._synced.values())
+
+    def release_synced(self, exists: Callable[[str], bool]) -> int:
+        """Let go of the synced versions whose checkpoint is gone (`exists(path)` False:
+        deleted, expired), as a deleted checkpoint's files go; how many. The sampler frees a
+        version once no sampling client holds it either."""
+        with self._lock:
+            entries = list(self._synced.items())
+        gone = [run_id for run_id, (_, path, _, _) in entries if not exists(path)]
+        with self._lock:
+            for run_id in gone:
+                self._synced.pop(run_id, None)
+        return len(gone)
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
         tpath, crow = readable(self.store, owner, path)  # the owner's, or a published one
@@ -511,12 +531,15 @@ class SamplerManager:
         with self._lock:
             for sampler_id in self._live.pop(session_id, {}):
                 self._by_id.pop(sampler_id, None)
+            for run_id in [r for r, entry in self._synced.items() if entry[0] == session_id]:
+                del self._synced[run_id]  # its runs are unloaded: their saved paths read files again
 
     def close(self) -> None:
         with self._lock:
             samplers, self._samplers = list(self._samplers.values()), {}
             self._live.clear()
             self._by_id.clear()
+            self._synced.clear()
         for s in samplers:
             try:
                 s.close()
