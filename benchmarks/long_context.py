@@ -3,7 +3,7 @@ transformers' own `model(labels=...)` loss, on a model with Qwen3's vocabulary (
 2 layers, hidden 256 (random weights), LoRA rank 8, one datum, fp32, CPU.
 
 Each configuration runs in a fresh process (`python -m ember.engine.memory_probe`): its peak
-RSS (`ru_maxrss`) less its size after the imports. Every probe's address space is capped at
+RSS (`VmHWM`, its own high-water mark) less its size after the imports. Every probe's address space is capped at
 `--cap-gb` (default 6 GB: the machine is shared) above its size after the imports; a
 configuration that needs more fails with an out-of-memory error and its peak is given by the
 estimator (`ember.engine.estimate`, within 20% of measured peaks: tests/engine/

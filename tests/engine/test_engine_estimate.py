@@ -140,7 +140,7 @@ def _measured(model_dir, tokens: int, chunk: int, lora_rank: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tokens", "chunk", "lora_rank"), [pytest.param(2048, 512, 8, marks=pytest.mark.xfail(strict=False, reason="on the fresh-clone CI run (2 xdist workers) the chunked run measured above the estimate's 20% band that it meets alone; under investigation (issue 26)")), (1024, 0, 0)],
+@pytest.mark.parametrize(("tokens", "chunk", "lora_rank"), [(2048, 512, 8), (1024, 0, 0)],
                          ids=["lora-chunked", "full-unchunked"])
 def test_estimate_within_20_percent_of_measured_peak(tmp_path_factory, tokens, chunk, lora_rank):
     """Peak RSS of two forward_backward + optim_step in a fresh process, less its size

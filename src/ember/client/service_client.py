@@ -177,7 +177,7 @@ class ServiceClient:
                 workers = WorkersConfig(**workers)
             except TypeError as exc:  # an unknown key
                 raise ValueError(f"workers: {exc}; known: runtime, world_size, ray_address, dp_replicate, "
-                                 "dp_shard, tp, call_timeout_s") from exc
+                                 "dp_shard, cp, tp, call_timeout_s") from exc
         if service is not None:
             if workers is not None:
                 raise ValueError("pass either service or workers, not both (the service has its engines)")

@@ -47,7 +47,8 @@ class EngineInfo:
     is_lora: bool
     lora_rank: int | None
     lora_config: dict[str, Any] | None
-    parallel: dict[str, int]  # e.g. {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    # `ParallelismConfig.as_dict`: {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}, plus "cp" when > 1
+    parallel: dict[str, int]
     device: str
     dtype: str
     num_parameters: int

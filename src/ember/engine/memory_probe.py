@@ -4,8 +4,15 @@
         [--mode engine|hf-labels] [--steps S] [--dtype float32]
 
 prints one JSON line: `rss_before_load` (bytes resident after the imports, before the
-model is loaded), `peak_rss` (`ru_maxrss`, the process's high-water mark), `model_peak`
-(their difference: what `ember.engine.estimate` predicts) and `seconds` per step.
+model is loaded), `peak_rss` (`VmHWM` of /proc/self/status: this process's own resident
+high-water mark), `model_peak` (their difference: what `ember.engine.estimate` predicts)
+and `seconds` per step.
+
+Not `getrusage(RUSAGE_SELF).ru_maxrss`: Linux carries a process's maxrss across execve
+(the old address space's high-water mark is folded into it), and Python's subprocess
+forks (vfork) the caller, so the probe's ru_maxrss starts at the *parent's* peak — under
+pytest-xdist a worker that has run other heavy tests, 946 MB where the probe itself
+peaked at ~0.5 GB. VmHWM belongs to the address space exec made, so it is the probe's alone.
 `engine`: `TorchEngine.forward_backward` on one datum of N tokens (cross_entropy), then
 `optim_step`, S times (so the optimizer state exists at the second step's peak);
 `hf-labels`: transformers' own `model(input_ids, labels=...)` loss and backward, for
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(json.dumps({"oom": True, "error": str(exc)[:200]}))
         raise SystemExit(3) from None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status("VmHWM")  # not ru_maxrss: it includes the parent's peak (module docstring)
     print(json.dumps({"rss_before_load": before, "peak_rss": peak, "model_peak": peak - before, "seconds": seconds}))
 
 

@@ -317,12 +317,18 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Ulysses attention over `cp_mesh`'s group (see `ember.engine.context_parallel`)."""
     from ember.engine.context_parallel import install_attention
 
-    config = hf_model(model).config
-    heads = int(config.num_attention_heads)
-    if heads % cp_mesh.size():
-        raise ValueError(f"cp={cp_mesh.size()} must divide config.num_attention_heads={heads} "
-                         "(Ulysses attention gives each rank whole heads)")
+    check_cp_heads(hf_model(model).config, cp_mesh.size())
     install_attention(hf_model(model), cp_mesh.get_group(), cp_mesh.size())
+
+
+def check_cp_heads(config, cp: int, key: str = "cp") -> None:
+    """ValueError unless `cp` divides the attention heads of the transformers `config`
+    (Ulysses attention gives each rank whole heads); `key` names the setting in the message."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    if heads % cp:
+        raise ValueError(f"{key}={cp} must divide config.num_attention_heads={heads} "
+                         "(Ulysses attention gives each rank whole heads)")
 
 
 # ---------------------------------------------------------------------- runtime helpers for engines

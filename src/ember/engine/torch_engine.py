@@ -35,14 +35,14 @@ from ember.engine.batching import MicroBatch, build_micro_batch, head_mismatch, 
 from ember.engine.config import EngineConfig
 from ember.engine.heads import OutputHead, build_head, head_output
 from ember.engine.optimizers import Optimizer, build_optimizer
-from ember.engine.parallel import apply_activation_checkpointing, hf_model
+from ember.engine.parallel import ParallelismConfig, apply_activation_checkpointing, hf_model
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
 from ember.models.families import vision_of
 from ember.models.vision import VisionSpec, load_vision_spec
 
 if TYPE_CHECKING:
-    from ember.engine.parallel import ParallelContext, ParallelismConfig
+    from ember.engine.parallel import ParallelContext
 
 DEFAULT_ADAPTER = "default"
 
@@ -517,7 +517,7 @@ class TorchEngine(TrainingEngine):
             is_lora=self.is_lora,
             lora_rank=self.lora_config.rank if self.is_lora else None,
             lora_config=self.lora_config.model_dump() if self.is_lora else None,
-            parallel=self.parallel.info() if self.parallel else {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1},
+            parallel=self.parallel.info() if self.parallel else ParallelismConfig().as_dict(),
             device=self.config.device,
             dtype=self.config.dtype,
             num_parameters=n_all,

@@ -57,6 +57,12 @@ class SamplerConfig:
         later requests whose prompt starts with the same tokens under the same weights
         version / adapter (reported as `prompt_cache_hit_tokens`). Each position costs
         2 x layers x kv_heads x head_dim values of `dtype`.
+    logprob_chunk_tokens: TorchSampler: a request that scores its prompt (compute_logprobs,
+        prompt logprobs, target_prompt_logprobs) gets its LM head, fp32 log-softmax and
+        gathers `logprob_chunk_tokens` prompt positions at a time from the prefill's hidden
+        states, never the prompt's full (P, vocab) logits (`ember.sampling.prompt_logits`;
+        0 = off, equal results either way). Not a setting of its own: in a service it is
+        the engine's `EngineConfig.logprob_chunk_tokens` (None: that default).
 
     vLLM only:
     max_loras: LoRA versions resident in one batch (vLLM `max_loras`); more distinct
@@ -111,6 +117,7 @@ class SamplerConfig:
     forward: str = "auto"
     prefix_cache_tokens: int = 4096
     prefix_cache_block: int = 16
+    logprob_chunk_tokens: int | None = field(default=None, metadata=meta(hidden=True))
     max_loras: int = 4
     max_lora_rank: int = field(default=MAX_LORA_RANK, metadata=meta(hidden=True))
     max_cpu_loras: int | None = None
@@ -138,6 +145,8 @@ class SamplerConfig:
         _check_int("max_imbalance", self.max_imbalance, 0)
         self._check_placement()
         _check_int("prefix_cache_block", self.prefix_cache_block, 1)
+        if self.logprob_chunk_tokens is not None:
+            _check_int("logprob_chunk_tokens", self.logprob_chunk_tokens, 0)
         if self.max_len is not None:
             # a prompt token and a sampled one
             _check_int("max_len", self.max_len, 2)
@@ -195,6 +204,13 @@ class SamplerConfig:
     def resolved_dtype(self) -> str:
         return self.dtype or "float32"
 
+    @property
+    def resolved_logprob_chunk_tokens(self) -> int:
+        from ember.engine.config import EngineConfig
+
+        chunk = self.logprob_chunk_tokens
+        return EngineConfig.logprob_chunk_tokens if chunk is None else chunk
+
 
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -202,11 +218,15 @@ def _check_int(name: str, value, low: int) -> None:
 
 
 def resolve_sampler_config(config: SamplerConfig | None, *, device: str, dtype: str,
-                           max_position_embeddings: int | None = None) -> SamplerConfig:
-    """`config` with the fields left to follow the trainer filled in: device and dtype
-    from the training engine's config, max_len from the model's max_position_embeddings."""
+                           max_position_embeddings: int | None = None,
+                           logprob_chunk_tokens: int | None = None) -> SamplerConfig:
+    """`config` with the fields left to follow the trainer filled in: device, dtype and
+    logprob_chunk_tokens from the training engine's config, max_len from the model's
+    max_position_embeddings."""
     config = config or SamplerConfig()
     changes: dict = {}
+    if config.logprob_chunk_tokens is None and logprob_chunk_tokens is not None:
+        changes["logprob_chunk_tokens"] = logprob_chunk_tokens
     if config.device is None:
         changes["device"] = device
     if config.dtype is None:

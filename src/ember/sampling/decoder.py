@@ -87,8 +87,10 @@ class DirectDecoder:
         logits_to_keep: int,
         params: dict[str, torch.Tensor] | None = None,
         lora: LoraPlan | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
-        """Logits [B, T', V] (T' = T if logits_to_keep == 0 else logits_to_keep)."""
+        """Logits [B, T', V] (T' = T if logits_to_keep == 0 else logits_to_keep); with
+        `hidden`, the last hidden states [B, T', H] (after the final norm) instead."""
         w = _Weights(self.base, self.canonical, params or {}, lora or {})
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])
         rope = _Rope(*self.model.model.rotary_emb(h, position_ids))
@@ -101,7 +103,8 @@ class DirectDecoder:
             h = self.family.layer(ops, h, i)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return w.linear(self.family.rms_norm(h, w["model.norm.weight"], self.eps), "lm_head")
+        h = self.family.rms_norm(h, w["model.norm.weight"], self.eps)
+        return h if hidden else w.linear(h, "lm_head")
 
     def _decode_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The decode mask [B, 1, 1, kv] as an additive bias [B * kv_heads, 1, kv] (once per forward)."""

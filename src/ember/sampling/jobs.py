@@ -14,6 +14,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 from ember.sampling.prompt_extras import ROW_CHUNK
 from ember.sampling.prompt_extras import compute as compute_prompt_extras
 from ember.sampling.params import ResolvedRequest
+from ember.sampling.prompt_logits import PromptLogits
 from ember.sampling.vision import PromptImages
 from ember.sampling.weights import TorchWeightVersion
 
@@ -83,19 +84,23 @@ def topk_matrix(rows: list[tuple[np.ndarray, np.ndarray] | None], k: int) -> Top
 
 
 def prompt_scores(
-    logits: torch.Tensor, prompt: tuple[int, ...], spec: ResolvedRequest, chunk_rows: int = ROW_CHUNK
+    logits: torch.Tensor | PromptLogits, prompt: tuple[int, ...], spec: ResolvedRequest, chunk_rows: int = ROW_CHUNK
 ) -> tuple[np.ndarray, TopkLogprobs | None]:
-    """Prompt logprobs (NaN where not scored) and top-k rows from the prompt's logits [P, V].
+    """Prompt logprobs (NaN where not scored) and top-k rows from the prompt's logits [P, V]
+    (held, or computed from hidden states chunk by chunk: `PromptLogits`).
 
-    The fp32 log-softmax runs `chunk_rows` positions at a time (row-wise, so equal to one
-    pass over all rows): a long prompt never holds a second, fp32 (P, V) tensor."""
+    The fp32 log-softmax runs `chunk_rows` positions at a time (a hidden source's own
+    chunk instead; row-wise, so equal to one pass over all rows): a long prompt never
+    holds a second, fp32 (P, V) tensor, and a hidden source never a first one."""
+    source = PromptLogits.of(logits)
+    step = source.step(chunk_rows)
     p = len(prompt)
     first = 1 if spec.prompt_logprobs_last_n is None else p - spec.prompt_logprobs_last_n
-    k = min(spec.topk_prompt_logprobs, logits.shape[-1])
+    k = min(spec.topk_prompt_logprobs, source.vocab_size)
     scored, top_ids, top_vals = [], [], []
-    for start in range(first - 1, p - 1, chunk_rows):
-        stop = min(start + chunk_rows, p - 1)
-        logp = torch.log_softmax(logits[start:stop].float(), dim=-1)
+    for start in range(first - 1, p - 1, step):
+        stop = min(start + step, p - 1)
+        logp = torch.log_softmax(source.rows(start, stop).float(), dim=-1)
         targets = torch.tensor(prompt[start + 1 : stop + 1], device=logp.device)
         scored.append(logp.gather(1, targets[:, None]).squeeze(1).cpu().numpy())
         if k > 0:
@@ -114,12 +119,12 @@ def prompt_scores(
     return out, topk
 
 
-def prompt_extras(logits: torch.Tensor, spec: ResolvedRequest):
-    """(target_prompt_logprobs, prompt_alt_tokens) from the prompt's logits [P, V]."""
+def prompt_extras(logits: torch.Tensor | PromptLogits, spec: ResolvedRequest):
+    """(target_prompt_logprobs, prompt_alt_tokens) from the prompt's logits [P, V] (or `PromptLogits`)."""
     if spec.targets is None and spec.prompt_alt_tokens_k == 0:
         return None, None
-    return compute_prompt_extras(logits[: len(spec.prompt) - 1], spec.targets, spec.prompt_alt_tokens_k,
-                                 spec.temperature, spec.seed)
+    return compute_prompt_extras(PromptLogits.of(logits).slice(None, len(spec.prompt) - 1), spec.targets,
+                                 spec.prompt_alt_tokens_k, spec.temperature, spec.seed)
 
 
 def sampled_sequence(

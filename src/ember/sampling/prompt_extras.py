@@ -15,6 +15,7 @@ import torch
 from tinker import types
 
 from ember.sampling import rng
+from ember.sampling.prompt_logits import PromptLogits
 
 # The most draws per prompt position `prompt_alt_tokens_k` may ask for (draws are with
 # replacement, so a k above the vocabulary is meaningful; above this it is refused).
@@ -99,14 +100,17 @@ def _check_csr(td, rows: int, cols: int, nnz: int) -> np.ndarray:
 ROW_CHUNK = 512  # prompt positions whose [rows, V] distributions are held at once
 
 
-def compute(logits: torch.Tensor, targets: PromptTargets | None, k: int, temperature: float, seed: int):
+def compute(logits: torch.Tensor | PromptLogits, targets: PromptTargets | None, k: int, temperature: float,
+            seed: int):
     """(target logprobs TensorData | None, PromptAltTokens | None) from the logits [P - 1, V]
-    of the prompt's positions after the first, `ROW_CHUNK` rows at a time (bounded memory)."""
-    rows = logits.shape[0]
+    of the prompt's positions after the first (held, or computed from hidden states:
+    `PromptLogits`), `ROW_CHUNK` rows (a hidden source: its own chunk) at a time (bounded memory)."""
+    source = PromptLogits.of(logits)
+    rows, step = len(source), source.step(ROW_CHUNK)
     values = np.zeros(targets.tokens.size, np.float32) if targets is not None else None
     ids, lps = [], []
-    for start in range(0, max(rows, 1), ROW_CHUNK):
-        chunk = logits[start : start + ROW_CHUNK]
+    for start in range(0, max(rows, 1), step):
+        chunk = source.rows(start, min(start + step, rows))
         logp = torch.log_softmax(chunk.float(), dim=-1)
         if targets is not None:
             _target_logprobs(logp, targets, start, values)

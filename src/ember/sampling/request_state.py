@@ -20,6 +20,7 @@ from ember.sampling import jobs, rng
 from ember.sampling.jobs import Job
 from ember.sampling.params import ResolvedRequest
 from ember.sampling.prefix_cache import Snapshot
+from ember.sampling.prompt_logits import PromptLogits
 
 
 @dataclass
@@ -61,14 +62,15 @@ class RequestState:
         self.samples_placed += count
         return range(first, first + count)
 
-    def keep_last_logits(self, logits_T_V: torch.Tensor) -> None:
+    def keep_last_logits(self, logits_T_V: PromptLogits) -> None:
         """Keep the logits after the prompt's last token (every sample's first draw)."""
-        self.last_logits_V = logits_T_V[-1].clone()  # not a view: the batch's logits are freed
+        self.last_logits_V = logits_T_V.last()  # not a view: the batch's logits are freed
 
-    def score_prompt(self, logits_T_V: torch.Tensor) -> None:
-        """Prompt logprobs, top-k and extras from the logits of the prompt positions (the last P rows)."""
+    def score_prompt(self, logits_T_V: PromptLogits) -> None:
+        """Prompt logprobs, top-k and extras from the logits of the prompt positions (the
+        last P rows; held, or computed chunk by chunk from hidden states)."""
         spec = self.spec
-        prompt_logits_P_V = logits_T_V[-len(spec.prompt):]
+        prompt_logits_P_V = logits_T_V.slice(-len(spec.prompt))
         scores = self.prompt_scores
         if spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0:
             scores.logprobs, scores.top_logprobs = jobs.prompt_scores(prompt_logits_P_V, spec.prompt, spec)

@@ -10,16 +10,24 @@ Two ways to compute the same forward (`SamplerConfig.forward`):
 * "direct" (`ember.sampling.decoder`): the same function with plain tensor ops for
   the model families that declare a decode layer (`ember.models.families`), which removes the per-call overhead that dominates small decode
   batches. "auto" (the default) uses it when the architecture is supported.
+
+A prefill that scores its prompt can return the decoder's last hidden states instead of
+its logits (`hidden=True`); `unembed` then applies the LM head, with the same weights, to
+any rows of them (`ember.sampling.prompt_logits`: no (P, V) tensor for a long prompt).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ember.models.families import family_of
 from ember.sampling.decoder import DirectDecoder, additive_mask, unsupported_reason
 from ember.sampling.kv_cache import SlotCache
-from ember.sampling.weights import LoraHooks, TorchWeightVersion, lora_plan
+from ember.sampling.weights import LoraHooks, TorchWeightVersion, add_lora, lora_plan
 
 
 def prefill_inputs(prompts: list[tuple[int, ...]], device: torch.device):
@@ -69,6 +77,7 @@ class ModelRunner:
         self.hooks = LoraHooks(model)
         self.additive_mask = attn_implementation == "eager"
         self.direct = _direct_decoder(model, forward)
+        self.lm_head = lm_head_of(model)  # None: prompt scoring keeps the forward's logits
 
     def _mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return additive_mask(mask, dtype) if self.additive_mask else mask
@@ -83,16 +92,21 @@ class ModelRunner:
         full: TorchWeightVersion | None = None,
         lora: list[tuple[torch.Tensor | None, TorchWeightVersion]] = (),
         vision: dict | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T', V] for a forward whose cache plan is already set. `vision`: a
         vision-language model's extra arguments (`PromptImages.forward_kwargs`; its
-        `position_ids` are 4 x B x T: cache positions, then M-RoPE's three)."""
+        `position_ids` are 4 x B x T: cache positions, then M-RoPE's three). `hidden`
+        (needs `lm_head`; with logits_to_keep 0): the last hidden states [B, T, H] instead,
+        for `unembed`."""
+        if hidden and (self.lm_head is None or logits_to_keep):
+            raise ValueError("ModelRunner.forward(hidden=True) needs a plain LM head and logits_to_keep=0")
         dtype = next(self.model.parameters()).dtype
         if self.direct is not None and not vision:
             try:
                 return self.direct.forward(input_ids, position_ids, self._mask(mask, dtype), self.cache,
                                            logits_to_keep, params=full.params if full is not None else None,
-                                           lora=lora_plan(list(lora)))
+                                           lora=lora_plan(list(lora)), hidden=hidden)
             finally:
                 self.cache.clear_plan()
         kwargs = dict(
@@ -101,19 +115,76 @@ class ModelRunner:
             attention_mask=self._mask(mask, dtype),
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=logits_to_keep,
+            # hidden: an empty index list, so transformers runs its LM head on no position
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device) if hidden else logits_to_keep,
         )
         kwargs.update(vision or {})
+        captured: list[torch.Tensor] = []
         try:
             self.hooks.set_plan(lora_plan(list(lora)))
-            if full is not None:
-                out = torch.func.functional_call(self.model, full.params, args=(), kwargs=kwargs, strict=False)
-            else:
-                out = self.model(**kwargs)
+            with self._capture_last_hidden(captured, hidden):
+                if full is not None:
+                    out = torch.func.functional_call(self.model, full.params, args=(), kwargs=kwargs, strict=False)
+                else:
+                    out = self.model(**kwargs)
         finally:
             self.hooks.clear()
             self.cache.clear_plan()
-        return out.logits
+        return captured[0] if hidden else out.logits
+
+    @contextlib.contextmanager
+    def _capture_last_hidden(self, captured: list, wanted: bool):
+        """The decoder's output (its last hidden state, after the final norm) into
+        `captured`, by a forward hook for this call only (as the engine's chunked head)."""
+        if not wanted:
+            yield
+            return
+        handle = self.model.get_decoder().register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @torch.inference_mode()
+    def unembed(self, hidden: torch.Tensor, full: TorchWeightVersion | None = None,
+                lora: list[tuple[torch.Tensor | None, TorchWeightVersion]] = ()) -> torch.Tensor:
+        """Logits [N, V] of last hidden states [N, H] from `forward(..., hidden=True)`, with
+        the weights that forward ran with (`lora`'s rows index `hidden`'s; None = all)."""
+        return self.lm_head(hidden, full, lora)
+
+
+class LMHead:
+    """The model's output embedding as a function of a forward's weights: logits =
+    F.linear(hidden, weight, bias) plus the LoRA delta a version has on it, the same
+    expression as the module (hooked for LoRA) or `DirectDecoder`'s `linear`."""
+
+    def __init__(self, model: nn.Module, module: nn.Linear) -> None:
+        self.module = module
+        self.name = next(name for name, m in model.named_modules() if m is module)
+        first: dict[int, str] = {}  # a full version keys its tensors by canonical names (weights.parameter_aliases)
+        canonical = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+        self.weight_key = canonical[f"{self.name}.weight"]
+        self.bias_key = canonical.get(f"{self.name}.bias")
+        self.vocab_size = int(module.out_features)
+
+    def __call__(self, hidden: torch.Tensor, full: TorchWeightVersion | None,
+                 lora: list[tuple[torch.Tensor | None, TorchWeightVersion]]) -> torch.Tensor:
+        params = full.params if full is not None else None
+        weight = params[self.weight_key] if params else self.module.weight
+        bias = None if self.bias_key is None else (params[self.bias_key] if params else self.module.bias)
+        out = F.linear(hidden, weight, bias)
+        entries = lora_plan(list(lora)).get(self.name)
+        return add_lora(out, hidden, entries) if entries else out
+
+
+def lm_head_of(model: nn.Module) -> LMHead | None:
+    """The LM head when the model's logits are exactly a Linear of its last hidden state:
+    the families of `ember.models.families` (no logit scaling or soft-capping); None for
+    other architectures, whose prompt scoring keeps the forward's own logits."""
+    module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if family_of(model.config) is None or not isinstance(module, nn.Linear):
+        return None
+    return LMHead(model, module)
 
 
 def _direct_decoder(model: nn.Module, forward: str) -> DirectDecoder | None:

@@ -63,6 +63,7 @@ from ember.sampling import jobs, rng
 from ember.sampling.fair_queue import OwnerQueues
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
 from ember.sampling.prefix_cache import PrefixCache, Snapshot
+from ember.sampling.prompt_logits import PromptLogits
 from ember.sampling.request_state import RequestState
 from ember.sampling.runner import ModelRunner, decode_mask, extend_inputs, prefill_inputs
 from ember.sampling.slots import Placement, SlotTable
@@ -76,8 +77,10 @@ LoraRows = list[tuple[torch.Tensor | None, TorchWeightVersion]]  # (batch rows o
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: SlotTable, device: torch.device, max_prefill_tokens: int,
-                 decode_text=None, prefix_cache: PrefixCache | None = None) -> None:
+                 decode_text=None, prefix_cache: PrefixCache | None = None, logprob_chunk_tokens: int = 0) -> None:
         self.runner = runner
+        # > 0 (and a plain LM head): a scored prompt's prefill keeps hidden states, not (P, V) logits
+        self.logprob_chunk_tokens = logprob_chunk_tokens if runner.lm_head is not None else 0
         self.slots = slots
         self.device = device
         self.max_prefill_tokens = max_prefill_tokens
@@ -231,17 +234,27 @@ class Scheduler:
         prompts = [request.spec.prompt for request in requests]
         ids_B_T, positions_B_T, valid_B_T, mask = prefill_inputs(prompts, self.device)
         keep_all = first.spec.scores_prompt  # batches never mix (see _prefill_batches)
+        hidden = keep_all and self.logprob_chunk_tokens > 0
         self.runner.cache.plan_prefill(slots_B, valid_B_T, positions_B_T)
-        logits_B_T_V = self.runner.forward(ids_B_T, positions_B_T, mask, 0 if keep_all else 1,
-                                           full=_full_version(first), lora=self._lora_rows(requests),
-                                           vision=self._vision(first, 0))  # an image prompt is prefilled alone
+        out_B_T = self.runner.forward(ids_B_T, positions_B_T, mask, 0 if keep_all else 1,
+                                      full=_full_version(first), lora=self._lora_rows(requests),
+                                      vision=self._vision(first, 0), hidden=hidden)  # an image prompt alone
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += len(batch)
         for row, (request, slot) in enumerate(batch):
-            self._prefilled(request, logits_B_T_V[row])
+            self._prefilled(request, self._prompt_logits(request, out_B_T[row], hidden))
             self._remember_prefix(request, slot)
 
-    def _prefilled(self, request: RequestState, logits_T_V: torch.Tensor) -> None:
+    def _prompt_logits(self, request: RequestState, out_T: torch.Tensor, hidden: bool) -> PromptLogits:
+        """One prompt's prefill output as logits: held ([T, V]), or its hidden states [T, H]
+        under the LM head of the request's weights, `logprob_chunk_tokens` rows at a time."""
+        if not hidden:
+            return PromptLogits.of(out_T)
+        full, lora, runner = _full_version(request), self._lora_rows([request]), self.runner
+        return PromptLogits.from_hidden(out_T, lambda rows_H: runner.unembed(rows_H, full, lora),
+                                        self.logprob_chunk_tokens, runner.lm_head.vocab_size)
+
+    def _prefilled(self, request: RequestState, logits_T_V: PromptLogits) -> None:
         """A prompt's logits are computed: keep the last row, score the prompt if asked."""
         request.keep_last_logits(logits_T_V)
         if request.spec.scores_prompt:
@@ -336,9 +349,10 @@ class Scheduler:
         ids_1_T, positions_1_T, mask = extend_inputs(prompt, hit, self.device)
         cache.plan_extend(slot, hit, len(prompt) - hit, self.device)
         keep_all = request.spec.scores_prompt
+        hidden = keep_all and self.logprob_chunk_tokens > 0
         logits_T_V = self.runner.forward(ids_1_T, positions_1_T, mask, 0 if keep_all else 1,
                                          full=_full_version(request), lora=self._lora_rows([request]),
-                                         vision=self._vision(request, hit))[0]
+                                         vision=self._vision(request, hit), hidden=hidden)[0]  # or [T, H]
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += 1
         self.stats["prefix_cache_hit_tokens"] += hit
@@ -347,7 +361,7 @@ class Scheduler:
             prompt_logits_P_V = logits_T_V.new_full((len(prompt), logits_T_V.shape[-1]), float("nan"))
             prompt_logits_P_V[hit:] = logits_T_V
             logits_T_V = prompt_logits_P_V
-        self._prefilled(request, logits_T_V)
+        self._prefilled(request, self._prompt_logits(request, logits_T_V, hidden))
         self._remember_prefix(request, slot)
 
     def _remember_prefix(self, request: RequestState, slot: int) -> None:

@@ -118,7 +118,8 @@ class TorchSampler(Sampler):
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_cache_block)
         self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens,
-                                    _text_decoder(tokenizer), self.prefix_cache)
+                                    _text_decoder(tokenizer), self.prefix_cache,
+                                    self.config.resolved_logprob_chunk_tokens)
         self._versions: weakref.WeakSet[WeightVersion] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._incoming: list[Job] = []

@@ -262,9 +262,12 @@ class WorkersConfig:
     world_size: ranks of the group (local/inline: exactly 1).
     ray_address: runtime "ray" only: join this cluster ("auto", "ray://host:10001");
         None starts a local Ray instance.
-    dp_replicate / dp_shard / tp: the `ParallelismConfig` of every engine. Unset dims
+    dp_replicate / dp_shard / cp / tp: the `ParallelismConfig` of every engine. Unset dims
         default to 1, except dp_shard, which takes the ranks left over, so the default
-        is FSDP2 over all ranks. The product must equal world_size.
+        is FSDP2 over all ranks. The product must equal world_size. cp (context
+        parallelism, Ulysses attention, `ember.engine.context_parallel`) splits each
+        sequence over cp ranks; it must divide every served model's attention heads
+        and cannot be combined with tp yet.
     call_timeout_s: a group call that takes longer breaks the group (a hung rank).
 
     Samplers stay in the service's process and receive the engines' weights (gathered
@@ -277,6 +280,7 @@ class WorkersConfig:
     dp_replicate: int | None = field(default=None, metadata=meta(section="parallel"))
     dp_shard: int | None = field(default=None, metadata=meta(section="parallel"))
     tp: int | None = field(default=None, metadata=meta(section="parallel"))
+    cp: int | None = field(default=None, metadata=meta(section="parallel"))
     call_timeout_s: float = field(default=600.0, metadata=meta(section="workers"))
 
     def __post_init__(self) -> None:
@@ -298,23 +302,27 @@ class WorkersConfig:
 
     @property
     def parallel_dims_given(self) -> bool:
-        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.tp))
+        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.cp, self.tp))
 
     def parallel_dims(self) -> dict[str, int]:
-        """{dp_replicate, dp_shard, tp} with the defaults filled in; ValueError if they
-        do not multiply to world_size."""
-        for name in ("dp_replicate", "dp_shard", "tp"):
+        """{dp_replicate, dp_shard, tp} (and cp when > 1, as `ParallelismConfig.as_dict`
+        lists it) with the defaults filled in, the keyword arguments of every engine's
+        `ParallelismConfig`; ValueError naming the key if they do not multiply to world_size."""
+        for name in ("dp_replicate", "dp_shard", "cp", "tp"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
-        rep, tp = self.dp_replicate or 1, self.tp or 1
+        rep, cp, tp = self.dp_replicate or 1, self.cp or 1, self.tp or 1
+        if cp > 1 and tp > 1:
+            raise ValueError(f"parallel.cp={cp} with parallel.tp={tp} is not supported yet; use one of them")
         shard = self.dp_shard
         if shard is None:
-            if self.world_size % (rep * tp):
-                raise ValueError(f"parallel.dp_replicate={rep} x parallel.tp={tp} does not divide "
-                                 f"workers.world_size={self.world_size}")
-            shard = self.world_size // (rep * tp)
-        if rep * shard * tp != self.world_size:
-            raise ValueError(f"parallel.dp_replicate={rep} x parallel.dp_shard={shard} x parallel.tp={tp} = "
-                             f"{rep * shard * tp} ranks, but workers.world_size={self.world_size}")
-        return {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
+            if self.world_size % (rep * cp * tp):
+                raise ValueError(f"parallel.dp_replicate={rep} x parallel.cp={cp} x parallel.tp={tp} does not "
+                                 f"divide workers.world_size={self.world_size}")
+            shard = self.world_size // (rep * cp * tp)
+        if rep * shard * cp * tp != self.world_size:
+            raise ValueError(f"parallel.dp_replicate={rep} x parallel.dp_shard={shard} x parallel.cp={cp} x "
+                             f"parallel.tp={tp} = {rep * shard * cp * tp} ranks, but workers.world_size="
+                             f"{self.world_size}")
+        return {"dp_replicate": rep, "dp_shard": shard, "tp": tp} | ({"cp": cp} if cp > 1 else {})

@@ -568,9 +568,27 @@ def build_service(config: ServiceConfig, workers: WorkersConfig | None = None) -
         from ember.sampling.ray_replica import use_cluster
 
         use_cluster(workers.ray_address)
+    check_cp_layout(config.models, workers)  # before a worker group starts
     factory = engine_factory_for(workers, config.engine)
     try:
         return Service(config, engine_factory=factory)
     except BaseException:
         factory.close()
         raise
+
+
+def check_cp_layout(models: dict[str, str], workers: WorkersConfig) -> None:
+    """ValueError naming `parallel.cp` and the model when `workers`' cp does not divide the
+    attention heads of a registered model (`ember.engine.parallel.check_cp_heads`). Models
+    found later under a model root get the same error when a run is created on the ranks."""
+    cp = workers.parallel_dims().get("cp", 1)
+    if cp == 1:
+        return
+    from ember.engine.estimate import load_config
+    from ember.engine.parallel import check_cp_heads
+
+    for name, directory in models.items():
+        try:
+            check_cp_heads(load_config(directory), cp, key="parallel.cp")
+        except ValueError as exc:
+            raise ValueError(f"model {name!r}: {exc}") from None

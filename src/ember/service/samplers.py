@@ -67,8 +67,8 @@ class SamplerFactory(abc.ABC):
 class LocalSamplerFactory(SamplerFactory):
     """Samplers in this process, of the backend `SamplerConfig.backend` names (registry).
 
-    Settings left to follow the trainer are filled in per base model: device and dtype
-    from the training engine's config, max_len from the model's max_position_embeddings
+    Settings left to follow the trainer are filled in per base model: device, dtype and
+    logprob_chunk_tokens from the training engine's config, max_len from the model's max_position_embeddings
     (`ember.sampling.resolve_sampler_config`). Backends that keep versions on disk (vLLM)
     write them under `scratch_dir`.
     """
@@ -85,7 +85,8 @@ class LocalSamplerFactory(SamplerFactory):
         engine = self.engine_config or EngineConfig()
         device = "cuda" if engine.device.startswith("cuda") else engine.device
         return resolve_sampler_config(self.config, device=device, dtype=engine.dtype,
-                                      max_position_embeddings=max_positions(base.directory))
+                                      max_position_embeddings=max_positions(base.directory),
+                                      logprob_chunk_tokens=engine.logprob_chunk_tokens)
 
     def check(self, base: BaseModel) -> None:
         from ember.sampling.registry import check_model
