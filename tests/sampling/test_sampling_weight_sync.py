@@ -171,6 +171,21 @@ def test_tied_aliases_travel_once():
     assert [n for n, _ in ws.distinct_tensors(named)] == ["embed.weight", "other"]
 
 
+def test_a_kept_version_is_a_copy_unless_the_caller_hands_it_over():
+    """A pool's memory mode keeps each version's tensors for replacement replicas: with
+    `copy=True` (Sampler.load_weights' default) a later write to the caller's live
+    parameters must not change the kept version; `copy=False` keeps the caller's memory."""
+    keeper = ws.ReplicaSync("127.0.0.1", timeout_s=5.0)
+    try:
+        live = {"w": torch.ones(4), "b": torch.zeros(2)}
+        assert keeper.keep(1, live.items(), None) == 4 * 4 + 2 * 4
+        keeper.keep(2, live.items(), None, copy=False)
+        live["w"].add_(1.0)
+        assert torch.equal(keeper.kept(1)["w"], torch.ones(4)) and keeper.kept(2)["w"].data_ptr() == live["w"].data_ptr()
+    finally:
+        keeper.close()
+
+
 # ---------------------------------------------------------------------- two processes
 def test_tensors_arrive_bitwise_equal(sender, replica):
     named = [("a", torch.randn(10, 20)), ("b", torch.arange(7)), ("c", torch.randn(300).to(torch.bfloat16)),

@@ -167,7 +167,7 @@ class SamplerPool(Sampler):
         key = next(self._keys)
         path = os.path.join(self._dir, f"v{key}.safetensors")
         if self._sync is not None:  # memory: no file; the tensors stay here for replacements
-            nbytes = self._sync.keep(key, items, lora_config.rank if lora_config is not None else None)
+            nbytes = self._sync.keep(key, items, lora_config.rank if lora_config is not None else None, copy)
         else:
             write_weight_file(items, path)
             nbytes = os.path.getsize(path)

@@ -558,12 +558,21 @@ class ReplicaSync:
         self._lock = threading.Lock()
         self._pushing = threading.Lock()
 
-    def keep(self, key: int, named_weights: Iterable[tuple[str, torch.Tensor]], lora_rank: int | None) -> int:
-        """Hold version `key`'s tensors (each distinct one once); their bytes."""
+    def keep(self, key: int, named_weights: Iterable[tuple[str, torch.Tensor]], lora_rank: int | None,
+             copy: bool = True) -> int:
+        """Hold version `key`'s tensors (each distinct one once); their bytes. `copy`: as
+        `Sampler.load_weights` (False only when the caller never writes to them again)."""
         named = distinct_tensors((n, t.detach()) for n, t in named_weights)
+        if copy:  # a version is immutable: the caller's live parameters must not show through
+            named = [(n, t.clone()) for n, t in named]
         with self._lock:
             self._versions[key] = (named, lora_rank)
         return sum(t.numel() * t.element_size() for _, t in named)
+
+    def kept(self, key: int) -> dict[str, torch.Tensor]:
+        """Version `key`'s kept tensors by name (read-only: for inspection and tests)."""
+        with self._lock:
+            return dict(self._versions[key][0])
 
     def forget(self, keys: Iterable[int]) -> None:
         with self._lock:
