@@ -35,9 +35,10 @@ def test_every_sampler_field_is_a_flag_and_reaches_the_service_config(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # registered models are checked at start-up
     import dataclasses
 
-    # every field but max_lora_rank, which is limits.max_lora_rank in a service (one value)
+    # every field but max_lora_rank, which is limits.max_lora_rank in a service (one value),
+    # and logprob_chunk_tokens, which follows engine.logprob_chunk_tokens (one value)
     names = {s.key for s in settings(SamplerConfig)}
-    assert names == {f.name for f in dataclasses.fields(SamplerConfig)} - {"max_lora_rank"}
+    assert names == {f.name for f in dataclasses.fields(SamplerConfig)} - {"max_lora_rank", "logprob_chunk_tokens"}
     assert all(f"--sampler.{name}" in _help() for name in names)
     args = _parse(["--model", f"a={tmp_path}", "--data-dir", str(tmp_path), "--sampler.max_len", "4096",
                    "--sampler.backend", "torch", "--sampler.enable_prefix_caching", "false",
