@@ -12,6 +12,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join([_TESTS, *filter(None, os.environ.get
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
+# One OpenMP thread in the processes the tests start too (servers, vLLM engine cores), as
+# torch.set_num_threads(1) below does in this one: see the comment there.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

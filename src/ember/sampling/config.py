@@ -19,6 +19,7 @@ LOGPROBS_MODES = ("raw", "processed")
 FORWARDS = ("auto", "direct", "transformers")
 WEIGHT_SYNC_MODES = ("files", "memory")  # ember.sampling.weight_sync (kept here: config must stay light)
 PLACEMENTS = ("local", "ray")
+CPU_WORKERS = ("inline", "process")
 
 
 @dataclass
@@ -76,6 +77,11 @@ class SamplerConfig:
         (reported as `prompt_cache_hit_tokens`).
     gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache).
     kv_cache_gb: CPU backend: GiB of host memory for vLLM's KV cache.
+    cpu_worker: CPU backend: where the engine runs the model. "inline" (default): in the
+        engine core process (vLLM's single-process executor), one Python process fewer to
+        start: about half of an engine's start on a small machine, where most of it is
+        importing vLLM. "process": in a worker process of its own (vLLM's CPU default),
+        which vLLM pins to cores with its OpenMP thread binding (for large CPU hosts).
     enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
     colocate: the sampler shares its GPU with the trainer: vLLM sleeps (weights and KV
         cache released) while training runs and wakes to sample (CUDA only).
@@ -125,6 +131,7 @@ class SamplerConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.5
     kv_cache_gb: float = 1.0
+    cpu_worker: str = "inline"
     enforce_eager: bool = True
     colocate: bool = False
     engine_start_timeout_s: float = 600.0
@@ -175,6 +182,8 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"SamplerConfig.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.cpu_worker not in CPU_WORKERS:
+            raise ValueError(f"SamplerConfig.cpu_worker must be one of {CPU_WORKERS}, got {self.cpu_worker!r}")
         if not self.engine_start_timeout_s > 0:
             raise ValueError(f"SamplerConfig.engine_start_timeout_s must be > 0, got {self.engine_start_timeout_s}")
         if self.weight_sync not in WEIGHT_SYNC_MODES:

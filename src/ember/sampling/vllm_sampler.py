@@ -350,7 +350,11 @@ class VLLMSampler(Sampler):
             from ember.sampling.vllm_weight_engine import engine_options
 
             kwargs.update(engine_options(self.config.resolved_device))
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        args = AsyncEngineArgs(**kwargs)
+        with _multiprocessing_env(self.config):
+            vllm_config = args.create_engine_config()
+        return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
+                                         disable_log_stats=args.disable_log_stats)
 
     async def _swap(self, llm, key: str, version: VLLMWeightVersion | None) -> None:
         if key != BASE_KEY and version.tensors is not None:  # weight_sync "memory": no file
@@ -433,7 +437,33 @@ def engine_kwargs(model_dir: Path, config: SamplerConfig, max_len: int) -> dict:
         enforce_eager=config.enforce_eager, seed=0, scheduling_policy="priority",  # fair shares: OwnerBacklog
         enable_sleep_mode=config.colocate and not on_cpu,
         **({} if on_cpu else {"gpu_memory_utilization": config.gpu_memory_utilization}),
+        **({"distributed_executor_backend": "uni"} if on_cpu and config.cpu_worker == "inline" else {}),
     )
+
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _multiprocessing_env(config: SamplerConfig):
+    """On CPU, vLLM's platform turns the single-process executor ("uni") into a worker
+    process unless VLLM_ENABLE_V1_MULTIPROCESSING is "0" while the engine's config is made
+    (it reads the variable there, in this process): set from `cpu_worker` for that moment
+    only, so that samplers of either kind start side by side, then the caller's value is back."""
+    if config.resolved_device != "cpu":
+        yield
+        return
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    with _ENV_LOCK:
+        before = os.environ.get(name)
+        os.environ[name] = "0" if config.cpu_worker == "inline" else "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
 
 
 def _vllm_rank(rank: int) -> int:
