@@ -79,6 +79,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_setup(item):
+    """`needs_vllm`: asked when the test is about to run, so that collecting (and `make
+    test-fast`, which runs none of them) never imports vLLM."""
+    if item.get_closest_marker("needs_vllm") is not None:
+        from ember.sampling.registry import backend_missing
+
+        reason = backend_missing("vllm")
+        if reason is not None:
+            pytest.skip(reason=reason)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Qwen3 (hidden 64, 2 layers, head_dim 16) with a char tokenizer, on disk."""

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 
-from ember.sampling.registry import backend_missing
 from helpers.server import API_KEY, server_env, start_server
 
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (`make test` installs it)")
@@ -127,7 +126,7 @@ def test_cookbook_recipe_runs_unmodified_against_ember_serve(work, torch_server,
     check_metrics(name, run_recipe(work, torch_server.base_url, name, module, args), key)
 
 
-@pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))
+@pytest.mark.needs_vllm
 def test_math_rl_with_the_vllm_sampler(work):
     server = start_server(work / "tiny-model", work / "serve-vllm", model_name="tiny", timeout=600,
                           extra_args=["--sampler.backend", "vllm", "--sampler.max_len", "1024"])

@@ -12,11 +12,10 @@ import tinker
 from rich.console import Console
 
 from ember.recipes.demo import DemoSettings
-from ember.sampling.registry import backend_missing
 from helpers.server import API_KEY, start_server
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]
+              pytest.mark.needs_vllm]
 
 # The fast demo of test_recipes_demo.py (its calibration: +0.03..+0.10 reward over 60 steps
 # with TorchSampler); vLLM draws other samples from the same distributions, and with them

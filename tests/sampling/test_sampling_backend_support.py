@@ -11,10 +11,10 @@ import pytest
 
 from ember.sampling import SamplerConfig
 from ember.sampling.base import UnsupportedModelError
-from ember.sampling.registry import backend_missing, check_model
+from ember.sampling.registry import check_model
 from ember.sampling.vllm_support import engine_fault_message, head_dim_of
 
-needs_vllm = pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))
+needs_vllm = pytest.mark.needs_vllm
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ from ember.engine import EngineConfig, TorchEngine
 from ember.sampling import SamplerConfig, SamplingRequest
 from ember.sampling.weight_gate import WeightGate
 
-from .conftest import params, prompt, vllm_missing
+from .conftest import params, prompt
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
 
-needs_vllm = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
+needs_vllm = pytest.mark.needs_vllm
 
 
 @needs_vllm

@@ -8,11 +8,10 @@ import sys
 
 import pytest
 
-from ember.sampling.registry import backend_missing
 
 pytestmark = [pytest.mark.slow,  # a vLLM engine start (20-50 s idle; minutes on a loaded machine)
               pytest.mark.timeout(1200),
-              pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]
+              pytest.mark.needs_vllm]
 
 SCRIPT = '''
 import sys

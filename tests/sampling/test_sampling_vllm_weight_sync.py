@@ -23,9 +23,8 @@ from ember.sampling import SamplerConfig
 from ember.service.config import ServiceConfig
 from helpers.datums import sft_datum
 
-from .conftest import vllm_missing
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))]
+pytestmark = [pytest.mark.slow, pytest.mark.needs_vllm]
 
 PROMPTS = [[5, 9, 14], [12, 13, 14, 15]]
 DATUM = sft_datum([5, 9, 14, 22, 31, 7, 8])

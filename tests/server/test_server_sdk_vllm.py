@@ -11,11 +11,10 @@ import pytest
 import tinker
 from tinker import types
 
-from ember.sampling.registry import backend_missing
 from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(backend_missing("vllm") is not None, reason=str(backend_missing("vllm")))]
+              pytest.mark.needs_vllm]
 
 VLLM_ARGS = ["--sampler.backend", "vllm", "--sampler.max_len", "256", "--limits.max_lora_rank", "8",
              "--sampler.max_slots", "16"]

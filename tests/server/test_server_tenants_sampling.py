@@ -25,13 +25,11 @@ import pytest
 import tinker
 from tinker import types
 
-from ember.sampling.registry import backend_missing
 from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, memory_cap, sft_datum, start_server
 
-VLLM_MISSING = backend_missing("vllm")
 BACKENDS = [
     pytest.param("torch", marks=pytest.mark.slow),
-    pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING is not None, reason=str(VLLM_MISSING))]),
+    pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.needs_vllm]),
 ]
 ARGS = {
     "torch": ["--sampler.max_len", "512"],
