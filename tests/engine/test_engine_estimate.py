@@ -46,6 +46,7 @@ def ember(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # a fresh process: imports torch, transformers and ember (10-30 s on a loaded 2-core machine)
 def test_ember_estimate_qwen3_32b_from_config_json_only(qwen3_32b_dir):
     """CPU time, not wall time: the machine is shared, the bound is on the work done."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -123,6 +124,7 @@ def test_check_fits_refuses_with_the_numbers(qwen3_32b_dir, tiny_model_dir):
         check_fits({"big": qwen3_32b_dir}, EngineConfig(), None, available=64 << 30)
 
 
+@pytest.mark.slow  # a fresh `ember serve` (10-45 s on a loaded 2-core machine)
 def test_ember_serve_refuses_a_model_that_cannot_fit(qwen3_32b_dir, tmp_path):
     """fp32 Qwen3-32B: 131 GB of parameters alone, more than this machine (or CI) has."""
     r = ember("serve", "--model", f"big={qwen3_32b_dir}", "--data-dir", str(tmp_path / "data"), "--port", "0",

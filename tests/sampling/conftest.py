@@ -27,10 +27,14 @@ def tiny_model_dir(tiny_vllm_model_dir):
 BACKENDS = ["direct", "transformers", "vllm", "pool"]  # TorchSampler's two forwards, vLLM, a 2-replica pool
 
 
+SLOW_BACKENDS = ("vllm", "pool")  # an engine start of 20-50 s; two replica processes to start
+
+
 def backend_param(backend: str, *marks):
-    """A `sampler` parameter; vLLM's are `slow` (its engine takes 20-50 s to start), so
-    `make test-fast` runs the sampler tests on TorchSampler only."""
-    return pytest.param(backend, marks=[*marks, *([pytest.mark.slow] if backend == "vllm" else [])])
+    """A `sampler` parameter; vLLM's and the pool's are `slow` (see SLOW_BACKENDS), so
+    `make test-fast` runs the sampler tests on TorchSampler only (test_sampling_pool.py
+    runs there on the pool)."""
+    return pytest.param(backend, marks=[*marks, *([pytest.mark.slow] if backend in SLOW_BACKENDS else [])])
 
 
 def vllm_missing() -> str | None:

@@ -17,13 +17,13 @@ from ember.engine import EngineConfig, TorchEngine
 from helpers.datums import random_sft_datums, sft_datum
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
 
-from .conftest import params, prompt
+from .conftest import backend_param, params, prompt
 
 PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14], [30, 31]]
 ADAM = types.AdamParams(learning_rate=2e-2)
 
 
-@pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.slow), "pool"])  # vLLM: see backend_param
+@pytest.fixture(params=["torch", backend_param("vllm"), backend_param("pool")])  # slow ones: see backend_param
 def versioned(request, tiny_model_dir):
     """A sampler of each backend (vLLM and the 2-replica pool: the session's, whose
     start-up is too slow to repeat per test)."""
