@@ -360,6 +360,9 @@ def test_vllm_cpu_receives_weights_in_memory_through_its_weight_transfer_engine(
     from ember.sampling.vllm_weight_engine import ENGINE_NAME, WORKER_EXTENSION
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # engine_kwargs asks for the model in the engine core (SamplerConfig.cpu_worker "inline"),
+    # which vLLM's CPU platform grants while this is "0" (VLLMSampler sets it the same way)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     engine = TorchEngine.from_pretrained(tiny_vllm_model_dir, EngineConfig())
     engine.forward_backward(random_sft_datums(4, 84, seed=2), "cross_entropy")
     engine.optim_step(types.AdamParams(learning_rate=5e-2))
