@@ -20,8 +20,19 @@ checkpointing → FSDP2.
   rewritten; `check_tp_divisibility` makes sure every rank holds whole heads. Qwen3's
   per-head `q_norm`/`k_norm` see only the local heads, so their weights become replicated
   DTensors (`SequenceParallel` over the heads dim) whose gradient DTensor sums across TP
-  ranks. Embeddings, layer norms and `lm_head` stay replicated plain tensors: they see the
-  full (all-reduced) activations, so every TP rank computes their complete gradient.
+  ranks. An untied `lm_head` is split by vocabulary rows (`ColwiseParallel`: each rank
+  holds ceil(V / tp) rows, torch.chunk's split, so the last shard is the short one when
+  `tp` does not divide V; a split that would leave a rank empty is refused): its logits
+  are the rank's vocabulary slice, and the policy head computes the log-softmax across
+  the TP ranks without gathering the vocabulary (`ember.engine.vocab_parallel`). Its
+  weight is a `Shard(0)` DTensor, so checkpoints (DCP), `named_weights`, HF export and
+  the sampler's weights see the full matrix as for every other TP tensor. A tied
+  `lm_head` (`tie_word_embeddings`: it IS the input embedding) stays replicated: splitting
+  it would also need a vocabulary-parallel embedding lookup (masked, then all-reduced) and
+  two parallel styles on one Parameter; tied models are the small ones, where the
+  vocabulary matrix is a small share of the memory. Embeddings and layer norms stay
+  replicated plain tensors: they see the full (all-reduced) activations, so every TP rank
+  computes their complete gradient.
   LoRA layers (peft) are split too: the base Linear as above, `lora_B` column-wise after a
   replicated `lora_A` (q/k/v/gate/up), `lora_A` row-wise before a replicated `lora_B`
   (o/down).
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -54,6 +66,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ember.models.families import LLAMA_TP_PLAN, TensorParallelPlan, family_of, tp_families
+
+if TYPE_CHECKING:
+    from ember.engine.vocab_parallel import VocabShard
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -223,16 +238,39 @@ def layer_tp_plan(layer: nn.Module, family_plan: TensorParallelPlan = LLAMA_TP_P
     return plan
 
 
+def shards_vocab(model: nn.Module, tp: int) -> bool:
+    """Whether tensor parallelism over `tp` ranks splits `model`'s lm_head by vocabulary rows:
+    an untied output embedding (a tied one stays replicated: see the module docstring).
+    ValueError when the split would leave a rank without rows."""
+    from ember.engine.vocab_parallel import check_vocab_split
+
+    hf = hf_model(model)
+    out, inp = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if tp < 2 or out is None or (inp is not None and out.weight is inp.weight):
+        return False
+    check_vocab_split(int(out.weight.shape[0]), tp)
+    return True
+
+
+def _lm_head_path(hf: nn.Module) -> str:
+    out = hf.get_output_embeddings()
+    return next(name for name, m in hf.named_modules() if m is out)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     config = hf_model(model).config
     check_tp_divisibility(config, tp_mesh.size())
     family_plan = family_of(config).tp_plan
+    vocab_split = shards_vocab(model, tp_mesh.size())
     # parallelize_module re-registers parameters; keep frozen ones frozen (LoRA base weights).
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, layer_tp_plan(layer, family_plan))
+    if vocab_split:  # rows of lm_head (and of a LoRA B on it; A replicated), local logits out
+        hf = hf_model(model)
+        parallelize_module(hf, tp_mesh, _projection_plan(hf, _lm_head_path(hf), rowwise=False))
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)
@@ -364,6 +402,17 @@ class ParallelContext:
     @property
     def cp(self) -> int:
         return self.config.cp
+
+    def vocab_shard(self, model: nn.Module) -> "VocabShard | None":
+        """This rank's share of `model`'s vocabulary when TP split its lm_head (`shards_vocab`)."""
+        from ember.engine.vocab_parallel import VocabShard
+
+        tp = self.config.tp
+        if not self.is_distributed or not shards_vocab(model, tp):
+            return None
+        tp_mesh = self.mesh["tp"]
+        vocab = int(hf_model(model).get_output_embeddings().weight.shape[0])
+        return VocabShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp, vocab)
 
     def cp_group(self) -> "dist.ProcessGroup":
         return self.mesh["cp"].get_group()

@@ -94,7 +94,8 @@ class TorchEngine(TrainingEngine):
         self._activate()
         seed = lora_config.seed if lora_config is not None and lora_config.seed is not None else self.config.seed
         self.head: OutputHead = build_head(head, self.hf_config, seed).to(self.device)
-        self.head.bind_unembed(self._unembed, _last_hidden, self.config.logprob_chunk_tokens)
+        vocab = self.parallel.vocab_shard(self.model) if self.distributed else None
+        self.head.bind_unembed(self._unembed, _last_hidden, self.config.logprob_chunk_tokens, vocab)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)  # idempotent: a shared base or a mesh may have it
         self._params = self._trainable_parameters()
@@ -274,7 +275,8 @@ class TorchEngine(TrainingEngine):
                        images: dict[str, torch.Tensor] | None = None):
         """The HF model's output object (always the root module: FSDP2/TP/peft hooks stay in play).
 
-        A chunked policy head asks for no logits (`logits_to_keep` empty); the decoder's last
+        A chunked policy head asks for no logits (`logits_to_keep` empty; one position under
+        a vocabulary-split TP lm_head, which cannot run on none); the decoder's last
         hidden state (after the final norm) is then read by a forward hook on the decoder
         — not `output_hidden_states`, which would keep every layer's output in a no-grad
         forward — and put on the output as `ember_last_hidden`. `images`: a vision-language
