@@ -157,8 +157,8 @@ def test_lora_gradients_reach_adapters_in_every_layer(group, tiny_model_dir, lay
 
 
 # The chunked policy head (EngineConfig.logprob_chunk_tokens) at world 2 against the
-# unchunked head at world 1: lm_head runs outside the root FSDP2 forward, on replicated
-# weights under TP (ember's TP plan does not shard lm_head: see ember.engine.parallel).
+# unchunked head at world 1: lm_head runs outside the root FSDP2 forward; under TP it is
+# split by vocabulary rows (ember.engine.vocab_parallel; more in test_engine_parallel_vocab.py).
 CHUNKED_CASES = [("fsdp", False), ("tp", False), ("fsdp-ac", False), ("fsdp", True), ("tp", True)]
 
 

@@ -1,4 +1,4 @@
-"""Log-probabilities over a vocabulary split across tensor-parallel ranks (docs/architecture.md#parallel-layouts).
+"""Log-probabilities over a vocabulary split across tensor-parallel ranks (docs/architecture.md#runtimes-and-scale).
 
 Under `ParallelismConfig.tp > 1` an untied `lm_head` is split by vocabulary rows
 (`ember.engine.parallel.apply_tp`): TP rank r holds rows `[r * ceil(V/tp), ...)` of the
