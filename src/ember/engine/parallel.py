@@ -12,6 +12,8 @@ checkpointing → FSDP2.
   over the cp ranks; attention is DeepSpeed-Ulysses (all-to-all over heads), installed
   through transformers' `AttentionInterface`. FSDP2 then shards over the flattened
   `(dp_shard, cp)` dims (`dp_shard_cp`, as torchtitan), which SUMs the cp ranks' gradients.
+  With TP too, the all-to-all runs among the cp ranks of one TP index and splits that TP
+  rank's heads, so `cp * tp` must divide the attention heads.
 
 * **TP** (`tp > 1`, the families of `ember.models.families` with a `tp_plan`): DTensor `parallelize_module` per decoder layer —
   `ColwiseParallel` for q/k/v/gate/up, `RowwiseParallel` for o/down. The attention modules
@@ -82,7 +84,8 @@ class ParallelismConfig:
     dp_shard: FSDP2 degree: parameters, gradients and optimizer state are sharded dim-0.
     tp: tensor-parallel degree (Llama/Qwen3 attention heads and MLP columns).
     cp: context-parallel degree: each sequence's tokens are split over `cp` ranks (Ulysses
-        attention, `ember.engine.context_parallel`); must divide the attention heads.
+        attention, `ember.engine.context_parallel`); must divide the attention heads each
+        TP rank holds (`num_attention_heads / tp`).
         Activations per rank shrink `cp` times; parameters are sharded over dp_shard * cp.
     activation_checkpointing: recompute each decoder layer's activations in backward.
     cpu_offload: FSDP2 CPUOffloadPolicy (sharded params/grads/optimizer on CPU; GPU only).
@@ -100,8 +103,6 @@ class ParallelismConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.cp > 1 and self.tp > 1:
-            raise ValueError(f"ParallelismConfig.cp={self.cp} with tp={self.tp} is not supported yet; use one of them")
         if self.cpu_offload and not self.fsdp:
             raise ValueError("ParallelismConfig.cpu_offload needs FSDP2 (dp_shard or dp_replicate > 1)")
 
@@ -334,7 +335,7 @@ def parallelize_model(
     if pconfig.tp > 1:
         apply_tp(model, mesh["tp"])
     if pconfig.cp > 1:
-        apply_cp(model, mesh["cp"])
+        apply_cp(model, mesh["cp"], pconfig.tp)
     if pconfig.activation_checkpointing:
         apply_activation_checkpointing(model)
     if pconfig.fsdp:
@@ -351,22 +352,27 @@ def fsdp_mesh(mesh: DeviceMesh, pconfig: ParallelismConfig) -> DeviceMesh:
     return mesh[shard] if pconfig.dp_replicate == 1 else mesh["dp_replicate", shard]
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Ulysses attention over `cp_mesh`'s group (see `ember.engine.context_parallel`)."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, tp: int = 1) -> None:
+    """Ulysses attention over `cp_mesh`'s group (see `ember.engine.context_parallel`); `tp`:
+    the tensor-parallel degree the model's heads are already split by."""
     from ember.engine.context_parallel import install_attention
 
-    check_cp_heads(hf_model(model).config, cp_mesh.size())
+    check_cp_heads(hf_model(model).config, cp_mesh.size(), tp=tp)
     install_attention(hf_model(model), cp_mesh.get_group(), cp_mesh.size())
 
 
-def check_cp_heads(config, cp: int, key: str = "cp") -> None:
-    """ValueError unless `cp` divides the attention heads of the transformers `config`
-    (Ulysses attention gives each rank whole heads); `key` names the setting in the message."""
+def check_cp_heads(config, cp: int, key: str = "cp", tp: int = 1) -> None:
+    """ValueError unless `cp` divides the attention heads each of `tp` tensor-parallel ranks
+    holds in the transformers `config` (Ulysses attention gives each rank whole heads);
+    `key` names the setting in the message."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(text.num_attention_heads)
-    if heads % cp:
+    if heads % cp and tp == 1:
         raise ValueError(f"{key}={cp} must divide config.num_attention_heads={heads} "
                          "(Ulysses attention gives each rank whole heads)")
+    if heads % (cp * tp):
+        raise ValueError(f"{key}={cp} must divide the attention heads of each tp={tp} rank "
+                         f"(config.num_attention_heads={heads} / {tp}; Ulysses attention gives each rank whole heads)")
 
 
 # ---------------------------------------------------------------------- runtime helpers for engines

@@ -581,7 +581,8 @@ def check_cp_layout(models: dict[str, str], workers: WorkersConfig) -> None:
     """ValueError naming `parallel.cp` and the model when `workers`' cp does not divide the
     attention heads of a registered model (`ember.engine.parallel.check_cp_heads`). Models
     found later under a model root get the same error when a run is created on the ranks."""
-    cp = workers.parallel_dims().get("cp", 1)
+    dims = workers.parallel_dims()
+    cp = dims.get("cp", 1)
     if cp == 1:
         return
     from ember.engine.estimate import load_config
@@ -589,6 +590,6 @@ def check_cp_layout(models: dict[str, str], workers: WorkersConfig) -> None:
 
     for name, directory in models.items():
         try:
-            check_cp_heads(load_config(directory), cp, key="parallel.cp")
+            check_cp_heads(load_config(directory), cp, key="parallel.cp", tp=dims["tp"])
         except ValueError as exc:
             raise ValueError(f"model {name!r}: {exc}") from None
