@@ -73,7 +73,7 @@ class _TargetLogprobs(torch.autograd.Function):
         local = two_d - shard.offset
         owned = (local >= 0) & (local < shard.rows)
         local = local.clamp(0, shard.rows - 1)
-        picked = torch.where(owned, logits.gather(1, local), torch.zeros((), dtype=logits.dtype))
+        picked = torch.where(owned, logits.gather(1, local), logits.new_zeros(()))
         dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=shard.group)
         ctx.save_for_backward(logits, log_z, local, owned)
         ctx.two_d = targets.dim() == 2
@@ -85,7 +85,7 @@ class _TargetLogprobs(torch.autograd.Function):
         logits, log_z, local, owned = ctx.saved_tensors
         g = grad if ctx.two_d else grad.unsqueeze(1)
         out = torch.exp(logits - log_z.unsqueeze(1)) * -g.sum(dim=1, keepdim=True)  # -softmax · Σ_k g_k
-        out.scatter_add_(1, local, torch.where(owned, g, torch.zeros((), dtype=g.dtype)))  # + g at owned targets
+        out.scatter_add_(1, local, torch.where(owned, g, g.new_zeros(())))  # + g at owned targets
         return out, None, None
 
 
