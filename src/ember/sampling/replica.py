@@ -26,6 +26,11 @@ through `Replica.call(op, *args)`, which runs `ReplicaHost.<op>(*args)` there:
     receive_weights()             receive one version over that channel and load it
                                   under the key its header names; returns the key
     drop(keys)                    forget versions (their memory is freed)
+    sleep()                       colocation (`SamplerConfig.colocate`): the backend
+                                  releases its memory to the trainer once its requests
+                                  in progress are done; the next request wakes it
+    sleep_stats()                 the backend's `sleep_stats` (asleep, sleeps, wakes),
+                                  None for a backend without a sleep mode
     ping()                        answered at once, also while the backend computes
     close()                       stop the backend; pending samples fail
     ============================  =====================================================
@@ -207,6 +212,14 @@ class ReplicaHost:
     def loaded(self) -> list[int]:
         with self._lock:
             return sorted(self._versions)
+
+    def sleep(self) -> None:
+        sleep = getattr(self.sampler, "sleep", None)  # backends without a sleep mode ignore it
+        if sleep is not None:
+            sleep()
+
+    def sleep_stats(self) -> dict | None:
+        return getattr(self.sampler, "sleep_stats", None)
 
     def ping(self) -> int:
         return os.getpid()
