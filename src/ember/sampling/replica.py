@@ -25,6 +25,11 @@ through `Replica.call(op, *args)`, which runs `ReplicaHost.<op>(*args)` there:
                                   (`ember.sampling.weight_sync`; weight_sync "memory")
     receive_weights()             receive one version over that channel and load it
                                   under the key its header names; returns the key
+    join_shard_sync(addresses)    join one channel per trainer rank, in rank order
+                                  (`GroupEngine.open_shard_sync`: each FSDP rank sends
+                                  its own shard)
+    receive_shards()              receive one version from every rank, assemble and
+                                  load it under the key its header names; returns the key
     drop(keys)                    forget versions (their memory is freed)
     sleep()                       colocation (`SamplerConfig.colocate`): the backend
                                   releases its memory to the trainer once its requests
@@ -202,6 +207,21 @@ class ReplicaHost:
         header, named = self._receiver.receive(sampler_check(self.sampler))
         lora = types.LoraConfig(rank=header.lora_rank) if header.lora_rank is not None else None
         self.load_tensors(int(header.version), named, lora, copy=False)  # views of buckets nobody else holds
+        return int(header.version)
+
+    def join_shard_sync(self, addresses) -> None:
+        from ember.sampling.weight_sync import ShardReceiver
+
+        self._shard_receiver = ShardReceiver(addresses)
+
+    def receive_shards(self) -> int:
+        """One version from every trainer rank's shard; checked against the model when
+        loaded (a misfit is a ValueError naming the tensor; nothing is loaded)."""
+        from tinker import types
+
+        header, named = self._shard_receiver.receive()
+        lora = types.LoraConfig(rank=header.lora_rank) if header.lora_rank is not None else None
+        self.load_tensors(int(header.version), named, lora, copy=False)  # nobody else holds them
         return int(header.version)
 
     def drop(self, keys: Iterable[int]) -> None:
