@@ -36,8 +36,8 @@ TOL = 1e-4
 WITH_GRPO = os.environ.get("EMBER_TWO_HOSTS_GRPO") == "1"
 GRPO_SKIP = ("the GRPO recipe against the two-host server runs on demand: EMBER_TWO_HOSTS_GRPO=1 pytest "
              "tests/server/test_server_two_hosts.py (as root, for ip netns). Off in the default run only to "
-             "keep .ci/run inside its budget: it adds ~11 s to this module's job alone on the 2-core machine "
-             "(SFT 6 s + GRPO 5 s; reward 0.18 -> 0.27)")
+             "keep .ci/run inside its budget: it adds 11 s to this module's job on the idle 2-core machine, "
+             "15 s at load 7 (SFT then 12 GRPO steps; reward 0.18 -> 0.27)")
 
 
 @pytest.fixture(scope="module")

@@ -55,5 +55,7 @@ def test_colocated_vllm_sleeps_while_training_and_wakes_to_sample(make_service):
     result(svc, "alice", sub)
     backend = svc.sampler_backend("tiny")  # the one the sampler above runs on
     assert backend.asleep  # released the GPU while the trainer ran
+    assert backend.sleep_stats["sleeps"] >= 1
     assert result(svc, "alice", svc.sample("alice", sampler_id, 1, prompt, 2, params)).sequences
     assert not backend.asleep and torch.cuda.memory_allocated() <= awake * 1.5
+    assert backend.sleep_stats["wakes"] >= 1

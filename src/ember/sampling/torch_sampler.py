@@ -292,8 +292,8 @@ class TorchSampler(Sampler):
                     self._draining = False
                     if self._thread is None and not self._closed:  # drained (not interrupted)
                         self._release_memory()
-                        if self._incoming:
-                            self._start_worker()  # what arrived meanwhile wakes it at once
+                    if self._incoming and self._thread is None:
+                        self._start_worker()  # what arrived meanwhile wakes it (or fails: closed)
 
     def _release_memory(self) -> None:  # under self._lock, with no worker running
         self.prefix_cache.clear()
@@ -316,7 +316,7 @@ class TorchSampler(Sampler):
         self._wake()
         while True:
             with self._lock:
-                if not self._draining:
+                if not self._draining or self._closed:  # a sleep holds new requests back
                     scheduler.enqueue(self._incoming)
                     self._incoming.clear()
                 if self._closed or not scheduler.busy:
