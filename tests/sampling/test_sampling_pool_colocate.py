@@ -102,6 +102,22 @@ def test_sleep_waits_for_the_requests_in_progress_and_holds_new_ones(colocated):
     assert not stats["asleep"] and stats["wakes"] == stats["sleeps"] >= 1
 
 
+def test_closing_while_a_sleep_drains_fails_the_held_requests(tiny_model_dir):
+    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(**COLOCATED)) as sampler:
+        long = sampler.submit(request(PROMPTS[1], seed=2, max_tokens=120))
+        while not sampler.scheduler.busy:
+            time.sleep(0.01)
+        sleeper = threading.Thread(target=sampler.sleep)
+        sleeper.start()
+        time.sleep(0.2)  # most likely draining by now; either way the request must not be left waiting
+        held = sampler.submit(request(PROMPTS[0], seed=3))
+        sampler.close()
+        sleeper.join(60)
+        assert not sleeper.is_alive()
+        for future in (long, held):  # failed, never left waiting
+            assert isinstance(future.exception(timeout=60), RuntimeError), future
+
+
 def test_without_colocate_sleep_does_nothing(tiny_model_dir):
     with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(device="cpu", max_slots=2)) as sampler:
         sampler.sample(types.ModelInput.from_ints(PROMPTS[0]), 1, types.SamplingParams(max_tokens=2, seed=1))
