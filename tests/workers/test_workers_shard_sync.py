@@ -4,10 +4,14 @@ group (process ranks, gloo, FSDP2) sends a trained version, full and LoRA, to a 
 replica process (`LocalReplica`, TorchSampler, fp32 CPU) with nothing gathered. Each rank
 sends part of the weights (their sum is the whole); the replica's samples equal the
 trainer's `forward` within 1e-4 (contract 5) and differ from the untrained model's.
-The pure pieces (`rank_part` of plain tensors, `assemble_shards`) are tested without processes.
+The pieces are tested without processes too: `rank_part` of plain tensors, `assemble_shards`,
+and gloo channels from two senders in this process to one `ShardReceiver` (assembled; ranks
+that disagree on the version are refused, naming both).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +21,7 @@ from tinker import types
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.parallel import ParallelismConfig
 from ember.sampling import SamplerConfig
+from ember.sampling import weight_sync as ws
 from ember.sampling.base import SamplingRequest
 from ember.sampling.weight_sync import assemble_shards, distinct_tensors, rank_part
 from helpers.datums import random_sft_datums, sft_datum
@@ -36,6 +41,46 @@ def test_assemble_joins_dim0_parts_in_rank_order_and_plain_tensors_come_from_ran
     got = dict(assemble_shards(parts))
     assert list(got) == ["big", "small", "scalar"]
     assert torch.equal(got["big"], big) and torch.equal(got["small"], small) and torch.equal(got["scalar"], scalar)
+
+
+def through_channels(parts: list[list[tuple[str, torch.Tensor]]], versions: list[str]):
+    """Each "rank" (a WeightSender of this process) sends its parts under its version over
+    gloo to one ShardReceiver (threads stand in for processes): what the receiver got or raised."""
+    senders = [ws.WeightSender("127.0.0.1", "gloo", 60.0) for _ in parts]
+    addresses = [s.open("replica") for s in senders]
+    receiver = ws.ShardReceiver(addresses)  # each sender's rendezvous runs on its own thread
+    outcome: dict = {}
+
+    def receive() -> None:
+        try:
+            outcome["got"] = receiver.receive()
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            outcome["error"] = exc
+
+    threads = [threading.Thread(target=receive)] + [
+        threading.Thread(target=s.send, args=(p, v)) for s, p, v in zip(senders, parts, versions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return outcome
+
+
+def test_shards_over_gloo_channels_arrive_assembled():
+    emb, norm = torch.randn(9, 4), torch.randn(4)
+    rows = emb.chunk(2, 0)
+    outcome = through_channels([[("emb", rows[0]), ("norm", norm)], [("emb", rows[1])]], ["5", "5"])
+    header, named = outcome["got"]
+    assert header.version == "5" and header.lora_rank is None
+    got = dict(named)
+    assert torch.equal(got["emb"], emb) and torch.equal(got["norm"], norm)
+
+
+def test_ranks_that_disagree_on_the_version_are_refused():
+    t = torch.randn(4, 2)
+    outcome = through_channels([[("w", t[:2])], [("w", t[2:])]], ["5", "6"])
+    assert isinstance(outcome.get("error"), ws.WeightSyncError), outcome
+    assert "rank 1 sent version '6'" in str(outcome["error"]) and "rank 0 version '5'" in str(outcome["error"])
 
 
 @pytest.fixture(scope="module")
