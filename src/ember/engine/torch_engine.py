@@ -475,13 +475,20 @@ class TorchEngine(TrainingEngine):
     # ------------------------------------------------------------------ weights and state
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Backbone (full FT) or adapter (LoRA) weights only; the head's are `head_weights`."""
+        for name, t in self.named_weight_shards():
+            t = _full_tensor(t).detach()
+            yield name, t.to(dtype=dtype or t.dtype).clone()
+
+    def named_weight_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named_weights` as this rank holds them, nothing gathered: DTensors under
+        FSDP2/TP (plain tensors otherwise), the parameters themselves (not copies): for
+        a sender of each rank's own shard (`ember.sampling.weight_sync.rank_part`)."""
         if self.is_lora:
             items = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name, save_embedding_layers=False).items()
         else:
             items = self.model.state_dict().items()
         for name, t in items:
-            t = _full_tensor(t).detach()
-            yield name, t.to(dtype=dtype or t.dtype).clone()
+            yield name, t.detach()
 
     def head_weights(self) -> dict[str, torch.Tensor]:
         """The head's tensors in transformers' names (`score.weight`, `score.bias`); {} for a policy."""
