@@ -106,7 +106,8 @@ def test_tensor_parallel_lm_head_split_unless_tied(qwen3_32b_dir, tmp_path):
     assert tied.output_head == tied_one.output_head
     lora = estimate_memory(qwen3_32b_dir, engine=engine, tokens=1024, parallel=ParallelismConfig(tp=2), lora_rank=8)
     h, i, q, kv, v = 5120, 25600, 8192, 1024, 151936
-    per_layer = (h + q // 2) + 2 * (h + kv // 2) + (q + h // 2) + 2 * (h + i // 2) + (i + h // 2)  # r·(in + out/tp)
+    # column split (q, k, v, gate, up): r·(in + out/tp); row split (o, down): r·(in/tp + out)
+    per_layer = (h + q // 2) + 2 * (h + kv // 2) + (q // 2 + h) + 2 * (h + i // 2) + (i // 2 + h)
     assert lora.gradients == 8 * (64 * per_layer + h + v // 2) * 2
 
 

@@ -153,15 +153,28 @@ def _lora_elements(model: torch.nn.Module, lora: types.LoraConfig, tp: int, voca
 
     targets = set(lora_target_modules(model, lora))
     out = model.get_output_embeddings()
+    rowwise = _rowwise_paths(model)
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
             if module is out:  # B has the vocabulary's rows
                 total += lora.rank * (module.in_features + _vocab_rows(module.out_features, tp, vocab_split))
-                continue
-            split = tp if ".layers." in name else 1
-            total += lora.rank * (module.in_features + module.out_features // split)
+            elif ".layers." not in name:
+                total += lora.rank * (module.in_features + module.out_features)
+            elif any(name.endswith("." + path) for path in rowwise):  # A split by its input columns, B whole
+                total += lora.rank * (module.in_features // tp + module.out_features)
+            else:  # column split: A whole, B split by its output rows
+                total += lora.rank * (module.in_features + module.out_features // tp)
     return total
+
+
+def _rowwise_paths(model: torch.nn.Module) -> tuple[str, ...]:
+    """The decoder-layer paths TP splits by input columns (o_proj, down_proj, ...): the
+    family's `tp_plan` (`ember.models.families`); none when the family has no plan."""
+    from ember.models.families import family_of
+
+    family = family_of(model.config)
+    return tuple(family.tp_plan.rowwise) if family is not None and family.tp_plan is not None else ()
 
 
 def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
