@@ -66,3 +66,24 @@ def test_at_k_lets_the_first_hits_pass():
     with pytest.raises(failpoints.FailPointError):
         failpoints.hit("checkpoint.after_write")
     failpoints.hit("checkpoint.after_write")  # spent
+
+
+def test_hold_blocks_the_hitting_thread_until_released():
+    import threading
+
+    failpoints.arm("run.op", "hold", times=1)
+    assert failpoints.pending("run.op")
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (failpoints.hit("run.op"), done.set()))
+    worker.start()
+    for _ in range(500):
+        if not failpoints.pending("run.op"):
+            break
+        threading.Event().wait(0.01)
+    assert not failpoints.pending("run.op") and not done.wait(0.2)  # caught and held
+    failpoints.release("run.op")
+    assert done.wait(5)
+    worker.join()
+    failpoints.hit("run.op")  # released means disarmed: a later hit passes
+    with pytest.raises(ValueError, match="unknown fail point"):
+        failpoints.release("run.nope")

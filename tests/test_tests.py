@@ -9,6 +9,7 @@ private names a test reads (`obj._x`, `getattr(obj, "_x")`, `monkeypatch.setattr
 names the file and the name, with why. A test's own classes may read their own privates
 (`self._x` where the test file defines `_x`). Where a test must look inside, ember gives it
 a documented read-only accessor (e.g. `Service.stored_future`, `TorchSampler.sampler_id`).
+Nor does a test drive a Service's state managers (`svc.store`, `svc.runs`, `svc.futures`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,33 @@ class Mine:
 """
     got = violations(source, "x.py", names)
     assert [v.split(": ")[1] for v in got] == ["_dumps", "_scheduler", "_scheduler", "_ctx", "_now", "_service"], got
+
+
+# A Service's managers of state: a test that drives them makes states no request can make.
+# Tests reach such states through requests, fail points (`ember.failpoints`, e.g. `run.op`
+# held with `hold`) or the database file itself, as another process would write it.
+MANAGERS = ("store", "runs", "futures")
+
+
+def manager_reads(source: str, rel: str) -> list[str]:
+    """`rel:line: svc.<manager>` for each read of a Service's state manager (`svc.store`,
+    `service.runs`, `client.service.futures`, ...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in MANAGERS:
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("svc", "service")) or \
+                    (isinstance(owner, ast.Attribute) and owner.attr == "service"):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_test_drives_a_services_state_managers():
+    found = [v for p in _test_files() for v in manager_reads(p.read_text(), p.relative_to(TESTS.parent).as_posix())]
+    assert not found, "tests drive a Service's managers; go through a request, a fail point or the database:\n" + \
+        "\n".join(found)
+    sample = "svc.runs.submit_op(1)\nsc.service.store.update(x)\nsvc.retrieve(1)\nother.runs\n"
+    assert [v.split(": ")[1] for v in manager_reads(sample, "x.py")] == ["svc.runs", "sc.service.store"]
 
 
 def test_every_test_file_the_readme_names_exists():

@@ -20,6 +20,8 @@ or in process with `arm(name, action, times)` / `disarm()`. Actions:
     mmap          RuntimeError "unable to mmap ... from file <a server path>" (torch's words when
                   loading safetensors runs out of memory)
     sleep:S       sleep S seconds, then continue
+    hold          block the hitting thread until `release(name)` or `disarm()` (at most
+                  `HOLD_MAX_S`, then continue): a test keeps an op running for as long as it needs
 
 `*N` fires the action on the first N hits only (default: every hit); `@K` lets the first
 K-1 hits pass and fires from the K-th on (`checkpoint.after_write=kill@2`: the second save
@@ -35,7 +37,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENV = "EMBER_FAILPOINTS"
 
@@ -47,7 +49,9 @@ POINTS = {
     "futures.after_create": "a create call's future row is committed, its work is not queued yet",
     "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs)",
     "run.create_engine": "a training run's engine is about to be built (on its lane)",
+    "run.op": "a training run's op (forward_backward, optim_step, save, ...) is about to run on its lane",
 }
+HOLD_MAX_S = 60.0
 
 
 class FailPointError(RuntimeError):
@@ -59,6 +63,7 @@ class _Armed:
     action: str
     remaining: int  # -1: every hit
     skip: int = 0  # hits that pass before the action fires
+    released: threading.Event = field(default_factory=threading.Event)  # ends a `hold`
 
 
 _lock = threading.Lock()
@@ -91,7 +96,7 @@ def _check(name: str) -> str:
 
 def _check_action(action: str) -> str:
     kind, _, arg = action.partition(":")
-    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap") or (kind == "sleep") != bool(arg):
+    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap", "hold") or (kind == "sleep") != bool(arg):
         raise ValueError(f"unknown fail point action {action!r}")
     if arg:
         float(arg)
@@ -117,10 +122,28 @@ def disarm(name: str | None = None) -> None:
     """Disarm one point, or every point."""
     _load_env()
     with _lock:
+        gone = list(_armed.values()) if name is None else [p for p in [_armed.get(name)] if p is not None]
         if name is None:
             _armed.clear()
         else:
             _armed.pop(name, None)
+    for point in gone:  # a thread held at a point disarmed goes on
+        point.released.set()
+
+
+def release(name: str) -> None:
+    """Let every thread held at `name` (action `hold`) go on, and disarm it (an unknown
+    name is an error, as for `arm`)."""
+    disarm(_check(name))
+
+
+def pending(name: str) -> bool:
+    """Whether `name` is armed with hits still to fire (a test waits on it to know that a
+    `hold` has caught its thread)."""
+    _load_env()
+    with _lock:
+        armed = _armed.get(_check(name))
+        return armed is not None and armed.remaining != 0
 
 
 def hit(name: str) -> None:
@@ -139,6 +162,9 @@ def hit(name: str) -> None:
         if armed.remaining > 0:
             armed.remaining -= 1
         action = armed.action
+    if action == "hold":
+        armed.released.wait(HOLD_MAX_S)
+        return
     _fire(name, action)
 
 

@@ -26,11 +26,14 @@ QWEN3_32B = {
 }
 
 
-def _qwen3_32b_params(tp: int = 1) -> int:
-    """Qwen3-32B's parameter count, written out from its architecture (not from transformers)."""
+def _qwen3_32b_params(tp: int = 1, tied: bool = False) -> int:
+    """Qwen3-32B's parameter count per TP rank, written out from its architecture (not from
+    transformers): TP splits the projections and an untied lm_head's rows; a tied one is
+    the input embedding, replicated."""
     h, v, i, q, kv, hd = 5120, 151936, 25600, 64 * 128, 8 * 128, 128
     layer = (h * q + 2 * h * kv + q * h + 3 * h * i) // tp + 2 * h + 2 * hd
-    return 2 * v * h + 64 * layer + h
+    lm_head = 0 if tied else -(-v // tp) * h
+    return v * h + lm_head + 64 * layer + h
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +82,9 @@ def test_layouts_divide_what_they_shard(qwen3_32b_dir):
     one = estimate_memory(qwen3_32b_dir, engine=engine, tokens=1024)
     tp = estimate_memory(qwen3_32b_dir, engine=engine, tokens=1024, parallel=ParallelismConfig(tp=2))
     assert one.parameters == _qwen3_32b_params() * 2 and one.fsdp_working_set == 0
-    assert tp.parameters == _qwen3_32b_params(tp=2) * 2  # embeddings and lm_head replicated
+    assert tp.parameters == _qwen3_32b_params(tp=2) * 2  # embeddings replicated, lm_head split by rows
     assert tp.activations < one.activations
+    assert tp.output_head < 0.51 * one.output_head  # each rank's logits are its half of the vocabulary
     ac = estimate_memory(qwen3_32b_dir, engine=EngineConfig(dtype="bfloat16", activation_checkpointing=True),
                          tokens=1024)
     assert ac.activations < one.activations / 4
@@ -88,6 +92,24 @@ def test_layouts_divide_what_they_shard(qwen3_32b_dir):
                                 tokens=16384)
     chunked = estimate_memory(qwen3_32b_dir, engine=EngineConfig(dtype="bfloat16"), tokens=16384)
     assert unchunked.output_head > 10 * chunked.output_head
+
+
+def test_tensor_parallel_lm_head_split_unless_tied(qwen3_32b_dir, tmp_path):
+    """An untied lm_head (and a LoRA B on it) is split by vocabulary rows under TP; a tied one
+    stays replicated, its logits full-width (see ember.engine.parallel)."""
+    engine = EngineConfig(dtype="bfloat16")
+    tied_dir = tmp_path / "tied"
+    tied_dir.mkdir()
+    (tied_dir / "config.json").write_text(json.dumps({**QWEN3_32B, "tie_word_embeddings": True}))
+    tied = estimate_memory(tied_dir, engine=engine, tokens=1024, parallel=ParallelismConfig(tp=2))
+    tied_one = estimate_memory(tied_dir, engine=engine, tokens=1024)
+    assert tied.parameters == _qwen3_32b_params(tp=2, tied=True) * 2
+    assert tied.output_head == tied_one.output_head
+    lora = estimate_memory(qwen3_32b_dir, engine=engine, tokens=1024, parallel=ParallelismConfig(tp=2), lora_rank=8)
+    h, i, q, kv, v = 5120, 25600, 8192, 1024, 151936
+    # column split (q, k, v, gate, up): r·(in + out/tp); row split (o, down): r·(in/tp + out)
+    per_layer = (h + q // 2) + 2 * (h + kv // 2) + (q // 2 + h) + 2 * (h + i // 2) + (i // 2 + h)
+    assert lora.gradients == 8 * (64 * per_layer + h + v // 2) * 2
 
 
 def test_context_parallelism_splits_activations_and_shards_parameters(qwen3_32b_dir):

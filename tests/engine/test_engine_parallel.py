@@ -26,6 +26,7 @@ from ember.engine.parallel import ParallelismConfig
 from helpers.datums import random_rl_datums, random_sft_datums
 from ember.workers import EngineSpec, GroupEngine, WorkerDiedError, WorkerError, WorkerGroup
 from helpers import ranks as wt
+from helpers.layouts import close, close_dicts, close_outputs
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -55,28 +56,6 @@ def group(request):
 def make_group(runtime: str) -> WorkerGroup:
     kwargs = {"init_kwargs": {"num_cpus": 2}} if runtime == "ray" else {}
     return WorkerGroup.create(runtime, world_size=2, call_timeout_s=300, **kwargs)
-
-
-def close(got, want, what: str, scale: float | None = None) -> None:
-    atol = 1e-5 * max(float(want.abs().max()) if scale is None else scale, 1e-6)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-def close_dicts(got: dict, want: dict, what: str) -> None:
-    """rtol 1e-5; atol 1e-5 · the largest magnitude over all tensors (rounding follows the
-    size of the summed terms, not of a result that cancels, e.g. a q_norm weight's gradient)."""
-    assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))[:5]}"
-    scale = max(float(t.abs().max()) for t in want.values())
-    for name in want:
-        close(got[name], want[name], f"{what} {name}", scale)
-
-
-def close_outputs(got: types.ForwardBackwardOutput, want: types.ForwardBackwardOutput) -> None:
-    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
-    assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
-    for i, (g, w) in enumerate(zip(got.loss_fn_outputs, want.loss_fn_outputs)):
-        for key in ("logprobs", "elementwise_loss"):
-            close(g[key].to_torch(), w[key].to_torch(), f"datum {i} {key}")
 
 
 def batches():
@@ -178,8 +157,8 @@ def test_lora_gradients_reach_adapters_in_every_layer(group, tiny_model_dir, lay
 
 
 # The chunked policy head (EngineConfig.logprob_chunk_tokens) at world 2 against the
-# unchunked head at world 1: lm_head runs outside the root FSDP2 forward, on replicated
-# weights under TP (ember's TP plan does not shard lm_head: see ember.engine.parallel).
+# unchunked head at world 1: lm_head runs outside the root FSDP2 forward; under TP it is
+# split by vocabulary rows (ember.engine.vocab_parallel; more in test_engine_parallel_vocab.py).
 CHUNKED_CASES = [("fsdp", False), ("tp", False), ("fsdp-ac", False), ("fsdp", True), ("tp", True)]
 
 

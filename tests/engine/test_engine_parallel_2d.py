@@ -1,5 +1,5 @@
 """Two-dimensional meshes at world 4 (process runtime, CPU gloo): FSDP2 × TP, HSDP, replication
-× TP, and LoRA under FSDP2 × TP — gradients and `named_weights` equal world 1 (fp32, rtol 1e-5,
+× TP, LoRA under FSDP2 × TP, and context × tensor parallelism (LoRA) — gradients and `named_weights` equal world 1 (fp32, rtol 1e-5,
 atol 1e-5 · the largest gradient magnitude), so the SUM holds over both mesh dims."""
 
 import pytest
@@ -21,6 +21,10 @@ LAYOUTS = {
     "hsdp": (ParallelismConfig(dp_replicate=2, dp_shard=2), None),
     "replicate-x-tp": (ParallelismConfig(dp_replicate=2, tp=2), None),
     "lora-fsdp-x-tp": (ParallelismConfig(dp_shard=2, tp=2), types.LoraConfig(rank=4)),
+    # Ulysses over the cp ranks of each TP index (2 heads per TP rank, 1 per cp rank), the
+    # vocabulary-split lm_head under CP, FSDP2 over the flattened (dp_shard, cp) dims
+    "cp-x-tp": (ParallelismConfig(cp=2, tp=2), types.LoraConfig(rank=4)),
+    "cp-x-tp-full": (ParallelismConfig(cp=2, tp=2), None),
 }
 
 

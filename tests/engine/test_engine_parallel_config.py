@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.parallel import (
     ParallelismConfig,
+    check_cp_heads,
     check_tp_divisibility,
     build_mesh,
     decoder_layers,
@@ -45,8 +46,18 @@ def test_config_cp_layout():
     assert [p.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]  # the cp ranks of a dp rank share its datums
     assert p.as_dict() == {"world_size": 4, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2}
     assert ParallelismConfig(cp=2).fsdp and not ParallelismConfig(tp=2).fsdp
-    with pytest.raises(ValueError, match=r"cp=2 with tp=2 is not supported"):
-        ParallelismConfig(cp=2, tp=2)
+    both = ParallelismConfig(cp=2, tp=2)  # a 2-D (cp, tp) mesh: Ulysses over each TP rank's heads
+    assert (both.world_size, both.dp_size, both.fsdp, [both.dp_rank(r) for r in range(4)]) == (4, 1, True, [0] * 4)
+
+
+def test_cp_with_tp_must_divide_each_tp_ranks_heads():
+    from ember.models.testing import tiny_config
+
+    config = tiny_config("qwen3", vocab_size=84)  # 4 attention heads
+    check_cp_heads(config, 2, tp=2)  # 2 heads per TP rank, 1 per cp rank
+    with pytest.raises(ValueError, match=r"cp=4 must divide the attention heads of each tp=2 rank "
+                                         r"\(config.num_attention_heads=4 / 2"):
+        check_cp_heads(config, 4, tp=2)
 
 
 def test_cp_refuses_a_non_sdpa_attention_before_loading(tiny_model_dir):

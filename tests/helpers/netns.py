@@ -193,8 +193,10 @@ class TwoHosts:
         namespace), so it would stop other clusters too. Every process of ours runs inside
         one of our namespaces, so `ip netns pids` names exactly ours: SIGTERM, then SIGKILL."""
         try:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                self._signal_all(sig)
+            # A short SIGTERM grace: Ray's gcs_server and raylets take over 10 s to exit on
+            # SIGTERM, and nothing they would flush outlives the namespaces and temp dir.
+            self._signal_all(signal.SIGTERM, grace_s=2.0)
+            self._signal_all(signal.SIGKILL)
         finally:  # even when interrupted while waiting: the namespaces go
             self._ray_up.clear()
             for ns in self._made:

@@ -135,3 +135,65 @@ def node_ip(_obj: Any) -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def vocab_parallel_logprobs(ctx: Any, logits: torch.Tensor, targets: torch.Tensor,
+                            grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's vocabulary slice of the full `logits` (T, V) through
+    `vocab_parallel_target_logprobs` over the whole group; backward with `grad`.
+    Returns (the output, the gradient of this rank's slice)."""
+    import torch.distributed as dist
+
+    from ember.engine.vocab_parallel import VocabShard, vocab_parallel_target_logprobs
+
+    shard = VocabShard(dist.group.WORLD, ctx.rank, ctx.world_size, int(logits.shape[1]))
+    local = logits[:, shard.offset:shard.offset + shard.rows].clone().requires_grad_(True)
+    out = vocab_parallel_target_logprobs(local, targets, shard)
+    out.backward(grad)
+    return out.detach(), local.grad
+
+
+def set_params(engine: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite trainable parameters (by state name) with full tensors; a DTensor takes its
+    shard of the full tensor (collective: every rank must run it with the same tensors)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = engine.state_tensors()
+    with torch.no_grad():
+        for name, full in tensors.items():
+            p = params[name]
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(full)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def lm_head_local_rows(engine: Any) -> dict[str, int]:
+    """Rows of lm_head's weight, and of a LoRA B on lm_head, that this rank holds."""
+    held = {"lm_head.weight": engine.model.get_output_embeddings().weight}
+    held |= {n: p for n, p in engine.state_tensors().items() if "lm_head.lora_B" in n}
+    return {n: int(_local(t).shape[0]) for n, t in held.items()}
+
+
+def lm_head_is_replicated(engine: Any) -> bool:
+    """Whether lm_head's weight is a plain tensor, the input embedding itself (tied)."""
+    weight = engine.model.get_output_embeddings().weight
+    return not hasattr(weight, "to_local") and weight is engine.model.get_input_embeddings().weight
+
+
+def lm_head_output_shapes(engine: Any, datums: list, loss_fn: str) -> list[tuple[int, int]]:
+    """(rows, columns) of every lm_head output in one forward_backward on this rank (the
+    gradient is cleared after)."""
+    shapes: list[tuple[int, int]] = []
+    module = engine.model.get_output_embeddings()
+    handle = module.register_forward_hook(lambda _m, _a, out: shapes.append(tuple(out.flatten(0, -2).shape)))
+    try:
+        engine.forward_backward(datums, loss_fn)
+    finally:
+        handle.remove()
+    engine.clear_gradients()
+    return shapes

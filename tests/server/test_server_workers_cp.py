@@ -39,14 +39,15 @@ def test_parallel_cp_reaches_the_layout():
 
     assert ParallelismConfig(**workers.parallel_dims()).as_dict() == \
         {"world_size": 4, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2}
+    both = parse_workers("--workers.runtime", "process", "--workers.world_size", "4", "--parallel.cp", "2",
+                         "--parallel.tp", "2")
+    assert both.parallel_dims() == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "cp": 2}
 
 
 @pytest.mark.parametrize("args, words", [
     (["--workers.world_size", "2", "--parallel.cp", "4"], "does not divide workers.world_size=2"),
     (["--workers.world_size", "4", "--parallel.cp", "2", "--parallel.dp_shard", "1"],
      "parallel.cp=2 x parallel.tp=1 = 2 ranks, but workers.world_size=4"),
-    (["--workers.world_size", "4", "--parallel.cp", "2", "--parallel.tp", "2"],
-     "parallel.cp=2 with parallel.tp=2 is not supported"),
     (["--workers.world_size", "2", "--parallel.cp", "0"], "parallel.cp must be an integer >= 1"),
 ])
 def test_bad_cp_layout_exits_2_naming_the_key(args, words, tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -181,8 +182,6 @@ def test_startup_sweep_removes_unreferenced_entries_and_keeps_the_rest(tmp_path)
 
 
 def test_saves_write_fresh_directories_and_every_use_goes_through_the_row(make_service):
-    from ember.service.store import CheckpointRow
-
     svc = make_service()
     _, mid = new_run(svc, "alice")
     path = result(svc, "alice", svc.save_weights("alice", mid, 1, "ck")).path
@@ -196,7 +195,8 @@ def test_saves_write_fresh_directories_and_every_use_goes_through_the_row(make_s
     # A row of the old layout (directory == <name>) keeps working: load, overwrite, delete.
     old = segment / "ck"
     Path(second).rename(old)
-    svc.store.update(CheckpointRow, path, directory=str(old))
+    with sqlite3.connect(svc.config.data_dir / "ember.db") as db:  # as an older ember wrote it
+        assert db.execute("UPDATE checkpoints SET directory = ? WHERE tinker_path = ?", (str(old), path)).rowcount == 1
     sid = svc.create_session("alice").session_id
     again = result(svc, "alice", svc.load_weights("alice", path, True, session_id=sid, model_seq_id=0)).model_id
     torch.testing.assert_close(_probe_lp(svc, "alice", again, 1), lp, rtol=0, atol=0)

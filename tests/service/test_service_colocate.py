@@ -17,8 +17,8 @@ from .conftest import new_run, result
 def test_hooks_wrap_every_op_on_the_runs_lane(make_service):
     svc = make_service()
     calls: list[tuple[str, str]] = []
-    svc.runs.before_op = lambda run: calls.append(("before", threading.current_thread().name))
-    svc.runs.after_op = lambda run: calls.append(("after", threading.current_thread().name))
+    svc.wrap_ops(lambda run: calls.append(("before", threading.current_thread().name)),
+                 lambda run: calls.append(("after", threading.current_thread().name)))
     sid, model_id = new_run(svc)
     sub = svc.forward_backward("alice", model_id, 1, [sft_datum([5, 6, 7, 8])], "cross_entropy")
     result(svc, "alice", sub)
@@ -55,5 +55,7 @@ def test_colocated_vllm_sleeps_while_training_and_wakes_to_sample(make_service):
     result(svc, "alice", sub)
     backend = svc.sampler_backend("tiny")  # the one the sampler above runs on
     assert backend.asleep  # released the GPU while the trainer ran
+    assert backend.sleep_stats["sleeps"] >= 1
     assert result(svc, "alice", svc.sample("alice", sampler_id, 1, prompt, 2, params)).sequences
     assert not backend.asleep and torch.cuda.memory_allocated() <= awake * 1.5
+    assert backend.sleep_stats["wakes"] >= 1

@@ -11,7 +11,6 @@ rows no work holds.
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
 
 import pytest
@@ -41,15 +40,24 @@ def svc(make_service):
                         housekeeping_interval_s=3600)
 
 
-def _gated_op(svc, owner, model_id, seq_id):
-    """An op that waits for `gate` then returns a result (on the run's lane)."""
-    gate = threading.Event()
+def _held_step(svc, owner, model_id, seq_id):
+    """An optim_step held on the run's lane (fail point `run.op`, action `hold`) until
+    `failpoints.release("run.op")`; returns once the op has started and is held."""
+    failpoints.arm("run.op", "hold", times=1)
+    sub = svc.optim_step(owner, model_id, seq_id, types.AdamParams(learning_rate=1e-3))
+    deadline = time.monotonic() + 30
+    while failpoints.pending("run.op") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not failpoints.pending("run.op"), "the op never reached its lane"
+    return sub
 
-    def op(run):
-        gate.wait(30)
-        return types.OptimStepResponse(metrics={"gated": 1.0})
 
-    return gate, svc.runs.submit_op(owner, model_id, seq_id, "OptimStep", op)
+def _orphan_row(svc, request_id: str, age_s: float) -> None:
+    """A pending future row no work holds, as a server that died leaves it: written into
+    the service's SQLite file from another connection."""
+    with sqlite3.connect(svc.config.data_dir / "ember.db") as db:
+        db.execute("INSERT INTO futures (request_id, owner, request_type, status, created_at) "
+                   "VALUES (?, 'alice', 'Sample', 'pending', ?)", (request_id, time.time() - age_s))
 
 
 def _assert_clean(message: str) -> None:
@@ -104,12 +112,12 @@ def test_a_transient_fault_shorter_than_the_retry_is_invisible(svc):
 
 def test_a_write_lock_held_longer_than_the_retry_ends_the_future_as_server(svc):
     _, model_id = new_run(svc)
-    gate, sub = _gated_op(svc, "alice", model_id, 1)
+    sub = _held_step(svc, "alice", model_id, 1)
     holder = sqlite3.connect(svc.config.data_dir / "ember.db", timeout=5)
     holder.execute("BEGIN IMMEDIATE")  # another process's writer: SQLite allows one
     try:
         start = time.monotonic()
-        gate.set()
+        failpoints.release("run.op")
         state = wait(svc, "alice", sub, timeout=BOUND_S + 10)
         elapsed = time.monotonic() - start
         assert state.status == "failed" and state.category == types.RequestErrorCategory.Server
@@ -144,17 +152,15 @@ def test_a_create_whose_work_cannot_be_queued_fails_its_recorded_future(svc):
 def test_the_sweep_ends_overdue_futures_and_orphaned_rows(make_service):
     svc = make_service(durability={"future_deadline_s": 0.5, "orphan_grace_s": 0.5}, housekeeping_interval_s=3600)
     _, model_id = new_run(svc)
-    gate, sub = _gated_op(svc, "alice", model_id, 1)
-    orphan = dict(request_id="req-orphan", owner="alice", request_type="Sample", status="pending",
-                  created_at=time.time() - 5)
-    assert svc.store.insert_future(orphan)
+    sub = _held_step(svc, "alice", model_id, 1)
+    _orphan_row(svc, "req-orphan", age_s=5)
     time.sleep(0.6)
     svc.housekeeping()
     state = svc.retrieve("alice", sub.request_id)
     assert state.status == "failed" and "did not finish within 0.5 s" in state.error
     orphaned = svc.retrieve("alice", "req-orphan")
     assert orphaned.status == "failed" and orphaned.category == types.RequestErrorCategory.Server
-    gate.set()  # the op ends later: its result is ignored, the future stays failed
+    failpoints.release("run.op")  # the op ends later: its result is ignored, the future stays failed
     time.sleep(0.3)
     assert svc.retrieve("alice", sub.request_id).status == "failed"
     assert result(svc, "alice", svc.forward_backward("alice", model_id, 2, DATA, "cross_entropy")).metrics
@@ -162,8 +168,8 @@ def test_the_sweep_ends_overdue_futures_and_orphaned_rows(make_service):
 
 def test_the_sweep_leaves_fresh_and_live_futures_alone(svc):
     _, model_id = new_run(svc)
-    gate, sub = _gated_op(svc, "alice", model_id, 1)
+    sub = _held_step(svc, "alice", model_id, 1)
     svc.housekeeping()  # default deadline (a day) and grace (a minute)
     assert svc.retrieve("alice", sub.request_id).status == "pending"
-    gate.set()
-    assert result(svc, "alice", sub).metrics == {"gated": 1.0}
+    failpoints.release("run.op")
+    assert isinstance(result(svc, "alice", sub), types.OptimStepResponse)

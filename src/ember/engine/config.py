@@ -32,6 +32,8 @@ class EngineConfig:
         gather over chunks of this many tokens, recomputed in backward, so no (T, vocab)
         tensor is held for a micro-batch (`ember.engine.heads.chunked_target_logprobs`);
         0 = off (full logits, as transformers computes them). Results are equal either way.
+        Under tensor parallelism each rank's logits are its slice of the vocabulary, chunked
+        or not (`ember.engine.vocab_parallel`).
     activation_checkpointing: recompute each decoder layer's activations in backward
         (any engine; under a mesh it is applied before FSDP2). Keeps one hidden state per
         layer instead of every intermediate: less memory, about one more forward of time.

@@ -6,8 +6,9 @@ directory holding only `config.json` is enough), counts what each rank of the
 `ParallelismConfig` holds — by arithmetic on the layout, no process group — and adds the
 activations of one micro-batch of N tokens:
 
-* parameters: every tensor in the stored dtype; decoder-layer projections divided by `tp`
-  (ember's TP plan: embeddings, norms and `lm_head` stay replicated); everything divided by
+* parameters: every tensor in the stored dtype; decoder-layer projections divided by `tp`,
+  and an untied `lm_head` too (ember's TP plan splits it by vocabulary rows, ceil(V/tp)
+  per rank; embeddings, norms and a tied `lm_head` stay replicated); everything divided by
   `dp_shard * cp` (FSDP2; under context parallelism it shards over the flattened
   `(dp_shard, cp)` dims), plus FSDP2's working set: the root's unsharded tensors (embeddings,
   final norm, lm_head) and two unsharded layers (the one computing and the prefetched one).
@@ -17,7 +18,8 @@ activations of one micro-batch of N tokens:
 * activations: what autograd saves per token and decoder layer, measured on transformers'
   Llama/Qwen3 layers with sdpa (fp32; `saved_bytes_per_token` below), the packed
   block-diagonal mask, and the output head: ~3.4 (T, vocab) fp32 tensors unchunked, as
-  many (chunk, vocab) tensors chunked (`EngineConfig.logprob_chunk_tokens`). With activation
+  many (chunk, vocab) tensors chunked (`EngineConfig.logprob_chunk_tokens`), the vocabulary
+  being this rank's ceil(V/tp) share when TP splits lm_head. With activation
   checkpointing one hidden state per layer plus one layer's activations; with activation
   offload the saved tensors go to the host and only one layer's stay on the device.
 * context parallelism (`cp`): each rank runs the decoder and the output head on
@@ -41,7 +43,7 @@ import torch
 from tinker import types
 
 from ember.engine.config import EngineConfig
-from ember.engine.parallel import ParallelismConfig
+from ember.engine.parallel import ParallelismConfig, shards_vocab
 from ember.models.loading import resolve_dtype
 
 GiB = 1024**3
@@ -115,36 +117,64 @@ class _Counts:
     """Elements per rank, before the dtype."""
 
     layer: int  # decoder layers, after TP
-    root: int  # embeddings, final norm, lm_head (replicated under TP)
+    root: int  # embeddings, final norm, lm_head (its rows divided by tp when TP splits it)
     largest_layer: int
     trained: int
 
 
-def _count(model: torch.nn.Module, tp: int, lora_rank: int | None, lora: types.LoraConfig | None) -> _Counts:
+def _vocab_rows(rows: int, tp: int, split: bool) -> int:
+    """Rows of lm_head (or of its output) one rank holds: ceil(V / tp) when TP splits it."""
+    from ember.engine.vocab_parallel import shard_rows
+
+    return shard_rows(rows, tp) if split else rows
+
+
+def _count(model: torch.nn.Module, tp: int, lora_rank: int | None, lora: types.LoraConfig | None,
+           split: bool = False) -> _Counts:
     layer = root = 0
     per_layer: dict[str, int] = {}
+    out = model.get_output_embeddings()
     for name, p in model.named_parameters():  # tied weights are listed once
         if ".layers." in name:
             n = p.numel() // tp if p.dim() == 2 else p.numel()  # projections split; norms replicated
             layer += n
             key = name.split(".layers.")[1].split(".")[0]
             per_layer[key] = per_layer.get(key, 0) + n
+        elif out is not None and p is out.weight:
+            root += _vocab_rows(p.shape[0], tp, split) * p.shape[1]
         else:
             root += p.numel()
-    trained = layer + root if lora is None else _lora_elements(model, lora, tp)
+    trained = layer + root if lora is None else _lora_elements(model, lora, tp, split)
     return _Counts(layer, root, max(per_layer.values(), default=0), trained)
 
 
-def _lora_elements(model: torch.nn.Module, lora: types.LoraConfig, tp: int) -> int:
+def _lora_elements(model: torch.nn.Module, lora: types.LoraConfig, tp: int, vocab_split: bool = False) -> int:
     from ember.models.lora import lora_target_modules
 
     targets = set(lora_target_modules(model, lora))
+    out = model.get_output_embeddings()
+    rowwise = _rowwise_paths(model)
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-            split = tp if ".layers." in name else 1
-            total += lora.rank * (module.in_features + module.out_features // split)
+            if module is out:  # B has the vocabulary's rows
+                total += lora.rank * (module.in_features + _vocab_rows(module.out_features, tp, vocab_split))
+            elif ".layers." not in name:
+                total += lora.rank * (module.in_features + module.out_features)
+            elif any(name.endswith("." + path) for path in rowwise):  # A split by its input columns, B whole
+                total += lora.rank * (module.in_features // tp + module.out_features)
+            else:  # column split: A whole, B split by its output rows
+                total += lora.rank * (module.in_features + module.out_features // tp)
     return total
+
+
+def _rowwise_paths(model: torch.nn.Module) -> tuple[str, ...]:
+    """The decoder-layer paths TP splits by input columns (o_proj, down_proj, ...): the
+    family's `tp_plan` (`ember.models.families`); none when the family has no plan."""
+    from ember.models.families import family_of
+
+    family = family_of(model.config)
+    return tuple(family.tp_plan.rowwise) if family is not None and family.tp_plan is not None else ()
 
 
 def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
@@ -191,12 +221,14 @@ def _activations(hf_config, engine: EngineConfig, tp: int, tokens: int, compute_
     return saved + mask + final, 0, notes
 
 
-def _output_head(hf_config, engine: EngineConfig, tokens: int, compute_bytes: int) -> int:
+def _output_head(hf_config, engine: EngineConfig, tokens: int, compute_bytes: int, tp: int = 1,
+                 split: bool = False) -> int:
     """(rows, vocab) tensors of the policy head: logits, fp32 log-softmax and their gradients,
     over all T or one chunk. Measured on CPU (fp32): ~3.4 vocabulary-wide fp32 tensors per
-    row at the peak (the logits are freed before their gradient is made)."""
+    row at the peak (the logits are freed before their gradient is made). With `split`
+    (TP splits lm_head) the vocabulary is this rank's ceil(V / tp) rows."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    vocab, hidden = int(text.vocab_size), int(text.hidden_size)
+    vocab, hidden = _vocab_rows(int(text.vocab_size), tp, split), int(text.hidden_size)
     chunk = engine.logprob_chunk_tokens
     rows = tokens if chunk == 0 else min(chunk, tokens)
     per_row = vocab * (compute_bytes + 19 * 4 // 8)
@@ -225,7 +257,9 @@ def estimate_memory(
         raise ValueError(f"optimizer must be 'adamw' or 'dimuon', got {optimizer!r}")
     hf_config = hf_config if hf_config is not None else load_config(model_dir)
     lora = types.LoraConfig(rank=lora_rank) if lora_rank else None
-    counts = _count(meta if meta is not None else meta_model(hf_config), parallel.tp, lora_rank, lora)
+    model = meta if meta is not None else meta_model(hf_config)
+    split = shards_vocab(model, parallel.tp)
+    counts = _count(model, parallel.tp, lora_rank, lora, split)
     param_bytes = resolve_dtype(engine.dtype).itemsize
     compute_bytes = resolve_dtype(engine.autocast_dtype or engine.dtype).itemsize
     shard = parallel.dp_shard * parallel.cp
@@ -240,7 +274,8 @@ def estimate_memory(
     return MemoryEstimate(
         tokens=tokens, world_size=parallel.world_size, parameters=params, gradients=trained,
         optimizer=0 if engine.optimizer_offload else moments, activations=acts,
-        output_head=_output_head(hf_config, engine, -(-tokens // parallel.cp), compute_bytes), fsdp_working_set=working,
+        output_head=_output_head(hf_config, engine, -(-tokens // parallel.cp), compute_bytes, parallel.tp, split),
+        fsdp_working_set=working,
         host_offloaded=host, notes=notes,
     )
 

@@ -29,6 +29,7 @@ import torch
 import torch.utils.checkpoint
 
 from ember.engine.batching import MicroBatch
+from ember.engine.vocab_parallel import VocabShard, vocab_parallel_target_logprobs
 
 HEAD_METADATA_KEY = "ember.head"
 
@@ -54,10 +55,13 @@ class OutputHead(torch.nn.Module, abc.ABC):
         return {}
 
     def bind_unembed(self, unembed: Callable[[torch.Tensor], torch.Tensor],
-                     last_hidden: Callable[[Any], torch.Tensor], chunk_tokens: int) -> None:
+                     last_hidden: Callable[[Any], torch.Tensor], chunk_tokens: int,
+                     vocab: VocabShard | None = None) -> None:
         """The engine hands over the model's LM head (`unembed(hidden) -> logits`, the module
         itself, adapters and autocast included), how to read the last hidden state from the
-        model's output, and `EngineConfig.logprob_chunk_tokens`. Heads without lm_head ignore it."""
+        model's output, `EngineConfig.logprob_chunk_tokens`, and, when tensor parallelism
+        splits lm_head by vocabulary rows, this rank's `VocabShard` (its logits are then a
+        (T, V / tp) slice). Heads without lm_head ignore it."""
 
 
 class PolicyHead(OutputHead):
@@ -67,7 +71,11 @@ class PolicyHead(OutputHead):
     hidden state only (`logits_to_keep` empty) and the LM head, fp32 log-softmax and target
     gather run `chunk_tokens` rows at a time (`chunked_target_logprobs`): no (T, V) tensor
     is ever held for the micro-batch, in forward or backward. `unembed` is the model's own
-    output-embedding module (peft's LoRA wrapper on `lm_head` included), set by the engine."""
+    output-embedding module (peft's LoRA wrapper on `lm_head` included), set by the engine.
+
+    With a `vocab` shard (tensor parallelism, `ember.engine.vocab_parallel`) the logits of
+    this rank — chunked or not — are its slice of the vocabulary, and the log-softmax runs
+    across the TP ranks (`vocab_parallel_target_logprobs`): the vocabulary is never gathered."""
 
     name, output, uses_lm_head = "policy", "logprobs", True
 
@@ -76,12 +84,15 @@ class PolicyHead(OutputHead):
         self.chunk_tokens = 0
         self.unembed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.last_hidden: Callable[[Any], torch.Tensor] | None = None
+        self.vocab: VocabShard | None = None
 
     def bind_unembed(self, unembed: Callable[[torch.Tensor], torch.Tensor],
-                     last_hidden: Callable[[Any], torch.Tensor], chunk_tokens: int) -> None:
+                     last_hidden: Callable[[Any], torch.Tensor], chunk_tokens: int,
+                     vocab: VocabShard | None = None) -> None:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
             raise ValueError(f"logprob_chunk_tokens must be an integer >= 0 (0 = off), got {chunk_tokens!r}")
         self.unembed, self.last_hidden, self.chunk_tokens = unembed, last_hidden, chunk_tokens
+        self.vocab = vocab
 
     @property
     def chunked(self) -> bool:
@@ -89,17 +100,21 @@ class PolicyHead(OutputHead):
 
     @property
     def model_kwargs(self) -> Mapping[str, Any]:  # type: ignore[override]
+        if not self.chunked:
+            return {}
+        if self.vocab is not None:  # a vocabulary-split lm_head (a DTensor) cannot run on 0 rows: one position
+            return {"logits_to_keep": 1}
         # An empty index list: the HF forward runs lm_head on no position at all.
-        return {"logits_to_keep": torch.empty(0, dtype=torch.long)} if self.chunked else {}
+        return {"logits_to_keep": torch.empty(0, dtype=torch.long)}
 
     def outputs(self, model_out: Any, mb: MicroBatch, device: torch.device) -> torch.Tensor:
         targets = mb.inputs["target_tokens"].to(device)
         index = mb.valid_index.to(device)
         if self.chunked:
             hidden = self.last_hidden(model_out).flatten(0, 1).index_select(0, index)  # (T, H)
-            return chunked_target_logprobs(self.unembed, hidden, targets, self.chunk_tokens)
-        logits = model_out.logits.flatten(0, 1).index_select(0, index)  # (T, V)
-        return _target_logprobs(logits, targets)
+            return chunked_target_logprobs(self.unembed, hidden, targets, self.chunk_tokens, self.vocab)
+        logits = model_out.logits.flatten(0, 1).index_select(0, index)  # (T, V), or (T, V / tp) under TP
+        return _target_logprobs(logits, targets, self.vocab)
 
     def zero_contribution(self, model_out: Any) -> torch.Tensor:
         if self.chunked:
@@ -107,22 +122,28 @@ class PolicyHead(OutputHead):
         return model_out.logits.float().sum() * 0.0
 
 
-def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[targets] in fp32 (even for bf16 models): (T,) or (T, K)."""
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: VocabShard | None = None) -> torch.Tensor:
+    """log_softmax(logits)[targets] in fp32 (even for bf16 models): (T,) or (T, K); with
+    `vocab`, `logits` is this TP rank's slice and the softmax spans every rank's."""
+    if vocab is not None:
+        return vocab_parallel_target_logprobs(logits, targets, vocab)
     logp = torch.log_softmax(logits.float(), dim=-1)
     if targets.dim() == 1:
         return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
     return logp.gather(1, targets)
 
 
-def _unembed_target_logprobs(unembed: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _target_logprobs(unembed(hidden), targets)
+def _unembed_target_logprobs(unembed: Callable, hidden: torch.Tensor, targets: torch.Tensor,
+                             vocab: VocabShard | None) -> torch.Tensor:
+    return _target_logprobs(unembed(hidden), targets, vocab)
 
 
 def chunked_target_logprobs(
-    unembed: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+    unembed: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+    vocab: VocabShard | None = None,
 ) -> torch.Tensor:
-    """log_softmax(unembed(hidden))[targets] for hidden (T, H), `chunk_tokens` rows at a time.
+    """log_softmax(unembed(hidden))[targets] for hidden (T, H), `chunk_tokens` rows at a time
+    (`vocab`: `unembed` gives this TP rank's vocabulary slice; see `_target_logprobs`).
 
     Under autograd each chunk is a non-reentrant `torch.utils.checkpoint`: forward keeps
     only the chunk's (T_c,) output, backward recomputes that chunk's logits, so the peak is
@@ -132,12 +153,14 @@ def chunked_target_logprobs(
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            parts.append(torch.utils.checkpoint.checkpoint(_unembed_target_logprobs, unembed, h, t,
+            parts.append(torch.utils.checkpoint.checkpoint(_unembed_target_logprobs, unembed, h, t, vocab,
                                                            use_reentrant=False))
         else:
-            parts.append(_unembed_target_logprobs(unembed, h, t))
+            parts.append(_unembed_target_logprobs(unembed, h, t, vocab))
+    if not parts and vocab is not None:  # no real token; a vocabulary-split lm_head cannot run on 0 rows
+        return torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device) + hidden.float().sum() * 0.0
     if not parts:  # no real token: keep the output's shape and graph
-        return _unembed_target_logprobs(unembed, hidden, targets)
+        return _unembed_target_logprobs(unembed, hidden, targets, vocab)
     return torch.cat(parts)
 
 

@@ -12,6 +12,8 @@ checkpointing → FSDP2.
   over the cp ranks; attention is DeepSpeed-Ulysses (all-to-all over heads), installed
   through transformers' `AttentionInterface`. FSDP2 then shards over the flattened
   `(dp_shard, cp)` dims (`dp_shard_cp`, as torchtitan), which SUMs the cp ranks' gradients.
+  With TP too, the all-to-all runs among the cp ranks of one TP index and splits that TP
+  rank's heads, so `cp * tp` must divide the attention heads.
 
 * **TP** (`tp > 1`, the families of `ember.models.families` with a `tp_plan`): DTensor `parallelize_module` per decoder layer —
   `ColwiseParallel` for q/k/v/gate/up, `RowwiseParallel` for o/down. The attention modules
@@ -20,8 +22,19 @@ checkpointing → FSDP2.
   rewritten; `check_tp_divisibility` makes sure every rank holds whole heads. Qwen3's
   per-head `q_norm`/`k_norm` see only the local heads, so their weights become replicated
   DTensors (`SequenceParallel` over the heads dim) whose gradient DTensor sums across TP
-  ranks. Embeddings, layer norms and `lm_head` stay replicated plain tensors: they see the
-  full (all-reduced) activations, so every TP rank computes their complete gradient.
+  ranks. An untied `lm_head` is split by vocabulary rows (`ColwiseParallel`: each rank
+  holds ceil(V / tp) rows, torch.chunk's split, so the last shard is the short one when
+  `tp` does not divide V; a split that would leave a rank empty is refused): its logits
+  are the rank's vocabulary slice, and the policy head computes the log-softmax across
+  the TP ranks without gathering the vocabulary (`ember.engine.vocab_parallel`). Its
+  weight is a `Shard(0)` DTensor, so checkpoints (DCP), `named_weights`, HF export and
+  the sampler's weights see the full matrix as for every other TP tensor. A tied
+  `lm_head` (`tie_word_embeddings`: it IS the input embedding) stays replicated: splitting
+  it would also need a vocabulary-parallel embedding lookup (masked, then all-reduced) and
+  two parallel styles on one Parameter; tied models are the small ones, where the
+  vocabulary matrix is a small share of the memory. Embeddings and layer norms stay
+  replicated plain tensors: they see the full (all-reduced) activations, so every TP rank
+  computes their complete gradient.
   LoRA layers (peft) are split too: the base Linear as above, `lora_B` column-wise after a
   replicated `lora_A` (q/k/v/gate/up), `lora_A` row-wise before a replicated `lora_B`
   (o/down).
@@ -47,6 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -54,6 +68,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ember.models.families import LLAMA_TP_PLAN, TensorParallelPlan, family_of, tp_families
+
+if TYPE_CHECKING:
+    from ember.engine.vocab_parallel import VocabShard
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -67,7 +84,8 @@ class ParallelismConfig:
     dp_shard: FSDP2 degree: parameters, gradients and optimizer state are sharded dim-0.
     tp: tensor-parallel degree (Llama/Qwen3 attention heads and MLP columns).
     cp: context-parallel degree: each sequence's tokens are split over `cp` ranks (Ulysses
-        attention, `ember.engine.context_parallel`); must divide the attention heads.
+        attention, `ember.engine.context_parallel`); must divide the attention heads each
+        TP rank holds (`num_attention_heads / tp`).
         Activations per rank shrink `cp` times; parameters are sharded over dp_shard * cp.
     activation_checkpointing: recompute each decoder layer's activations in backward.
     cpu_offload: FSDP2 CPUOffloadPolicy (sharded params/grads/optimizer on CPU; GPU only).
@@ -85,8 +103,6 @@ class ParallelismConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.cp > 1 and self.tp > 1:
-            raise ValueError(f"ParallelismConfig.cp={self.cp} with tp={self.tp} is not supported yet; use one of them")
         if self.cpu_offload and not self.fsdp:
             raise ValueError("ParallelismConfig.cpu_offload needs FSDP2 (dp_shard or dp_replicate > 1)")
 
@@ -223,16 +239,39 @@ def layer_tp_plan(layer: nn.Module, family_plan: TensorParallelPlan = LLAMA_TP_P
     return plan
 
 
+def shards_vocab(model: nn.Module, tp: int) -> bool:
+    """Whether tensor parallelism over `tp` ranks splits `model`'s lm_head by vocabulary rows:
+    an untied output embedding (a tied one stays replicated: see the module docstring).
+    ValueError when the split would leave a rank without rows."""
+    from ember.engine.vocab_parallel import check_vocab_split
+
+    hf = hf_model(model)
+    out, inp = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if tp < 2 or out is None or (inp is not None and out.weight is inp.weight):
+        return False
+    check_vocab_split(int(out.weight.shape[0]), tp)
+    return True
+
+
+def _lm_head_path(hf: nn.Module) -> str:
+    out = hf.get_output_embeddings()
+    return next(name for name, m in hf.named_modules() if m is out)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     config = hf_model(model).config
     check_tp_divisibility(config, tp_mesh.size())
     family_plan = family_of(config).tp_plan
+    vocab_split = shards_vocab(model, tp_mesh.size())
     # parallelize_module re-registers parameters; keep frozen ones frozen (LoRA base weights).
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, layer_tp_plan(layer, family_plan))
+    if vocab_split:  # rows of lm_head (and of a LoRA B on it; A replicated), local logits out
+        hf = hf_model(model)
+        parallelize_module(hf, tp_mesh, _projection_plan(hf, _lm_head_path(hf), rowwise=False))
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)
@@ -296,7 +335,7 @@ def parallelize_model(
     if pconfig.tp > 1:
         apply_tp(model, mesh["tp"])
     if pconfig.cp > 1:
-        apply_cp(model, mesh["cp"])
+        apply_cp(model, mesh["cp"], pconfig.tp)
     if pconfig.activation_checkpointing:
         apply_activation_checkpointing(model)
     if pconfig.fsdp:
@@ -313,22 +352,27 @@ def fsdp_mesh(mesh: DeviceMesh, pconfig: ParallelismConfig) -> DeviceMesh:
     return mesh[shard] if pconfig.dp_replicate == 1 else mesh["dp_replicate", shard]
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Ulysses attention over `cp_mesh`'s group (see `ember.engine.context_parallel`)."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, tp: int = 1) -> None:
+    """Ulysses attention over `cp_mesh`'s group (see `ember.engine.context_parallel`); `tp`:
+    the tensor-parallel degree the model's heads are already split by."""
     from ember.engine.context_parallel import install_attention
 
-    check_cp_heads(hf_model(model).config, cp_mesh.size())
+    check_cp_heads(hf_model(model).config, cp_mesh.size(), tp=tp)
     install_attention(hf_model(model), cp_mesh.get_group(), cp_mesh.size())
 
 
-def check_cp_heads(config, cp: int, key: str = "cp") -> None:
-    """ValueError unless `cp` divides the attention heads of the transformers `config`
-    (Ulysses attention gives each rank whole heads); `key` names the setting in the message."""
+def check_cp_heads(config, cp: int, key: str = "cp", tp: int = 1) -> None:
+    """ValueError unless `cp` divides the attention heads each of `tp` tensor-parallel ranks
+    holds in the transformers `config` (Ulysses attention gives each rank whole heads);
+    `key` names the setting in the message."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(text.num_attention_heads)
-    if heads % cp:
+    if heads % cp and tp == 1:
         raise ValueError(f"{key}={cp} must divide config.num_attention_heads={heads} "
                          "(Ulysses attention gives each rank whole heads)")
+    if heads % (cp * tp):
+        raise ValueError(f"{key}={cp} must divide the attention heads of each tp={tp} rank "
+                         f"(config.num_attention_heads={heads} / {tp}; Ulysses attention gives each rank whole heads)")
 
 
 # ---------------------------------------------------------------------- runtime helpers for engines
@@ -364,6 +408,17 @@ class ParallelContext:
     @property
     def cp(self) -> int:
         return self.config.cp
+
+    def vocab_shard(self, model: nn.Module) -> "VocabShard | None":
+        """This rank's share of `model`'s vocabulary when TP split its lm_head (`shards_vocab`)."""
+        from ember.engine.vocab_parallel import VocabShard
+
+        tp = self.config.tp
+        if not self.is_distributed or not shards_vocab(model, tp):
+            return None
+        tp_mesh = self.mesh["tp"]
+        vocab = int(hf_model(model).get_output_embeddings().weight.shape[0])
+        return VocabShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp, vocab)
 
     def cp_group(self) -> "dist.ProcessGroup":
         return self.mesh["cp"].get_group()

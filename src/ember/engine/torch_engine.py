@@ -94,7 +94,8 @@ class TorchEngine(TrainingEngine):
         self._activate()
         seed = lora_config.seed if lora_config is not None and lora_config.seed is not None else self.config.seed
         self.head: OutputHead = build_head(head, self.hf_config, seed).to(self.device)
-        self.head.bind_unembed(self._unembed, _last_hidden, self.config.logprob_chunk_tokens)
+        vocab = self.parallel.vocab_shard(self.model) if self.distributed else None
+        self.head.bind_unembed(self._unembed, _last_hidden, self.config.logprob_chunk_tokens, vocab)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)  # idempotent: a shared base or a mesh may have it
         self._params = self._trainable_parameters()
@@ -274,7 +275,8 @@ class TorchEngine(TrainingEngine):
                        images: dict[str, torch.Tensor] | None = None):
         """The HF model's output object (always the root module: FSDP2/TP/peft hooks stay in play).
 
-        A chunked policy head asks for no logits (`logits_to_keep` empty); the decoder's last
+        A chunked policy head asks for no logits (`logits_to_keep` empty; one position under
+        a vocabulary-split TP lm_head, which cannot run on none); the decoder's last
         hidden state (after the final norm) is then read by a forward hook on the decoder
         — not `output_hidden_states`, which would keep every layer's output in a no-grad
         forward — and put on the output as `ember_last_hidden`. `images`: a vision-language
@@ -473,13 +475,20 @@ class TorchEngine(TrainingEngine):
     # ------------------------------------------------------------------ weights and state
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Backbone (full FT) or adapter (LoRA) weights only; the head's are `head_weights`."""
+        for name, t in self.named_weight_shards():
+            t = _full_tensor(t).detach()
+            yield name, t.to(dtype=dtype or t.dtype).clone()
+
+    def named_weight_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named_weights` as this rank holds them, nothing gathered: DTensors under
+        FSDP2/TP (plain tensors otherwise), the parameters themselves (not copies): for
+        a sender of each rank's own shard (`ember.sampling.weight_sync.rank_part`)."""
         if self.is_lora:
             items = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name, save_embedding_layers=False).items()
         else:
             items = self.model.state_dict().items()
         for name, t in items:
-            t = _full_tensor(t).detach()
-            yield name, t.to(dtype=dtype or t.dtype).clone()
+            yield name, t.detach()
 
     def head_weights(self) -> dict[str, torch.Tensor]:
         """The head's tensors in transformers' names (`score.weight`, `score.bias`); {} for a policy."""

@@ -154,10 +154,12 @@ def tiny_config(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     vision_token_ids: dict[str, int] | None = None,
+    tie_word_embeddings: bool = False,
 ):
     """A transformers config for a tiny model of `family` (a key of `FAMILIES`; each family
     file's `tiny_config` builds it), head_dim always explicit. A vision-language family
-    needs `vision_token_ids` (its config's `image_token_id`, ... from the tokenizer)."""
+    needs `vision_token_ids` (its config's `image_token_id`, ... from the tokenizer).
+    `tie_word_embeddings`: lm_head shares the input embedding (untied by default)."""
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -167,7 +169,7 @@ def tiny_config(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,

@@ -84,7 +84,8 @@ class SamplerConfig:
         which vLLM pins to cores with its OpenMP thread binding (for large CPU hosts).
     enforce_eager: skip CUDA graphs / torch.compile (faster start, slower decode).
     colocate: the sampler shares its GPU with the trainer: vLLM sleeps (weights and KV
-        cache released) while training runs and wakes to sample (CUDA only).
+        cache released) while training runs and wakes to sample (CUDA only); TorchSampler
+        frees its KV and prefix caches; a pool (`replicas` > 1) puts every replica to sleep.
     engine_start_timeout_s: how long a vLLM engine may take to start before the sampler
         gives up (the engine core is a separate process).
 

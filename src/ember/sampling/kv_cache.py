@@ -112,9 +112,24 @@ class SlotCache(Cache):
     def __init__(self, num_layers: int, num_slots: int, max_len: int, initial_capacity: int = 256) -> None:
         self.num_slots = num_slots
         self.max_len = max_len
+        self.initial_capacity = initial_capacity
         self.capacity = min(max_len, initial_capacity)
         self.plan: _Plan | None = None
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
+
+    def nbytes(self) -> int:
+        """Bytes of KV storage allocated now."""
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
+    def release(self) -> None:
+        """Free every layer's storage (colocation: the sampler sleeps while the trainer
+        trains). No sequence may be live; the next forward allocates it again, small."""
+        self.capacity = min(self.max_len, self.initial_capacity)
+        self.plan = None
+        for layer in self.layers:
+            layer.keys = layer.values = None
+            layer.is_initialized = False
 
     # ---------------------------------------------------------------- capacity
     def ensure_capacity(self, length: int) -> None:

@@ -208,7 +208,32 @@ class SamplerPool(Sampler):
             self._sync.close()
         shutil.rmtree(self._dir if not self._own_scratch else self._scratch, ignore_errors=True)
 
+    def sleep(self) -> None:
+        """Colocation (`SamplerConfig.colocate`; the service calls it before every training
+        op): every up replica releases its memory to the trainer once its requests in
+        progress are done, and wakes on its next request. Returns when all have slept; a
+        replica that fails meanwhile is taken out (its replacement starts awake). A replica
+        that hangs is taken out by the monitor (`replica_timeout_s`), which fails this call
+        too: it never waits on a dead replica."""
+        if not self.config.colocate:
+            return
+        with self._lock:
+            calls = [(s, s.replica, s.replica.call("sleep")) for s in self._slots if s.up]
+        for slot, replica, fut in calls:
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - that replica's fault: replace it
+                self._take_out(slot, f"sleep failed: {exc}", replica)
+
     # ------------------------------------------------------------------ operators
+    def replica_sleep_stats(self, timeout: float = 60.0) -> list[dict | None]:
+        """Per replica slot, what its backend reports of its sleep mode (`asleep`, `sleeps`,
+        `wakes` since that replica started; None for a backend without one), asked of each
+        in turn; for inspection (the colocation tests)."""
+        with self._lock:
+            replicas = [s.replica for s in self._slots]
+        return [r.call("sleep_stats").result(timeout) for r in replicas]
+
     def replica_stats(self) -> list[dict]:
         """Per replica slot: up, requests routed to it since start, in flight now, restarts."""
         with self._lock:

@@ -25,7 +25,17 @@ through `Replica.call(op, *args)`, which runs `ReplicaHost.<op>(*args)` there:
                                   (`ember.sampling.weight_sync`; weight_sync "memory")
     receive_weights()             receive one version over that channel and load it
                                   under the key its header names; returns the key
+    join_shard_sync(addresses)    join one channel per trainer rank, in rank order
+                                  (`GroupEngine.open_shard_sync`: each FSDP rank sends
+                                  its own shard)
+    receive_shards()              receive one version from every rank, assemble and
+                                  load it under the key its header names; returns the key
     drop(keys)                    forget versions (their memory is freed)
+    sleep()                       colocation (`SamplerConfig.colocate`): the backend
+                                  releases its memory to the trainer once its requests
+                                  in progress are done; the next request wakes it
+    sleep_stats()                 the backend's `sleep_stats` (asleep, sleeps, wakes),
+                                  None for a backend without a sleep mode
     ping()                        answered at once, also while the backend computes
     close()                       stop the backend; pending samples fail
     ============================  =====================================================
@@ -199,6 +209,21 @@ class ReplicaHost:
         self.load_tensors(int(header.version), named, lora, copy=False)  # views of buckets nobody else holds
         return int(header.version)
 
+    def join_shard_sync(self, addresses) -> None:
+        from ember.sampling.weight_sync import ShardReceiver
+
+        self._shard_receiver = ShardReceiver(addresses)
+
+    def receive_shards(self) -> int:
+        """One version from every trainer rank's shard; checked against the model when
+        loaded (a misfit is a ValueError naming the tensor; nothing is loaded)."""
+        from tinker import types
+
+        header, named = self._shard_receiver.receive()
+        lora = types.LoraConfig(rank=header.lora_rank) if header.lora_rank is not None else None
+        self.load_tensors(int(header.version), named, lora, copy=False)  # nobody else holds them
+        return int(header.version)
+
     def drop(self, keys: Iterable[int]) -> None:
         with self._lock:
             for key in keys:
@@ -207,6 +232,14 @@ class ReplicaHost:
     def loaded(self) -> list[int]:
         with self._lock:
             return sorted(self._versions)
+
+    def sleep(self) -> None:
+        sleep = getattr(self.sampler, "sleep", None)  # backends without a sleep mode ignore it
+        if sleep is not None:
+            sleep()
+
+    def sleep_stats(self) -> dict | None:
+        return getattr(self.sampler, "sleep_stats", None)
 
     def ping(self) -> int:
         return os.getpid()

@@ -113,7 +113,7 @@ class TorchSampler(Sampler):
         self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)
-        cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len)
+        cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len)
         runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_cache_block)
@@ -125,6 +125,10 @@ class TorchSampler(Sampler):
         self._incoming: list[Job] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        # colocation (`sleep`): the worker holds new requests while a sleep drains it
+        self._sleep_lock = threading.Lock()
+        self._draining = self._asleep = False
+        self._sleeps = self._wakes = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
@@ -202,10 +206,13 @@ class TorchSampler(Sampler):
                     job.future.set_exception(RuntimeError("the sampler is closed"))
                 return futures
             self._incoming.extend(jobs)
-            if jobs and self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=f"ember-sampler-{self._id}", daemon=True)
-                self._thread.start()
+            if jobs and self._thread is None and not self._draining:
+                self._start_worker()
         return futures
+
+    def _start_worker(self) -> None:  # under self._lock
+        self._thread = threading.Thread(target=self._work, name=f"ember-sampler-{self._id}", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
         with self._lock:
@@ -247,13 +254,71 @@ class TorchSampler(Sampler):
             self.prefix_cache.clear()
         return dataclasses.replace(request, prompt=prompt), images, cache_prompt
 
+    # ------------------------------------------------------------------ colocation
+    @property
+    def asleep(self) -> bool:
+        """True while a colocated sampler has released its caches to the trainer (read-only)."""
+        return self._asleep
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Read-only: bytes the slot KV cache holds now (0 after a colocated `sleep`)."""
+        return self._cache.nbytes()
+
+    @property
+    def sleep_stats(self) -> dict:
+        """Colocation, read-only: `asleep` now, and how many times it slept and woke."""
+        with self._lock:
+            return {"asleep": self._asleep, "sleeps": self._sleeps, "wakes": self._wakes}
+
+    def sleep(self) -> None:
+        """Give the trainer the memory (`SamplerConfig.colocate`): let the requests in
+        progress finish (new ones wait), then free the KV cache and the prefix cache (on
+        CUDA, back to the driver too). The next request wakes it; its caches grow again on
+        demand. The weights stay where they are (vLLM's sleep offloads those as well).
+        Does nothing unless `colocate`, or when already asleep."""
+        if not self.config.colocate:
+            return
+        with self._sleep_lock:
+            with self._lock:
+                if self._closed or self._asleep:
+                    return
+                self._draining, thread = True, self._thread
+            try:
+                if thread is not None:
+                    thread.join()  # it ends once what it had admitted is done
+            finally:
+                with self._lock:
+                    self._draining = False
+                    if self._thread is None and not self._closed:  # drained (not interrupted)
+                        self._release_memory()
+                    if self._incoming and self._thread is None:
+                        self._start_worker()  # what arrived meanwhile wakes it (or fails: closed)
+
+    def _release_memory(self) -> None:  # under self._lock, with no worker running
+        self.prefix_cache.clear()
+        self._cache.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._asleep = True
+        self._sleeps += 1
+
+    def _wake(self) -> None:  # on the worker thread, before its first step
+        with self._lock:
+            if not self._asleep:
+                return
+            self._asleep = False
+            self._wakes += 1
+
     def _work(self) -> None:
         """The worker thread: hand new requests to the scheduler, step it until idle."""
         scheduler = self._scheduler
+        self._wake()
         while True:
             with self._lock:
-                scheduler.enqueue(self._incoming)
-                self._incoming.clear()
+                if not self._draining or self._closed:  # a sleep holds new requests back
+                    scheduler.enqueue(self._incoming)
+                    self._incoming.clear()
                 if self._closed or not scheduler.busy:
                     if self._closed:
                         scheduler.fail_everything(RuntimeError("the sampler was closed"))

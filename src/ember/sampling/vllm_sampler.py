@@ -143,6 +143,7 @@ class VLLMSampler(Sampler):
         self._gate = WeightGate(BASE_KEY)
         self._backlog = OwnerBacklog()
         self._asleep = False  # colocate: the engine released the GPU for the trainer
+        self._sleeps = self._wakes = 0
         self._pusher = None  # weight_sync "memory": full versions enter the engine in memory
         if self.config.weight_sync == "memory":
             from ember.sampling.vllm_weight_engine import WeightPusher
@@ -404,6 +405,11 @@ class VLLMSampler(Sampler):
         """True while a colocated engine has released the GPU to the trainer (read-only)."""
         return self._asleep
 
+    @property
+    def sleep_stats(self) -> dict:
+        """Colocation, read-only: `asleep` now, and how many times it slept and woke."""
+        return {"asleep": self._asleep, "sleeps": self._sleeps, "wakes": self._wakes}
+
     def sleep(self) -> None:
         """Give the GPU to the trainer: wait for running requests, then release the engine's
         weights (offloaded to host memory) and KV cache (vLLM sleep mode, level 1). The next
@@ -416,12 +422,14 @@ class VLLMSampler(Sampler):
             if self._llm is not None and not self._llm.errored and not self._asleep:
                 await self._llm.sleep(level=1, mode="wait")
                 self._asleep = True
+                self._sleeps += 1
 
     async def _wake(self, llm) -> None:
         async with self._start_lock:
             if self._asleep:
                 await llm.wake_up()
                 self._asleep = False
+                self._wakes += 1
 
 
 def engine_kwargs(model_dir: Path, config: SamplerConfig, max_len: int) -> dict:

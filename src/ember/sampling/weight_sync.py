@@ -14,7 +14,14 @@ the default group a trainer (FSDP) or a replica may already have (vLLM's
 `StatelessProcessGroup` and SkyRL's `init_custom_process_group` do the same). Rank 0 is
 the sender; ranks 1..n are receivers. The sender is the trainer's rank 0 holding full
 tensors (`TrainingEngine.named_weights()` already gathers FSDP shards into full tensors
-on rank 0); per-rank shard sending is not implemented.
+on rank 0), or every FSDP rank sending its own shard: each trainer rank holds its own
+channel to the receiver (`GroupEngine.open_shard_sync` / `send_weight_shards`), sends
+`rank_part` of each tensor (its dim-0 rows of an FSDP2 DTensor; a replicated or plain
+tensor from rank 0 only), and a `ShardReceiver` joins one channel per rank and
+concatenates the parts in rank order (`assemble_shards`): no rank gathers the version.
+A shard's shape is not the model's, so that receiver checks the names and shapes when it
+loads the assembled tensors (the sampler's `load_weights` refuses a misfit naming the
+tensor), after the transfer rather than before it.
 
 The sender gives each receiver its own 2-rank group (`WeightSender.open`), so a receiver
 that dies or stops answering breaks only its own channel: the send to it fails after at
@@ -537,6 +544,63 @@ def sampler_check(sampler) -> Callable[[SyncHeader], None] | None:
             build_lora_version(-1, model, items, types.LoraConfig(rank=header.lora_rank), meta, torch.float32, False)
 
     return check
+
+
+# ---------------------------------------------------------------------- FSDP ranks, each its shard
+def rank_part(t: torch.Tensor, rank: int) -> torch.Tensor | None:
+    """What trainer rank `rank` sends of `t` when every rank sends its own shard: of a
+    DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout), its local rows (possibly
+    none); a replicated DTensor or a plain tensor whole from rank 0, nothing from the
+    others. Other layouts (TP's 2-D meshes, a shard on another dim) raise ValueError:
+    those are sent gathered (`named_weights`)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return t.detach() if rank == 0 else None
+    placements, mesh = tuple(t.placements), t.device_mesh
+    if mesh.ndim != 1 or mesh.get_local_rank() != rank:
+        raise ValueError(f"per-rank weight sync needs a 1-D mesh over the ranks in order (FSDP); got a "
+                         f"{mesh.ndim}-D mesh where rank {rank} has coordinate {mesh.get_local_rank()}")
+    if isinstance(placements[0], Replicate):
+        return t.to_local().detach() if rank == 0 else None
+    if isinstance(placements[0], Shard) and placements[0].dim == 0:
+        return t.to_local().detach()
+    raise ValueError(f"per-rank weight sync sends dim-0 shards or replicated tensors, got placements {placements}")
+
+
+def assemble_shards(parts: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> list[tuple[str, torch.Tensor]]:
+    """The receiver's inverse of `rank_part`: `parts[r]` is what rank r sent; each name's
+    pieces are joined on dim 0 in rank order (a name that one rank sent: that tensor)."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for named in parts:
+        for name, t in named:
+            pieces.setdefault(name, []).append(t)
+    return [(name, ts[0] if len(ts) == 1 else torch.cat(ts, 0)) for name, ts in pieces.items()]
+
+
+class ShardReceiver:
+    """Replica side of per-rank sending: one channel per trainer rank (`addresses` in rank
+    order, from `GroupEngine.open_shard_sync`); `receive()` takes one version from all."""
+
+    def __init__(self, addresses: Sequence[ChannelAddress]) -> None:
+        if not addresses:
+            raise ValueError("per-rank weight sync: no trainer rank to receive from")
+        self.channels = [join_channel(a) for a in addresses]  # each rank's connect waits on a thread
+
+    def receive(self) -> tuple[SyncHeader, list[tuple[str, torch.Tensor]]]:
+        """One version: every rank's part received at once, then assembled. The header
+        returned carries the version and LoRA rank (which every rank must agree on)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.channels), thread_name_prefix="ember-shard-sync") as pool:
+            got = list(pool.map(receive_version, self.channels))
+        first = got[0][0]
+        for rank, (header, _) in enumerate(got):
+            if (header.version, header.lora_rank) != (first.version, first.lora_rank):
+                raise WeightSyncError(f"per-rank weight sync: rank {rank} sent version {header.version!r} "
+                                      f"(LoRA rank {header.lora_rank}), rank 0 version {first.version!r} "
+                                      f"(LoRA rank {first.lora_rank})")
+        return first, assemble_shards([named for _, named in got])
 
 
 # ---------------------------------------------------------------------- a pool's replicas

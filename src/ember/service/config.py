@@ -266,8 +266,8 @@ class WorkersConfig:
         default to 1, except dp_shard, which takes the ranks left over, so the default
         is FSDP2 over all ranks. The product must equal world_size. cp (context
         parallelism, Ulysses attention, `ember.engine.context_parallel`) splits each
-        sequence over cp ranks; it must divide every served model's attention heads
-        and cannot be combined with tp yet.
+        sequence over cp ranks; cp x tp must divide every served model's attention
+        heads (cp splits the heads each TP rank holds).
     call_timeout_s: a group call that takes longer breaks the group (a hung rank).
 
     Samplers stay in the service's process and receive the engines' weights (gathered
@@ -313,8 +313,6 @@ class WorkersConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
         rep, cp, tp = self.dp_replicate or 1, self.cp or 1, self.tp or 1
-        if cp > 1 and tp > 1:
-            raise ValueError(f"parallel.cp={cp} with parallel.tp={tp} is not supported yet; use one of them")
         shard = self.dp_shard
         if shard is None:
             if self.world_size % (rep * cp * tp):

@@ -15,9 +15,11 @@ The managers are attributes (`store`, `futures`, `runs`, `samplers`, `sessions`,
 `checkpoints`, `registry`, `records`, `metric_history`), read-only by contract: the
 server's routes call `ServiceAPI` methods, and only its metrics read the managers'
 counters (`server/metrics.py`). What a test must see inside has a read-only accessor here
-("inspection" below) or a documented read method on its manager (`CheckpointStore.row`);
-beyond that, tests use a manager only to make a state no request can (a crashed process's
-future row, an op gated on an event, a checkpoint row of an older layout, hooks around ops).
+("inspection" below) or a documented read method on its manager (`CheckpointStore.row`).
+Tests never drive `store`, `runs` or `futures` (tests/test_tests.py checks): a state no
+request can make comes from a fail point (`ember.failpoints`: `run.op` held with `hold`
+keeps an op running), from the database file as another process writes it, or from
+`wrap_ops` (hooks around every op, the seam colocation uses).
 """
 
 from __future__ import annotations
@@ -131,6 +133,12 @@ class Service(ServiceAPI):
             if run.engine is not None:
                 run.engine.offload()
 
+        self.wrap_ops(before, after)
+
+    def wrap_ops(self, before: Callable[[LiveRun], None] | None, after: Callable[[LiveRun], None] | None) -> None:
+        """Run `before(run)` and `after(run)` on the run's lane around every training op
+        (forward_backward, optim_step, saves, ...); `after` runs even when the op raised.
+        Colocation is built on it; one pair at a time (a new call replaces the old)."""
         self.runs.before_op, self.runs.after_op = before, after
 
     def _housekeeping_loop(self) -> None:
@@ -581,7 +589,8 @@ def check_cp_layout(models: dict[str, str], workers: WorkersConfig) -> None:
     """ValueError naming `parallel.cp` and the model when `workers`' cp does not divide the
     attention heads of a registered model (`ember.engine.parallel.check_cp_heads`). Models
     found later under a model root get the same error when a run is created on the ranks."""
-    cp = workers.parallel_dims().get("cp", 1)
+    dims = workers.parallel_dims()
+    cp = dims.get("cp", 1)
     if cp == 1:
         return
     from ember.engine.estimate import load_config
@@ -589,6 +598,6 @@ def check_cp_layout(models: dict[str, str], workers: WorkersConfig) -> None:
 
     for name, directory in models.items():
         try:
-            check_cp_heads(load_config(directory), cp, key="parallel.cp")
+            check_cp_heads(load_config(directory), cp, key="parallel.cp", tp=dims["tp"])
         except ValueError as exc:
             raise ValueError(f"model {name!r}: {exc}") from None

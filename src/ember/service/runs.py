@@ -276,6 +276,7 @@ class RunManager:
                       lambda r: self.futures.fail(rid, r, Server))
 
     def _run_op(self, run: LiveRun, fn: Callable[[LiveRun], Any]) -> Any:
+        failpoints.hit("run.op")
         if self.before_op is not None:
             self.before_op(run)
         try:
