@@ -20,6 +20,7 @@ from ember.engine.parallel import ParallelismConfig
 from ember.models.testing import build_tiny_model
 from ember.workers import EngineSpec, GroupEngine, WorkerGroup
 from helpers import ranks as wt
+from helpers.layouts import close, close_outputs
 from helpers.datums import random_rl_datums, random_sft_datums
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
@@ -52,19 +53,6 @@ def datums() -> list[types.Datum]:
     long = random_sft_datums(1, vocab=84, min_len=LONG, max_len=LONG, seed=11)
     short = [random_sft_datums(1, vocab=84, min_len=n, max_len=n, seed=12 + n)[0] for n in (300, 180, 121)]
     return long + short
-
-
-def close(got: torch.Tensor, want: torch.Tensor, what: str, scale: float | None = None) -> None:
-    atol = 1e-5 * max(float(want.abs().max()) if scale is None else scale, 1e-6)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-def close_outputs(got: types.ForwardBackwardOutput, want: types.ForwardBackwardOutput) -> None:
-    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
-    assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
-    for i, (g, w) in enumerate(zip(got.loss_fn_outputs, want.loss_fn_outputs)):
-        for key in ("logprobs", "elementwise_loss"):
-            close(g[key].to_torch(), w[key].to_torch(), f"datum {i} {key}")
 
 
 def close_grads(got: dict, want: dict) -> None:
