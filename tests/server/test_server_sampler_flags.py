@@ -52,6 +52,7 @@ def test_every_sampler_field_is_a_flag_and_reaches_the_service_config(tmp_path):
     ("--sampler.max_len", "1", "max_len"),            # bad value
     ("--sampler.logprobs_mode", "fancy", "logprobs_mode"),
     ("--sampler.backend", "sglang", "backend"),       # unknown backend: the known ones are listed
+    ("--sampler.cpu_worker", "../../bin/sh", "cpu_worker"),  # only "inline" or "process"
 ])
 def test_bad_sampler_flags_exit_2_naming_the_key(tmp_path, flag, value, named):
     proc = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--model", f"a={tmp_path}",
