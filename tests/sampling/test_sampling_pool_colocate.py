@@ -103,14 +103,18 @@ def test_sleep_waits_for_the_requests_in_progress_and_holds_new_ones(colocated):
 
 
 def test_closing_while_a_sleep_drains_fails_the_held_requests(tiny_model_dir):
-    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(**COLOCATED)) as sampler:
-        long = sampler.submit(request(PROMPTS[1], seed=2, max_tokens=120))
+    # a request far longer than the test lives (close cuts it short), so the sleep is still
+    # draining when `held` arrives and when the sampler closes, however fast the machine
+    config = SamplerConfig(**{**COLOCATED, "max_len": 4096})
+    with TorchSampler.from_pretrained(tiny_model_dir, config) as sampler:
+        long = sampler.submit(request(PROMPTS[1], seed=2, max_tokens=4000))
         while not sampler.scheduler.busy:
             time.sleep(0.01)
         sleeper = threading.Thread(target=sampler.sleep)
         sleeper.start()
-        time.sleep(0.2)  # most likely draining by now; either way the request must not be left waiting
+        time.sleep(0.2)  # the sleep is draining by now
         held = sampler.submit(request(PROMPTS[0], seed=3))
+        assert not long.done() and not held.done()  # the state this test is about
         sampler.close()
         sleeper.join(60)
         assert not sleeper.is_alive()

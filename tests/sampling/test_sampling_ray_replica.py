@@ -8,6 +8,7 @@ last tests kill the module's replicas).
 The same replicas across two hosts: tests/server/test_server_two_hosts.py.
 """
 
+import dataclasses
 import os
 import signal
 import time
@@ -97,18 +98,23 @@ def test_bad_request_fails_alone_with_its_message(replicas):
     assert len(started[0].call("sample", request(PROMPTS[1]), None).result(120).sequences) == 2
 
 
-def long_call(replica):
-    return replica.call("sample", request(PROMPTS[0], max_tokens=100, seed=1), None)
+def long_call(replica, num_samples: int = 2):
+    long = request(PROMPTS[0], max_tokens=100, seed=1)
+    return replica.call("sample", dataclasses.replace(long, num_samples=num_samples), None)
 
 
 def test_replica_whose_process_dies_fails_pending_calls_and_the_other_keeps_serving(replicas):
     started, infos = replicas
     victim, other = started[1], long_call(started[0])
-    pending = long_call(victim)
-    time.sleep(0.5)  # the request has reached the actor
+    # a queue of work far longer than the test waits (thousands of decode steps), so the last
+    # call is still pending when the process dies, however fast the machine
+    queued = [long_call(victim, num_samples=8) for _ in range(12)]
+    time.sleep(0.5)  # the first requests have reached the actor
     os.kill(infos[1].pid, signal.SIGKILL)
     with pytest.raises(ReplicaFailed, match="died"):
-        pending.result(60)  # never hangs: Ray reports the actor's death
+        queued[-1].result(60)  # never hangs: Ray reports the actor's death
+    for call in queued:  # each one finished before the kill, or failed with ReplicaFailed
+        assert call.exception(60) is None or isinstance(call.exception(), ReplicaFailed), call.exception()
     assert not victim.alive()
     with pytest.raises(ReplicaFailed):
         victim.call("ping").result(5)
