@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.slow,
 # 1e-3 collapses seed 0 (reward 0.06 -> 0.00); 250 SFT steps leave seed 0 falling (0.228 ->
 # 0.155); 150 SFT steps at 5e-4 rise too little for seed 1 (+0.035); lora_rank 16 (with
 # --limits.max_lora_rank 16, which would more than halve vLLM's CPU LoRA time: its cost follows the
-# engine's max rank, not the adapter's) leaves seed 2 flat or falling at grpo_lr 1.75e-4, 3.5e-4
-# and 7e-4 (-0.027, -0.011, +0.049) and seed 1 flat at 7e-4 (+0.000).
+# engine's max rank, not the adapter's) moves seed 2 by only -0.027, -0.011, +0.049 at grpo_lr 1.75e-4, 3.5e-4
+# and 7e-4, and seed 1 by +0.000 at 7e-4.
 FAST = dict(seed=0, min_digits=1, max_digits=2, labels=40, heldout=19, sft_steps=150, sft_batch=32,
             grpo_steps=40, prompts_per_step=8, grpo_lr=7e-4, grpo_schedule="constant", eval_every=40,
             max_tokens=5, control_steps=5)
