@@ -47,8 +47,11 @@ $(COOKBOOK_STAMP): $(STAMP)
 # time: a file's module-scoped servers and models are made once. Files go out in collection
 # order (--no-loadscope-reorder), which tests/conftest.py's HEAVY_FIRST starts with the
 # longest files. `make test JOBS=0` runs serially.
+# PYTHONDONTWRITEBYTECODE is emptied (= unset for Python): with it set, every xdist worker
+# and every `ember serve` a test starts compiles ember and re-rewrites the test files and the
+# pytest plugins' packages from source (~10 s of CPU per worker); the caches are .gitignored.
 JOBS ?= 2
-PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile --no-loadscope-reorder)
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 # --durations: CI's log names the longest tests (HEAVY_FIRST in tests/conftest.py follows them).
 test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)

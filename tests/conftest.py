@@ -140,9 +140,10 @@ def postgres_server():
     server.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def database_url(request, tmp_path_factory):
-    """A SQLAlchemy URL of a new, empty database."""
+    """A SQLAlchemy URL of a new, empty database. The PostgreSQL cases are `slow` (a server
+    start per xdist worker): `make test-fast` runs the database tests on SQLite."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'ember.db'}"
         return

@@ -90,7 +90,9 @@ def test_wrong_expected_tokens_is_a_user_error_naming_the_chunk(service, tok, da
     assert tc.forward(datums[:1], "cross_entropy").result().loss_fn_outputs  # the run keeps working
 
 
-@pytest.mark.parametrize("lora", [types.LoraConfig(rank=4), None], ids=["lora", "full-ft-tower"])
+# `make test-fast` runs the LoRA variant; full fine-tuning of the tower is slow.
+@pytest.mark.parametrize("lora", [types.LoraConfig(rank=4), pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["lora", "full-ft-tower"])
 def test_gradient_is_the_same_for_any_budget_packing_or_split(vl_dir, datums, lora):
     """LoRA on the language model, and full fine-tuning with the tower trained
     (`train_vision`): every parameter's gradient, images in every micro-batch layout."""
