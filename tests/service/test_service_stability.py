@@ -249,10 +249,10 @@ def _sample(base: str, n: int, length: int) -> types.SampleResponse:
         seq(f"{base}-{i}", np.arange(length) % 50, np.full(length, -1.0)) for i in range(n)])
 
 
-# Each takes seconds (tracemalloc keeps 100 frames of every allocation, and filtering them
-# is slow): `make test-fast` runs the realistic sizes only.
-@pytest.mark.parametrize("n, length, prompt_len", [pytest.param(1, 1, 1, marks=pytest.mark.slow),
-                                                   pytest.param(4, 2, 3, marks=pytest.mark.slow), (4, 300, 100)])
+# slow: tracemalloc keeps 100 frames of every allocation of the whole process (an xdist
+# worker's other threads too) for seconds; the eviction and bound tests here stay in test-fast.
+@pytest.mark.slow
+@pytest.mark.parametrize("n, length, prompt_len", [(1, 1, 1), (4, 2, 3), (4, 300, 100)])
 def test_accounting_is_real_bytes(n, length, prompt_len):
     """The accounted bytes are what the records take (tracemalloc), within 20%."""
     import gc
