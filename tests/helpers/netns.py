@@ -31,6 +31,14 @@ from pathlib import Path
 
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 HEAD_PORT = 6379  # each namespace has its own port space: a fixed port never collides
+# Ray daemons these tests never use, each a Python process importing ray (~1-2 s of CPU on
+# the 2-core CI machine, while every other process starts too): the log monitor streams
+# workers' prints to drivers (every driver here passes log_to_driver=False); the
+# autoscaler's monitor (`--no-monitor`, hidden in `ray start --help`) has nothing to scale
+# on a fixed two-node cluster. The dashboard agent, the runtime-env agent and the head's
+# API server stay: the raylet needs the agents, and Ray starts the API server regardless.
+LEAN_NODE = ("--include-log-monitor=false",)
+LEAN_HEAD = ("--no-monitor",)
 
 
 def unavailable_reason() -> str | None:
@@ -153,14 +161,14 @@ class TwoHosts:
     def _ray_start(self, role: str, args: list[str]) -> None:
         host = self.head if role == "head" else self.worker
         cmd = [RAY_BIN, "start", f"--node-ip-address={host.address}", f"--num-cpus={self.num_cpus}",
-               "--num-gpus=0", "--disable-usage-stats", *args]
+               "--num-gpus=0", "--disable-usage-stats", *LEAN_NODE, *args]
         self._ray_up.append(role)  # before starting: a half-started node is stopped too
         out = self.run(cmd, role, timeout=180)
         if out.returncode != 0:
             raise RuntimeError(f"ray start on {role} ({host.netns}) failed:\n{out.stdout}\n{out.stderr}")
 
     def _start_ray(self, timeout_s: float) -> None:
-        self._ray_start("head", ["--head", f"--port={HEAD_PORT}", "--include-dashboard=false",
+        self._ray_start("head", ["--head", f"--port={HEAD_PORT}", "--include-dashboard=false", *LEAN_HEAD,
                                  f"--temp-dir={self.temp_dir}"])
         self._ray_start("worker", [f"--address={self.ray_address}"])
         self.wait_for_nodes(2, timeout_s)

@@ -119,6 +119,8 @@ def test_engine_killed_mid_request_fails_it_and_is_rebuilt(tiny_model_dir, tmp_p
         assert s.sample(prompt([5, 6]), 1, params(max_tokens=2), timeout=180).sequences
         pids = s.engine_pids()
         assert pids, "no engine process found"
+        for pid in pids:  # frozen first: the request cannot finish before the kill on a fast machine
+            os.kill(pid, signal.SIGSTOP)
         pending = s.submit(SamplingRequest(prompt=prompt([5, 6, 7]), num_samples=4,
                                            sampling_params=params(max_tokens=240, stop=[], seed=1)))
         threading.Timer(0.3, lambda: [os.kill(pid, signal.SIGKILL) for pid in pids]).start()
