@@ -1,5 +1,12 @@
 # Two entry points that work on a fresh machine: `make demo` and `make test`.
-# `make test-fast` is the development loop: the suite without the tests marked `slow`.
+# `make test-fast` is the development loop: the suite without the tests marked `slow`
+# (about a minute on an idle 2-core machine). It runs every package's in-process and unit
+# tests: engine, losses, models, sampling (TorchSampler, both forwards), service and client
+# (in-process ServiceClient, SQLite), workers' and server's unit tests, recipe units, and
+# the repository checks (docs, tests). It leaves out (`make test` runs them): `ember serve`
+# subprocesses and the SDK over HTTP, recipe runs, vLLM, PostgreSQL cases, sampler replica
+# processes and pools, worker process groups, Ray, two hosts, fuzzing, and the second
+# variants of a few long parametrized exactness tests.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ember-installed
@@ -47,8 +54,11 @@ $(COOKBOOK_STAMP): $(STAMP)
 # time: a file's module-scoped servers and models are made once. Files go out in collection
 # order (--no-loadscope-reorder), which tests/conftest.py's HEAVY_FIRST starts with the
 # longest files. `make test JOBS=0` runs serially.
+# PYTHONDONTWRITEBYTECODE is emptied (= unset for Python): with it set, every xdist worker
+# and every `ember serve` a test starts compiles ember and re-rewrites the test files and the
+# pytest plugins' packages from source (~10 s of CPU per worker); the caches are .gitignored.
 JOBS ?= 2
-PYTEST := $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile --no-loadscope-reorder)
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(if $(filter-out 0,$(JOBS)),-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 # --durations: CI's log names the longest tests (HEAVY_FIRST in tests/conftest.py follows them).
 test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 # `helpers` for the processes the tests start too (`ember serve`, worker ranks, Ray actors):
@@ -70,6 +71,21 @@ def heavy_first(items) -> None:
     """Reorder `items` in place: HEAVY_FIRST's files in that order, then the rest as collected."""
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
+
+
+# A test file that is `slow` as a whole: its first statement of the kind is `pytestmark = pytest.mark.slow`
+# or a list that starts with it.
+SLOW_FILE = re.compile(r"^pytestmark = \[?pytest\.mark\.slow\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m "not slow"` (`make test-fast`) a file that is slow as a whole is not imported:
+    all its tests would be deselected, after seconds of imports (openai, schemathesis, ray) in
+    every xdist worker."""
+    if config.option.markexpr.strip() != "not slow" or collection_path.suffix != ".py" \
+            or not collection_path.name.startswith("test_"):
+        return None
+    return True if SLOW_FILE.search(collection_path.read_text()) else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -140,9 +156,10 @@ def postgres_server():
     server.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def database_url(request, tmp_path_factory):
-    """A SQLAlchemy URL of a new, empty database."""
+    """A SQLAlchemy URL of a new, empty database. The PostgreSQL cases are `slow` (a server
+    start per xdist worker): `make test-fast` runs the database tests on SQLite."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'ember.db'}"
         return

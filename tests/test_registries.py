@@ -21,6 +21,7 @@ def known(registry) -> str:
     return re.escape(", ".join(registry))
 
 
+@pytest.mark.slow  # resolving every backend imports vLLM (10-20 s of the worker); `make test-fast` never does
 def test_sampler_backends():
     assert sampler_class("torch") is TorchSampler
     for name in SAMPLER_BACKENDS:  # each resolves, or says why it cannot here (vLLM not installed)

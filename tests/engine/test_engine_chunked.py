@@ -77,9 +77,14 @@ def _compare(got: types.ForwardBackwardOutput, want: types.ForwardBackwardOutput
                              {f"{what} datum {i} {k}": w[k].to_torch() for k in ("logprobs", "elementwise_loss")})
 
 
-@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+# `make test-fast` runs two of the eight (each family, LoRA and full, packed and padded once).
+FAST_CHUNKED = {("qwen3", True, True), ("llama", False, False)}
+
+
+@pytest.mark.parametrize("family, lora, packing", [
+    pytest.param(f, lo, pa, id=f"{f}-{'lora' if lo else 'full'}-{'packed' if pa else 'padded'}",
+                 marks=() if (f, lo, pa) in FAST_CHUNKED else pytest.mark.slow)
+    for f in ("qwen3", "llama") for lo in (True, False) for pa in (True, False)])
 def test_chunked_equals_unchunked(family, lora, packing, tiny_model_dir, tiny_llama_dir):
     model_dir = tiny_model_dir if family == "qwen3" else tiny_llama_dir
     chunked, full = _engine(model_dir, CHUNK, lora, packing), _engine(model_dir, 0, lora, packing)

@@ -127,7 +127,8 @@ def test_value_mse_gradient_equals_autograd_of_formula(tiny_model_dir):
     assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-6)
 
 
-@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+# `make test-fast` runs the full variant here and the LoRA one of the checkpoint test below.
+@pytest.mark.parametrize("lora", [None, pytest.param(LORA, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_value_gradient_invariance(tiny_model_dir, lora):
     datums = value_datums(7, seed=3)
     ref = _engine(tiny_model_dir, lora=lora, budget=10**6)
@@ -246,7 +247,7 @@ def test_offload_onload_value_bit_identical(tiny_model_dir):
 
 
 # ---------------------------------------------------------------- checkpoints
-@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [pytest.param(None, marks=pytest.mark.slow), LORA], ids=["full", "lora"])
 def test_save_load_next_step_identical(tiny_model_dir, tmp_path, lora):
     datums = value_datums(5, seed=7)
     a = _engine(tiny_model_dir, lora=lora)

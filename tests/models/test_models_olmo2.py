@@ -71,7 +71,8 @@ def test_training_lowers_the_loss(olmo2_dir, vocab, lora):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
-@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+# `make test-fast` runs the LoRA variant (full fine-tuning: `make test`).
+@pytest.mark.parametrize("lora", [pytest.param(None, marks=pytest.mark.slow), LORA], ids=["full", "lora"])
 def test_gradient_is_invariant_to_micro_batches_packing_and_split(olmo2_dir, vocab, lora):
     datums = random_sft_datums(7, vocab=vocab, min_len=2, max_len=15, seed=1)
     ref = _engine(olmo2_dir, lora=lora)
@@ -177,6 +178,7 @@ def test_tensor_parallelism_and_value_model_export_refuse_it_with_the_reason(olm
         hf_export.token_classification_config(json.loads((olmo2_dir / "config.json").read_text()))
 
 
+@pytest.mark.slow  # imports vLLM (10-20 s of the worker); `make test-fast` never does
 def test_vllm_lora_limits_are_read_from_vllms_registry(olmo2_dir, tiny_model_dir):
     """OLMo 2 has no native vLLM model (transformers backend: no lm_head LoRA); Qwen3 has one."""
     from ember.sampling.registry import backend_missing

@@ -77,8 +77,9 @@ def assert_same_steps(resumed: dict, uninterrupted: dict) -> None:
 
 
 @pytest.mark.parametrize("overrides", [
-    pytest.param(dict(kl_coef=0.5), id="on-policy-kl"),
-    # `make test-fast` runs the on-policy variant; the async one (and the HTTP test below) is slow
+    # Both slow (three GRPO runs each): `make test-fast` runs the resume through
+    # test_ember_train_grpo_resume_from and the checkpoint/refusal tests below.
+    pytest.param(dict(kl_coef=0.5), id="on-policy-kl", marks=pytest.mark.slow),
     pytest.param(dict(kl_coef=0.5, max_staleness=1, loss_fn="ppo"), id="async-kl-ppo", marks=pytest.mark.slow),
 ])
 def test_killed_and_resumed_equals_uninterrupted(digit_model_dir, tmp_path, overrides):

@@ -70,6 +70,7 @@ def test_replicas_1_is_no_pool(tiny_model_dir):
         sampler.close()
 
 
+@pytest.mark.slow  # the pool's two replica processes start for it; test_sampling_router.py and the unit tests here stay in test-fast
 def test_a_sessions_requests_land_on_one_replica(pool):
     homes = _sessions_by_home(pool, n=3)
     for replica, sessions in homes.items():
@@ -158,6 +159,7 @@ def _queue_depths(pool: SamplerPool) -> dict[str, float]:
             if s.name == "ember_sampler_replica_queue_depth" and s.labels["model"] == "tiny"}
 
 
+@pytest.mark.slow  # the pool's two replica processes start for it; test_sampling_router.py and the unit tests here stay in test-fast
 def test_queue_depth_gauge_counts_a_replicas_unanswered_requests(pool):
     """`ember_sampler_replica_queue_depth{model,replica}`: requests routed to a replica and
     not answered yet. A stopped replica (SIGSTOP, well under replica_timeout_s) holds three;
@@ -183,6 +185,7 @@ class _NoReplicaRouter(SessionRouter):
         super().__init__([], max_imbalance)
 
 
+@pytest.mark.slow  # the pool's two replica processes start for it; test_sampling_router.py and the unit tests here stay in test-fast
 def test_requests_while_no_replica_is_up_fail_at_once(pool):
     pool.use_router(_NoReplicaRouter)
     try:

@@ -24,7 +24,8 @@ def _req(tokens, version=None, last_n=4, **kw) -> SamplingRequest:
                            version=version, include_prompt_logprobs=True, prompt_logprobs_last_n=last_n, **kw)
 
 
-@pytest.fixture(params=["direct", "transformers"])
+# `make test-fast` runs the cache on the direct forward (the conformance tests run both forwards there).
+@pytest.fixture(params=["direct", pytest.param("transformers", marks=pytest.mark.slow)])
 def cached(request, tiny_model_dir):
     cfg = SamplerConfig(max_slots=8, forward=request.param, prefix_cache_tokens=64, prefix_cache_block=16)
     with TorchSampler.from_pretrained(tiny_model_dir, cfg) as s:

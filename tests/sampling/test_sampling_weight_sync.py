@@ -187,6 +187,7 @@ def test_a_kept_version_is_a_copy_unless_the_caller_hands_it_over():
 
 
 # ---------------------------------------------------------------------- two processes
+@pytest.mark.slow  # a spawned replica process (torch + transformers import, gloo group): the pure pieces above stay in test-fast
 def test_tensors_arrive_bitwise_equal(sender, replica):
     named = [("a", torch.randn(10, 20)), ("b", torch.arange(7)), ("c", torch.randn(300).to(torch.bfloat16)),
              ("d", torch.empty(0)), ("e", torch.randn(3000)), ("f", torch.tensor([True, False]))]
@@ -199,6 +200,7 @@ def test_tensors_arrive_bitwise_equal(sender, replica):
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
+@pytest.mark.slow  # a spawned replica process (torch + transformers import, gloo group): the pure pieces above stay in test-fast
 @pytest.mark.parametrize("change, match", [
     ("shape", "model.layers.1.mlp.down_proj.weight.*expected shape"),
     ("name", "unknown weight name 'model.layers.9.mlp.down_proj.weight'"),
@@ -222,6 +224,7 @@ def test_a_mismatched_version_is_refused_naming_the_tensor(change, match, tiny_m
     assert sender.receivers == ["replica"]  # a refusal is not a failure: the channel stays
 
 
+@pytest.mark.slow  # a spawned replica process (torch + transformers import, gloo group): the pure pieces above stay in test-fast
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_sampling_after_a_memory_sync_matches_the_trainers_forward(lora, tiny_model_dir, sender, replica):
     lora_config = types.LoraConfig(rank=4, seed=3) if lora else None
@@ -252,6 +255,7 @@ def test_sampling_after_a_memory_sync_matches_the_trainers_forward(lora, tiny_mo
     assert np.abs(untrained - np.asarray(sampled[0][1], np.float32)).max() > 1e-3  # the sync changed the model
 
 
+@pytest.mark.slow  # a spawned replica process (torch + transformers import, gloo group): the pure pieces above stay in test-fast
 def test_an_unresponsive_receiver_is_dropped_and_the_others_still_get_the_version(sender, replica):
     """The replica joins a second channel but never receives on it: the send to it times out
     (5 s), it is dropped and reported, and the live channel delivered."""
@@ -267,6 +271,7 @@ def test_an_unresponsive_receiver_is_dropped_and_the_others_still_get_the_versio
     assert status == "ok" and report.delivered == ["replica"]
 
 
+@pytest.mark.slow  # a spawned replica process (torch + transformers import, gloo group): the pure pieces above stay in test-fast
 def test_a_dead_receiver_is_dropped_without_hanging_the_sender(sender, replica):
     """Last in this file: it kills the module's replica."""
     os.kill(replica.proc.pid, signal.SIGKILL)
