@@ -13,7 +13,6 @@ import ember
 from ember.engine import EngineConfig, TorchEngine
 from ember.models import load_tokenizer
 from ember.models.testing import build_tiny_model
-from ember.service import ServiceConfig
 from helpers.datums import assert_tensors_close, sft_datum
 from helpers.vision import COLORS, image_datum, png_bytes
 
@@ -43,9 +42,7 @@ def datums(tok):
 
 @pytest.fixture(scope="module")
 def service(vl_dir, tmp_path_factory):
-    # A refused request leaves its seq_id unused: the run's next one waits out the gap (5 s by default).
-    config = ServiceConfig(data_dir=tmp_path_factory.mktemp("data"), models={"vl": str(vl_dir)}, seq_gap_timeout_s=0.5)
-    sc = ember.ServiceClient(config=config)
+    sc = ember.ServiceClient(models={"vl": str(vl_dir)}, data_dir=tmp_path_factory.mktemp("data"))
     yield sc
     sc.close("success")
 

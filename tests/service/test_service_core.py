@@ -79,6 +79,27 @@ def test_gap_timeout_skips_a_missing_seq_id_and_a_late_one_fails(make_service):
     assert "arrived after it was skipped" in late.error
 
 
+def test_a_request_refused_before_queueing_takes_its_turn_and_leaves_no_gap(make_service):
+    """A forward_backward over a limit is refused before it is queued; it still takes its
+    seq_id's place, so the next request runs at once instead of waiting out the gap timeout
+    (600 s here: a stall would fail `result`'s 60 s wait)."""
+    from ember.service.limits import Limits
+
+    svc = make_service(seq_gap_timeout_s=600, limits=Limits(max_datums_per_request=2))
+    _, mid = new_run(svc)
+    data = random_sft_datums(3, VOCAB, seed=11)
+    refused = wait(svc, "alice", svc.forward_backward("alice", mid, 1, data, "cross_entropy"))
+    assert refused.status == "failed" and refused.category == User
+    assert "data has 3 datums" in refused.error and "max_datums_per_request=2" in refused.error
+    assert result(svc, "alice", svc.forward_backward("alice", mid, 2, data[:2], "cross_entropy"), timeout=60)
+    again = wait(svc, "alice", svc.forward_backward("alice", mid, 1, data, "cross_entropy"))  # a retry: refused again
+    assert again.status == "failed" and "max_datums_per_request" in again.error
+    # another owner's refusal under the same seq_id takes nobody's turn in alice's run
+    other = wait(svc, "mallory", svc.forward_backward("mallory", mid, 3, data, "cross_entropy"))
+    assert other.status == "failed" and other.category == User
+    assert result(svc, "alice", svc.optim_step("alice", mid, 3, ADAM), timeout=60).metrics["step:max"] == 1.0
+
+
 def test_bad_inputs_fail_with_user_category_and_the_service_keeps_serving(make_service):
     svc = make_service()
     sid, mid = new_run(svc)

@@ -251,7 +251,7 @@ class Service(ServiceAPI):
             self.config.limits.check_datums(data, self._positions(owner, model_id))
             data = self.datums_with_images(data, owner, model_id)
         except UserError as exc:
-            return self.runs.reject(owner, rtype, str(exc), model_id=model_id)
+            return self.runs.refuse_op(owner, model_id, seq_id, rtype, exc)
 
         def op(run: LiveRun) -> types.ForwardBackwardOutput:
             engine = run.require_engine()
@@ -366,7 +366,7 @@ class Service(ServiceAPI):
             external.check_export_options(age_encryption_recipients)
             check_ttl(ttl_seconds, self.config.checkpoints)
         except UserError as exc:
-            return self.runs.reject(owner, "SaveWeightsExternal", str(exc), model_id=model_id)
+            return self.runs.refuse_op(owner, model_id, seq_id, "SaveWeightsExternal", exc)
 
         def op(run: LiveRun) -> types.SaveWeightsExternalResponseInternal:
             row = self.runs.save_checkpoint(run, path, "external", True, ttl_seconds, None)

@@ -260,6 +260,26 @@ class RunManager:
                 self._queue_op(sub.request_id, owner, model_id, seq_id, fn)
         return sub
 
+    def refuse_op(self, owner: str, model_id: str, seq_id: Any, rtype: RequestType, error: UserError) -> Submission:
+        """An ordered request refused before it was queued (its data or options are wrong):
+        failed at once with `error` (user), and its seq_id's turn in the caller's run taken
+        by nothing, so that the run's next request does not wait out the gap timeout for it.
+        Each refusal is a future of its own (it names what was wrong with that request)."""
+        sub = self.reject(owner, rtype, str(error), model_id=model_id)
+        if isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 0:
+            self._skip_turn(owner, model_id, seq_id)
+        return sub
+
+    def _skip_turn(self, owner: str, model_id: str, seq_id: int) -> None:
+        """Give `seq_id` of the caller's own live run an empty op (only within max_seq_ahead;
+        a turn already passed or taken is left as it is)."""
+        try:
+            run = self.live(owner, model_id)
+            self.limits.check_seq_ahead(seq_id, run.seq.next_seq, model_id)
+        except (NotFoundError, UserError, RunNotLoadedError):
+            return  # no run of the caller's to keep in order, or a turn too far ahead to hold
+        run.seq.offer(seq_id, lambda: None, lambda _reason: None)
+
     def _queue_op(self, rid: str, owner: str, model_id: str, seq_id: int, fn: Callable[[LiveRun], Any]) -> None:
         try:
             run = self.live(owner, model_id)
