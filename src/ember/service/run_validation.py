@@ -17,8 +17,13 @@ from ember.service.api import UserError
 from ember.service.engines import RunSpec
 
 
+def is_seq_id(seq_id: Any) -> bool:
+    """A well-formed seq_id or model_seq_id: an int >= 0 (not a bool)."""
+    return isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 0
+
+
 def validate_model_seq_id(model_seq_id: Any) -> int:
-    if isinstance(model_seq_id, bool) or not isinstance(model_seq_id, int) or model_seq_id < 0:
+    if not is_seq_id(model_seq_id):
         raise UserError(f"model_seq_id must be an integer >= 0, got {model_seq_id!r}")
     return model_seq_id
 

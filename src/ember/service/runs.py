@@ -33,7 +33,7 @@ from ember.service.lanes import LanePool
 from ember.service.limits import Limits
 from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.run_validation import (
-    model_arch, resumed_optimizer, saved_head, validate_head, validate_lora, validate_model_seq_id,
+    is_seq_id, model_arch, resumed_optimizer, saved_head, validate_head, validate_lora, validate_model_seq_id,
     validate_optimizer,
 )
 from ember.service.sequencer import Lane, RunSequencer
@@ -251,7 +251,7 @@ class RunManager:
     def submit_op(self, owner: str, model_id: str, seq_id: Any, rtype: RequestType,
                   fn: Callable[[LiveRun], Any]) -> Submission:
         """Queue `fn(run)` as request `seq_id` of `model_id` (idempotent on (model_id, seq_id))."""
-        if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
+        if not is_seq_id(seq_id):
             return self.reject(owner, rtype, f"seq_id must be an integer >= 0, got {seq_id!r}", model_id=model_id)
         sub, created = self.futures.create(owner, rtype, model_id=model_id, dedup_key=f"op:{model_id}:{seq_id}",
                                            session=session_of(model_id))
@@ -266,7 +266,7 @@ class RunManager:
         by nothing, so that the run's next request does not wait out the gap timeout for it.
         Each refusal is a future of its own (it names what was wrong with that request)."""
         sub = self.reject(owner, rtype, str(error), model_id=model_id)
-        if isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 0:
+        if is_seq_id(seq_id):
             self._skip_turn(owner, model_id, seq_id)
         return sub
 
@@ -274,17 +274,14 @@ class RunManager:
         """Give `seq_id` of the caller's own live run an empty op (only within max_seq_ahead;
         a turn already passed or taken is left as it is)."""
         try:
-            run = self.live(owner, model_id)
-            self.limits.check_seq_ahead(seq_id, run.seq.next_seq, model_id)
+            run = self._run_for_turn(owner, model_id, seq_id)
         except (NotFoundError, UserError, RunNotLoadedError):
             return  # no run of the caller's to keep in order, or a turn too far ahead to hold
         run.seq.offer(seq_id, lambda: None, lambda _reason: None)
 
     def _queue_op(self, rid: str, owner: str, model_id: str, seq_id: int, fn: Callable[[LiveRun], Any]) -> None:
         try:
-            run = self.live(owner, model_id)
-            # before the sequencer holds it: a far-ahead seq_id would wait, then skip the gap
-            self.limits.check_seq_ahead(seq_id, run.seq.next_seq, model_id)
+            run = self._run_for_turn(owner, model_id, seq_id)
         except (NotFoundError, UserError) as exc:
             self.futures.fail(rid, str(exc), User)
             return
@@ -294,6 +291,14 @@ class RunManager:
         self._touch(run)
         run.seq.offer(seq_id, lambda: self.execute(rid, lambda: self._run_op(run, fn)),
                       lambda r: self.futures.fail(rid, r, Server))
+
+    def _run_for_turn(self, owner: str, model_id: str, seq_id: int) -> LiveRun:
+        """The caller's live run, given that `seq_id` is within max_seq_ahead of its next turn:
+        checked before the sequencer holds anything (a far-ahead seq_id would wait, then skip
+        the gap)."""
+        run = self.live(owner, model_id)
+        self.limits.check_seq_ahead(seq_id, run.seq.next_seq, model_id)
+        return run
 
     def _run_op(self, run: LiveRun, fn: Callable[[LiveRun], Any]) -> Any:
         failpoints.hit("run.op")
