@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -111,13 +112,14 @@ class Zygote:
         return self._alive and self.proc.poll() is None
 
     def spawn(self, argv: Sequence[str], *, cwd: Path | None, env: Mapping[str, str],
-              stdout: Path, stderr: Path, address_space_cap: int | None = None) -> ZygoteProc:
-        """Fork `python -m ember.cli ARGV` with stdin from /dev/null and stdout/stderr opened
+              stdout: Path, stderr: Path, address_space_cap: int | None = None,
+              module: str = "ember.cli") -> ZygoteProc:
+        """Fork `python -m MODULE ARGV` with stdin from /dev/null and stdout/stderr opened
         (for writing) at the given paths (`stdout` may be a FIFO the caller reads), and
         RLIMIT_AS set to `address_space_cap` bytes if given (what `prlimit --as` does)."""
         with self._lock:
             self._next_id += 1
-            request = {"id": self._next_id, "argv": list(argv), "cwd": str(cwd) if cwd else None,
+            request = {"id": self._next_id, "module": module, "argv": list(argv), "cwd": str(cwd) if cwd else None,
                        "env": dict(env), "stdout": str(stdout), "stderr": str(stderr),
                        "address_space_cap": address_space_cap}
             self.proc.stdin.write(json.dumps(request) + "\n")
@@ -161,6 +163,26 @@ class Zygote:
                 self.proc.kill()
 
 
+def run_module(module: str, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str],
+               timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, "-m", module, *argv], capture_output=True, text=True)`, forked
+    from this worker's zygote (its imports spared) when one runs, else exactly that."""
+    zygote = Zygote.shared(env)
+    if zygote is None:
+        return subprocess.run([sys.executable, "-m", module, *argv], cwd=cwd, env=dict(env),
+                              capture_output=True, text=True, timeout=timeout)
+    out, err = (Path(cwd) / f".{module}-{time.time_ns()}.{name}" for name in ("out", "err"))
+    out.touch()
+    proc = zygote.spawn(argv, cwd=cwd, env=env, stdout=out, stderr=err, module=module)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+        raise
+    return subprocess.CompletedProcess([module, *argv], code, out.read_text(), err.read_text())
+
+
 # ---------------------------------------------------------------- the zygote process
 
 
@@ -185,7 +207,7 @@ def _reap() -> None:
 
 
 def _become(request: dict) -> int:
-    """In the forked child: run `python -m ember.cli ARGV` as `-m` would; its exit code."""
+    """In the forked child: run `python -m MODULE ARGV` as `-m` would; its exit code."""
     import runpy
 
     if request["cwd"]:
@@ -201,9 +223,9 @@ def _become(request: dict) -> int:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (request["address_space_cap"],) * 2)
-    sys.argv = ["ember", *request["argv"]]
+    sys.argv = [request["module"], *request["argv"]]
     try:
-        runpy.run_module("ember.cli", run_name="__main__", alter_sys=True)
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     return 0
