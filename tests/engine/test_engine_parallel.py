@@ -1,7 +1,12 @@
-"""Contract 2 across layouts: world 1 vs world 2 (FSDP2, replication, TP) on CPU gloo, for the
-`process` and `ray` runtimes. Also LoRA under FSDP2, activation checkpointing, resharding
-DCP checkpoints (save at world 2 → load at world 1 and back) and `named_weights`; last, a
-rank killed with SIGKILL, then the group rebuilt and resumed from its checkpoint.
+"""Contract 2 across layouts: world 1 vs world 2 (FSDP2, replication, TP) on CPU gloo. Also
+LoRA under FSDP2, activation checkpointing, resharding DCP checkpoints (save at world 2 → load
+at world 1 and back) and `named_weights`; last, a rank killed with SIGKILL, then the group
+rebuilt and resumed from its checkpoint.
+
+Runtimes: every case runs on `process`. The runtime only carries pickled calls to the ranks
+and the layout only shapes what the ranks compute, so `ray` runs one representative layout
+(FSDP2: every call kind, collectives, `named_weights`, grad-norm) and the fault test (a dead
+actor's detection and a rebuilt Ray group that loads a checkpoint are Ray's own code).
 
 Tolerances (fp32): losses, logprobs, gradients and parameters after SGD steps agree with
 world 1 to rtol 1e-5, with atol 1e-5 · the largest reference magnitude (of the tensor for
@@ -86,10 +91,15 @@ def config_for(layout: str) -> EngineConfig:
 # One group per runtime for the whole module: a parametrization of `group` must name the
 # runtime by itself (`PROCESS_ONLY`), so pytest sees the same parameter and reuses the group
 # (a tuple of (runtime, layout) is a new parameter each, and a new group: 40 s under Ray).
+# `ray` is left to the fixture's default parameters (both runtimes) only where the module
+# docstring says; every other test runs on `process` alone. A parametrize that names `group`
+# beside direct arguments needs scope="module", or pytest scopes it per test (a group each).
 PROCESS_ONLY = pytest.mark.parametrize("group", ["process"], indirect=True)
+LAYOUT_CASES = [("process", "fsdp"), ("process", "replicate"), ("process", "tp"), ("ray", "fsdp")]
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "replicate", "tp"])
+@pytest.mark.parametrize(("group", "layout"), LAYOUT_CASES, indirect=["group"], scope="module",
+                         ids=[f"{runtime}-{layout}" for runtime, layout in LAYOUT_CASES])
 def test_world2_layout_matches_world1(group, tiny_model_dir, layout):
     check_layout_matches_world1(group, tiny_model_dir, layout)
 
@@ -120,6 +130,7 @@ def check_layout_matches_world1(group, tiny_model_dir, layout):
         eng.close()
 
 
+@PROCESS_ONLY
 def test_tp_llama_matches_world1(group, tiny_llama_dir):
     ref = TorchEngine.from_pretrained(tiny_llama_dir, TP_CONFIG)
     eng = GroupEngine.create(group, "tp-llama", EngineSpec(str(tiny_llama_dir), TP_CONFIG, ParallelismConfig(tp=2)))
@@ -130,6 +141,7 @@ def test_tp_llama_matches_world1(group, tiny_llama_dir):
         eng.close()
 
 
+@PROCESS_ONLY
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_lora_gradients_reach_adapters_in_every_layer(group, tiny_model_dir, layout, tmp_path):
     lora = types.LoraConfig(rank=4)
@@ -182,6 +194,7 @@ def test_world2_chunked_head_matches_world1_unchunked(group, tiny_model_dir, lay
         eng.close()
 
 
+@PROCESS_ONLY
 def test_resharding_save_at_world2_load_at_world1_and_back(group, tiny_model_dir, tmp_path):
     adam = types.AdamParams(learning_rate=1e-2)
     spec = EngineSpec(str(tiny_model_dir), CONFIG, ParallelismConfig(dp_shard=2))
@@ -218,6 +231,7 @@ def test_resharding_save_at_world2_load_at_world1_and_back(group, tiny_model_dir
         back.close()
 
 
+@PROCESS_ONLY
 def test_dimuon_under_fsdp_matches_world1_and_reshards(group, tiny_model_dir, tmp_path):
     """Dimuon on dp_shard=2 (full matrices gathered for the matrix sign) = world 1; its momentum reshards."""
     dimuon, lora = types.DimuonParams(learning_rate=1e-2), types.LoraConfig(rank=4, seed=0)

@@ -66,7 +66,9 @@ CASES = [(r, f, m, p) for r in ("process", "ray") for f in ("qwen3", "llama") fo
          for p in ("packed", "padded") if r == "process" or (f, m, p) == ("qwen3", "lora", "packed")]
 
 
-@pytest.mark.parametrize(("group", "family", "mode", "packing"), CASES, indirect=["group"])
+# scope="module": with direct arguments beside the indirect `group`, pytest would scope the
+# parameter per test and start a group for every case.
+@pytest.mark.parametrize(("group", "family", "mode", "packing"), CASES, indirect=["group"], scope="module")
 def test_cp2_equals_world1_on_a_4096_token_datum(group, model_dirs, family, mode, packing):
     config = EngineConfig(micro_batch_tokens=LONG, packing=packing == "packed")
     lora = types.LoraConfig(rank=4) if mode == "lora" else None

@@ -9,8 +9,6 @@ exits non-zero before anything starts, and stopping the server leaves no rank be
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ import tinker
 from tinker import types
 
 import ember
-from helpers.server import API_KEY, MODEL_NAME, server_env, sft_datum, start_server, wait_until
+from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server, wait_until
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -51,24 +49,7 @@ def forward_logprobs(tc, tokens: list[int]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def bad_layout(tiny_model_dir, tmp_path_factory):
-    """`ember serve` with 2 x 2 ranks on a world of 2, started in the background (its
-    imports take as long as the good server's, so the two start side by side)."""
-    cmd = [sys.executable, "-m", "ember.cli", "serve", "--model", f"{MODEL_NAME}={tiny_model_dir}",
-           "--data-dir", str(tmp_path_factory.mktemp("ember-bad-layout")), "--port", "0",
-           "--workers.runtime", "process", "--workers.world_size", "2",
-           "--parallel.tp", "2", "--parallel.dp_shard", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=server_env())
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def group_server(tiny_model_dir, tmp_path_factory, bad_layout):
+def group_server(tiny_model_dir, tmp_path_factory):
     server = start_server(Path(tiny_model_dir), tmp_path_factory.mktemp("ember-serve-workers"),
                           extra_args=["--workers.runtime", "process", "--workers.world_size", "2"])
     try:
@@ -131,9 +112,19 @@ def test_ranks_run_in_their_own_processes_and_stop_with_the_server(group_server,
                message="rank processes to exit")
 
 
-def test_bad_parallel_layout_exits_nonzero_with_a_message(bad_layout):
-    stdout, stderr = bad_layout.communicate(timeout=120)
-    assert bad_layout.returncode == 2, stderr[-2000:]
+def test_bad_parallel_layout_exits_nonzero_with_a_message(tiny_model_dir, tmp_path, capsys):
+    """`ember serve`'s own code (`cli.run` is what its `main` exits with), in process: a
+    subprocess would pay the server's imports for the same return value (exit statuses of a
+    real `ember serve` process: test_server_model_loading.py, test_server_datadir.py)."""
+    from ember.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = ["--model", f"{MODEL_NAME}={tiny_model_dir}", "--data-dir", str(tmp_path / "ember-bad-layout"),
+            "--port", "0", "--workers.runtime", "process", "--workers.world_size", "2",
+            "--parallel.tp", "2", "--parallel.dp_shard", "2"]
+    assert cli.run(parser.parse_args(argv)) == 2
+    stdout, stderr = capsys.readouterr()
     assert "parallel.tp=2 = 4 ranks, but workers.world_size=2" in stderr
     assert "listening on" not in stdout
 
