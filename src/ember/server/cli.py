@@ -46,28 +46,28 @@ def load_serve_config(args: argparse.Namespace | Sequence[str]):
 
 def build_app(config):
     """The app of a `ServeConfig`; the service (and its worker group, if any) is closed at
-    app shutdown."""
+    app shutdown. A model that cannot fit is refused first, before the service's imports,
+    its database and its worker group."""
+    check_memory(config.service, config.workers)
     from ember.server.app import create_app
     from ember.service import build_service
 
     service = build_service(config.service, config.workers)
     try:
-        check_memory(service, config.workers)
         return create_app(service, config.server, close_service=True)  # may refuse the console's key file
     except (ValueError, OSError):
         service.close()
         raise
 
 
-def check_memory(service, workers) -> None:
+def check_memory(service_config, workers) -> None:
     """Log each registered model's memory estimate; ValueError (with the numbers) for one that
     cannot fit this machine even as the smallest run (`ember.engine.estimate.check_fits`)."""
     from ember.engine.estimate import check_fits
     from ember.engine.parallel import ParallelismConfig
 
     parallel = ParallelismConfig(**workers.parallel_dims()) if workers.runtime != "local" else None
-    models = {n: service.registry.resolve(n).directory for n in service.registry.names()}
-    check_fits(models, service.config.engine, parallel, log=logging.getLogger("ember.serve").info)
+    check_fits(dict(service_config.models), service_config.engine, parallel, log=logging.getLogger("ember.serve").info)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -106,11 +106,8 @@ def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from ember.service.faults import public_message
-    from ember.workers import WorkerError
-
+    """Settings first, with light imports only (a bad one exits 2 at once); then the
+    service (torch, transformers, SQLAlchemy) and the server."""
     try:
         config = load_serve_config(args)
     except (ValueError, OSError) as exc:
@@ -118,6 +115,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin, every start
+    return start(config)
+
+
+def start(config) -> int:
+    """Build the app of a checked `ServeConfig` and serve it; 2 (one line on stderr) when
+    the service cannot start."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ember.service.faults import public_message
+    from ember.workers import WorkerError
+
     try:
         app = build_app(config)
     except (ValueError, OSError, WorkerError) as exc:
