@@ -46,28 +46,28 @@ def load_serve_config(args: argparse.Namespace | Sequence[str]):
 
 def build_app(config):
     """The app of a `ServeConfig`; the service (and its worker group, if any) is closed at
-    app shutdown. A model that cannot fit is refused first, before the service's imports,
-    its database and its worker group."""
-    check_memory(config.service, config.workers)
+    app shutdown."""
     from ember.server.app import create_app
     from ember.service import build_service
 
     service = build_service(config.service, config.workers)
     try:
+        check_memory(service, config.workers)
         return create_app(service, config.server, close_service=True)  # may refuse the console's key file
     except (ValueError, OSError):
         service.close()
         raise
 
 
-def check_memory(service_config, workers) -> None:
+def check_memory(service, workers) -> None:
     """Log each registered model's memory estimate; ValueError (with the numbers) for one that
     cannot fit this machine even as the smallest run (`ember.engine.estimate.check_fits`)."""
     from ember.engine.estimate import check_fits
     from ember.engine.parallel import ParallelismConfig
 
     parallel = ParallelismConfig(**workers.parallel_dims()) if workers.runtime != "local" else None
-    check_fits(dict(service_config.models), service_config.engine, parallel, log=logging.getLogger("ember.serve").info)
+    models = {n: service.registry.resolve(n).directory for n in service.registry.names()}
+    check_fits(models, service.config.engine, parallel, log=logging.getLogger("ember.serve").info)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
