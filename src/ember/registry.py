@@ -10,7 +10,7 @@ only imported when asked for:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -30,3 +30,20 @@ def lookup(registry: Mapping[str, str], name: str, what: str) -> Any:
     if ref is None:
         raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(registry))}")
     return load(ref)
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's module `__getattr__` (PEP 562) that imports each exported name from the
+    module `exports` names for it ("ember.service.api", or "ember.service.api:OtherName")
+    on first use. A package `__init__` that exports this way costs nothing to import, so
+    loading one light submodule (a config dataclass) never pulls in torch or tinker
+    through its package: `ember serve` checks its settings before the heavy imports."""
+
+    def __getattr__(name: str) -> Any:
+        ref = exports.get(name)
+        if ref is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module_name, _, attr = ref.partition(":")
+        return load(f"{module_name}:{attr or name}")
+
+    return __getattr__

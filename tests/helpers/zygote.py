@@ -35,8 +35,10 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+# ember's modules by name: its packages' __init__s import nothing (`ember.registry.lazy_exports`)
 PRELOAD = ("torch", "transformers", "peft", "tinker", "fastapi", "uvicorn", "sqlalchemy",
-           "ember.server.app", "ember.service", "ember.engine", "ember.models")
+           "ember.server.app", "ember.service.core", "ember.engine.torch_engine", "ember.models.adapter",
+           "ember.metrics.logger", "ember.metrics.config", "ember.sampling.registry")
 
 
 class ZygoteProc:

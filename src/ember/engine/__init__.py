@@ -1,16 +1,18 @@
-"""Training engines: the `TrainingEngine` interface and `TorchEngine` (HF model + AdamW)."""
+"""Training engines: the `TrainingEngine` interface and `TorchEngine` (HF model + AdamW).
 
-from ember.engine.base import EngineInfo, EngineStatus, NonFiniteGradientError, TrainingEngine
-from ember.engine.config import EngineConfig
+Each name is imported on first use (`ember.registry.lazy_exports`): `ember.engine.config`
+loads without torch.
+"""
 
+from ember.registry import lazy_exports
 
-def __getattr__(name: str):
-    # TorchEngine pulls in losses and peft; keep `import ember.engine` light.
-    if name == "TorchEngine":
-        from ember.engine.torch_engine import TorchEngine
-
-        return TorchEngine
-    raise AttributeError(f"module 'ember.engine' has no attribute {name!r}")
-
-
-__all__ = ["EngineConfig", "EngineInfo", "EngineStatus", "NonFiniteGradientError", "TorchEngine", "TrainingEngine"]
+_EXPORTS = {
+    "EngineConfig": "ember.engine.config",
+    "EngineInfo": "ember.engine.base",
+    "EngineStatus": "ember.engine.base",
+    "NonFiniteGradientError": "ember.engine.base",
+    "TorchEngine": "ember.engine.torch_engine",
+    "TrainingEngine": "ember.engine.base",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

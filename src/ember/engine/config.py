@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ember.models.loading import resolve_dtype
+from ember.models.dtypes import dtype_name
 
 
 @dataclass
@@ -75,8 +73,8 @@ class EngineConfig:
             if getattr(self, name) and not self.device.startswith("cuda"):
                 raise ValueError(f"EngineConfig.{name} needs a CUDA device (it moves memory from the GPU to the host); "
                                  f"device is {self.device!r}")
-        resolve_dtype(self.dtype)
-        if self.autocast_dtype is not None and resolve_dtype(self.autocast_dtype) not in (torch.bfloat16, torch.float16):
+        dtype_name(self.dtype)
+        if self.autocast_dtype is not None and dtype_name(self.autocast_dtype) not in ("bfloat16", "float16"):
             raise ValueError(f"EngineConfig.autocast_dtype must be None, 'bfloat16' or 'float16', got {self.autocast_dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -5,37 +5,37 @@ because each key keeps (sum, count, min, max); see `ember.metrics.accumulator`.
 Keys of Tinker results carry their reduction (`loss:sum`): `ember.metrics.keys`.
 Sinks: console, JSONL, TensorBoard (optional `tensorboard`), W&B (optional `wandb`, off
 unless configured).
+
+Each name is imported on first use (`ember.registry.lazy_exports`): `ember.metrics.keys`
+loads without torch.
 """
 
-from ember.metrics.accumulator import REDUCTIONS, MetricAccumulator, Reduction, Stat
-from ember.metrics.config import MetricsConfig, build_sinks
-from ember.metrics.distributed import all_reduce_metrics
-from ember.metrics.keys import join_metric_key, sdk_metric_key, split_metric_key
-from ember.metrics.logger import MetricsLogger, get_logger, metric_prefix, record_metric, set_logger, span, use_logger
-from ember.metrics.sinks import ConsoleSink, JsonlSink, MetricSink, TensorBoardSink, WandbSink, read_jsonl
+from ember.registry import lazy_exports
 
-__all__ = [
-    "REDUCTIONS",
-    "ConsoleSink",
-    "JsonlSink",
-    "MetricAccumulator",
-    "MetricSink",
-    "MetricsConfig",
-    "MetricsLogger",
-    "Reduction",
-    "Stat",
-    "TensorBoardSink",
-    "WandbSink",
-    "all_reduce_metrics",
-    "build_sinks",
-    "get_logger",
-    "join_metric_key",
-    "metric_prefix",
-    "read_jsonl",
-    "record_metric",
-    "sdk_metric_key",
-    "set_logger",
-    "span",
-    "split_metric_key",
-    "use_logger",
-]
+_EXPORTS = {
+    "REDUCTIONS": "ember.metrics.accumulator",
+    "ConsoleSink": "ember.metrics.sinks",
+    "JsonlSink": "ember.metrics.sinks",
+    "MetricAccumulator": "ember.metrics.accumulator",
+    "MetricSink": "ember.metrics.sinks",
+    "MetricsConfig": "ember.metrics.config",
+    "MetricsLogger": "ember.metrics.logger",
+    "Reduction": "ember.metrics.accumulator",
+    "Stat": "ember.metrics.accumulator",
+    "TensorBoardSink": "ember.metrics.sinks",
+    "WandbSink": "ember.metrics.sinks",
+    "all_reduce_metrics": "ember.metrics.distributed",
+    "build_sinks": "ember.metrics.config",
+    "get_logger": "ember.metrics.logger",
+    "join_metric_key": "ember.metrics.keys",
+    "metric_prefix": "ember.metrics.logger",
+    "read_jsonl": "ember.metrics.sinks",
+    "record_metric": "ember.metrics.logger",
+    "sdk_metric_key": "ember.metrics.keys",
+    "set_logger": "ember.metrics.logger",
+    "span": "ember.metrics.logger",
+    "split_metric_key": "ember.metrics.keys",
+    "use_logger": "ember.metrics.logger",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,18 +1,22 @@
 """Model loading (HF `from_pretrained` from local directories), LoRA via peft (and the adapter
-directory writer, `ember.models.adapter`), tiny test models."""
+directory writer, `ember.models.adapter`), tiny test models.
 
-from ember.models.adapter import write_peft_adapter
-from ember.models.loading import load_model, load_tokenizer, resolve_dtype
-from ember.models.lora import LORA_ALPHA, add_lora_adapter, apply_lora, lora_target_modules, remove_lora_adapter
+Each name is imported on first use (`ember.registry.lazy_exports`): a light submodule
+(`ember.models.dtypes`) loads without torch, transformers or peft.
+"""
 
-__all__ = [
-    "LORA_ALPHA",
-    "add_lora_adapter",
-    "remove_lora_adapter",
-    "apply_lora",
-    "load_model",
-    "load_tokenizer",
-    "lora_target_modules",
-    "resolve_dtype",
-    "write_peft_adapter",
-]
+from ember.registry import lazy_exports
+
+_EXPORTS = {
+    "LORA_ALPHA": "ember.models.lora",
+    "add_lora_adapter": "ember.models.lora",
+    "apply_lora": "ember.models.lora",
+    "load_model": "ember.models.loading",
+    "load_tokenizer": "ember.models.loading",
+    "lora_target_modules": "ember.models.lora",
+    "remove_lora_adapter": "ember.models.lora",
+    "resolve_dtype": "ember.models.loading",
+    "write_peft_adapter": "ember.models.adapter",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

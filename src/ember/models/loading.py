@@ -13,26 +13,15 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ember.models.dtypes import dtype_name
 from ember.models.families import vision_of
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a config string ('float32', 'bf16', ...) or a torch dtype to a torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+    return getattr(torch, dtype_name(dtype))
 
 
 def _check_dir(path: str | os.PathLike) -> Path:

@@ -93,7 +93,8 @@ def config_class(recipe: str) -> type:
 
 def load_recipe_config(recipe: str, options: list[str]):
     path, overrides = split_config_path(options)
-    return load_config(config_class(recipe), resolve_config_path(path) if path else None, overrides)
+    path = resolve_config_path(path) if path else None  # a missing file fails before the recipe's imports
+    return load_config(config_class(recipe), path, overrides)
 
 
 def help_text(recipe: str) -> str:

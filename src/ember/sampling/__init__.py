@@ -1,39 +1,25 @@
 """Sampling: the `Sampler` interface and `TorchSampler` (KV cache, continuous batching,
 Tinker's sampling semantics, versioned weights). See `ember.sampling.base` for the
-semantics every backend implements."""
+semantics every backend implements.
 
-from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
-from ember.sampling.config import DEFAULT_MAX_TOKENS, SamplerConfig, resolve_sampler_config
-from ember.sampling.registry import SAMPLER_BACKENDS, create_sampler
+Each name is imported on first use (`ember.registry.lazy_exports`): `ember.sampling.config`
+and `ember.sampling.registry` load without torch or tinker.
+"""
 
+from ember.registry import lazy_exports
 
-def __getattr__(name: str):
-    # TorchSampler pulls in transformers; keep `import ember.sampling` light.
-    if name == "TorchSampler":
-        from ember.sampling.torch_sampler import TorchSampler
-
-        return TorchSampler
-    if name == "VLLMSampler":
-        from ember.sampling.vllm_sampler import VLLMSampler
-
-        return VLLMSampler
-    if name == "TorchWeightVersion":
-        from ember.sampling.weights import TorchWeightVersion
-
-        return TorchWeightVersion
-    raise AttributeError(f"module 'ember.sampling' has no attribute {name!r}")
-
-
-__all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "SAMPLER_BACKENDS",
-    "Sampler",
-    "SamplerConfig",
-    "SamplingRequest",
-    "TorchSampler",
-    "TorchWeightVersion",
-    "VLLMSampler",
-    "WeightVersion",
-    "create_sampler",
-    "resolve_sampler_config",
-]
+_EXPORTS = {
+    "DEFAULT_MAX_TOKENS": "ember.sampling.config",
+    "SAMPLER_BACKENDS": "ember.sampling.registry",
+    "Sampler": "ember.sampling.base",
+    "SamplerConfig": "ember.sampling.config",
+    "SamplingRequest": "ember.sampling.base",
+    "TorchSampler": "ember.sampling.torch_sampler",
+    "TorchWeightVersion": "ember.sampling.weights",
+    "VLLMSampler": "ember.sampling.vllm_sampler",
+    "WeightVersion": "ember.sampling.base",
+    "create_sampler": "ember.sampling.registry",
+    "resolve_sampler_config": "ember.sampling.config",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

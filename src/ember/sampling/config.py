@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ember.config import meta
-from ember.models.loading import resolve_dtype
+from ember.models.dtypes import dtype_name
 
 DEFAULT_MAX_TOKENS = 128
 # The largest LoRA rank ember serves by default: the service's `limits.max_lora_rank`
@@ -170,7 +170,7 @@ class SamplerConfig:
         if self.forward not in FORWARDS:
             raise ValueError(f"SamplerConfig.forward must be one of {FORWARDS}, got {self.forward!r}")
         if self.dtype is not None:
-            resolve_dtype(self.dtype)
+            dtype_name(self.dtype)
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"SamplerConfig.device must be 'cpu', 'cuda[:N]' or None, got {self.device!r}")
         if self.attn_implementation not in ("sdpa", "eager"):

@@ -106,11 +106,8 @@ def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from ember.service.faults import public_message
-    from ember.workers import WorkerError
-
+    """Settings first, with light imports only (a bad one exits 2 at once); then the
+    service (torch, transformers, SQLAlchemy) and the server."""
     try:
         config = load_serve_config(args)
     except (ValueError, OSError) as exc:
@@ -118,6 +115,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin, every start
+    return start(config)
+
+
+def start(config) -> int:
+    """Build the app of a checked `ServeConfig` and serve it; 2 (one line on stderr) when
+    the service cannot start."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ember.service.faults import public_message
+    from ember.workers import WorkerError
+
     try:
         app = build_app(config)
     except (ValueError, OSError, WorkerError) as exc:

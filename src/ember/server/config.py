@@ -154,12 +154,11 @@ class ServerConfig:
             raise ValueError(f"refusing to serve on {self.host!r} without --api-key/--api-keys-file")
         prefix = self.path_prefix.strip("/")
         self.path_prefix = f"/{prefix}" if prefix else ""
+        overridden = bool(self.client_config or self.dynamic_config)
         self.client_config = {**DEFAULT_CLIENT_CONFIG, **dict(self.client_config)}
         self.dynamic_config = {**DEFAULT_DYNAMIC_CONFIG, **dict(self.dynamic_config)}
-        from tinker import types  # here, not at import: `ember --help` stays fast
-
-        types.ClientConfigResponse.model_validate(self.client_config)
-        types.ClientDynamicConfigResponse.model_validate(self.dynamic_config)
+        if overridden:  # ember's defaults are valid (a test checks them): no tinker (and torch) import for them
+            check_client_configs(self.client_config, self.dynamic_config)
 
     @property
     def max_body_bytes(self) -> int:
@@ -177,6 +176,15 @@ class ServerConfig:
                     found = owner
             return found
         return key_identity(key) if key.startswith("tml-") else None
+
+
+def check_client_configs(client_config: Mapping[str, Any], dynamic_config: Mapping[str, Any]) -> None:
+    """Both answers validate as the SDK's response types (pydantic's ValidationError, a
+    ValueError, naming the bad field otherwise)."""
+    from tinker import types  # here, not at import: settings are checked before tinker loads torch
+
+    types.ClientConfigResponse.model_validate(client_config)
+    types.ClientDynamicConfigResponse.model_validate(dynamic_config)
 
 
 def is_loopback(host: str) -> bool:

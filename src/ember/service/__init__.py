@@ -2,39 +2,25 @@
 sampler snapshots, checkpoints and their persistence. No HTTP here (see `ember.server`).
 
 Public surface: `ServiceAPI` (the interface, `ember.service.api`), `Service` (its
-implementation), `build_service` (a Service from its config) and `ServiceConfig`.
+implementation), `build_service` (a Service from its config) and `ServiceConfig`. Each is
+imported on first use (`ember.registry.lazy_exports`): `ember.service.config` loads
+without tinker or torch.
 """
 
-from ember.service.api import (
-    FutureState,
-    NotFoundError,
-    ServerError,
-    ServiceAPI,
-    ServiceError,
-    SessionGoneError,
-    Submission,
-    UserError,
-)
-from ember.service.config import ServiceConfig
+from ember.registry import lazy_exports
 
-__all__ = [
-    "FutureState",
-    "NotFoundError",
-    "ServerError",
-    "Service",
-    "ServiceAPI",
-    "ServiceConfig",
-    "ServiceError",
-    "SessionGoneError",
-    "Submission",
-    "UserError",
-    "build_service",
-]
-
-
-def __getattr__(name: str):
-    if name in ("Service", "build_service"):
-        from ember.service import core
-
-        return getattr(core, name)
-    raise AttributeError(f"module 'ember.service' has no attribute {name!r}")
+_EXPORTS = {
+    "FutureState": "ember.service.api",
+    "NotFoundError": "ember.service.api",
+    "ServerError": "ember.service.api",
+    "Service": "ember.service.core",
+    "ServiceAPI": "ember.service.api",
+    "ServiceConfig": "ember.service.config",
+    "ServiceError": "ember.service.api",
+    "SessionGoneError": "ember.service.api",
+    "Submission": "ember.service.api",
+    "UserError": "ember.service.api",
+    "build_service": "ember.service.core",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -14,7 +14,6 @@ from ember.config import meta
 from ember.engine.config import EngineConfig
 from ember.sampling.config import SamplerConfig
 from ember.service.limits import Limits
-from ember.service.stability import StabilityConfig
 
 
 def load_models_toml(path: str | os.PathLike) -> dict[str, str]:
@@ -81,6 +80,34 @@ class DurabilityConfig:
 
 
 TEN_YEARS_S = 10 * 365 * 24 * 3600
+DAY_S = 24 * 3600.0
+MIB = 1 << 20
+
+
+@dataclass
+class StabilityConfig:
+    """Expiry and memory bounds of the stability records (`[stability]`).
+
+    ttl_s: a record lives this long after its last use (sampling or training; Tinker:
+        one day).
+    max_bytes_per_owner: memory bound per API key in real bytes (`SequenceRecord.nbytes`:
+        ~700 bytes per record plus 8 bytes per sampled token and the record's share of its
+        prompt's 4 bytes per token); over it, the key's least recently used go first.
+    max_bytes_total: the same bound for all keys together. The defaults (256 MiB per key,
+        1 GiB in all) fit a default machine.
+    """
+
+    ttl_s: float = DAY_S
+    max_bytes_per_owner: int = 256 * MIB
+    max_bytes_total: int = 1024 * MIB
+
+    def __post_init__(self) -> None:
+        if not self.ttl_s > 0:
+            raise ValueError(f"StabilityConfig.ttl_s must be > 0, got {self.ttl_s}")
+        for name in ("max_bytes_per_owner", "max_bytes_total"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"StabilityConfig.{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass
@@ -167,7 +194,7 @@ class ServiceConfig:
     durability: database lock waits, future-finishing retries and the stuck-future sweep
         (`DurabilityConfig`).
     stability: expiry and memory bounds of the records `record_stability_info=True` samples
-        keep for `stable_reinforce` (`ember.service.stability.StabilityConfig`).
+        keep for `stable_reinforce` (`StabilityConfig`; the records: `ember.service.stability`).
     checkpoints: checkpoint TTL sweep and bounds of ttl_seconds / user_metadata
         (`CheckpointConfig`).
     sessions: when idle client sessions end (`SessionsConfig`).

@@ -21,8 +21,6 @@ from typing import Any
 
 from ember.models.images import ImageBounds
 from ember.sampling.config import MAX_LORA_RANK
-from ember.service.api import UserError
-
 
 # Fixed bounds (not settings): the database keeps these as 64-bit integers, so a bigger
 # JSON number (Python reads any size) is refused by the server instead of reaching SQLite
@@ -32,6 +30,14 @@ MAX_PAGE_SIZE = 1000
 MAX_OFFSET = 2**31 - 1
 
 DEFAULT_DATUM_TOKENS = 131072  # the datum limit for a model whose config names no positions
+
+
+def refused(message: str) -> Exception:
+    """The `UserError` a check raises. Imported here, not at module import: `Limits` is a
+    setting of `ember serve`, checked before tinker (and torch) are loaded."""
+    from ember.service.api import UserError
+
+    return UserError(message)
 
 
 @dataclass
@@ -164,7 +170,7 @@ class Limits:
             _bounded("sampling_params.max_tokens", max_tokens, self.max_sample_tokens, minimum=0)
         n_prompt = prompt_length(prompt)
         if n_prompt is not None and n_prompt > self.max_prompt_tokens:
-            raise UserError(f"prompt has {n_prompt} tokens; the limit is max_prompt_tokens={self.max_prompt_tokens}")
+            raise refused(f"prompt has {n_prompt} tokens; the limit is max_prompt_tokens={self.max_prompt_tokens}")
         _bounded("topk_prompt_logprobs", topk_prompt or 0, self.max_topk_logprobs, minimum=0)
         _bounded("topk_sample_logprobs", topk_sample or 0, self.max_topk_logprobs, minimum=0)
         _bounded("prompt_alt_tokens_k", alt_tokens_k or 0, self.max_topk_logprobs, minimum=0)
@@ -184,7 +190,7 @@ class Limits:
         """A forward(_backward) request's datum count and token lengths; before it is queued.
         `positions`: the run's model's `max_position_embeddings` (None: unknown)."""
         if len(data) > self.max_datums_per_request:
-            raise UserError(f"data has {len(data)} datums; the limit is "
+            raise refused(f"data has {len(data)} datums; the limit is "
                             f"max_datums_per_request={self.max_datums_per_request}")
         longest, why = self.datum_tokens(positions)
         total = 0
@@ -193,16 +199,16 @@ class Limits:
             if n is None:
                 continue  # malformed datums are the engine's validation's to name
             if n > longest:
-                raise UserError(f"data[{i}].model_input has {n} tokens; the limit is {why}")
+                raise refused(f"data[{i}].model_input has {n} tokens; the limit is {why}")
             total += n
         if total > self.max_request_tokens:
-            raise UserError(f"data has {total} model_input tokens in all; the limit is "
+            raise refused(f"data has {total} model_input tokens in all; the limit is "
                             f"max_request_tokens={self.max_request_tokens}")
 
     def check_lora_rank(self, lora_config: Any) -> None:
         rank = getattr(lora_config, "rank", None)
         if isinstance(rank, int) and not isinstance(rank, bool) and rank > self.max_lora_rank:
-            raise UserError(f"lora_config.rank={rank} is over the limit max {self.max_lora_rank} "
+            raise refused(f"lora_config.rank={rank} is over the limit max {self.max_lora_rank} "
                             "(limits.max_lora_rank)")
 
     def check_user_metadata(self, meta: Any, field: str = "user_metadata") -> None:
@@ -211,27 +217,27 @@ class Limits:
         if meta is None:
             return
         if not isinstance(meta, Mapping):
-            raise UserError(f"{field} must be a JSON object, got {type(meta).__name__}")
+            raise refused(f"{field} must be a JSON object, got {type(meta).__name__}")
         keys = check_json_tree(meta, self.max_metadata_depth, field, "max_metadata_depth")
         if keys > self.max_metadata_keys:
-            raise UserError(f"{field} has {keys} keys; the limit is max_metadata_keys={self.max_metadata_keys}")
+            raise refused(f"{field} has {keys} keys; the limit is max_metadata_keys={self.max_metadata_keys}")
         try:
             size = len(json.dumps(meta, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
         except (TypeError, ValueError) as exc:
-            raise UserError(f"{field} must hold JSON values only ({exc})") from exc
+            raise refused(f"{field} must hold JSON values only ({exc})") from exc
         if size > self.max_metadata_bytes:
-            raise UserError(f"{field} is {size} bytes as JSON; the limit is "
+            raise refused(f"{field} is {size} bytes as JSON; the limit is "
                             f"max_metadata_bytes={self.max_metadata_bytes}")
 
     def check_result_size(self, size: int) -> None:
         if size > self.max_result_bytes:
-            raise UserError(f"the result of this request is {size} bytes; the limit is "
+            raise refused(f"the result of this request is {size} bytes; the limit is "
                             f"max_result_bytes={self.max_result_bytes} (ask for less: fewer datums, "
                             "samples, tokens or top-k)")
 
     def check_seq_ahead(self, seq_id: int, next_seq: int, model_id: str) -> None:
         if seq_id - next_seq > self.max_seq_ahead:
-            raise UserError(f"seq_id {seq_id} of {model_id} is {seq_id - next_seq} ahead of the next expected "
+            raise refused(f"seq_id {seq_id} of {model_id} is {seq_id - next_seq} ahead of the next expected "
                             f"({next_seq}); the limit is max_seq_ahead={self.max_seq_ahead}")
 
 
@@ -250,7 +256,7 @@ def check_json_tree(doc: Any, max_depth: int, where: str = "body", limit_name: s
     while stack:
         value, depth, path = stack.pop()  # path: (parent path, key), built out only for an error
         if depth + 1 > max_depth:
-            raise UserError(f"{_path_text(where, path)}: nested deeper than {max_depth} levels "
+            raise refused(f"{_path_text(where, path)}: nested deeper than {max_depth} levels "
                             f"({limit_name}={max_depth})")
         items = value.items() if isinstance(value, Mapping) else enumerate(value)
         keys += len(value) if isinstance(value, Mapping) else 0
@@ -270,7 +276,7 @@ def _check_text(text: str, where: str, path: Any) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise UserError(f"{_path_text(where, path)}: holds a lone UTF-16 surrogate "
+        raise refused(f"{_path_text(where, path)}: holds a lone UTF-16 surrogate "
                         f"({text[exc.start]!r} at character {exc.start}); send valid Unicode text") from None
 
 
@@ -291,11 +297,11 @@ def _safe(key: str) -> str:
 
 def _bounded(field: str, value: Any, limit: int, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UserError(f"{field} must be an integer, got {type(value).__name__} {value!r}")
+        raise refused(f"{field} must be an integer, got {type(value).__name__} {value!r}")
     if value < minimum:
-        raise UserError(f"{field} must be >= {minimum}, got {value}")
+        raise refused(f"{field} must be >= {minimum}, got {value}")
     if value > limit:
-        raise UserError(f"{field}={value} is over the limit max {limit} (limits.{_LIMIT_OF[field]})")
+        raise refused(f"{field}={value} is over the limit max {limit} (limits.{_LIMIT_OF[field]})")
 
 
 _LIMIT_OF = {

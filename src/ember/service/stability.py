@@ -50,42 +50,14 @@ import numpy as np
 from tinker import types
 
 from ember.service.api import UserError
+from ember.service.config import DAY_S, StabilityConfig  # noqa: F401 (DAY_S: the default ttl, for callers)
 from ember.service.provenance import resolve_datum
-
-DAY_S = 24 * 3600.0
-MIB = 1 << 20
 
 # Memory of one record besides its arrays' data, measured with tracemalloc
 # (tests/service/test_service_stability.py checks the accounting against it): the slotted
 # record, its two numpy array headers, its id string, and its entries in the global and
 # per-owner LRU dicts and its session's set.
 RECORD_OVERHEAD_BYTES = 2 * sys.getsizeof(np.zeros(0, np.int32)) + 360
-
-
-@dataclass
-class StabilityConfig:
-    """Expiry and memory bounds of the stability records (`[stability]`).
-
-    ttl_s: a record lives this long after its last use (sampling or training; Tinker:
-        one day).
-    max_bytes_per_owner: memory bound per API key in real bytes (`SequenceRecord.nbytes`:
-        ~700 bytes per record plus 8 bytes per sampled token and the record's share of its
-        prompt's 4 bytes per token); over it, the key's least recently used go first.
-    max_bytes_total: the same bound for all keys together. The defaults (256 MiB per key,
-        1 GiB in all) fit a default machine.
-    """
-
-    ttl_s: float = DAY_S
-    max_bytes_per_owner: int = 256 * MIB
-    max_bytes_total: int = 1024 * MIB
-
-    def __post_init__(self) -> None:
-        if not self.ttl_s > 0:
-            raise ValueError(f"StabilityConfig.ttl_s must be > 0, got {self.ttl_s}")
-        for name in ("max_bytes_per_owner", "max_bytes_total"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"StabilityConfig.{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(slots=True, eq=False)

@@ -32,7 +32,6 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ember.service.api import UserError
 from ember.service.faults import StoreBusy
 from ember.service.tables import Base, CheckpointRow, FutureRow, MetricRow, RunRow, SamplerRow, SessionRow
 
@@ -105,6 +104,8 @@ def check_lengths(cls: type, values: Mapping[str, Any]) -> None:
     for name, limit in _length_limits(cls).items():
         value = values.get(name)
         if isinstance(value, str) and len(value) > limit:
+            from ember.service.api import UserError  # here: `ember db` and `ember limits` load without tinker (torch)
+
             raise UserError(f"{name} is too long: {len(value)} characters, at most {limit}")
 
 

@@ -26,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tinker import types
-
 from ember.metrics.keys import split_metric_key
 
 
@@ -162,6 +160,8 @@ class MeshDispatch(Dispatch):
         return per_rank, Plan(assignment=assignment, num_items=len(batch))
 
     def gather(self, results, plan, layout):
+        from tinker import types  # here: `ember.workers` loads without tinker (and torch)
+
         leaders = [results[r] for r in layout.leaders()]
         counts = [len(a) for a in plan.assignment]
         first = leaders[0]

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
-
 
 class WorkerError(RuntimeError):
     """A worker group can no longer serve calls."""
@@ -106,7 +104,7 @@ class Runtime(abc.ABC):
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        if device == "cuda" and not torch.cuda.is_available():
+        if device == "cuda" and not cuda_available():
             raise ValueError("device='cuda' requested but this machine has no CUDA device")
         self.world_size = world_size
         self.device_type = device
@@ -138,6 +136,12 @@ class Runtime(abc.ABC):
         """Whether each rank's process is still running."""
 
 
+def cuda_available() -> bool:
+    import torch  # here: `ember.workers` loads without torch (`ember serve` checks its settings first)
+
+    return torch.cuda.is_available()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -146,11 +150,12 @@ def free_port() -> int:
 
 def init_rank_process(ctx: RankContext, master_addr: str, port: int, threads: int, pg_timeout_s: float) -> None:
     """Per-rank setup: torch threads, CUDA device, and the default process group."""
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(max(1, threads))
     if ctx.device_type == "cuda":
         torch.cuda.set_device(ctx.local_rank)
-    import torch.distributed as dist
-
     dist.init_process_group(
         backend=ctx.backend,
         init_method=f"tcp://{master_addr}:{port}",

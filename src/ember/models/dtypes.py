@@ -1,0 +1,32 @@
+"""The dtype names a setting may give ('float32', 'bf16', ...), checked without torch.
+
+Settings are checked before torch is imported (`ember serve` with a bad flag exits at once);
+`ember.models.loading.resolve_dtype` maps a checked name to its torch dtype.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# accepted name -> the torch dtype's name (`getattr(torch, ...)`)
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The torch name of a dtype setting ('bf16' -> 'bfloat16'; a torch dtype itself ->
+    its name); ValueError naming the accepted names for anything else."""
+    torch = sys.modules.get("torch")  # a torch dtype exists only once torch is imported
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}") from None
