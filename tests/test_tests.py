@@ -30,6 +30,9 @@ ALLOWED = {
         "the tinker SDK's SamplingClient (ember's has the same private name): the SDK has no public accessor for it",
     ("tests/server/test_server_tenants_sampling.py", "_sampling_session_id"):
         "the tinker SDK's SamplingClient (ember's has the same private name): the SDK has no public accessor for it",
+    ("tests/helpers/zygote.py", "_shutdown"):
+        "the standard library's threading._shutdown (ember has a `_shutdown` too): a forked child joins its "
+        "threads as interpreter exit and multiprocessing's fork children do",
 }
 
 

@@ -23,6 +23,13 @@ from pathlib import Path
 
 import httpx
 
+from helpers.zygote import Zygote
+
+# `ember serve` starts fork from a pre-imported process (helpers.zygote) unless
+# EMBER_TEST_FORK=0; a start from a script, or wrapped in a command other than
+# `memory_cap`'s `prlimit` (the child sets that limit on itself), execs.
+FORK = os.environ.get("EMBER_TEST_FORK", "1") != "0"
+
 API_KEY = "tml-test"
 OTHER_KEY = "tml-other"
 MODEL_NAME = "tiny/qwen3"
@@ -134,13 +141,53 @@ def start_server(
         "--log-level", "warning",
         *extra_args,
     ]
-    stderr = open(stderr_path, "w")  # noqa: SIM115 (owned by the child)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**server_env(), **(env or {})})
+    full_env = {**server_env(), **(env or {})}
+    cap = _address_space_cap(wrap)
+    forkable = FORK and not script and (not wrap or cap is not None)
+    proc = _forked_serve(cmd[len(wrap) + 3:], workdir, full_env, stderr_path, cap) if forkable else None
+    if proc is None:
+        stderr = open(stderr_path, "w")  # noqa: SIM115 (owned by the child)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=full_env)
     lines: list[str] = []
     url = _wait_for_url(proc, timeout, stderr_path, lines)
     server = ServerProc(proc, url, int(url.rsplit(":", 1)[1]), data_dir, log_path, stderr_path, lines)
     _wait_healthy(server, timeout)
     return server
+
+
+def _address_space_cap(wrap: Sequence[str]) -> int | None:
+    """The byte count of a `memory_cap(...)` wrapper, else None."""
+    if len(wrap) == 3 and wrap[0] == "prlimit" and wrap[1].startswith("--as=") and wrap[2] == "--":
+        return int(wrap[1].removeprefix("--as="))
+    return None
+
+
+def _forked_serve(argv: Sequence[str], workdir: Path, env: Mapping[str, str], stderr_path: Path,
+                  address_space_cap: int | None):
+    """`ember ARGV` forked from this worker's zygote (helpers.zygote: the imports are made once
+    per pytest worker), its stdout a FIFO read like a pipe, under `address_space_cap` bytes
+    (RLIMIT_AS, what `prlimit --as` sets) if given; None when no zygote can run."""
+    zygote = Zygote.shared(server_env())
+    if zygote is None:
+        return None
+    fifo = workdir / f"stdout-{time.time_ns()}.fifo"
+    os.mkfifo(fifo)
+    proc = zygote.spawn(argv, cwd=None, env=env, stdout=fifo, stderr=stderr_path,
+                        address_space_cap=address_space_cap)
+    proc.stdout = _FifoLines(fifo)
+    return proc
+
+
+class _FifoLines:
+    """Lines from a FIFO, opened on first read (the open waits for the writer, like a pipe's
+    read end whose child has started)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __iter__(self):
+        with open(self.path) as f:
+            yield from f
 
 
 def _wait_for_url(proc: subprocess.Popen, timeout: float, stderr_path: Path, lines: list[str]) -> str:

@@ -1,5 +1,8 @@
 """tinker-cookbook 0.6.1's recipes, unmodified (`python -m tinker_cookbook.recipes.X` with
 their own CLI arguments), against a real `ember serve` on an `ember tiny-model` model.
+Each recipe is a process of its own, forked from the pytest worker's zygote
+(`helpers.zygote.run_module`: `runpy` runs the module as `-m` does; torch, transformers and
+the SDK are already imported).
 
 Each runs 1-2 steps: the test asserts that the recipe ran to completion against ember and
 wrote its metrics, with finite values, not that it learned. The recipes load the
@@ -22,13 +25,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from helpers.server import API_KEY, server_env, start_server
+from helpers.zygote import run_module
 
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (`make test` installs it)")
 
@@ -105,7 +108,7 @@ def run_recipe(work: Path, base_url: str, name: str, module: str, args: list[str
             *(a.format(model=model, conversations=conversations) for a in args)]
     env = {**server_env(), "TINKER_BASE_URL": base_url, "TINKER_API_KEY": API_KEY, "HF_DATASETS_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_module(argv[2], argv[3:], cwd=work, env=env, timeout=600)  # helpers.zygote: imports spared
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{output[-4000:]}"
     assert "completed successfully" in output, output[-4000:]
