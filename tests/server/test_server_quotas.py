@@ -5,16 +5,13 @@ it, while another tenant keeps working; an idle session is ended and its run unl
 (heartbeats alone do not keep it); an out-of-memory failure says so without a server path.
 
 Each test uses API keys of its own (the servers accept several), so the tests do not
-depend on each other's order. The servers run under an address-space cap. The quota server
-is the real app wrapped by tests/server/fault_server.py, so that the out-of-memory test
-arms its fail point there at run time instead of starting a server of its own.
+depend on each other's order. The servers run under an address-space cap.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,16 +27,15 @@ QUOTAS = {"max_runs_per_key": 2, "max_sessions_per_key": 3, "max_sampling_sessio
 PATH_IN_TEXT = re.compile(r"/[\w.\-]+/[\w.\-]+")
 
 
-def _serve(tiny_model_dir, workdir, args=(), script=None):
+def _serve(tiny_model_dir, workdir, args=(), env=None):
     keys = [a for k in KEYS for a in ("--api-key", k)]
-    return start_server(tiny_model_dir, workdir, extra_args=[*keys, *args], wrap=memory_cap(8 << 30), script=script)
+    return start_server(tiny_model_dir, workdir, extra_args=[*keys, *args], wrap=memory_cap(8 << 30), env=env)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     srv = _serve(tiny_model_dir, tmp_path_factory.mktemp("quotas"),
-                 [a for k, v in QUOTAS.items() for a in (f"--limits.{k}", str(v))],
-                 script=Path(__file__).with_name("fault_server.py"))
+                 [a for k, v in QUOTAS.items() for a in (f"--limits.{k}", str(v))])
     yield srv
     srv.stop()
 
@@ -181,15 +177,11 @@ def test_an_idle_session_expires_despite_heartbeats_and_its_run_is_unloaded(idle
         assert "model_id" in create_run(idle, new_session(idle).json()["session_id"], 0)
 
 
-@pytest.fixture
-def oom_server(server):
-    """The quota server, its next training-run build failing with torch's out-of-memory words
-    (once; the tests run one at a time, so that build is this test's)."""
-    httpx.post(f"{server.base_url}/_test/failpoints", json={"name": "run.create_engine", "action": "mmap", "times": 1},
-               timeout=30).raise_for_status()
-    yield server
-    httpx.post(f"{server.base_url}/_test/failpoints", json={"name": "run.create_engine", "action": None},
-               timeout=30).raise_for_status()
+@pytest.fixture(scope="module")
+def oom_server(tiny_model_dir, tmp_path_factory):
+    srv = _serve(tiny_model_dir, tmp_path_factory.mktemp("oom"), env={"EMBER_FAILPOINTS": "run.create_engine=mmap*1"})
+    yield srv
+    srv.stop()
 
 
 def test_an_out_of_memory_failure_names_no_server_path(oom_server):
