@@ -10,14 +10,14 @@ import sys
 import tinker
 from tinker import types
 
-from helpers.server import API_KEY, MODEL_NAME, server_env, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, server_env, sft_datum
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
 
 
-def test_a_second_server_on_a_data_directory_in_use_exits_2_and_the_first_loses_nothing(tiny_model_dir, tmp_path):
-    first = start_server(tiny_model_dir, tmp_path / "first")
+def test_a_second_server_on_a_data_directory_in_use_exits_2_and_the_first_loses_nothing(tiny_model_dir, ember_server):
+    first = ember_server  # the session's shared server (no start of its own): it must lose nothing
     sc = tinker.ServiceClient(base_url=first.base_url, api_key=API_KEY)
     try:
         tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
@@ -36,4 +36,3 @@ def test_a_second_server_on_a_data_directory_in_use_exits_2_and_the_first_loses_
         assert first.alive()
     finally:
         sc.close("success").result(timeout=30)
-        first.stop()

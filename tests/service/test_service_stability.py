@@ -268,14 +268,18 @@ def test_accounting_is_real_bytes(n, length, prompt_len):
             rec.record("owner-a", f"sess-{i % 10}", prompt, sample)
         del samples, sample
         gc.collect()
-        # Only what this loop allocated: the process's other threads (a server, an SDK
-        # heartbeat left by an earlier test in this worker) allocate meanwhile too.
-        # A trace is ours when any of its frames is in one of these files (what
-        # tracemalloc.Filter(True, path, all_frames=True) matches, without its fnmatch per frame).
-        mine = {stability.__file__, __file__}
-        real = sum(t.size for t in tracemalloc.take_snapshot().traces if any(f.filename in mine for f in t.traceback))
+        snapshot = tracemalloc.take_snapshot()
     finally:
+        # Stopped before the traces are read: reading them builds ~100 Frame objects per
+        # trace, each of which a running tracemalloc would trace with its 100 frames (that
+        # made this test take 10-20 s instead of 2).
         tracemalloc.stop()
+    # Only what this loop allocated: the process's other threads (a server, an SDK
+    # heartbeat left by an earlier test in this worker) allocate meanwhile too.
+    # A trace is ours when any of its frames is in one of these files (what
+    # tracemalloc.Filter(True, path, all_frames=True) matches, without its fnmatch per frame).
+    mine = {stability.__file__, __file__}
+    real = sum(t.size for t in snapshot.traces if any(f.filename in mine for f in t.traceback))
     assert len(rec) == 100 * n
     assert abs(rec.bytes_used() - real) <= 0.2 * real, (rec.bytes_used() / len(rec), real / len(rec))
 
