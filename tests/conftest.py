@@ -88,7 +88,20 @@ def pytest_ignore_collect(collection_path, config):
     return True if SLOW_FILE.search(collection_path.read_text()) else None
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` keeps the files sharing an expensive session fixture on one worker."""
+    if config.getvalue("dist") == "loadfile":
+        from helpers.scheduling import SharedFixtureScheduling
+
+        return SharedFixtureScheduling(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    from helpers.scheduling import check_units
+
+    check_units(items)
     heavy_first(items)
     if torch.cuda.is_available():
         return

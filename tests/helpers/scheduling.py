@@ -1,0 +1,62 @@
+"""How `make test` hands test files to its pytest-xdist workers.
+
+`--dist loadfile` gives a worker one test file at a time, so that a file's module-scoped
+servers and models are made once. Session-scoped fixtures are made once per *worker*
+instead, and two are expensive: tests/sampling/conftest.py's `vllm_sampler` (a vLLM
+engine: ~25 s of CPU to start, most of it the engine core's imports) and `pool_sampler`
+(two replica processes). With files dealt out freely, both workers ended up starting both.
+`SharedFixtureScheduling` is loadfile with one change: the files that use those fixtures
+are one unit of work, so one worker runs them all and starts each fixture once.
+
+`check_units(items)` (called at collection) fails the run when a test that takes one of
+these fixtures sits in a file outside its unit, so that the table cannot go stale silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+from xdist.scheduler import LoadFileScheduling
+
+# unit name -> the files that share its session fixtures
+UNITS: dict[str, tuple[str, ...]] = {
+    "session samplers (vllm_sampler, pool_sampler)": (
+        "tests/sampling/test_sampling_vllm.py",
+        "tests/sampling/test_sampling_lifecycle.py",
+        "tests/sampling/test_sampling_exactness.py",
+        "tests/sampling/test_sampling_pool.py",
+        "tests/sampling/test_sampling_semantics.py",
+        "tests/sampling/test_sampling_versions.py",
+        "tests/sampling/test_sampling_params.py",
+        "tests/sampling/test_sampling_prompt_extras.py",
+    ),
+}
+UNIT_OF = {path: unit for unit, paths in UNITS.items() for path in paths}
+SHARED_FIXTURES = ("vllm_sampler", "pool_sampler")  # the `sampler` parameters "vllm"/"pool" use them
+
+
+class SharedFixtureScheduling(LoadFileScheduling):
+    """`--dist loadfile`, but the files of a `UNITS` entry go to one worker as one unit."""
+
+    def _split_scope(self, nodeid: str) -> str:  # the unit of work a test belongs to (xdist's seam)
+        path = nodeid.split("::", 1)[0]
+        return UNIT_OF.get(path, path)
+
+
+def shared_fixtures(item: pytest.Item) -> set[str]:
+    """The expensive session fixtures `item` uses (directly or as a `sampler` parameter)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    used = {name for name in SHARED_FIXTURES if name in item.fixturenames}
+    if "sampler" in item.fixturenames and params.get("sampler") in ("vllm", "pool"):
+        used.add(f"{params['sampler']}_sampler")
+    return used
+
+
+def check_units(items: Iterable[pytest.Item]) -> None:
+    """Every test that uses a shared session fixture is in a file of `UNITS`."""
+    stray = sorted({item.nodeid.split("::", 1)[0] for item in items
+                    if shared_fixtures(item) and item.nodeid.split("::", 1)[0] not in UNIT_OF})
+    if stray:
+        raise pytest.UsageError(f"{stray} use {SHARED_FIXTURES}: add them to a unit in tests/helpers/scheduling.py "
+                                "(one worker starts each shared fixture once)")
