@@ -102,12 +102,21 @@ def needs_scorer(spec: ResolvedRequest) -> bool:
     return spec.scores_prompt
 
 
-def _shut_down(llm) -> None:
+# How long a CPU engine core may take to exit after SIGTERM before it is killed. Its graceful
+# exit ends in a full `gc.collect()` over the imported vLLM/torch heap (`cleanup_dist_env_and_memory`),
+# which took longer than vLLM's default 5 s grace on a 2-core machine every time it was watched,
+# so the core was killed anyway, 5 s of CPU and wall later (per engine close and per rebuild after
+# a crash). A CPU core holds no device memory a kill could strand; on a GPU vLLM's default
+# grace stays, for its device teardown.
+CPU_ENGINE_EXIT_GRACE_S = 0.5
+
+
+def _shut_down(llm, device: str) -> None:
     """Shut an AsyncLLM down once. Its `__del__` calls `shutdown()` again whenever the object
     is collected; at interpreter exit the module globals that method uses are already None,
     which printed `TypeError: 'NoneType' object is not callable` as the last line of every
     process that used vLLM. The instance's second call is made a no-op."""
-    llm.shutdown()
+    llm.shutdown(timeout=CPU_ENGINE_EXIT_GRACE_S if device == "cpu" else None)
     llm.shutdown = lambda *args, **kwargs: None
 
 
@@ -329,7 +338,8 @@ class VLLMSampler(Sampler):
                 raise RuntimeError("the sampler is closed")
             if self._llm is not None:
                 log.error("vLLM engine died (%s); starting a new one", self._llm.dead_error)
-                await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._llm)
+                device = self.config.resolved_device
+                await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._llm, device)
                 self._llm = None
             start = asyncio.get_running_loop().run_in_executor(None, self._start_engine)
             self._llm = await asyncio.wait_for(start, self.config.engine_start_timeout_s)
@@ -375,7 +385,7 @@ class VLLMSampler(Sampler):
             if self._llm is not None:
                 # on the loop's own thread, not an executor's: at interpreter exit (the atexit
                 # close) the default executor no longer takes work; nothing else runs here now
-                _shut_down(self._llm)
+                _shut_down(self._llm, self.config.resolved_device)
                 self._llm = None
 
     def loaded_lora_ids(self, timeout_s: float = 30.0) -> set[int]:
