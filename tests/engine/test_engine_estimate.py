@@ -17,6 +17,7 @@ from ember.engine.estimate import MemoryEstimate, check_fits, estimate_memory
 from ember.engine.parallel import ParallelismConfig
 from ember.models.testing import tiny_config
 from helpers.cli import run_cli
+from helpers.zygote import run_module
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600,
@@ -146,11 +147,11 @@ def test_check_fits_refuses_with_the_numbers(qwen3_32b_dir, tiny_model_dir):
         check_fits({"big": qwen3_32b_dir}, EngineConfig(), None, available=64 << 30)
 
 
-@pytest.mark.slow  # a fresh `ember serve` (10-45 s on a loaded 2-core machine)
+@pytest.mark.slow  # a real `ember serve` process (forked from the worker's zygote: helpers.zygote)
 def test_ember_serve_refuses_a_model_that_cannot_fit(qwen3_32b_dir, tmp_path):
     """fp32 Qwen3-32B: 131 GB of parameters alone, more than this machine (or CI) has."""
-    r = ember("serve", "--model", f"big={qwen3_32b_dir}", "--data-dir", str(tmp_path / "data"), "--port", "0",
-              timeout=600)
+    r = run_module("ember.cli", ["serve", "--model", f"big={qwen3_32b_dir}", "--data-dir", str(tmp_path / "data"),
+                                 "--port", "0"], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-1000:])
     assert "model 'big' does not fit" in r.stderr and "GiB is available" in r.stderr
 

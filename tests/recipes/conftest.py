@@ -1,14 +1,10 @@
-"""Fixtures for the recipe tests: a tiny digit-sum model and a real `ember serve` subprocess."""
+"""Fixtures for the recipe tests: a tiny digit-sum model and a real `ember serve` process."""
 
 from __future__ import annotations
 
-import os
-import queue
-import subprocess
-import sys
-import threading
-
 import pytest
+
+from helpers.server import start_server
 
 API_KEY = "tml-test"
 SERVED_NAME = "tiny-digits"
@@ -24,40 +20,14 @@ def digit_model_dir(tmp_path_factory):
                             tokenizer_alphabet=ALPHABET)
 
 
-def _read_url(proc: subprocess.Popen, timeout: float) -> str:
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"ember serve did not report its URL within {timeout} s") from None
-        if "listening on" in line:
-            return line.strip().rsplit(" ", 1)[-1]
-
-
 @pytest.fixture(scope="module")
 def ember_server(digit_model_dir, tmp_path_factory):
-    """`python -m ember.cli serve` on a free loopback port; yields its base URL."""
-    data_dir = tmp_path_factory.mktemp("serve-data")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "ember.cli", "serve", "--model", f"{SERVED_NAME}={digit_model_dir}",
-           "--port", "0", "--data-dir", str(data_dir), "--api-key", API_KEY, "--log-level", "warning"]
-    stderr_path = data_dir / "stderr.txt"
-    with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    """A real `ember serve` (helpers.server) of the digit model; yields its base URL."""
+    server = start_server(digit_model_dir, tmp_path_factory.mktemp("serve"), model_name=SERVED_NAME, keys=(API_KEY,))
     try:
-        url = _read_url(proc, timeout=120)
-        yield url
-    except TimeoutError:
-        pytest.fail(f"ember serve failed to start: {stderr_path.read_text()[-3000:]}")
+        yield server.base_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        server.stop()
 
 
 class DigitCountEnv:
