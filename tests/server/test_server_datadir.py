@@ -4,13 +4,12 @@ the first's pid, before it touches the database; the first loses nothing."""
 from __future__ import annotations
 
 import pytest
-import subprocess
-import sys
 
 import tinker
 from tinker import types
 
 from helpers.server import API_KEY, MODEL_NAME, server_env, sft_datum
+from helpers.zygote import run_module
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -23,10 +22,9 @@ def test_a_second_server_on_a_data_directory_in_use_exits_2_and_the_first_loses_
         tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=2).result()
         datum = sft_datum([1, 2, 3, 4, 5])
         in_flight = [tc.forward_backward([datum], "cross_entropy") for _ in range(3)]
-        second = subprocess.run(
-            [sys.executable, "-m", "ember.cli", "serve", "--model", f"{MODEL_NAME}={tiny_model_dir}",
-             "--data-dir", str(first.data_dir), "--port", "0", "--api-key", API_KEY],
-            capture_output=True, text=True, timeout=120, env=server_env())
+        second = run_module("ember.cli", ["serve", "--model", f"{MODEL_NAME}={tiny_model_dir}", "--data-dir",
+                                          str(first.data_dir), "--port", "0", "--api-key", API_KEY],
+                            cwd=first.data_dir.parent, env=server_env(), timeout=120)
         assert second.returncode == 2, second.stderr
         line = second.stderr.strip().splitlines()[-1]
         assert line.startswith("ember serve: data directory") and f"(pid {first.proc.pid})" in line, second.stderr

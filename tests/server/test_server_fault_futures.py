@@ -6,9 +6,8 @@ The server is the real `ember serve` app wrapped by tests/server/fault_server.py
 
 from __future__ import annotations
 
+import os
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from ember.server import wire
 from ember.server.deps import model_response
 from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server
+from helpers.zygote import run_module
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -157,11 +157,8 @@ def test_start_up_on_a_corrupt_database_is_one_line_and_a_non_zero_exit(tiny_mod
     data = tmp_path / "data"
     data.mkdir()
     (data / "ember.db").write_bytes(b"this is not a database " * 512)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "serve", "--model", f"{MODEL_NAME}={tiny_model_dir}",
-         "--data-dir", str(data), "--port", "0", "--api-key", API_KEY],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = run_module("ember.cli", ["serve", "--model", f"{MODEL_NAME}={tiny_model_dir}", "--data-dir", str(data),
+                                    "--port", "0", "--api-key", API_KEY], cwd=tmp_path, env=os.environ, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
