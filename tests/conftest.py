@@ -30,40 +30,50 @@ torch.set_num_threads(1)
 # first (the Makefile passes --no-loadscope-reorder, so xdist keeps this order instead of
 # ordering files by their number of tests, which put the cookbook's 7 long tests last) and
 # the many short files fill in behind them: no worker ends the run alone on one of them.
-HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums)
+HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums); a unit's files together
+    # the unit "a local Ray cluster" (helpers.scheduling), its Ray cases back to back
+    "tests/sampling/test_sampling_pool_colocate.py",
+    "tests/sampling/test_sampling_ray_replica.py",
+    "tests/engine/test_engine_parallel.py",
+    "tests/engine/test_engine_parallel_cp.py",
+    # the unit "session samplers"
+    "tests/sampling/test_sampling_vllm.py",
+    "tests/sampling/test_sampling_lifecycle.py",
+    "tests/sampling/test_sampling_pool.py",
+    "tests/sampling/test_sampling_exactness.py",
+    "tests/sampling/test_sampling_semantics.py",
+    "tests/sampling/test_sampling_versions.py",
+    "tests/sampling/test_sampling_params.py",
+    "tests/sampling/test_sampling_prompt_extras.py",
+    # files
     "tests/recipes/test_recipes_vllm.py",
-    "tests/server/test_server_crash_checkpoints.py",
-    "tests/server/test_server_fuzz.py",
     "tests/server/test_server_two_hosts.py",
-    "tests/sampling/test_sampling_vllm_exit.py",
-    "tests/recipes/test_recipes_cookbook.py",
     "tests/test_readme.py",
-    "tests/server/test_server_restart.py",
+    "tests/server/test_server_fuzz.py",
+    "tests/sampling/test_sampling_vllm_exit.py",
+    "tests/sampling/test_sampling_vllm_weight_sync.py",
+    "tests/sampling/test_sampling_weight_sync.py",
+    "tests/recipes/test_recipes_cookbook.py",
     "tests/engine/test_engine_estimate.py",
     "tests/server/test_server_sdk_vllm.py",
-    "tests/sampling/test_sampling_vllm_weight_sync.py",
-    "tests/engine/test_engine_parallel_cp.py",
-    "tests/engine/test_engine_parallel_vocab.py",
-    "tests/sampling/test_sampling_pool_colocate.py",
-    "tests/sampling/test_sampling_weight_sync.py",
-    "tests/recipes/test_recipes_grpo_resume.py",
-    "tests/server/test_server_sdk_checkpoint_lifecycle.py",
-    "tests/sampling/test_sampling_vllm.py",
-    "tests/server/test_server_tenants_sampling.py",
     "tests/workers/test_workers_two_hosts.py",
-    "tests/server/test_server_model_loading.py",
-    "tests/server/test_server_quotas.py",
-    "tests/engine/test_engine_parallel.py",
-    "tests/server/test_server_sampler_flags.py",
+    "tests/server/test_server_tenants_sampling.py",
     "tests/server/test_server_sampler_pool.py",
-    "tests/workers/test_workers_shard_sync.py",
     "tests/engine/test_engine_chunked_memory.py",
+    "tests/server/test_server_faults.py",
     "tests/models/test_models_olmo2.py",
+    "tests/recipes/test_recipes_grpo_resume.py",
+    "tests/server/test_server_crash_checkpoints.py",
+    "tests/server/test_server_sdk_checkpoint_lifecycle.py",
+    "tests/recipes/test_recipes_ppo.py",
+    "tests/engine/test_engine_parallel_2d.py",
+    "tests/recipes/test_recipes_demo.py",
     "tests/recipes/test_recipes_vlm_sft.py",
     "tests/server/test_server_external_weights.py",
-    "tests/sampling/test_sampling_ray_replica.py",
-    "tests/recipes/test_recipes_demo.py",
-    "tests/recipes/test_recipes_ppo.py",
+    "tests/engine/test_engine_parallel_vocab.py",
+    "tests/service/test_service_restart.py",
+    "tests/server/test_server_slow_clients.py",
+    "tests/server/test_server_fault_futures.py",
 )
 
 
@@ -120,6 +130,27 @@ def pytest_runtest_setup(item):
         reason = backend_missing("vllm")
         if reason is not None:
             pytest.skip(reason=reason)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(request):
+    """This worker's local Ray cluster, started by the first test that calls `start()`
+    (helpers.ray_local); the files that take it form one xdist unit (helpers.scheduling)."""
+    from helpers.ray_local import CLUSTER, LocalRay
+
+    cluster = request.config.stash[CLUSTER] = LocalRay()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the fixtures' own teardown (the files' actors and pools are gone by then)."""
+    yield
+    from helpers.ray_local import CLUSTER, stop_after
+
+    if CLUSTER in item.config.stash:
+        stop_after(item, nextitem, item.config.stash[CLUSTER])
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ def item(nodeid: str, fixtures: tuple[str, ...], sampler: str | None = None):
 
 def test_a_units_files_share_one_scope_and_other_files_keep_their_own():
     split = SharedFixtureScheduling._split_scope  # noqa: SLF001 (xdist's seam this class overrides)
-    [(unit, paths)] = UNITS.items()
-    assert {split(None, f"{path}::test_x[vllm]") for path in paths} == {unit}
+    for unit, paths in UNITS.items():
+        assert {split(None, f"{path}::test_x[vllm]") for path in paths} == {unit}
     assert split(None, "tests/engine/test_engine_losses.py::test_y") == "tests/engine/test_engine_losses.py"
 
 

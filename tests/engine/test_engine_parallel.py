@@ -48,19 +48,16 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module", params=["process", "ray"])
-def group(request):
+def group(request, ray_cluster):
+    if request.param == "ray":
+        ray_cluster.start()
     g = make_group(request.param)
     yield g
     g.shutdown()
-    if request.param == "ray":
-        import ray
-
-        ray.shutdown()
 
 
 def make_group(runtime: str) -> WorkerGroup:
-    kwargs = {"init_kwargs": {"num_cpus": 2}} if runtime == "ray" else {}
-    return WorkerGroup.create(runtime, world_size=2, call_timeout_s=300, **kwargs)
+    return WorkerGroup.create(runtime, world_size=2, call_timeout_s=300)  # `ray`: joins the worker's cluster
 
 
 def batches():

@@ -38,15 +38,12 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["process", "ray"])
-def group(request):
-    kwargs = {"init_kwargs": {"num_cpus": 2}} if request.param == "ray" else {}
-    g = WorkerGroup.create(request.param, world_size=2, call_timeout_s=600, **kwargs)
+def group(request, ray_cluster):
+    if request.param == "ray":
+        ray_cluster.start()  # the group joins the worker's cluster
+    g = WorkerGroup.create(request.param, world_size=2, call_timeout_s=600)
     yield g
     g.shutdown()
-    if request.param == "ray":
-        import ray
-
-        ray.shutdown()
 
 
 def datums() -> list[types.Datum]:

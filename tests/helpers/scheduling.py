@@ -2,11 +2,12 @@
 
 `--dist loadfile` gives a worker one test file at a time, so that a file's module-scoped
 servers and models are made once. Session-scoped fixtures are made once per *worker*
-instead, and two are expensive: tests/sampling/conftest.py's `vllm_sampler` (a vLLM
-engine: ~25 s of CPU to start, most of it the engine core's imports) and `pool_sampler`
-(two replica processes). With files dealt out freely, both workers ended up starting both.
-`SharedFixtureScheduling` is loadfile with one change: the files that use those fixtures
-are one unit of work, so one worker runs them all and starts each fixture once.
+instead, and three are expensive: tests/sampling/conftest.py's `vllm_sampler` (a vLLM
+engine: ~25 s of CPU to start, most of it the engine core's imports), `pool_sampler` (two
+replica processes) and tests/conftest.py's `ray_cluster` (a local Ray cluster, ~10 s).
+With files dealt out freely, both workers ended up starting them. `SharedFixtureScheduling`
+is loadfile with one change: the files that use one of those fixtures are one unit of
+work, so one worker runs them all and starts the fixture once.
 
 `check_units(items)` (called at collection) fails the run when a test that takes one of
 these fixtures sits in a file outside its unit, so that the table cannot go stale silently.
@@ -31,9 +32,15 @@ UNITS: dict[str, tuple[str, ...]] = {
         "tests/sampling/test_sampling_params.py",
         "tests/sampling/test_sampling_prompt_extras.py",
     ),
+    "a local Ray cluster (ray_cluster)": (
+        "tests/engine/test_engine_parallel.py",
+        "tests/engine/test_engine_parallel_cp.py",
+        "tests/sampling/test_sampling_pool_colocate.py",
+        "tests/sampling/test_sampling_ray_replica.py",
+    ),
 }
 UNIT_OF = {path: unit for unit, paths in UNITS.items() for path in paths}
-SHARED_FIXTURES = ("vllm_sampler", "pool_sampler")  # the `sampler` parameters "vllm"/"pool" use them
+SHARED_FIXTURES = ("vllm_sampler", "pool_sampler", "ray_cluster")  # `sampler`'s "vllm"/"pool" use the first two
 
 
 class SharedFixtureScheduling(LoadFileScheduling):

@@ -132,22 +132,18 @@ def test_without_colocate_sleep_does_nothing(tiny_model_dir):
 # ---------------------------------------------------------------------- a pool, local and Ray
 @pytest.fixture(scope="module", params=[pytest.param("local", marks=pytest.mark.slow),
                                         pytest.param("ray", marks=pytest.mark.slow)])
-def pool(request, tiny_model_dir, tmp_path_factory):
+def pool(request, tiny_model_dir, tmp_path_factory, ray_cluster):
     from ember.sampling.pool import SamplerPool
 
     if request.param == "ray":
-        ray = pytest.importorskip("ray", reason="placement 'ray' needs ray: pip install 'ember[ray]'")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        pytest.importorskip("ray", reason="placement 'ray' needs ray: pip install 'ember[ray]'")
+        ray_cluster.start()
     cfg = SamplerConfig(replicas=2, placement=request.param, max_imbalance=64, **COLOCATED)
+    pool = SamplerPool(tiny_model_dir, cfg, scratch_dir=tmp_path_factory.mktemp("pool"))
     try:
-        pool = SamplerPool(tiny_model_dir, cfg, scratch_dir=tmp_path_factory.mktemp("pool"))
-        try:
-            yield pool
-        finally:
-            pool.close()
+        yield pool
     finally:
-        if request.param == "ray":
-            ray.shutdown()
+        pool.close()
 
 
 def sessions_on_each_replica(n: int = 2) -> list[str]:

@@ -39,8 +39,8 @@ def request(tokens, seed=7, max_tokens=6, **kw) -> SamplingRequest:
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_model_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def replicas(tiny_model_dir, ray_cluster):
+    ray_cluster.start()
     started = [RayReplica.start(i, str(tiny_model_dir), CONFIG, None) for i in range(2)]
     try:
         infos = [r.call("info").result(START_S) for r in started]
@@ -48,7 +48,6 @@ def replicas(tiny_model_dir):
     finally:
         for r in started:
             r.kill()
-        ray.shutdown()
 
 
 def test_replicas_answer_like_an_in_process_sampler(replicas, tiny_model_dir):
