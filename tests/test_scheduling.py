@@ -26,8 +26,8 @@ def test_a_shared_fixture_outside_its_unit_fails_the_collection():
     inside = next(iter(UNIT_OF))
     check_units([item(f"{inside}::test_a[vllm]", ("sampler",), "vllm"),
                  item("tests/engine/test_engine_losses.py::test_b", ("tiny_model_dir",)),
-                 item("tests/sampling/test_sampling_new.py::test_c[direct]", ("sampler",), "direct")])
-    for stray in (item("tests/sampling/test_sampling_new.py::test_d[pool]", ("sampler",), "pool"),
-                  item("tests/server/test_server_new.py::test_e", ("vllm_sampler",))):
+                 item("tests/sampling/test_sampling_fairness.py::test_c[direct]", ("sampler",), "direct")])
+    for stray in (item("tests/sampling/test_sampling_fairness.py::test_d[pool]", ("sampler",), "pool"),
+                  item("tests/server/test_server_limits.py::test_e", ("vllm_sampler",))):
         with pytest.raises(pytest.UsageError, match=stray.nodeid.split("::")[0]):
             check_units([stray])

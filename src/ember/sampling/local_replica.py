@@ -1,7 +1,8 @@
 """`LocalReplica`: a sampler replica in its own process on this machine (placement "local").
 
-The process is started with `spawn` (a fresh interpreter: no inherited threads, CUDA
-state or locks) and runs a `ReplicaHost` on its device. Calls travel over one
+The process forks from multiprocessing's forkserver (`ember.forkserver`: no inherited
+threads, CUDA state or locks, and torch, transformers and the sampler already imported)
+and runs a `ReplicaHost` on its device. Calls travel over one
 `multiprocessing` pipe as `(request id, op, args)`; answers come back as
 `(request id, ok, payload)`, matched to their Future by a reader thread. Neither side
 ever blocks on the other: the pool's side sends from its own thread (a stopped replica
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ember import forkserver
 from ember.sampling.config import SamplerConfig
 from ember.sampling.replica import Replica, ReplicaError, ReplicaFailed
 
@@ -46,7 +47,7 @@ class LocalReplica(Replica):
 
     @classmethod
     def start(cls, index: int, model_dir: str, config: SamplerConfig, scratch_dir: str | None) -> "LocalReplica":
-        ctx = multiprocessing.get_context("spawn")
+        ctx = forkserver.context()
         ours, theirs = ctx.Pipe(duplex=True)
         # Not daemonic: a replica's backend may start processes of its own (vLLM's engine core).
         process = ctx.Process(target=serve_replica, args=(theirs, str(model_dir), config, scratch_dir),

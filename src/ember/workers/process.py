@@ -1,9 +1,9 @@
 """`process` runtime: N local processes joined by torch.distributed (gloo on CPU, NCCL on GPU).
 
-Ranks are started through multiprocessing's *forkserver*: the server imports torch,
-transformers and ember once (`preload`), then every rank is a cheap fork of that clean,
-single-threaded process (a plain fork of the caller would inherit its threads; a spawn
-would pay the imports again per rank). They rendezvous on `tcp://127.0.0.1:<free port>`.
+Ranks are started through multiprocessing's *forkserver* (`ember.forkserver`): the server
+imports torch, transformers and ember once (`preload`), then every rank is a cheap fork of
+that clean, single-threaded process (a plain fork of the caller would inherit its threads;
+a spawn would pay the imports again per rank). They rendezvous on `tcp://127.0.0.1:<free port>`.
 
 Each rank talks to the caller over its own pipe (pickled `Request`/`Reply` bytes).
 Liveness without heartbeats that could be missed: the caller waits on the pipes *and* the
@@ -26,10 +26,11 @@ import threading
 import time
 from typing import Any
 
+from ember import forkserver
 from ember.workers.remote import RemoteRuntime, answer, dumps, pid_alive
 from ember.workers.runtime import RankContext, Reply, Request, WorkerDiedError, WorkerError, free_port, init_rank_process
 
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "ember.workers.worker", "ember.engine.torch_engine")
+DEFAULT_PRELOAD = forkserver.PRELOAD
 
 
 def _watchdog(caller_pid: int, period_s: float = 1.0) -> None:
@@ -117,9 +118,10 @@ class ProcessRuntime(RemoteRuntime):
         raise WorkerError(f"could not start {self.world_size} ranks: {last}") from last
 
     def _launch(self, port: int) -> None:
-        mp = multiprocessing.get_context(self.start_method)
         if self.start_method == "forkserver":
-            mp.set_forkserver_preload(list(self.preload))
+            mp = forkserver.context(self.preload)
+        else:
+            mp = multiprocessing.get_context(self.start_method)
         for rank in range(self.world_size):
             ctx = RankContext(rank, self.world_size, rank, self.device_type, self.backend)
             parent, child = mp.Pipe(duplex=True)
