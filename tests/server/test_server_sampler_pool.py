@@ -63,8 +63,10 @@ def _sample(client, seed: int = 1):
 
 
 def _replica_processes(server) -> list[psutil.Process]:
-    children = psutil.Process(server.proc.pid).children()
-    return [p for p in children if "spawn_main" in " ".join(p.cmdline())]  # not the resource tracker
+    """The replicas: children of the server's multiprocessing forkserver (ember.forkserver)."""
+    forkservers = [p for p in psutil.Process(server.proc.pid).children()
+                   if "multiprocessing.forkserver" in " ".join(p.cmdline())]  # not the resource tracker
+    return [replica for forkserver in forkservers for replica in forkserver.children()]
 
 
 @pytest.fixture(scope="module")
