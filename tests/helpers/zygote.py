@@ -22,7 +22,8 @@ and exits with its status, so a shell (`cmd | tee`, `$(cmd)`, `cmd &`) sees the 
 Forking is safe here because the zygote has only imported modules: it has one thread and
 has run no torch op (so no OpenMP pool exists), which `start` checks. What cannot go
 through a fork starts the usual way (`helpers.server.start_server` decides): a wrapper
-command (`prlimit`), a script, or tests of start-up itself.
+command other than `memory_cap`'s `prlimit` (the child sets that limit on itself), or tests
+of start-up itself.
 
 Protocol (one JSON object per line): the test process writes a request on the zygote's
 stdin, the zygote answers `{"id", "pid"}` once forked and `{"pid", "status"}` when it has
