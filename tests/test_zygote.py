@@ -134,7 +134,8 @@ def shell(command: str, shims: Path | None, cwd: Path, stdin: str = "") -> subpr
 
 def test_a_shim_passes_argv_cwd_env_stdin_stdout_and_the_exit_code(shims, tmp_path):
     script(tmp_path)
-    command = "python bin/probe.py 5 'two words' | tr a-z A-Z; echo rc=${PIPESTATUS[0]}; echo sub=$(python bin/probe.py 0 </dev/null | wc -l)"
+    command = ("python bin/probe.py 5 'two words' | tr a-z A-Z; echo rc=${PIPESTATUS[0]};"
+               " echo sub=$(python bin/probe.py 0 </dev/null | wc -l)")
     forked, execd = (shell(command, d, tmp_path, stdin="from stdin") for d in (shims, None))
     assert forked.returncode == execd.returncode == 0, forked.stderr
     assert forked.stdout == execd.stdout

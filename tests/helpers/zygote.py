@@ -292,7 +292,8 @@ class _Shims:
             data = conn.recv(4096)
         except OSError:
             data = b""
-        signals = [json.loads(line)["signal"] for line in data.splitlines() if line.strip()] if data else [signal.SIGTERM]
+        lines = [line for line in data.splitlines() if line.strip()]
+        signals = [json.loads(line)["signal"] for line in lines] if data else [signal.SIGTERM]
         for sig in signals:
             try:
                 os.kill(pid, sig)
