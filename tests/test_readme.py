@@ -9,6 +9,9 @@ Every fenced block of README.md is either run or checked:
   environment a bash block exports to the blocks after it. A background process a block
   starts (`ember serve ... &`) lives until the last block has run. The only edit is the
   port: `8000` becomes a free port, so that the suite never collides with a real server.
+  The commands run as written; what starts them is spared the imports: `ember`, `tinker`
+  and `python` are shims forking from a zygote started with the blocks' environment
+  (helpers.zygote; EMBER_TEST_FORK=0 execs the venv's own executables instead).
 * checked, when the line before the fence is `<!-- readme-test: check (REASON) -->` (a
   GPU, a Ray cluster, a PostgreSQL server, or a command that is this suite itself): every
   `ember ...` command in it is parsed by ember's real argument parser (and a recipe's
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from helpers.zygote import FORK, Zygote, write_shims
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -116,13 +121,20 @@ def free_port() -> int:
 class Runner:
     """Runs blocks in one directory and environment; remembers process groups to stop."""
 
-    def __init__(self, work: Path, port: int) -> None:
+    def __init__(self, work: Path, port: int, shims: Path | None = None) -> None:
         self.work, self.port, self.groups = work, port, []
         venv_bin = str(Path(sys.executable).parent)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "EMBER_"))}
         self.env.update(PATH=venv_bin + os.pathsep + self.env.get("PATH", ""), HOME=str(work / "home"),
                         PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         (work / "home").mkdir()
+        self.python, self.zygote = sys.executable, None
+        if shims is not None and FORK:  # the venv's executables, forked: ahead of venv_bin on PATH
+            self.zygote = Zygote.start(self.env)
+        if self.zygote is not None:
+            write_shims(self.zygote, shims)
+            self.python = str(shims / "python")
+            self.env["PATH"] = str(shims) + os.pathsep + self.env["PATH"]
 
     def run(self, block: Block, index: int) -> None:
         code = block.code.replace("8000", str(self.port))
@@ -138,7 +150,7 @@ class Runner:
         else:
             script = self.work / f"block{index}.py"
             script.write_text(code)
-            argv = [sys.executable, str(script)]
+            argv = [self.python, str(script)]
         with out.open("w") as f:
             proc = subprocess.Popen(argv, cwd=self.work, env=self.env, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -158,6 +170,8 @@ class Runner:
                 os.killpg(pgid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        if self.zygote is not None:  # after the SIGTERMs: a shim forwards its own to its command
+            self.zygote.close()
 
 
 def test_every_readme_block_is_run_or_checked():
@@ -172,10 +186,10 @@ def test_every_readme_block_is_run_or_checked():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # every snippet in turn, the cookbook recipe included: over the suite's 600 s
-def test_readme_snippets_run_as_written(tmp_path):
+def test_readme_snippets_run_as_written(tmp_path, tmp_path_factory):
     blocks = [b for b in readme_blocks(README.read_text()) if b.check_reason is None]
     assert sum(b.lang == "python" for b in blocks) >= 3, "the README lost its runnable python examples"
-    runner = Runner(tmp_path, free_port())
+    runner = Runner(tmp_path, free_port(), shims=tmp_path_factory.mktemp("readme-shims"))
     try:
         for i, block in enumerate(blocks):
             if block.lang in ("bash", "python"):

@@ -1,9 +1,14 @@
 """helpers.zygote: `ember` commands forked from a pre-imported process behave like `python -m
-ember.cli` processes (exit status, output, signals, environment, address-space cap)."""
+ember.cli` processes (exit status, output, signals, environment, address-space cap), a forked
+script like `python SCRIPT`, and a shim on PATH like the executable it stands for (argv,
+working directory, environment, stdin/stdout, exit status, SIGTERM)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +16,7 @@ import pytest
 
 from helpers.cli import run_cli
 from helpers.server import server_env
-from helpers.zygote import Zygote
+from helpers.zygote import Zygote, write_shims
 
 pytestmark = pytest.mark.slow  # a zygote imports torch, transformers and ember's server once
 
@@ -80,3 +85,83 @@ def test_the_address_space_cap_is_the_childs_limit(zygote, tiny_model_dir, tmp_p
     finally:
         proc.terminate()
         assert proc.wait(30) in (0, -signal.SIGTERM)
+
+
+SCRIPT = """\
+import os, signal, sys, time
+print("argv", sys.argv[1:], "path0", sys.path[0], "cwd", os.getcwd(), "env", os.environ.get("ZYGOTE_TEST"))
+print("stdin", sys.stdin.read().upper(), flush=True)
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "sleep":  # until a SIGTERM, which it answers with exit code 7
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(600)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def shims(zygote, tmp_path_factory):
+    return write_shims(zygote, tmp_path_factory.mktemp("shims"))
+
+
+def script(tmp_path) -> Path:
+    path = tmp_path / "bin" / "probe.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_a_forked_script_prints_and_exits_like_python_running_it(zygote, tmp_path):
+    probe, env = script(tmp_path), {**server_env(), "ZYGOTE_TEST": "x"}
+    out = tmp_path / "out.txt"
+    out.touch()
+    proc = zygote.spawn(["3", "a b"], cwd=tmp_path, env=env, stdout=out, stderr=out, script=probe)
+    assert proc.wait(60) == 3
+    done = subprocess.run([sys.executable, str(probe), "3", "a b"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert done.returncode == 3
+    assert out.read_text() == done.stdout
+    assert f"path0 {probe.parent}" in done.stdout  # (what the forked script must match)
+
+
+def shell(command: str, shims: Path | None, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess:
+    path = os.pathsep.join([*([str(shims)] if shims else []), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**server_env(), "PATH": path, "ZYGOTE_TEST": "y"}
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, input=stdin, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_shim_passes_argv_cwd_env_stdin_stdout_and_the_exit_code(shims, tmp_path):
+    script(tmp_path)
+    command = ("python bin/probe.py 5 'two words' | tr a-z A-Z; echo rc=${PIPESTATUS[0]};"
+               " echo sub=$(python bin/probe.py 0 </dev/null | wc -l)")
+    forked, execd = (shell(command, d, tmp_path, stdin="from stdin") for d in (shims, None))
+    assert forked.returncode == execd.returncode == 0, forked.stderr
+    assert forked.stdout == execd.stdout
+    assert "STDIN FROM STDIN" in forked.stdout and "RC=5" in forked.stdout.upper() and "sub=2" in forked.stdout
+    assert forked.stderr == execd.stderr == "to stderr\nto stderr\n"
+
+
+def test_an_ember_shim_runs_the_console_script(shims, tmp_path):
+    forked, execd = (shell("ember serve --no-such-flag", d, tmp_path) for d in (shims, None))
+    assert forked.returncode == execd.returncode == 2
+    assert forked.stderr == execd.stderr and "unrecognized arguments: --no-such-flag" in forked.stderr
+    forked, execd = (shell("ember limits --markdown", d, tmp_path) for d in (shims, None))
+    assert forked.returncode == 0 and forked.stdout == execd.stdout
+
+
+def test_a_shim_forwards_sigterm_and_exits_with_its_commands_status(shims, tmp_path):
+    probe, pid_file = script(tmp_path), tmp_path / "pid"
+    proc = subprocess.Popen([str(shims / "python"), str(probe), "sleep", str(pid_file)], cwd=tmp_path,
+                            env=server_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    assert child != proc.pid  # the command is the zygote's fork, not the shim
+    os.killpg(proc.pid, signal.SIGTERM)  # as the README test stops a block's process group
+    assert proc.wait(60) == 7  # the command's own SIGTERM handler ran, and its code came back
+    assert not Path(f"/proc/{child}").exists()

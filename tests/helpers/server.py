@@ -23,12 +23,11 @@ from pathlib import Path
 
 import httpx
 
-from helpers.zygote import Zygote
+from helpers.zygote import FORK, Zygote
 
-# `ember serve` starts fork from a pre-imported process (helpers.zygote) unless
-# EMBER_TEST_FORK=0; a start from a script, or wrapped in a command other than
-# `memory_cap`'s `prlimit` (the child sets that limit on itself), execs.
-FORK = os.environ.get("EMBER_TEST_FORK", "1") != "0"
+# `ember serve` (or a script taking its arguments) starts forked from a pre-imported process
+# (helpers.zygote) unless EMBER_TEST_FORK=0; one wrapped in a command other than
+# `memory_cap`'s `prlimit` (the child sets that limit on itself) execs.
 
 API_KEY = "tml-test"
 OTHER_KEY = "tml-other"
@@ -143,8 +142,10 @@ def start_server(
     ]
     full_env = {**server_env(), **(env or {})}
     cap = _address_space_cap(wrap)
-    forkable = FORK and not script and (not wrap or cap is not None)
-    proc = _forked_serve(cmd[len(wrap) + 3:], workdir, full_env, stderr_path, cap) if forkable else None
+    forkable = FORK and (not wrap or cap is not None)
+    argv = cmd[len(wrap) + 1 + len(launcher):]  # after `python SCRIPT` or `python -m ember.cli serve`
+    argv = argv if script else ["serve", *argv]
+    proc = _forked_serve(argv, workdir, full_env, stderr_path, cap, script) if forkable else None
     if proc is None:
         stderr = open(stderr_path, "w")  # noqa: SIM115 (owned by the child)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=full_env)
@@ -163,9 +164,9 @@ def _address_space_cap(wrap: Sequence[str]) -> int | None:
 
 
 def _forked_serve(argv: Sequence[str], workdir: Path, env: Mapping[str, str], stderr_path: Path,
-                  address_space_cap: int | None):
-    """`ember ARGV` forked from this worker's zygote (helpers.zygote: the imports are made once
-    per pytest worker), its stdout a FIFO read like a pipe, under `address_space_cap` bytes
+                  address_space_cap: int | None, script: Path | None):
+    """`ember ARGV` (or `python SCRIPT ARGV`) forked from this worker's zygote (helpers.zygote:
+    the imports are made once per pytest worker), its stdout a FIFO read like a pipe, under `address_space_cap` bytes
     (RLIMIT_AS, what `prlimit --as` sets) if given; None when no zygote can run."""
     zygote = Zygote.shared(server_env())
     if zygote is None:
@@ -173,7 +174,7 @@ def _forked_serve(argv: Sequence[str], workdir: Path, env: Mapping[str, str], st
     fifo = workdir / f"stdout-{time.time_ns()}.fifo"
     os.mkfifo(fifo)
     proc = zygote.spawn(argv, cwd=None, env=env, stdout=fifo, stderr=stderr_path,
-                        address_space_cap=address_space_cap)
+                        address_space_cap=address_space_cap, script=script)
     proc.stdout = _FifoLines(fifo)
     return proc
 

@@ -9,7 +9,6 @@ import base64
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ from tinker import types
 from helpers.datums import random_sft_datums, sft_datum
 from ember.models.testing import target_logprobs
 from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY
+from helpers.zygote import run_module
 from ember.service.unsupported import UNSUPPORTED
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
@@ -38,10 +38,9 @@ def _train(tc) -> torch.Tensor:
 
 
 def _cli(server, *args: str, key: str = API_KEY) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("tinker")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tinker.cli"]
+    """The SDK's own CLI (`python -m tinker.cli`, what the `tinker` script runs), forked (helpers.zygote)."""
     env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
-    return subprocess.run([*cmd, "--format", "json", *args], env=env, capture_output=True, text=True, timeout=300)
+    return run_module("tinker.cli", ["--format", "json", *args], env=env, timeout=300)
 
 
 def _download(server, path: str, out: Path) -> Path:

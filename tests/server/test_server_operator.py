@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from ember.server.middleware import RequestLogMiddleware
 from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server
+from helpers.zygote import run_module
 
 
 def logged_app(path: Path, **kwargs) -> TestClient:
@@ -92,7 +91,6 @@ def test_operator_log_lines_and_the_sdk_cli(tiny_model_dir, tmp_path):
 def run_cli(base_url: str, *args: str) -> str:
     """The SDK's own CLI (`tinker ...`), configured only by the environment, as a user runs it."""
     env = dict(os.environ, TINKER_BASE_URL=base_url, TINKER_API_KEY=API_KEY)
-    cli = Path(sys.executable).parent / "tinker"
-    proc = subprocess.run([str(cli), "--format", "json", *args], env=env, capture_output=True, text=True, timeout=120)
+    proc = run_module("tinker.cli", ["--format", "json", *args], env=env, timeout=120)  # forked: helpers.zygote
     assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
     return proc.stdout

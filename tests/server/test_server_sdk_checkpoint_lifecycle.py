@@ -9,8 +9,6 @@ directory the restart test reopens."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import tinker
 from tinker import types
 
 from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server, wait_until
+from helpers.zygote import run_module
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -244,8 +243,7 @@ def test_the_sdk_cli_publishes_sets_ttl_and_unpublishes(server, rest, trained):
     env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": API_KEY}
 
     def cli(*args: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", *args], env=env,
-                              capture_output=True, text=True, timeout=120)
+        done = run_module("tinker.cli", ["checkpoint", *args], env=env, timeout=120)  # forked: helpers.zygote
         assert done.returncode == 0, done.stdout + done.stderr
 
     cli("publish", state)
