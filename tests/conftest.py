@@ -48,12 +48,12 @@ HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums);
     # files
     "tests/recipes/test_recipes_vllm.py",
     "tests/server/test_server_two_hosts.py",
-    "tests/test_readme.py",
     "tests/server/test_server_fuzz.py",
     "tests/sampling/test_sampling_vllm_exit.py",
     "tests/sampling/test_sampling_vllm_weight_sync.py",
     "tests/sampling/test_sampling_weight_sync.py",
     "tests/recipes/test_recipes_cookbook.py",
+    "tests/test_readme.py",
     "tests/engine/test_engine_estimate.py",
     "tests/server/test_server_sdk_vllm.py",
     "tests/workers/test_workers_two_hosts.py",
