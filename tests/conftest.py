@@ -18,11 +18,18 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
-import torch
 
-# One intra-op thread: the suite starts servers and worker processes beside pytest, and
-# oversubscribed threads slow tiny-model ops by orders of magnitude on a 2-core machine.
-torch.set_num_threads(1)
+
+def pytest_configure(config):
+    """One intra-op thread: the suite starts servers and worker processes beside pytest, and
+    oversubscribed threads slow tiny-model ops by orders of magnitude on a 2-core machine.
+    Not in the xdist controller, which runs no test: importing torch there costs every run
+    ~2 s of CPU before the workers start."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
+
+    torch.set_num_threads(1)
 
 
 # The files that each hold an xdist worker for minutes under `make test` (a server and
@@ -90,6 +97,8 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_collection_modifyitems(config, items):
     heavy_first(items)
+    import torch
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CPU-only CI)")
