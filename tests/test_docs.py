@@ -76,8 +76,9 @@ def bad_references(path: Path, root: Path = ROOT) -> list[str]:
     and every citation of the notes outside the repository, as 'file:line: what'."""
     problems: list[str] = []
     protocol, architecture = root / "docs" / "protocol.md", root / "docs" / "architecture.md"
+    shown = path.relative_to(root) if path.is_relative_to(root) else path  # once per file: it is most of the time
     for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-        where = f"{path.relative_to(root) if path.is_relative_to(root) else path}:{lineno}"
+        where = f"{shown}:{lineno}"
         for m in _OUTSIDE.finditer(line):
             problems.append(f"{where}: cites {m.group(0)}, which is not in the repository (cite docs/)")
         for m in _PATH.finditer(line):

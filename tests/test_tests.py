@@ -86,9 +86,10 @@ def _reads(tree: ast.AST, own: set[str]) -> Iterator[tuple[int, str]]:
                     yield from ((node.lineno, part) for part in parts)
 
 
-def violations(source: str, rel: str, ember_names: frozenset[str]) -> list[str]:
-    """`rel:line: name` for each private name of ember that `source` reads and `ALLOWED` does not list."""
-    tree = ast.parse(source)
+def violations(source: str | ast.AST, rel: str, ember_names: frozenset[str]) -> list[str]:
+    """`rel:line: name` for each private name of ember that `source` (text or its parsed
+    tree) reads and `ALLOWED` does not list."""
+    tree = ast.parse(source) if isinstance(source, str) else source
     own = _defined(tree)
     return [f"{rel}:{line}: {name}" for line, name in sorted(_reads(tree, own))
             if _private(name) and name in ember_names and (rel, name) not in ALLOWED]
@@ -98,9 +99,22 @@ def _test_files() -> list[Path]:
     return sorted(p for p in TESTS.rglob("*.py") if p.name != Path(__file__).name)
 
 
-def test_no_test_reads_a_private_attribute_of_ember():
+@functools.cache
+def scan_test_files() -> tuple[list[str], list[str]]:
+    """(`violations`, `manager_reads`) over every file under tests/ but this one: each file
+    is parsed once for both checks, and its tree dropped (keeping ~170 trees alive makes
+    the garbage collector's passes cost more than a second parse)."""
     names = ember_private_names()
-    found = [v for p in _test_files() for v in violations(p.read_text(), p.relative_to(TESTS.parent).as_posix(), names)]
+    private, managers = [], []
+    for p in _test_files():
+        rel, tree = p.relative_to(TESTS.parent).as_posix(), ast.parse(p.read_text())
+        private += violations(tree, rel, names)
+        managers += manager_reads(tree, rel)
+    return private, managers
+
+
+def test_no_test_reads_a_private_attribute_of_ember():
+    found = scan_test_files()[0]
     assert not found, ("tests read private names of ember; use a public interface or add a documented "
                        "read-only accessor (or, for an object that is not ember's, an ALLOWED entry):\n"
                        + "\n".join(found))
@@ -141,11 +155,11 @@ class Mine:
 MANAGERS = ("store", "runs", "futures")
 
 
-def manager_reads(source: str, rel: str) -> list[str]:
+def manager_reads(source: str | ast.AST, rel: str) -> list[str]:
     """`rel:line: svc.<manager>` for each read of a Service's state manager (`svc.store`,
-    `service.runs`, `client.service.futures`, ...)."""
+    `service.runs`, `client.service.futures`, ...) in `source` (text or its parsed tree)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
         if isinstance(node, ast.Attribute) and node.attr in MANAGERS:
             owner = node.value
             if (isinstance(owner, ast.Name) and owner.id in ("svc", "service")) or \
@@ -155,7 +169,7 @@ def manager_reads(source: str, rel: str) -> list[str]:
 
 
 def test_no_test_drives_a_services_state_managers():
-    found = [v for p in _test_files() for v in manager_reads(p.read_text(), p.relative_to(TESTS.parent).as_posix())]
+    found = scan_test_files()[1]
     assert not found, "tests drive a Service's managers; go through a request, a fail point or the database:\n" + \
         "\n".join(found)
     sample = "svc.runs.submit_op(1)\nsc.service.store.update(x)\nsvc.retrieve(1)\nother.runs\n"

@@ -138,13 +138,19 @@ def test_a_shared_training_lane_serves_owners_round_robin(make_service, tmp_path
     svc = make_service()
     alice_runs = [new_run(svc, "alice", seed=s) for s in range(4)]
     _, bob = new_run(svc, "bob", seed=9)
-    # Occupy the shared lane for 3 s (a fifth run being created) while everything queues.
-    failpoints.arm("run.create_engine", "sleep:3", times=1)
+    # Hold the shared lane (a fifth run being created) until everything has queued: an event,
+    # not a sleep, so the test waits no longer than the submissions take.
+    failpoints.arm("run.create_engine", "hold", times=1)
     try:
         gate = svc.create_model("alice", alice_runs[0][0], 1, "tiny", types.LoraConfig(rank=4))
+        deadline = time.monotonic() + 30
+        while failpoints.pending("run.create_engine") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not failpoints.pending("run.create_engine"), "the creation never reached the lane"
         subs = [svc.forward_backward("alice", mid, s, random_sft_datums(2, VOCAB, seed=s), "cross_entropy")
                 for s in (1, 2, 3) for _, mid in alice_runs]
         bob_sub = svc.forward_backward("bob", bob, 1, random_sft_datums(2, VOCAB, seed=7), "cross_entropy")
+        failpoints.release("run.create_engine")
         for sub in [gate, *subs, bob_sub]:
             result(svc, "alice" if sub is not bob_sub else "bob", sub)
     finally:
