@@ -57,7 +57,10 @@ HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums);
     "tests/sampling/test_sampling_prompt_extras.py",
     # files
     "tests/recipes/test_recipes_vllm.py",
+    # the unit "two hosts"
     "tests/server/test_server_two_hosts.py",
+    "tests/workers/test_workers_two_hosts.py",
+    # files
     "tests/server/test_server_fuzz.py",
     "tests/sampling/test_sampling_vllm_exit.py",
     "tests/sampling/test_sampling_vllm_weight_sync.py",
@@ -66,7 +69,6 @@ HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums);
     "tests/test_readme.py",
     "tests/engine/test_engine_estimate.py",
     "tests/server/test_server_sdk_vllm.py",
-    "tests/workers/test_workers_two_hosts.py",
     "tests/server/test_server_tenants_sampling.py",
     "tests/server/test_server_sampler_pool.py",
     "tests/engine/test_engine_chunked_memory.py",
@@ -172,10 +174,13 @@ def ray_cluster(request):
 def pytest_runtest_teardown(item, nextitem):
     """After the fixtures' own teardown (the files' actors and pools are gone by then)."""
     yield
-    from helpers.ray_local import CLUSTER, stop_after
+    from helpers.ray_local import CLUSTER
+    from helpers.scheduling import stop_after
 
     if CLUSTER in item.config.stash:
-        stop_after(item, nextitem, item.config.stash[CLUSTER])
+        stop_after(item, nextitem, "ray_cluster", item.config.stash[CLUSTER].stop)
+    if TWO_HOSTS in item.config.stash:
+        stop_after(item, nextitem, "two_hosts", item.config.stash[TWO_HOSTS].stop)
 
 
 @pytest.fixture(scope="session")
@@ -241,14 +246,27 @@ def database_url(request, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- two hosts
+TWO_HOSTS = pytest.StashKey["SharedTwoHosts"]()  # the session's two hosts, in `config.stash`
+
+
+@pytest.fixture(scope="session")
+def two_hosts_pair(request):
+    """The session's `helpers.netns.SharedTwoHosts` (started by `two_hosts`); always torn down."""
+    from helpers.netns import SharedTwoHosts
+
+    shared = request.config.stash[TWO_HOSTS] = SharedTwoHosts()
+    yield shared
+    shared.stop()
+
+
 @pytest.fixture(scope="module")
-def two_hosts():
-    """Two network namespaces joined by a veth pair, a Ray node in each (helpers.netns);
-    always torn down, pass or fail. Skips, saying why, where namespaces cannot be made."""
-    from helpers.netns import TwoHosts, unavailable_reason
+def two_hosts(two_hosts_pair):
+    """Two network namespaces joined by a veth pair, a Ray node in each (helpers.netns), shared
+    by the files of one xdist unit (helpers.scheduling) and stopped after the last test that
+    takes it, pass or fail. Skips, saying why, where namespaces cannot be made."""
+    from helpers.netns import unavailable_reason
 
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason=reason)
-    with TwoHosts.start() as hosts:
-        yield hosts
+    return two_hosts_pair.start()

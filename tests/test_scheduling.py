@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.scheduling import UNIT_OF, UNITS, SharedFixtureScheduling, check_units
+from helpers.scheduling import UNIT_OF, UNITS, SharedFixtureScheduling, check_units, stop_after
 
 
 def item(nodeid: str, fixtures: tuple[str, ...], sampler: str | None = None):
@@ -31,3 +31,12 @@ def test_a_shared_fixture_outside_its_unit_fails_the_collection():
                   item("tests/server/test_server_limits.py::test_e", ("vllm_sampler",))):
         with pytest.raises(pytest.UsageError, match=stray.nodeid.split("::")[0]):
             check_units([stray])
+
+
+def test_a_shared_fixture_stops_after_the_last_test_of_a_run_that_takes_it():
+    stops = []
+    a, b = item("tests/x.py::a", ("two_hosts",)), item("tests/x.py::b", ("two_hosts", "tmp_path"))
+    other = item("tests/x.py::c", ("tmp_path",))
+    for current, nxt in ((a, b), (other, a), (b, other), (a, None)):
+        stop_after(current, nxt, "two_hosts", lambda: stops.append(current.nodeid))
+    assert stops == ["tests/x.py::b", "tests/x.py::a"]  # not while the next test takes it, nor by a test without it

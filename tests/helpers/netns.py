@@ -227,6 +227,27 @@ class TwoHosts:
             time.sleep(0.2)
 
 
+class SharedTwoHosts:
+    """One `TwoHosts` for the files of the unit "two hosts" (helpers.scheduling): started by
+    the first test that asks, stopped after the last test that takes it (conftest's teardown
+    hook) or at the session's end; a test that asks after that gets a new pair. A namespace
+    pair with a Ray node in each costs ~20 s of two-host set-up; each file's job still stops
+    what it started (its server, its actors) before the next uses the cluster."""
+
+    def __init__(self) -> None:
+        self.hosts: TwoHosts | None = None
+
+    def start(self) -> TwoHosts:
+        if self.hosts is None:
+            self.hosts = TwoHosts.start()
+        return self.hosts
+
+    def stop(self) -> None:
+        hosts, self.hosts = self.hosts, None
+        if hosts is not None:
+            hosts.stop()
+
+
 def _netns_pids(ns: str) -> list[int]:
     out = _ip("netns", "pids", ns, check=False)
     return [int(p) for p in out.stdout.split() if p.isdigit()]

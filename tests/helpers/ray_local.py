@@ -5,7 +5,7 @@ machine), and four files used to start and stop their own. The session fixture
 `ray_cluster` (tests/conftest.py) hands them this object: `start()` brings the cluster up
 on first use (a file whose Ray cases are deselected starts nothing). `helpers.scheduling`
 keeps those files on one worker, one after another, so one cluster serves all; it is
-stopped after the last test that takes it (`stop_after`: its daemons would otherwise idle
+stopped after the last test that takes it (`helpers.scheduling.stop_after`: its daemons would otherwise idle
 on for the rest of the worker's run), or at the session's end. Each file still removes
 what it made (its actors, worker groups and pools).
 """
@@ -18,13 +18,6 @@ NUM_CPUS = 2  # one per rank or replica; the files ask for at most two at a time
 
 
 CLUSTER = pytest.StashKey["LocalRay"]()  # the session's LocalRay, in `config.stash`
-
-
-def stop_after(item, nextitem, cluster: "LocalRay") -> None:
-    """After `item`'s teardown: stop the cluster when the next test (xdist tells each worker
-    its next test before running the current one) does not take it."""
-    if "ray_cluster" in item.fixturenames and (nextitem is None or "ray_cluster" not in nextitem.fixturenames):
-        cluster.stop()
 
 
 class LocalRay:

@@ -38,9 +38,13 @@ UNITS: dict[str, tuple[str, ...]] = {
         "tests/sampling/test_sampling_pool_colocate.py",
         "tests/sampling/test_sampling_ray_replica.py",
     ),
+    "two hosts with a Ray node each (two_hosts)": (
+        "tests/server/test_server_two_hosts.py",
+        "tests/workers/test_workers_two_hosts.py",
+    ),
 }
 UNIT_OF = {path: unit for unit, paths in UNITS.items() for path in paths}
-SHARED_FIXTURES = ("vllm_sampler", "pool_sampler", "ray_cluster")  # `sampler`'s "vllm"/"pool" use the first two
+SHARED_FIXTURES = ("vllm_sampler", "pool_sampler", "ray_cluster", "two_hosts")  # `sampler`'s "vllm"/"pool" use the first two
 
 
 class SharedFixtureScheduling(LoadFileScheduling):
@@ -67,3 +71,13 @@ def check_units(items: Iterable[pytest.Item]) -> None:
     if stray:
         raise pytest.UsageError(f"{stray} use {SHARED_FIXTURES}: add them to a unit in tests/helpers/scheduling.py "
                                 "(one worker starts each shared fixture once)")
+
+
+def stop_after(item: pytest.Item, nextitem: pytest.Item | None, fixture: str, stop) -> None:
+    """After `item`'s teardown: `stop()` what `fixture` holds when `item` took it and the next
+    test (xdist tells each worker its next test before running the current one) does not:
+    its daemons would otherwise idle on for the rest of the worker's run. A unit's files run
+    back to back on one worker, so this is after its last test; a later test that takes the
+    fixture again starts it anew."""
+    if fixture in item.fixturenames and (nextitem is None or fixture not in nextitem.fixturenames):
+        stop()
