@@ -128,6 +128,9 @@ def pytest_collection_finish(session):
     interpreter's last collection still finalizes them. The collector is off while
     collecting (pytest_configure): imports make long-lived objects, not garbage, and its
     full passes over them cost a worker ~2 s."""
+    from helpers.scheduling import LAST_USERS, last_users
+
+    session.config.stash[LAST_USERS] = last_users(session.items)
     gc.freeze()
     gc.enable()
     atexit.register(gc.unfreeze)
@@ -163,24 +166,23 @@ def pytest_runtest_setup(item):
 def ray_cluster(request):
     """This worker's local Ray cluster, started by the first test that calls `start()`
     (helpers.ray_local); the files that take it form one xdist unit (helpers.scheduling)."""
-    from helpers.ray_local import CLUSTER, LocalRay
+    from helpers.ray_local import LocalRay
+    from helpers.scheduling import register_stop
 
-    cluster = request.config.stash[CLUSTER] = LocalRay()
+    cluster = LocalRay()
+    register_stop(request.config, "ray_cluster", cluster.stop)
     yield cluster
     cluster.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the fixtures' own teardown (the files' actors and pools are gone by then)."""
+    """After the fixtures' own teardown (the files' actors and pools are gone by then): the
+    shared session fixtures whose last test this was stop (helpers.scheduling)."""
     yield
-    from helpers.ray_local import CLUSTER
-    from helpers.scheduling import stop_after
+    from helpers.scheduling import stop_finished
 
-    if CLUSTER in item.config.stash:
-        stop_after(item, nextitem, "ray_cluster", item.config.stash[CLUSTER].stop)
-    if TWO_HOSTS in item.config.stash:
-        stop_after(item, nextitem, "two_hosts", item.config.stash[TWO_HOSTS].stop)
+    stop_finished(item)
 
 
 @pytest.fixture(scope="session")
@@ -246,15 +248,14 @@ def database_url(request, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- two hosts
-TWO_HOSTS = pytest.StashKey["SharedTwoHosts"]()  # the session's two hosts, in `config.stash`
-
-
 @pytest.fixture(scope="session")
 def two_hosts_pair(request):
     """The session's `helpers.netns.SharedTwoHosts` (started by `two_hosts`); always torn down."""
     from helpers.netns import SharedTwoHosts
+    from helpers.scheduling import register_stop
 
-    shared = request.config.stash[TWO_HOSTS] = SharedTwoHosts()
+    shared = SharedTwoHosts()
+    register_stop(request.config, "two_hosts", shared.stop)
     yield shared
     shared.stop()
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.scheduling import UNIT_OF, UNITS, SharedFixtureScheduling, check_units, stop_after
+from helpers.scheduling import (LAST_USERS, UNIT_OF, UNITS, SharedFixtureScheduling, check_units, last_users,
+                                register_stop, stop_finished)
 
 
 def item(nodeid: str, fixtures: tuple[str, ...], sampler: str | None = None):
@@ -33,10 +34,19 @@ def test_a_shared_fixture_outside_its_unit_fails_the_collection():
             check_units([stray])
 
 
-def test_a_shared_fixture_stops_after_the_last_test_of_a_run_that_takes_it():
+def test_a_shared_fixture_stops_after_its_last_test_in_the_collection():
+    config = SimpleNamespace(stash=pytest.Stash())
+    a, b = item("tests/x.py::a", ("two_hosts",)), item("tests/y.py::b[vllm]", ("sampler",), "vllm")
+    c, d = item("tests/x.py::c", ("two_hosts", "tmp_path")), item("tests/x.py::d", ("tmp_path",))
+    order = [a, b, c, d]
+    config.stash[LAST_USERS] = last_users(order)
+    assert config.stash[LAST_USERS] == {"two_hosts": "tests/x.py::c", "vllm_sampler": "tests/y.py::b[vllm]"}
     stops = []
-    a, b = item("tests/x.py::a", ("two_hosts",)), item("tests/x.py::b", ("two_hosts", "tmp_path"))
-    other = item("tests/x.py::c", ("tmp_path",))
-    for current, nxt in ((a, b), (other, a), (b, other), (a, None)):
-        stop_after(current, nxt, "two_hosts", lambda: stops.append(current.nodeid))
-    assert stops == ["tests/x.py::b", "tests/x.py::a"]  # not while the next test takes it, nor by a test without it
+    register_stop(config, "two_hosts", lambda: stops.append("two_hosts"))
+    register_stop(config, "vllm_sampler", lambda: stops.append("vllm_sampler"))
+    for done in order:  # each test's teardown, in order: not after `a` though `b` does not take it
+        done.config = config
+        stop_finished(done)
+        stops.append(done.nodeid)
+    assert stops == ["tests/x.py::a", "vllm_sampler", "tests/y.py::b[vllm]", "two_hosts", "tests/x.py::c",
+                     "tests/x.py::d"]

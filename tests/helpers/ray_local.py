@@ -5,19 +5,14 @@ machine), and four files used to start and stop their own. The session fixture
 `ray_cluster` (tests/conftest.py) hands them this object: `start()` brings the cluster up
 on first use (a file whose Ray cases are deselected starts nothing). `helpers.scheduling`
 keeps those files on one worker, one after another, so one cluster serves all; it is
-stopped after the last test that takes it (`helpers.scheduling.stop_after`: its daemons would otherwise idle
-on for the rest of the worker's run), or at the session's end. Each file still removes
-what it made (its actors, worker groups and pools).
+stopped after the last test that takes it (`helpers.scheduling.stop_finished`: its daemons
+would otherwise idle on for the rest of the worker's run), or at the session's end. Each
+file still removes what it made (its actors, worker groups and pools).
 """
 
 from __future__ import annotations
 
-import pytest
-
 NUM_CPUS = 2  # one per rank or replica; the files ask for at most two at a time
-
-
-CLUSTER = pytest.StashKey["LocalRay"]()  # the session's LocalRay, in `config.stash`
 
 
 class LocalRay:

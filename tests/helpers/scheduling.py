@@ -2,15 +2,23 @@
 
 `--dist loadfile` gives a worker one test file at a time, so that a file's module-scoped
 servers and models are made once. Session-scoped fixtures are made once per *worker*
-instead, and three are expensive: tests/sampling/conftest.py's `vllm_sampler` (a vLLM
+instead, and four are expensive: tests/sampling/conftest.py's `vllm_sampler` (a vLLM
 engine: ~25 s of CPU to start, most of it the engine core's imports), `pool_sampler` (two
-replica processes) and tests/conftest.py's `ray_cluster` (a local Ray cluster, ~10 s).
-With files dealt out freely, both workers ended up starting them. `SharedFixtureScheduling`
+replica processes), and tests/conftest.py's `ray_cluster` (a local Ray cluster, ~10 s) and
+`two_hosts` (two network namespaces with a Ray node each, ~20 s). With files dealt out
+freely, both workers ended up starting them. `SharedFixtureScheduling`
 is loadfile with one change: the files that use one of those fixtures are one unit of
 work, so one worker runs them all and starts the fixture once.
 
 `check_units(items)` (called at collection) fails the run when a test that takes one of
 these fixtures sits in a file outside its unit, so that the table cannot go stale silently.
+
+Each of these fixtures registers how to stop it (`register_stop`); `stop_finished(item)`,
+after each test's teardown, stops those whose last test in the collection (`LAST_USERS`,
+from `last_users` at collection's end) was `item`. A worker runs its tests in collection
+order (a unit's in one go), so nothing after that test takes the fixture: an idle vLLM
+engine core burns ~4% of a core, and a Ray cluster's or two hosts' daemons more, for the
+rest of the worker's run. A worker that never runs that test keeps the fixture to the end.
 """
 
 from __future__ import annotations
@@ -73,11 +81,23 @@ def check_units(items: Iterable[pytest.Item]) -> None:
                                 "(one worker starts each shared fixture once)")
 
 
-def stop_after(item: pytest.Item, nextitem: pytest.Item | None, fixture: str, stop) -> None:
-    """After `item`'s teardown: `stop()` what `fixture` holds when `item` took it and the next
-    test (xdist tells each worker its next test before running the current one) does not:
-    its daemons would otherwise idle on for the rest of the worker's run. A unit's files run
-    back to back on one worker, so this is after its last test; a later test that takes the
-    fixture again starts it anew."""
-    if fixture in item.fixturenames and (nextitem is None or fixture not in nextitem.fixturenames):
-        stop()
+LAST_USERS = pytest.StashKey[dict]()  # fixture -> node id of its last test (`last_users`)
+STOPS = pytest.StashKey[dict]()  # fixture -> how to stop it (`register_stop`)
+
+
+def last_users(items: Iterable[pytest.Item]) -> dict[str, str]:
+    """Each shared fixture -> the node id of the last test in `items` that takes it."""
+    return {name: item.nodeid for item in items for name in shared_fixtures(item)}
+
+
+def register_stop(config: pytest.Config, fixture: str, stop) -> None:
+    """`fixture` (one of SHARED_FIXTURES) is stopped by `stop()` after its last test."""
+    config.stash.setdefault(STOPS, {})[fixture] = stop
+
+
+def stop_finished(item: pytest.Item) -> None:
+    """After `item`'s teardown: stop the shared fixtures whose last test it was."""
+    last = item.config.stash.get(LAST_USERS, {})
+    for fixture, stop in item.config.stash.get(STOPS, {}).items():
+        if last.get(fixture) == item.nodeid:
+            stop()

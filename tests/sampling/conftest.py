@@ -16,6 +16,7 @@ from tinker import types
 from ember.models import load_model
 from ember.sampling import SamplerConfig, TorchSampler
 from ember.sampling.registry import backend_missing
+from helpers.scheduling import register_stop
 
 
 @pytest.fixture(scope="session")
@@ -56,18 +57,21 @@ POOL_CONFIG = dict(replicas=2, max_slots=16, max_len=256, forward="direct", repl
 
 
 @pytest.fixture(scope="session")
-def pool_sampler(tiny_model_dir):
-    """The session's SamplerPool: two TorchSampler replica processes (fp32 CPU)."""
+def pool_sampler(tiny_model_dir, request):
+    """The session's SamplerPool: two TorchSampler replica processes (fp32 CPU), closed after
+    its last test (helpers.scheduling)."""
     from ember.sampling.pool import SamplerPool
 
     s = SamplerPool(tiny_model_dir, SamplerConfig(**POOL_CONFIG))
+    register_stop(request.config, "pool_sampler", s.close)
     yield s
     s.close()
 
 
 @pytest.fixture(scope="session")
-def vllm_sampler(tiny_model_dir):
-    """The session's VLLMSampler (fp32 CPU, raw logprobs, LoRA up to rank 8)."""
+def vllm_sampler(tiny_model_dir, request):
+    """The session's VLLMSampler (fp32 CPU, raw logprobs, LoRA up to rank 8), closed after its
+    last test (helpers.scheduling: an idle engine core burns ~4% of a core)."""
     reason = vllm_missing()
     if reason:
         pytest.skip(reason=reason)
@@ -75,6 +79,7 @@ def vllm_sampler(tiny_model_dir):
 
     cfg = SamplerConfig(backend="vllm", max_slots=16, max_len=256, max_logprobs=128, max_loras=4, max_lora_rank=8)
     s = VLLMSampler.from_pretrained(tiny_model_dir, cfg)
+    register_stop(request.config, "vllm_sampler", s.close)
     yield s
     s.close()
 

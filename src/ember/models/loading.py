@@ -56,8 +56,10 @@ def load_model(
     model loads through its family's class (`model_class`), vision tower included.
     """
     p = _check_dir(path)
-    model = model_class(AutoConfig.from_pretrained(p, local_files_only=True)).from_pretrained(
+    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    model = model_class(config).from_pretrained(
         p,
+        config=config,  # read once: from the path, transformers would parse config.json again
         dtype=resolve_dtype(dtype),
         attn_implementation=attn_implementation,
         local_files_only=True,
