@@ -36,11 +36,12 @@ def test_a_shared_fixture_outside_its_unit_fails_the_collection():
 
 def test_a_shared_fixture_stops_after_its_last_test_in_the_collection():
     config = SimpleNamespace(stash=pytest.Stash())
-    a, b = item("tests/x.py::a", ("two_hosts",)), item("tests/y.py::b[vllm]", ("sampler",), "vllm")
-    c, d = item("tests/x.py::c", ("two_hosts", "tmp_path")), item("tests/x.py::d", ("tmp_path",))
+    hosts, vllm = "tests/workers/test_workers_two_hosts.py", "tests/sampling/test_sampling_vllm.py"
+    a, b = item(f"{hosts}::a", ("two_hosts",)), item(f"{vllm}::b[vllm]", ("sampler",), "vllm")
+    c, d = item(f"{hosts}::c", ("two_hosts", "tmp_path")), item(f"{hosts}::d", ("tmp_path",))
     order = [a, b, c, d]
     config.stash[LAST_USERS] = last_users(order)
-    assert config.stash[LAST_USERS] == {"two_hosts": "tests/x.py::c", "vllm_sampler": "tests/y.py::b[vllm]"}
+    assert config.stash[LAST_USERS] == {"two_hosts": c.nodeid, "vllm_sampler": b.nodeid}
     stops = []
     register_stop(config, "two_hosts", lambda: stops.append("two_hosts"))
     register_stop(config, "vllm_sampler", lambda: stops.append("vllm_sampler"))
@@ -48,5 +49,4 @@ def test_a_shared_fixture_stops_after_its_last_test_in_the_collection():
         done.config = config
         stop_finished(done)
         stops.append(done.nodeid)
-    assert stops == ["tests/x.py::a", "vllm_sampler", "tests/y.py::b[vllm]", "two_hosts", "tests/x.py::c",
-                     "tests/x.py::d"]
+    assert stops == [a.nodeid, "vllm_sampler", b.nodeid, "two_hosts", c.nodeid, d.nodeid]
