@@ -50,6 +50,34 @@ def test_request_log_bodies_on_keeps_them(tmp_path):
     assert entry["json"] == {"a": 1} and entry["response"]["echo"] == {"a": 1} and "headers" in entry
 
 
+def test_a_request_is_in_the_log_before_its_answer_leaves(tmp_path):
+    """A client may act on an answer at once (and a test read the log): the entry is
+    written before the last body message is sent, not after."""
+    import asyncio
+
+    log = tmp_path / "requests.jsonl"
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"a": ', "more_body": True})
+        await send({"type": "http.response.body", "body": b"1}"})
+
+    logged_when_sent = []
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            logged_when_sent.append(len(log.read_text().splitlines()))
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}"}
+
+    scope = {"type": "http", "method": "POST", "path": "/api/v1/forward_backward", "headers": []}
+    asyncio.run(RequestLogMiddleware(app, path=str(log), bodies=True)(scope, receive, send))
+    assert logged_when_sent == [0, 1]  # not before the answer is complete; before its last bytes go
+    assert json.loads(log.read_text())["response"] == {"a": 1}
+
+
 def test_request_log_rotates_by_size(tmp_path):
     log = tmp_path / "requests.jsonl"
     with logged_app(log, max_bytes=1000) as http:

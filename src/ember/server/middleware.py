@@ -124,6 +124,13 @@ class RequestLogMiddleware:
             entry["headers"] = {h: v for h in _LOGGED_HEADERS if (v := _header(scope, h.encode())) is not None}
         request_body, response_body = bytearray(), bytearray()
         state = scope.setdefault("state", {})
+        written = False
+
+        def write_once() -> None:
+            nonlocal written
+            if not written:
+                written = True
+                self._write(self._finish(entry, state, request_body, response_body))
 
         async def logged_receive() -> Message:
             message = await receive()
@@ -137,14 +144,17 @@ class RequestLogMiddleware:
                 if self.bodies:
                     entry["response_type"] = next((v.decode() for k, v in message.get("headers", ())
                                                    if k.lower() == b"content-type"), None)
-            elif self.bodies and message["type"] == "http.response.body" and len(response_body) < _LOG_BODY_LIMIT:
-                response_body.extend(message.get("body", b""))
+            elif message["type"] == "http.response.body":
+                if self.bodies and len(response_body) < _LOG_BODY_LIMIT:
+                    response_body.extend(message.get("body", b""))
+                if not message.get("more_body", False):
+                    write_once()  # before the answer's last bytes leave: no client sees it unlogged
             await send(message)
 
         try:
             await self.app(scope, logged_receive, logged_send)
         finally:
-            self._write(self._finish(entry, state, request_body, response_body))
+            write_once()  # an answer never finished (an error, a client gone)
 
     def _finish(self, entry: dict[str, Any], state: dict, request_body: bytearray, response_body: bytearray) -> str:
         now = time.time()
