@@ -31,7 +31,7 @@ from ember.engine.parallel import ParallelismConfig
 from helpers.datums import random_rl_datums, random_sft_datums
 from ember.workers import EngineSpec, GroupEngine, WorkerDiedError, WorkerError, WorkerGroup
 from helpers import ranks as wt
-from helpers.layouts import close, close_dicts, close_outputs
+from helpers.layouts import check_params_then_align, close, close_dicts, close_outputs
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -114,8 +114,8 @@ def check_layout_matches_world1(group, tiny_model_dir, layout):
     try:
         assert eng.info().parallel == LAYOUTS[layout].as_dict()
         train_both(group, ref, eng, name)
-        close_dicts(group.run(name, wt.full_params), wt.full_params(ref), "param after SGD")
         close_dicts(dict(eng.named_weights()), dict(ref.named_weights()), "named_weights")
+        check_params_then_align(ref, group.run(name, wt.full_params))
         datums = random_sft_datums(4, vocab=84, seed=9)
         close_outputs(eng.forward(datums, "cross_entropy"), ref.forward(datums, "cross_entropy"))
         # grad-norm and clipping are global (across shards), as in one process
@@ -185,6 +185,7 @@ def test_world2_chunked_head_matches_world1_unchunked(group, tiny_model_dir, lay
     eng = GroupEngine.create(group, name, spec)
     try:
         train_both(group, ref, eng, name)
+        check_params_then_align(ref, group.run(name, wt.full_params))
         datums = random_sft_datums(4, vocab=84, seed=9)
         close_outputs(eng.forward(datums, "cross_entropy"), ref.forward(datums, "cross_entropy"))
     finally:

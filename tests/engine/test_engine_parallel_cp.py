@@ -20,7 +20,7 @@ from ember.engine.parallel import ParallelismConfig
 from ember.models.testing import build_tiny_model
 from ember.workers import EngineSpec, GroupEngine, WorkerGroup
 from helpers import ranks as wt
-from helpers.layouts import close, close_outputs
+from helpers.layouts import check_params_then_align, close, close_outputs
 from helpers.datums import random_rl_datums, random_sft_datums
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
@@ -79,6 +79,7 @@ def test_cp2_equals_world1_on_a_4096_token_datum(group, model_dirs, family, mode
         close_grads(group.run(name, wt.full_grads), wt.full_grads(ref))
         # a loss that reads logprobs and advantages, without backward, after an update
         group.run(name, wt.sgd_step, 1e-3), wt.sgd_step(ref, 1e-3)
+        check_params_then_align(ref, group.run(name, wt.full_params))
         rl = random_rl_datums(3, vocab=84, min_len=200, max_len=700, seed=5)
         close_outputs(eng.forward(rl, "importance_sampling"), ref.forward(rl, "importance_sampling"))
     finally:

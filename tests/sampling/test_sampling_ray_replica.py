@@ -105,9 +105,11 @@ def long_call(replica, num_samples: int = 2):
 def test_replica_whose_process_dies_fails_pending_calls_and_the_other_keeps_serving(replicas):
     started, infos = replicas
     victim, other = started[1], long_call(started[0])
-    # a queue of work far longer than the test waits (thousands of decode steps), so the last
-    # call is still pending when the process dies, however fast the machine
-    queued = [long_call(victim, num_samples=8) for _ in range(12)]
+    # a queue of work far longer than the test waits (10,000 decode steps of 8 sequences), so
+    # the last call is still pending when the process dies, however fast the machine: 12 calls
+    # (1,200 steps) took 0.74 s in process on an AMD EPYC host, and one run had them all
+    # answered before the kill 0.5 s below
+    queued = [long_call(victim, num_samples=8) for _ in range(100)]
     time.sleep(0.5)  # the first requests have reached the actor
     os.kill(infos[1].pid, signal.SIGKILL)
     with pytest.raises(ReplicaFailed, match="died"):
