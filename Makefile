@@ -1,7 +1,7 @@
 # Two entry points that work on a fresh machine: `make demo` and `make test`.
 # `make test-fast` is the development loop: the suite without the tests marked `slow`
-# (about a minute on an idle 2-core machine). It runs every package's in-process and unit
-# tests: engine, losses, models, sampling (TorchSampler, both forwards), service and client
+# (half a minute to a minute on an idle 2-core machine, by its CPU). It runs every package's
+# in-process and unit tests: engine, losses, models, sampling (TorchSampler, both forwards), service and client
 # (in-process ServiceClient, SQLite), workers' and server's unit tests, recipe units, and
 # the repository checks (docs, tests). It leaves out (`make test` runs them): `ember serve`
 # subprocesses and the SDK over HTTP, recipe runs, vLLM, PostgreSQL cases, sampler replica
