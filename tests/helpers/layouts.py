@@ -36,7 +36,7 @@ def close_outputs(got: types.ForwardBackwardOutput, want: types.ForwardBackwardO
             close(g[key].to_torch(), w[key].to_torch(), f"datum {i} {key}")
 
 
-def check_params_then_align(ref, layout_params: dict, what: str = "param after SGD") -> None:
+def check_params_then_align(ref, layout_params: dict) -> None:
     """After training both engines: the layout's parameters equal the world-1 reference's
     (`close_dicts`), then the reference takes the layout's parameters, so that a forward
     compared next runs the two layouts on the same weights.
@@ -46,5 +46,5 @@ def check_params_then_align(ref, layout_params: dict, what: str = "param after S
     on an AMD EPYC host, adding 3e-7 of random noise to a tiny Qwen3's trained LoRA (the
     size of tp=2's drift after three SGD steps) moved one logprob by 1.9e-4 and most by ~1e-6.
     """
-    close_dicts(layout_params, full_params(ref), what)
+    close_dicts(layout_params, full_params(ref), "param after SGD")
     set_params(ref, layout_params)
