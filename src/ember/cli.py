@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "train": ("ember.recipes.train_cli", "run a recipe: ember train sft|grpo|ppo|reward_model --config file.toml"),
     "tiny-model": ("ember.models.cli", "write a tiny random-weight model + tokenizer to a directory (to try ember)"),
     "limits": ("ember.server.limits_table", "every bound the server enforces (--markdown: README's table)"),
+    "hub-link": ("ember.models.hub_link", "make a local model directory answer to a hub id (ember hub-link ORG/NAME DIR)"),
     "estimate": ("ember.engine.estimate_cli", "per-rank memory of training a model: ember estimate --model DIR --tokens N"),
     "db": ("ember.service.db_cli", "the service database: ember db upgrade|current --data-dir DIR | --database-url URL"),
 }
