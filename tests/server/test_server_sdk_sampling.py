@@ -135,6 +135,23 @@ def test_sampler_is_a_snapshot(sc):
     assert np.abs(np.array(new[1:]) - np.array(before[1:])).max() > 1e-3
 
 
+def test_inflight_sampling_clients_follow_the_newest_inflight_save(ember_server, sc):
+    """kind="inflight" over HTTP (tinker.types.SamplingClientKind): the SDK sends the kind, and a
+    client made by an earlier in-flight save samples the newest one from its next request on."""
+    tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4, seed=9).result()
+    mark = ember_server.log_mark()
+    first = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    assert ember_server.requests_since(mark, "/save_weights_for_sampler")[0]["json"]["kind"] == "inflight"
+    before = first.compute_logprobs(PROMPT).result()
+    tc.forward_backward([sft_datum(PROMPT.to_ints() + [3])], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert first.compute_logprobs(PROMPT).result() == before  # not published yet
+    second = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    after = np.array(second.compute_logprobs(PROMPT).result()[1:])
+    assert np.abs(after - np.array(before[1:])).max() > 1e-3
+    np.testing.assert_allclose(np.array(first.compute_logprobs(PROMPT).result()[1:]), after, rtol=0, atol=1e-6)
+
+
 def test_sampler_handle_reconnects_for_its_owner_only(ember_server, trained):
     """get_sampler_handle / SamplingClient.from_sampler_handle (SDK-side, carrying no
     credentials): the owner's key samples the same weights again; another key gets 404."""

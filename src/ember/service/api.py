@@ -342,7 +342,9 @@ class ServiceAPI(abc.ABC):
         * sampling_session_seq_id: snapshots the current weights (immutable, contract 4)
           into a new sampling session of the run's session (idempotent on
           (session_id, sampling_session_seq_id)) → ...Internal(sampling_session_id=...).
-          `kind="inflight"` is treated as "snapshot" (documented simplification).
+          `kind="inflight"`: the weights also become the run's in-flight target; this
+          sampling session and the run's earlier in-flight ones sample from the newest
+          target from their next request on (docs/architecture.md#in-flight-weights).
         """
 
     @abc.abstractmethod

@@ -337,6 +337,11 @@ class Service(ServiceAPI):
         if (path is None) == (sampling_session_seq_id is None):
             return self.runs.reject(owner, "SaveWeightsForSampler", "save_weights_for_sampler needs exactly one of "
                                     "path (a name) and sampling_session_seq_id", model_id=model_id)
+        if kind not in ("snapshot", "inflight") or (kind == "inflight" and path is not None):
+            return self.runs.refuse_op(owner, model_id, seq_id, "SaveWeightsForSampler", UserError(
+                "save_weights_for_sampler: kind must be 'snapshot' or 'inflight', and 'inflight' only without a "
+                f"path (save_weights_and_get_sampling_client); got kind={kind!r}"
+                + (f" with path {path!r}" if path is not None else "")))
         if path is not None:
             def op(run: LiveRun):
                 check_samplable(run.spec)
@@ -353,7 +358,7 @@ class Service(ServiceAPI):
                 self._check_new_sampler(run.owner, run.session_id, sampling_session_seq_id)
                 sid = self.samplers.create_from_weights(
                     run.owner, run.session_id, sampling_session_seq_id, run.spec.base, engine.named_weights(),
-                    run.spec.lora_config, run.run_id,
+                    run.spec.lora_config, run.run_id, inflight=kind == "inflight",
                 )
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
         if seq_id is None:  # unordered (not sent by SDK 0.38.0, which always numbers training calls)

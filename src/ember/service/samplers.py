@@ -133,6 +133,17 @@ class LiveSampler:
     base: BaseModel
     version: Any  # WeightVersion | None (None = base weights)
     model_path: str | None = None  # loaded from this checkpoint: readable again on every sample
+    follows: str | None = None  # kind="inflight": the run whose in-flight target it samples from
+
+
+@dataclass
+class InflightTarget:
+    """A run's in-flight weights (`kind="inflight"`): the newest such save, which every
+    in-flight sampling session of the run samples from (docs/architecture.md#in-flight-weights)."""
+
+    session_id: str
+    generation: int  # 1 for the run's first in-flight save, +1 for each later one
+    version: Any
 
 
 class QueuedWork:
@@ -199,6 +210,7 @@ class SamplerManager:
         self._sync_listeners: list[Callable[[str, float], None]] = []
         # run_id -> (its session id, tinker path, base, version): `sync_saved`
         self._synced: dict[str, tuple[str, str, BaseModel, Any]] = {}
+        self._inflight: dict[str, InflightTarget] = {}  # run_id -> its in-flight target
 
     # ------------------------------------------------------------------ backends and versions
     def backend(self, base: BaseModel) -> Any:
@@ -361,16 +373,43 @@ class SamplerManager:
 
     def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,
                             weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None,
-                            source_run_id: str) -> str:
-        """Snapshot a run's current weights (called on the run's lane)."""
+                            source_run_id: str, inflight: bool = False) -> str:
+        """Snapshot a run's current weights (called on the run's lane). `inflight`: the
+        weights also become the run's in-flight target, which this sampling session and
+        every earlier in-flight one of the run sample from, from their next request on."""
         row = self._existing(session_id, seq)
         if row is not None and row.id in self._live.get(session_id, {}):
-            return row.id
+            return row.id  # a retried save: done already
         version = self._load(base, weights, lora)
+        if inflight:
+            self._publish(source_run_id, session_id, version)
         if row is None:
             row = self._new_row(owner, session_id, seq, base, None, source_run_id)
-        self._remember(LiveSampler(row.id, owner, session_id, base, version))
+        self._remember(LiveSampler(row.id, owner, session_id, base, version,
+                                   follows=source_run_id if inflight else None))
         return row.id
+
+    def _publish(self, run_id: str, session_id: str, version: Any) -> None:
+        with self._lock:
+            previous = self._inflight.get(run_id)
+            generation = previous.generation + 1 if previous is not None else 1
+            self._inflight[run_id] = InflightTarget(session_id, generation, version)
+        log.debug("run %s: in-flight weights generation %d published", run_id, generation)
+
+    def inflight_generation(self, run_id: str) -> int:
+        """How many in-flight saves run `run_id` has published (0: none; for inspection)."""
+        with self._lock:
+            target = self._inflight.get(run_id)
+        return target.generation if target is not None else 0
+
+    def _version_for(self, live: LiveSampler) -> Any:
+        """The weights a new request of `live` samples from: its own snapshot, or for an
+        in-flight session the run's newest in-flight target (fixed for the whole request)."""
+        if live.follows is None:
+            return live.version
+        with self._lock:
+            target = self._inflight.get(live.follows)
+        return target.version if target is not None else live.version
 
     def loaded_count(self, owner: str) -> int:
         """Sampling sessions of `owner` loaded now (`limits.max_sampling_sessions_per_key`)."""
@@ -474,7 +513,7 @@ class SamplerManager:
             work = request_work(kwargs, getattr(getattr(backend, "config", None), "default_max_tokens", 128))
             self.queued.reserve(live.owner, *work)
             reserved = work
-            request = SamplingRequest(version=live.version, sequence_ids=sub.sample_sequence_ids,
+            request = SamplingRequest(version=self._version_for(live), sequence_ids=sub.sample_sequence_ids,
                                       owner=live.owner, session=live.sampler_id, **kwargs)
             fut = backend.submit(request)
         except ValueError as exc:  # UserError is one too
@@ -533,6 +572,8 @@ class SamplerManager:
                 self._by_id.pop(sampler_id, None)
             for run_id in [r for r, entry in self._synced.items() if entry[0] == session_id]:
                 del self._synced[run_id]  # its runs are unloaded: their saved paths read files again
+            for run_id in [r for r, target in self._inflight.items() if target.session_id == session_id]:
+                del self._inflight[run_id]
 
     def close(self) -> None:
         with self._lock:
@@ -540,6 +581,7 @@ class SamplerManager:
             self._live.clear()
             self._by_id.clear()
             self._synced.clear()
+            self._inflight.clear()
         for s in samplers:
             try:
                 s.close()
