@@ -35,6 +35,7 @@ from tinker import types
 
 from ember.engine.optimizers import OPTIMIZERS, params_name
 from ember.service import external, rest
+from ember.service.fidelity import logprob_gap_metrics
 from ember.service.checkpoint_store import CheckpointStore, check_ttl
 from ember.service.api import ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError
 from ember.service.config import ServiceConfig, WorkersConfig
@@ -258,6 +259,7 @@ class Service(ServiceAPI):
             # resolved on the lane, in seq_id order: a sample finished before this op ran
             batch = self.records.resolve(run.owner, run.session_id, data) if loss_fn == "stable_reinforce" else data
             out = engine.forward(batch, loss_fn, cfg) if forward_only else engine.forward_backward(batch, loss_fn, cfg)
+            out.metrics.update(logprob_gap_metrics(batch, out.loss_fn_outputs))
             self.metric_history.record(run.run_id, run.steps, "forward" if forward_only else "forward_backward",
                                        out.metrics)
             return out
