@@ -68,7 +68,7 @@ def expand(pattern: str) -> list[str]:
 def table_rows(section: str) -> list[Row]:
     rows = []
     for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 3 or not re.match(r"`(load_dataset|get_dataset_config_names)\(", cells[0]):
             continue
         ticks = [re.findall(r"`([^`]+)`", c) for c in cells]
@@ -162,7 +162,7 @@ def concrete_calls(call: str, layouts: dict[str, Layout]) -> list[tuple[dict, di
             wanted = [split] if split is not None else layout.splits(config)
             out.append(({"func": node.func.id, "args": [value(a) for a in node.args],
                          "kwargs": {k.arg: value(k.value) for k in node.keywords}, "split": split},
-                        {"splits": {s: [f"{repo}/{r}" for r in layout.files[(config, s)]] for s in wanted}}))
+                        {"splits": {s: [f"{repo}/{r}" for r in layout.files.get((config, s), [])] for s in wanted}}))
     return out
 
 
@@ -268,13 +268,37 @@ def test_the_documented_readme_configs_are_the_ones_checked():
     assert example.group(1) == Layout("openai/gsm8k", gsm8k.files).readme()
 
 
-def test_each_documented_data_set_is_one_the_cookbook_reads():
-    """Each data set id in the table occurs, quoted, in tinker-cookbook 0.6.1's sources."""
+def cookbook_package() -> Path:
     spec = importlib.util.find_spec("tinker_cookbook")
     if spec is None or not spec.origin:
         pytest.skip("tinker-cookbook is not installed (`make test` installs it)")
-    package = Path(spec.origin).parent
-    sources = "\n".join(p.read_text() for p in [*package.glob("recipes/**/*.py"), package / "distillation/datasets.py"])
+    return Path(spec.origin).parent
+
+
+def test_each_documented_data_set_is_one_the_cookbook_reads():
+    """Each data set id in the table occurs, quoted, in tinker-cookbook 0.6.1's sources."""
+    package = cookbook_package()
+    files = [*(package / "recipes").rglob("*.py"), package / "distillation" / "datasets.py"]
+    sources = "\n".join(p.read_text() for p in files)
     calls = [c for r in documented_rows() for c in r.calls]
     missing = [c for c in calls if f'"{ast.literal_eval(ast.parse(c, mode="eval").body.args[0])}"' not in sources]
     assert not missing, f"not read by the installed tinker-cookbook: {missing}"
+
+
+def test_every_recipe_entry_point_has_a_row():
+    """Every module of the cookbook's recipes that runs as `python -m` is in the recipe table
+    (itself or its package), and every module the table names exists."""
+    recipes = cookbook_package() / "recipes"
+    named = set()
+    for line in section_text().splitlines():
+        cells = line.strip().strip("|").split("|")
+        if len(cells) == 4:
+            named |= {t for t in re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+)*)`", cells[0])}
+    assert len(named) >= 30, f"README's recipe table lost rows: {sorted(named)}"
+    exists = {m for m in named if (recipes / m.replace(".", "/")).with_suffix(".py").is_file()
+              or (recipes / m.replace(".", "/")).is_dir()}
+    assert exists == named, f"not a module of tinker_cookbook.recipes: {sorted(named - exists)}"
+    entry = {".".join(p.relative_to(recipes).with_suffix("").parts) for p in recipes.glob("**/*.py")
+             if re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)}
+    unlisted = [m for m in sorted(entry) if not any(m == n or m.startswith(n + ".") for n in named)]
+    assert not unlisted, f"recipe entry points missing from README's table: {unlisted}"
