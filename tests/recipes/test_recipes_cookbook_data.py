@@ -125,7 +125,7 @@ def stand_in_row(fields: list[str], marker: str) -> dict:
 
 
 def write_layout(work: Path, layout: Layout, fields: list[str]) -> None:
-    for (config, split), rels in layout.files.items():
+    for rels in layout.files.values():
         for rel in rels:
             path = work / layout.repo / str(rel).replace("CLASS", "{" + ",".join(CLASSES) + "}")
             for concrete in expand(str(path)):
@@ -140,6 +140,11 @@ def write_layout(work: Path, layout: Layout, fields: list[str]) -> None:
                                                       for i in range(ROWS)))
     if layout.configured:
         (work / layout.repo / "README.md").write_text(layout.readme())
+
+
+def bound(arg: ast.expr, binding: dict[str, str | None]) -> object:
+    """A call's argument: a literal as written, or the value a bare `config`/`split` stands for."""
+    return binding[arg.id] if isinstance(arg, ast.Name) else ast.literal_eval(arg)
 
 
 def concrete_calls(call: str, layouts: dict[str, Layout]) -> list[tuple[dict, dict]]:
@@ -158,10 +163,9 @@ def concrete_calls(call: str, layouts: dict[str, Layout]) -> list[tuple[dict, di
         for split in layout.splits(config) if isinstance(named.get("split"), ast.Name) else [
                 ast.literal_eval(named["split"]) if "split" in named else None]:
             binding = {"config": config, "split": split}
-            value = lambda v: binding[v.id] if isinstance(v, ast.Name) else ast.literal_eval(v)  # noqa: E731
             wanted = [split] if split is not None else layout.splits(config)
-            out.append(({"func": node.func.id, "args": [value(a) for a in node.args],
-                         "kwargs": {k.arg: value(k.value) for k in node.keywords}, "split": split},
+            out.append(({"func": node.func.id, "args": [bound(a, binding) for a in node.args],
+                         "kwargs": {k.arg: bound(k.value, binding) for k in node.keywords}, "split": split},
                         {"splits": {s: [f"{repo}/{r}" for r in layout.files.get((config, s), [])] for s in wanted}}))
     return out
 
