@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "tiny-model": ("ember.models.cli", "write a tiny random-weight model + tokenizer to a directory (to try ember)"),
     "limits": ("ember.server.limits_table", "every bound the server enforces (--markdown: README's table)"),
     "estimate": ("ember.engine.estimate_cli", "per-rank memory of training a model: ember estimate --model DIR --tokens N"),
+    "doctor": ("ember.doctor", "check this machine for ember: devices, versions, collectives, logprobs (--json)"),
     "db": ("ember.service.db_cli", "the service database: ember db upgrade|current --data-dir DIR | --database-url URL"),
 }
 
