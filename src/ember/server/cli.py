@@ -71,9 +71,10 @@ def check_memory(service, workers) -> None:
                reserved=sampler_reserved_bytes(service))
 
 
-def sampler_reserved_bytes(service) -> int:
+def sampler_reserved_bytes(service, gpu_total_bytes: int | None = None) -> int:
     """The most GPU memory a vLLM sampler takes beside the trainer on the trainer's own GPU
-    while it trains (not colocated: a colocated sampler sleeps then); 0 when none does."""
+    while it trains (not colocated: a colocated sampler sleeps then); 0 when none does.
+    `gpu_total_bytes`: the GPU's size (default: asked of the device when needed)."""
     from ember.engine.config import cuda_index
 
     engine = service.config.engine
@@ -82,13 +83,14 @@ def sampler_reserved_bytes(service) -> int:
         return 0
     most = 0
     for name in service.registry.names():
-        cfg = resolve(service.registry.resolve(name))
+        cfg = resolve(service.registry.resolve(name), gpu_total_bytes)
         beside = any(cuda_index(d) == cuda_index(engine.device) for d in (cfg.devices or [cfg.device]))
         if cfg.backend == "vllm" and beside and not cfg.colocate:
-            import torch
+            if gpu_total_bytes is None:
+                import torch
 
-            total = int(torch.cuda.mem_get_info(torch.device(engine.device))[1])
-            most = max(most, int(cfg.resolved_gpu_memory_utilization * total))
+                gpu_total_bytes = int(torch.cuda.mem_get_info(torch.device(engine.device))[1])
+            most = max(most, int(cfg.resolved_gpu_memory_utilization * gpu_total_bytes))
     return most
 
 
