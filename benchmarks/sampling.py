@@ -29,7 +29,8 @@ Ratios are computed from process CPU time (`time.process_time`) with 1 torch thr
 depend on what the other tenants do (wall times are printed too). With more than one
 thread, use `--clock wall`. `--device cuda[:N]` (and `--dtype bfloat16`) runs both sides on a
 GPU (the samplers, the HF model, the sync's engine) and times in wall time with
-`torch.cuda.synchronize()` at each end: CPU time misses a GPU's work. Last line: `generate_ratio=<a> mixed_ratio=<b> sync_ratio=<c>`.
+`torch.cuda.synchronize()` at each end: CPU time misses a GPU's work. Last line:
+`generate_ratio=<a> mixed_ratio=<b> sync_ratio=<c>`.
 
 `--backend vllm` compares VLLMSampler with TorchSampler and HF `generate` in one run, on the
 2.4M-parameter model (head_dim 32, which vLLM's CPU attention needs), in WALL time (vLLM's

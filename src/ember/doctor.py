@@ -137,8 +137,8 @@ def check_driver(setup: Setup) -> tuple[str, str, dict]:
     if torch.version.cuda is None:
         return "FAIL", f"driver {driver}, but this torch is a CPU build: install a CUDA build of torch", data
     if not torch.cuda.is_available():
-        return "FAIL", (f"driver {driver} and torch built for CUDA {torch.version.cuda}, yet torch sees no GPU: "
-                        "the driver may be too old for that CUDA (torch 2.13 from PyPI is CUDA 13.0: driver >= 580)"), data
+        return "FAIL", (f"driver {driver} and torch built for CUDA {torch.version.cuda}, yet torch sees no GPU: the "
+                        "driver may be too old for that CUDA (torch 2.13 from PyPI is CUDA 13.0: driver >= 580)"), data
     return "PASS", f"driver {driver}; torch built for CUDA {torch.version.cuda}", data
 
 
@@ -347,11 +347,12 @@ def check_memory(setup: Setup) -> tuple[str, str, dict]:
     engine.optim_step(types.AdamParams(learning_rate=1e-3))
     est = estimate_memory(setup.model_dir, engine=cfg, tokens=tokens)
     if cuda:
-        measured, predicted, rtol, what = torch.cuda.max_memory_allocated(setup.device) - base, est.peak, \
-            GPU_PEAK_RTOL, "peak allocated"
+        measured, predicted = torch.cuda.max_memory_allocated(setup.device) - base, est.peak
+        rtol, what = GPU_PEAK_RTOL, "peak allocated"
     else:
         state = state_bytes(engine)
-        measured, predicted = state["params"] + grads + state["optimizer"], est.parameters + est.gradients + est.optimizer
+        measured = state["params"] + grads + state["optimizer"]
+        predicted = est.parameters + est.gradients + est.optimizer
         rtol, what = STATE_RTOL, "parameters + gradients + optimizer state"
     err = abs(measured - predicted) / predicted
     status = "PASS" if err <= rtol else "FAIL"

@@ -124,7 +124,8 @@ def test_fsdp2_fp16_autocast_computes_in_fp16(nccl_group, tiny_model_dir):
     datums = random_sft_datums(4, vocab=84, seed=5)
     layout = ParallelismConfig(dp_shard=2)
     outs = {}
-    for name, cfg in (("fp32", EngineConfig(device="cuda")), ("fp16", EngineConfig(device="cuda", autocast_dtype="float16"))):
+    configs = {"fp32": EngineConfig(device="cuda"), "fp16": EngineConfig(device="cuda", autocast_dtype="float16")}
+    for name, cfg in configs.items():
         eng = GroupEngine.create(nccl_group, name, EngineSpec(str(tiny_model_dir), cfg, layout))
         try:
             outs[name] = [o["logprobs"].to_torch() for o in eng.forward(datums, "cross_entropy").loss_fn_outputs]

@@ -317,6 +317,7 @@ def check_fits(models: dict[str, str | os.PathLike], engine: EngineConfig, paral
     less the `reserved` bytes a sampler beside the trainer takes (vLLM's memory share)."""
     parallel = parallel or ParallelismConfig()
     avail = (available_memory(engine.device) if available is None else available) - reserved
+    beside = f" beside the sampler ({reserved / GiB:.2f} GiB)" if reserved else ""
     share = parallel.world_size if not engine.device.startswith("cuda") else 1
     for name, directory in models.items():
         try:  # advisory for what cannot be estimated: the run that names it gets the loading error
@@ -331,7 +332,7 @@ def check_fits(models: dict[str, str | os.PathLike], engine: EngineConfig, paral
                 f"estimated {smallest.peak / GiB:.2f} GiB per rank x {share} rank(s) even as a LoRA rank-1 run "
                 f"(parameters {smallest.parameters / GiB:.2f}, activations {smallest.activations / GiB:.2f}, "
                 f"output head {smallest.output_head / GiB:.2f} GiB), and {avail / GiB:.2f} GiB is available on "
-                f"{engine.device}{f' beside the sampler ({reserved / GiB:.2f} GiB)' if reserved else ''}; lower --engine.micro_batch_tokens, set --engine.logprob_chunk_tokens / "
+                f"{engine.device}{beside}; lower --engine.micro_batch_tokens, set --engine.logprob_chunk_tokens / "
                 "--engine.activation_checkpointing, or shard with --parallel.* (see `ember estimate`)")
 
 

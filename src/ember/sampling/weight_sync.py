@@ -53,8 +53,8 @@ NCCL refuses. `sync_backend` picks gloo (through host memory) for a replica on t
 own GPU, where NCCL cannot have two ranks. A timed-out NCCL channel must not take the
 process down: its group is built with `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (abort the
 communicator only; torch's default tears the process down) so that a dead receiver only
-drops its channel, as with gloo (`nccl_error_handling`); `cuda_ipc_handles` / `open_cuda_ipc_handles` are the
-colocated path (a replica on the trainer's own GPU maps the trainer's tensors through CUDA
+drops its channel, as with gloo (`nccl_error_handling`). `cuda_ipc_handles` /
+`open_cuda_ipc_handles` are the colocated path (a replica on the trainer's own GPU maps the trainer's tensors through CUDA
 IPC, no copy through the host). Both are written for GPUs and covered only by GPU-marked
 tests.
 
