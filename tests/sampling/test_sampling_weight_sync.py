@@ -544,3 +544,19 @@ def test_an_nccl_group_is_built_with_error_handling_that_keeps_the_process(monke
     with ws.nccl_error_handling():
         assert os.environ[name] == "2"
     assert name not in os.environ
+
+
+def test_a_replica_joins_its_channel_on_its_own_device(tiny_model_dir):
+    """`ReplicaHost` hands its sampler's device to the receiver: on the CPU an NCCL channel is
+    refused naming 'cpu' (the replica's device), before anything connects."""
+    from ember.sampling import SamplerConfig
+    from ember.sampling.replica import ReplicaHost
+
+    host = ReplicaHost(str(tiny_model_dir), SamplerConfig(device="cpu", max_slots=2))
+    try:
+        with pytest.raises(ValueError, match="NCCL needs this end's CUDA device .*got 'cpu'"):
+            host.join_weight_sync(ws.ChannelAddress("127.0.0.1", 1, "nccl", 1.0))
+        with pytest.raises(ValueError, match="got 'cpu'"):
+            host.join_shard_sync([ws.ChannelAddress("127.0.0.1", 1, "nccl", 1.0)])
+    finally:
+        host.close()
