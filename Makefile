@@ -22,7 +22,7 @@ TORCH_CPU ?= torch==2.13.0
 # `import vllm` fails until they are gone, and nothing of ours uses them.
 VLLM_STRAYS := torchvision torchaudio torchcodec
 
-.PHONY: setup setup-vllm setup-cookbook test test-fast demo bench clean
+.PHONY: setup setup-vllm setup-cookbook test test-fast demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,12 @@ demo: $(STAMP)
 
 bench: $(STAMP) $(VLLM_STAMP)
 	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# On a CUDA machine: installs what it needs into its own venvs (not $(VENV)), then runs the
+# GPU-marked tests, `ember doctor` and the GPU benchmarks within ten minutes, one summary
+# line per step (scripts/gpu_check.sh; README "GPU").
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

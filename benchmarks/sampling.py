@@ -27,7 +27,10 @@
 Ratios are computed from process CPU time (`time.process_time`) with 1 torch thread
 (`--threads`): on an idle machine that equals wall time, and on a shared one it does not
 depend on what the other tenants do (wall times are printed too). With more than one
-thread, use `--clock wall`. Last line: `generate_ratio=<a> mixed_ratio=<b> sync_ratio=<c>`.
+thread, use `--clock wall`. `--device cuda[:N]` (and `--dtype bfloat16`) runs both sides on a
+GPU (the samplers, the HF model, the sync's engine) and times in wall time with
+`torch.cuda.synchronize()` at each end: CPU time misses a GPU's work. Last line:
+`generate_ratio=<a> mixed_ratio=<b> sync_ratio=<c>`.
 
 `--backend vllm` compares VLLMSampler with TorchSampler and HF `generate` in one run, on the
 2.4M-parameter model (head_dim 32, which vLLM's CPU attention needs), in WALL time (vLLM's
@@ -58,13 +61,31 @@ from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
 
 
 CLOCK = {"fn": time.process_time}
+RUN = {"device": "cpu", "dtype": "float32"}  # --device / --dtype
+
+
+def _sampler_config(**kwargs) -> SamplerConfig:
+    """A benchmark sampler's config on the run's device and dtype."""
+    return SamplerConfig(device=RUN["device"], dtype=RUN["dtype"], **kwargs)
+
+
+def _hf_model(model_dir: str):
+    """The baseline transformers model, on the run's device and dtype."""
+    return load_model(model_dir).eval().to(device=RUN["device"], dtype=getattr(torch, RUN["dtype"]))
+
+
+def _sync() -> None:
+    if RUN["device"].startswith("cuda"):
+        torch.cuda.synchronize(RUN["device"])
 
 
 @contextmanager
 def _timer(out: list, wall: list | None = None):
     """Append the elapsed benchmark-clock seconds (and wall seconds) of the block."""
+    _sync()
     c0, w0 = CLOCK["fn"](), time.perf_counter()
     yield
+    _sync()
     out.append(CLOCK["fn"]() - c0)
     if wall is not None:
         wall.append(time.perf_counter() - w0)
@@ -98,6 +119,7 @@ def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> int:
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -114,8 +136,8 @@ def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> int:
 def bench_generate(model_dir: str, repeats: int, label: str = "") -> float:
     rng = np.random.default_rng(0)
     prompts = _prompts(64, rng)
-    model = load_model(model_dir).eval()
-    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=64, max_len=256))
+    model = _hf_model(model_dir)
+    sampler = TorchSampler.from_pretrained(model_dir, _sampler_config(max_slots=64, max_len=256))
     reqs = _requests(prompts, [128] * 64)
     ours, theirs, wall_ours, wall_theirs = [], [], [], []
     _check(sampler.sample_many(reqs[:4]))  # warm-up
@@ -143,7 +165,7 @@ def bench_mixed(model_dir: str, repeats: int, slots: int = 32, n: int = 192) -> 
     # every row computing all along (as a padded batch does); the extra tokens are dropped.
     padded = [_requests(prompts[i:i + slots], [max_tokens[i:i + slots].max()] * len(prompts[i:i + slots]), seed0=i)
               for i in range(0, n, slots)]
-    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=slots, max_len=320))
+    sampler = TorchSampler.from_pretrained(model_dir, _sampler_config(max_slots=slots, max_len=320))
     _check(sampler.sample_many(reqs[:4]))
     cont, static, wall_c, wall_s = [], [], [], []
     for _ in range(repeats):  # interleaved
@@ -164,8 +186,8 @@ def bench_sync(repeats: int) -> float:
     from ember.engine import EngineConfig, TorchEngine
 
     model_dir = build_model(hidden=768, layers=10, heads=12, kv_heads=4)
-    engine = TorchEngine.from_pretrained(model_dir, EngineConfig())
-    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=4))
+    engine = TorchEngine.from_pretrained(model_dir, EngineConfig(device=RUN["device"], dtype=RUN["dtype"]))
+    sampler = TorchSampler.from_pretrained(model_dir, _sampler_config(max_slots=4))
     params = sum(p.numel() for p in engine.model.parameters())
     state = engine.model.state_dict()
     syncs, copies, copy_true = [], [], []
@@ -189,7 +211,7 @@ def bench_sync(repeats: int) -> float:
 
 def bench_demo_step(repeats: int) -> None:
     model_dir = build_model(hidden=128, layers=2, heads=4, kv_heads=2)
-    sampler = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=128, max_len=64))
+    sampler = TorchSampler.from_pretrained(model_dir, _sampler_config(max_slots=128, max_len=64))
     params = sum(p.numel() for p in sampler.model.parameters())
     rng = np.random.default_rng(2)
     prompts = _prompts(16, rng, 10, 20)
@@ -261,9 +283,9 @@ def bench_vllm(model_dir: str, repeats: int) -> str:
     rng = np.random.default_rng(0)
     prompts = _prompts(64, rng)
     reqs = _requests(prompts, [128] * 64)
-    model = load_model(model_dir).eval()
-    vllm = VLLMSampler.from_pretrained(model_dir, SamplerConfig(backend="vllm", max_slots=64, max_len=320))
-    torch_s = TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=64, max_len=320))
+    model = _hf_model(model_dir)
+    vllm = VLLMSampler.from_pretrained(model_dir, _sampler_config(backend="vllm", max_slots=64, max_len=320))
+    torch_s = TorchSampler.from_pretrained(model_dir, _sampler_config(max_slots=64, max_len=320))
     for s in (vllm, torch_s):
         _check(s.sample_many(reqs[:4], timeout=600))  # warm-up (vLLM: waits for the engine to start)
     rates = {
@@ -292,9 +314,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a GPU run times wall clock)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    CLOCK["fn"] = time.process_time if args.clock == "cpu" else time.perf_counter
+    RUN.update(device=args.device, dtype=args.dtype)
+    wall = args.clock == "wall" or args.device != "cpu"
+    CLOCK["fn"] = time.perf_counter if wall else time.process_time
     model_dir = build_model(hidden=256, layers=4, heads=8, kv_heads=4)
     if args.backend == "vllm":
         print("wall time; torch threads in this process:", args.threads, "(vLLM's engine process uses its own)")
@@ -302,7 +328,7 @@ def main() -> None:
         return
     n_params = sum(p.numel() for p in load_model(model_dir).parameters())
     print(f"model for (a)/(b): Qwen3 hidden 256, 4 layers, {n_params / 1e6:.1f}M params; "
-          f"torch threads {args.threads}, clock {args.clock}")
+          f"torch threads {args.threads}, clock {'wall' if wall else 'cpu'}, device {args.device} {args.dtype}")
     bench_demo_step(20)
     small_dir = build_model(hidden=128, layers=2, heads=4, kv_heads=2)
     small = bench_generate(small_dir, args.repeats, label=" [0.3M params, the demo's shape]")

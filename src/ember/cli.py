@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "limits": ("ember.server.limits_table", "every bound the server enforces (--markdown: README's table)"),
     "hub-link": ("ember.models.hub_link", "make a local model directory answer to a hub id (ember hub-link ORG/NAME DIR)"),
     "estimate": ("ember.engine.estimate_cli", "per-rank memory of training a model: ember estimate --model DIR --tokens N"),
+    "doctor": ("ember.doctor", "check this machine for ember: devices, versions, collectives, logprobs (--json)"),
     "db": ("ember.service.db_cli", "the service database: ember db upgrade|current --data-dir DIR | --database-url URL"),
 }
 

@@ -13,7 +13,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from ember.engine import EngineConfig
-from ember.engine.estimate import MemoryEstimate, check_fits, estimate_memory
+from ember.engine.estimate import (GiB, MemoryEstimate, check_fits, estimate_memory, trainer_bytes_beside_sampler,
+                                   vllm_memory_share)
 from ember.engine.parallel import ParallelismConfig
 from ember.models.testing import tiny_config
 from helpers.cli import run_cli
@@ -145,6 +146,27 @@ def test_check_fits_refuses_with_the_numbers(qwen3_32b_dir, tiny_model_dir):
     assert any("memory estimate for tiny (LoRA rank 32)" in line and "peak" in line for line in logged)
     with pytest.raises(ValueError, match=r"model 'big' does not fit: .* GiB per rank .* GiB is available"):
         check_fits({"big": qwen3_32b_dir}, EngineConfig(), None, available=64 << 30)
+
+
+def test_check_fits_counts_the_vllm_sampler_beside_the_trainer(tiny_model_dir):
+    check_fits({"tiny": tiny_model_dir}, EngineConfig(), None, available=1 << 30)
+    with pytest.raises(ValueError, match=r"is available on cpu beside the sampler \(1.00 GiB\)"):
+        check_fits({"tiny": tiny_model_dir}, EngineConfig(), None, available=1 << 30, reserved=1 << 30)
+
+
+def test_vllm_memory_share_is_what_the_trainer_leaves():
+    assert vllm_memory_share(80 * GiB, 0, shares_device=False) == 0.9  # a GPU of its own: vLLM's default
+    assert vllm_memory_share(80 * GiB, 30 * GiB, shares_device=True) == round(48 / 80, 3)  # less 2 GiB for CUDA
+    assert vllm_memory_share(80 * GiB, 1 * GiB, shares_device=True) == 0.9  # never more than on its own
+    with pytest.raises(ValueError, match=r"gets 0.00 GiB: the trainer takes an estimated 79.00 GiB"):
+        vllm_memory_share(80 * GiB, 79 * GiB, shares_device=True)
+
+
+def test_a_colocated_trainer_leaves_more_than_one_training_beside_the_sampler(tiny_model_dir):
+    cfg = EngineConfig(micro_batch_tokens=256)
+    peak = estimate_memory(tiny_model_dir, engine=cfg, tokens=256, lora_rank=32)
+    assert trainer_bytes_beside_sampler(tiny_model_dir, cfg, colocate=False) == peak.peak
+    assert trainer_bytes_beside_sampler(tiny_model_dir, cfg, colocate=True) == peak.parameters < peak.peak
 
 
 @pytest.mark.slow  # a real `ember serve` process (forked from the worker's zygote: helpers.zygote)

@@ -8,6 +8,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.parallel import (
+    mixed_precision_policy,
     ParallelismConfig,
     check_cp_heads,
     check_tp_divisibility,
@@ -117,3 +118,13 @@ def test_activation_checkpointing_keeps_names_and_gradients(tiny_model_dir):
     assert list(ga) == list(gb)
     for name in ga:
         torch.testing.assert_close(gb[name], ga[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fsdp2_computes_in_a_half_precision_autocast_dtype_on_cuda(dtype):
+    """Under FSDP2 on GPU the engine leaves casting to FSDP2's policy: fp16 autocast must get
+    one too (it silently ran fp32 before); gradients are reduced in fp32."""
+    policy = mixed_precision_policy("cuda", dtype)
+    assert (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32)
+    assert mixed_precision_policy("cuda", torch.float32).param_dtype is None
+    assert mixed_precision_policy("cpu", dtype).param_dtype is None  # FSDP2 on CPU computes in the params' dtype

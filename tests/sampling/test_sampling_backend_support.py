@@ -120,3 +120,50 @@ def test_a_model_named_by_path_is_refused_when_its_sampler_is_created(hd16_model
         assert len(out.loss_fn_outputs) == 1
     finally:
         sc.close("success")
+
+
+# ---------------------------------------------------------------------- vLLM's engine arguments
+def test_cuda_settings_reach_vllms_engine_arguments():
+    from ember.sampling.vllm_support import engine_kwargs
+
+    cfg = SamplerConfig(backend="vllm", device="cuda:1", dtype="bfloat16", gpu_memory_utilization=0.42,
+                        tensor_parallel_size=2, max_prefill_tokens=4096, colocate=True)
+    kw = engine_kwargs("/m", cfg, max_len=131072)
+    assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.42 and kw["tensor_parallel_size"] == 2
+    # chunked prefill: the start-up profile runs max_prefill_tokens, not the model's whole context
+    assert kw["max_num_batched_tokens"] == 4096 and kw["enable_chunked_prefill"] is True
+    assert kw["enable_sleep_mode"] is True and kw["enable_lora"] is True and kw["max_lora_rank"] == 64
+    assert engine_kwargs("/m", SamplerConfig(backend="vllm", device="cuda"), 128)["gpu_memory_utilization"] == 0.5
+    no_lora = engine_kwargs("/m", SamplerConfig(backend="vllm", device="cuda", enable_lora=False), 128)
+    assert no_lora["enable_lora"] is False and "max_loras" not in no_lora and "max_lora_rank" not in no_lora
+
+
+def test_cpu_engine_arguments_keep_the_cpu_builds_rules():
+    from ember.sampling.vllm_support import engine_kwargs
+
+    kw = engine_kwargs("/m", SamplerConfig(backend="vllm", device="cpu", max_prefill_tokens=64), max_len=128)
+    assert kw["max_num_batched_tokens"] == 128 and kw["distributed_executor_backend"] == "uni"
+    assert not {"gpu_memory_utilization", "tensor_parallel_size", "enable_chunked_prefill"} & set(kw)
+
+
+@pytest.mark.parametrize("device, tp, parent, visible", [
+    ("cuda:2", 1, None, "2"),
+    ("cuda", 1, None, "0"),
+    ("cuda:1", 2, None, "1,2"),
+    ("cuda:1", 2, "4,5,6", "5,6"),  # indices of this process's own view
+    ("cuda:0", 1, "GPU-aaaa,GPU-bbbb", "GPU-aaaa"),
+    ("cpu", 1, None, None),
+])
+def test_a_vllm_engine_sees_the_samplers_gpus(device, tp, parent, visible):
+    from ember.sampling.vllm_support import visible_devices
+
+    assert visible_devices(device, tp, parent) == visible
+
+
+def test_a_vllm_layout_past_the_visible_gpus_is_refused():
+    from ember.sampling.vllm_support import visible_devices
+
+    with pytest.raises(ValueError, match="needs GPUs 1..2, and CUDA_VISIBLE_DEVICES='3,4' shows 2"):
+        visible_devices("cuda:1", 2, "3,4")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        SamplerConfig(backend="vllm", tensor_parallel_size=0)

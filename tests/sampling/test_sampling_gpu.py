@@ -46,3 +46,21 @@ def test_cuda_weight_versions(tiny_model_dir):
         b = s.sample(prompt([5, 6]), 2, params(max_tokens=4, seed=1, stop=[]), version=v)
         assert [q.tokens for q in a.sequences] == [q.tokens for q in b.sequences]
         assert torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=False, reason="reading of issue 41 (finding 10): SDPA with a boolean mask and enable_gqa "
+                   "has no fused CUDA kernel (flash takes no mask, memory-efficient no GQA), so GPU decode runs the "
+                   "math kernel; an XPASS here says a fused kernel takes it")
+def test_decode_attention_with_a_mask_and_gqa_has_a_fused_kernel():
+    """The direct decoder's GPU decode: SDPA over the KV cache with a boolean mask and GQA
+    (`ember.sampling.decoder`), with the math kernel excluded."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(8, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(8, 2, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(8, 1, 1, 256, dtype=torch.bool, device="cuda")
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

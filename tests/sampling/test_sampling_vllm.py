@@ -49,6 +49,15 @@ def test_refusals_name_the_field(vllm_sampler, tiny_model_dir, monkeypatch):
 
 
 @needs_vllm
+def test_a_sampler_without_lora_refuses_a_lora_version(vllm_sampler, tiny_model_dir, monkeypatch):
+    """`enable_lora=False` (vLLM has no adapter slots then): a LoRA version is refused, naming the setting."""
+    monkeypatch.setattr(vllm_sampler, "config", dataclasses.replace(vllm_sampler.config, enable_lora=False))
+    engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), lora_config=types.LoraConfig(rank=4))
+    with pytest.raises(ValueError, match="SamplerConfig.enable_lora is off"):
+        vllm_sampler.load_weights(engine.named_weights(), lora_config=types.LoraConfig(rank=4))
+
+
+@needs_vllm
 def test_prefix_cache_hits_are_reported_and_change_nothing(vllm_sampler):
     # a prompt no other test sends; vLLM's CPU backend caches whole blocks of 128 tokens
     long = np.random.default_rng(123).integers(5, 80, size=200).tolist()

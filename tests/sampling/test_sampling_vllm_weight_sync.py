@@ -133,19 +133,30 @@ def test_a_pool_replica_running_vllm_receives_full_versions_in_memory(tiny_vllm_
     assert worst < 1e-4, worst
 
 
+def _gpus(n: int) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= n
+
+
 @pytest.mark.gpu
-def test_cuda_vllm_takes_full_versions_through_its_ipc_engine(tiny_vllm_model_dir):
+@pytest.mark.parametrize("device", [
+    "cuda",
+    pytest.param("cuda:1", marks=pytest.mark.skipif(not _gpus(2), reason="needs a second CUDA GPU")),
+])
+def test_cuda_vllm_takes_full_versions_through_its_ipc_engine(tiny_vllm_model_dir, device):
     """CUDA: the kept version lives on the engine's GPU and enters it through vLLM's `ipc`
     weight-transfer engine (CUDA IPC handles, no copy through the host); the samples
     match the trainer's forward within 1e-3 (fp32 on a GPU: TF32-free matmuls differ in
-    summation order from the CPU trainer's)."""
+    summation order from the CPU trainer's). On cuda:1 the engine core must run on GPU 1
+    (CUDA_VISIBLE_DEVICES): the handles are keyed by that GPU's UUID."""
     from ember.engine import EngineConfig, TorchEngine
     from ember.sampling import VLLMSampler
 
     engine = TorchEngine.from_pretrained(tiny_vllm_model_dir, EngineConfig())
     engine.forward_backward([DATUM], "cross_entropy")
     engine.optim_step(types.AdamParams(learning_rate=5e-2))
-    cfg = SamplerConfig(backend="vllm", weight_sync="memory", device="cuda", dtype="float32", max_slots=8,
+    cfg = SamplerConfig(backend="vllm", weight_sync="memory", device=device, dtype="float32", max_slots=8,
                         max_len=128, gpu_memory_utilization=0.3)
     sampler = VLLMSampler.from_pretrained(tiny_vllm_model_dir, cfg)
     try:

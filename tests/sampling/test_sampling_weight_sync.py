@@ -436,25 +436,127 @@ def test_cuda_ipc_handles_give_the_tensors_to_a_colocated_process():
 
 
 def _nccl_receiver(address, conn) -> None:
-    torch.cuda.set_device(1)
-    _, named = ws.receive_version(ws.join_channel(address))
-    conn.send([(n, t.cpu()) for n, t in named])
+    """The replica's way: the channel joined and used on a thread (current device 0), on cuda:1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as op_thread:
+        named = op_thread.submit(lambda: ws.receive_version(ws.join_channel(address, "cuda:1"))[1]).result()
+    conn.send([(n, t.device.index, t.cpu()) for n, t in named])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: this machine has fewer than 2")
 def test_nccl_channel_moves_tensors_between_gpus():
-    torch.cuda.set_device(0)
-    address, connect = ws.open_channel(backend="nccl", timeout_s=TIMEOUT_S)
+    """Both ends on threads of their own (as `WeightSender` and a replica's op thread), each
+    on the device it was given: the sender's cuda:0, the receiver's cuda:1."""
+    sender = ws.WeightSender(backend="nccl", timeout_s=TIMEOUT_S, device="cuda:0")
+    address = sender.open("r")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_nccl_receiver, args=(address, child), daemon=True)
     proc.start()
-    channel = connect()
-    named = [("w", torch.randn(1000, 100, device="cuda")), ("n", torch.randn(7, device="cuda"))]
-    ws.send_version(channel, named, "1", None, bucket_bytes=4096)
+    named = [("w", torch.randn(1000, 100, device="cuda:0")), ("n", torch.randn(7, device="cuda:0"))]
+    report = sender.send(named, "1")
+    assert report.delivered == ["r"], report.dropped
     assert parent.poll(TIMEOUT_S)
-    got = dict(parent.recv())
+    got = {n: (index, t) for n, index, t in parent.recv()}
     proc.join(30)
     for name, t in named:
-        assert torch.equal(got[name], t.cpu()), name
+        assert got[name][0] == 1 and torch.equal(got[name][1], t.cpu()), name
+
+
+def _dead_nccl_receiver(address) -> None:
+    ws.join_channel(address, "cuda:1")
+    os._exit(0)  # joined, then gone without answering
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: this machine has fewer than 2")
+def test_a_dead_nccl_receiver_only_drops_its_channel():
+    """torch's NCCL watchdog ends the process on a timed-out collective by default; the
+    weight-sync group is built to abort only its communicator, so the sender lives on."""
+    sender = ws.WeightSender(backend="nccl", timeout_s=10.0, device="cuda:0")
+    address = sender.open("gone")
+    proc = mp.get_context("spawn").Process(target=_dead_nccl_receiver, args=(address,), daemon=True)
+    proc.start()
+    report = sender.send([("w", torch.randn(64, device="cuda:0"))], "1")
+    proc.join(30)
+    assert "gone" in report.dropped and sender.receivers == []
+    assert torch.ones(1, device="cuda:0").item() == 1.0  # this process and its GPU still work
+
+
+# ---------------------------------------------------------------------- devices (NCCL ends)
+def test_an_nccl_channel_end_keeps_the_device_it_was_given_on_a_new_thread():
+    """A channel is built and used on threads of its own, whose current CUDA device is 0
+    whatever the process set: each end must hold the device it was given (a trainer on
+    cuda:0 and a replica on cuda:2 must not both land on cuda:0, which NCCL refuses)."""
+    import threading
+
+    got = {}
+
+    def build() -> None:  # as the join thread (`_Pending`) and the replica's op thread do
+        got["end"] = ws.Channel(None, None, 1, "nccl", 1.0, device="cuda:2")
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    assert got["end"].device == torch.device("cuda", 2)
+    assert ws.WeightSender(backend="nccl", device=torch.device("cuda", 3)).device == torch.device("cuda", 3)
+    assert ws.channel_device("nccl", "cuda") == torch.device("cuda", 0)
+    assert ws.channel_device("gloo", "cuda:1") == torch.device("cpu")  # gloo buffers live on the host
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ws.WeightSender(backend="nccl"),
+    lambda: ws.Channel(None, None, 0, "nccl", 1.0),
+    lambda: ws.channel_device("nccl", "cpu"),
+], ids=["sender", "channel", "cpu-device"])
+def test_an_nccl_end_without_its_cuda_device_is_refused(make):
+    with pytest.raises(ValueError, match="needs this end's CUDA device"):
+        make()
+
+
+@pytest.mark.parametrize("sender, receivers, backend", [
+    ("cuda:0", ["cuda:1", "cuda:2"], "nccl"),  # the README's layout: a GPU each
+    ("cuda:0", ["cuda:0", "cuda:1"], "gloo"),  # one replica on the trainer's GPU: NCCL refuses two ranks there
+    ("cuda", ["cuda:0"], "gloo"),  # "cuda" is cuda:0
+    ("cuda:1", ["cpu"], "gloo"),
+    ("cpu", ["cuda:1"], "gloo"),
+    (None, ["cuda:1"], "gloo"),
+])
+def test_sync_backend_is_nccl_only_between_distinct_gpus(sender, receivers, backend):
+    assert ws.sync_backend(sender, receivers) == backend
+
+
+def test_an_nccl_group_is_built_with_error_handling_that_keeps_the_process(monkeypatch):
+    """A timed-out NCCL collective must only fail its channel: the group is built while
+    TORCH_NCCL_ASYNC_ERROR_HANDLING is 2 (abort the communicator; torch's default ends the
+    process); the caller's value is back afterwards."""
+    import os
+
+    name, value = ws.NCCL_ERROR_HANDLING
+    assert (name, value) == ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    monkeypatch.setenv(name, "1")
+    with ws.nccl_error_handling():
+        assert os.environ[name] == "2"
+    assert os.environ[name] == "1"
+    monkeypatch.delenv(name)
+    with ws.nccl_error_handling():
+        assert os.environ[name] == "2"
+    assert name not in os.environ
+
+
+def test_a_replica_joins_its_channel_on_its_own_device(tiny_model_dir):
+    """`ReplicaHost` hands its sampler's device to the receiver: on the CPU an NCCL channel is
+    refused naming 'cpu' (the replica's device), before anything connects."""
+    from ember.sampling import SamplerConfig
+    from ember.sampling.replica import ReplicaHost
+
+    host = ReplicaHost(str(tiny_model_dir), SamplerConfig(device="cpu", max_slots=2))
+    try:
+        with pytest.raises(ValueError, match="NCCL needs this end's CUDA device .*got 'cpu'"):
+            host.join_weight_sync(ws.ChannelAddress("127.0.0.1", 1, "nccl", 1.0))
+        with pytest.raises(ValueError, match="got 'cpu'"):
+            host.join_shard_sync([ws.ChannelAddress("127.0.0.1", 1, "nccl", 1.0)])
+    finally:
+        host.close()

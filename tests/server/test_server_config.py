@@ -134,3 +134,27 @@ def test_presented_key_is_read_in_one_place():
     for headers in ({}, {"authorization": "Basic dG1sLWI="}, {"authorization": "Bearer "}, {"x-api-key": ""}):
         assert presented_key(Headers(headers)) is None, headers
     assert deps.presented_key is metrics.presented_key is request_guards.presented_key is presented_key
+
+
+def test_the_start_up_memory_check_counts_a_vllm_sampler_on_the_trainers_gpu(tiny_model_dir):
+    """Not colocated, vLLM holds its share of the trainer's GPU while the trainer trains;
+    colocated (it sleeps then), on another GPU, or on the CPU it takes nothing from it."""
+    from types import SimpleNamespace
+
+    from ember.engine import EngineConfig
+    from ember.sampling import SamplerConfig
+    from ember.service.model_registry import BaseModel
+    from ember.service.samplers import LocalSamplerFactory
+
+    def reserved(engine: EngineConfig, sampler: SamplerConfig) -> int:
+        registry = SimpleNamespace(names=lambda: ["tiny"], resolve=lambda name: BaseModel("tiny", tiny_model_dir))
+        service = SimpleNamespace(config=SimpleNamespace(engine=engine), registry=registry,
+                                  samplers=SimpleNamespace(factory=LocalSamplerFactory(sampler, engine)))
+        return cli.sampler_reserved_bytes(service, gpu_total_bytes=1000)
+
+    gpu = EngineConfig(device="cuda:0")
+    assert reserved(gpu, SamplerConfig(backend="vllm", gpu_memory_utilization=0.3)) == 300
+    assert reserved(gpu, SamplerConfig(backend="vllm", gpu_memory_utilization=0.3, colocate=True)) == 0
+    assert reserved(gpu, SamplerConfig(backend="vllm", device="cuda:1")) == 0
+    assert reserved(gpu, SamplerConfig(backend="torch")) == 0
+    assert reserved(EngineConfig(), SamplerConfig(backend="vllm")) == 0

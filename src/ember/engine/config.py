@@ -80,3 +80,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
             raise ValueError(f"EngineConfig.attn_implementation {self.attn_implementation!r} is not supported")
+
+
+def cuda_index(device: str | None) -> int | None:
+    """The GPU index a device string names in its process ("cuda" alone: 0, the device a
+    process and each new thread start on), or None for the CPU and None."""
+    if not device or not device.startswith("cuda"):
+        return None
+    return int(device.split(":", 1)[1]) if ":" in device else 0

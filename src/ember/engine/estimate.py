@@ -309,13 +309,15 @@ def available_memory(device: str) -> int:
 
 
 def check_fits(models: dict[str, str | os.PathLike], engine: EngineConfig, parallel: ParallelismConfig | None,
-               log=None, available: int | None = None) -> None:
+               log=None, available: int | None = None, reserved: int = 0) -> None:
     """`ember serve`'s start-up check: log each model's estimate for one micro-batch of
     `engine.micro_batch_tokens` tokens (a LoRA rank-32 run and full fine-tuning) and raise
     ValueError, with the numbers, when even the smallest run (LoRA rank 1) cannot fit in
-    `available` bytes (default: `available_memory`; on the CPU every rank shares the host)."""
+    `available` bytes (default: `available_memory`; on the CPU every rank shares the host),
+    less the `reserved` bytes a sampler beside the trainer takes (vLLM's memory share)."""
     parallel = parallel or ParallelismConfig()
-    avail = available_memory(engine.device) if available is None else available
+    avail = (available_memory(engine.device) if available is None else available) - reserved
+    beside = f" beside the sampler ({reserved / GiB:.2f} GiB)" if reserved else ""
     share = parallel.world_size if not engine.device.startswith("cuda") else 1
     for name, directory in models.items():
         try:  # advisory for what cannot be estimated: the run that names it gets the loading error
@@ -330,7 +332,7 @@ def check_fits(models: dict[str, str | os.PathLike], engine: EngineConfig, paral
                 f"estimated {smallest.peak / GiB:.2f} GiB per rank x {share} rank(s) even as a LoRA rank-1 run "
                 f"(parameters {smallest.parameters / GiB:.2f}, activations {smallest.activations / GiB:.2f}, "
                 f"output head {smallest.output_head / GiB:.2f} GiB), and {avail / GiB:.2f} GiB is available on "
-                f"{engine.device}; lower --engine.micro_batch_tokens, set --engine.logprob_chunk_tokens / "
+                f"{engine.device}{beside}; lower --engine.micro_batch_tokens, set --engine.logprob_chunk_tokens / "
                 "--engine.activation_checkpointing, or shard with --parallel.* (see `ember estimate`)")
 
 
@@ -344,3 +346,32 @@ def _log_estimates(name: str, directory, engine: EngineConfig, parallel: Paralle
             est = estimate_memory(lora_rank=rank, **common)
             log(f"memory estimate for {name} ({what}): " + "; ".join(x.strip() for x in est.lines()[1:]))
     return estimate_memory(lora_rank=1, **common)
+
+
+# ---------------------------------------------------------------------- vLLM beside a trainer
+VLLM_OWN_GPU_SHARE = 0.9  # vLLM's own default, on a GPU nothing else uses
+CUDA_MARGIN_BYTES = 2 * GiB  # a CUDA context per process, the allocators' slack
+
+
+def vllm_memory_share(total: int, trainer: int, *, shares_device: bool, margin: int = CUDA_MARGIN_BYTES) -> float:
+    """vLLM's `gpu_memory_utilization` (a fraction of the GPU's `total` bytes): on a GPU of
+    its own `VLLM_OWN_GPU_SHARE`; beside a trainer, what the trainer's `trainer` bytes and
+    `margin` leave (at most that share). ValueError, with the numbers, when under 5 % is left."""
+    if not shares_device:
+        return VLLM_OWN_GPU_SHARE
+    left = total - trainer - margin
+    if left < 0.05 * total:
+        raise ValueError(f"a vLLM sampler beside the trainer on one GPU of {total / GiB:.1f} GiB gets "
+                         f"{max(left, 0) / GiB:.2f} GiB: the trainer takes an estimated {trainer / GiB:.2f} GiB "
+                         f"and {margin / GiB:.1f} GiB is kept for CUDA; put the sampler on another GPU "
+                         "(--sampler.device), colocate them (--sampler.colocate), or set "
+                         "--sampler.gpu_memory_utilization")
+    return round(min(VLLM_OWN_GPU_SHARE, left / total), 3)
+
+
+def trainer_bytes_beside_sampler(model_dir: str | os.PathLike, engine: EngineConfig, colocate: bool) -> int:
+    """What the trainer holds on its GPU while a sampler beside it runs: colocated (the trainer
+    is offloaded while vLLM samples) the base model's parameters, which a LoRA run keeps on
+    the device; else its whole estimated peak for a LoRA rank-32 run of one micro-batch."""
+    est = estimate_memory(model_dir, engine=engine, tokens=engine.micro_batch_tokens, lora_rank=32)
+    return est.parameters if colocate else est.peak

@@ -171,11 +171,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _mixed_precision(device_type: str, dtype: torch.dtype):
+def mixed_precision_policy(device_type: str, dtype: torch.dtype):
+    """FSDP2's casting for compute dtype `dtype`: on CUDA a half-precision compute dtype (bf16
+    or fp16: `EngineConfig.autocast_dtype`, which the engine does not apply itself under
+    FSDP2 on GPU) gathers parameters in it and reduces gradients in fp32; otherwise none."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if device_type == "cuda" and dtype == torch.bfloat16:
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
@@ -299,7 +302,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype, cpu_of
         raise ValueError("ParallelismConfig.cpu_offload needs a CUDA device; the model is already on the CPU")
     kwargs = {
         "mesh": dp_mesh,
-        "mp_policy": _mixed_precision(device_type, dtype),
+        "mp_policy": mixed_precision_policy(device_type, dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     for layer in decoder_layers(model):

@@ -572,7 +572,10 @@ class TorchEngine(TrainingEngine):
         self._place_optimizer_state(torch.device("cpu"))
 
     def offload(self) -> None:
+        from ember.workers.memory import release_cached_memory
+
         self._move(torch.device("cpu"))
+        release_cached_memory(self.device)  # reserved, not only allocated, memory goes back
 
     def onload(self) -> None:
         self._move(self.device)

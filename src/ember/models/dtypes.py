@@ -19,6 +19,12 @@ DTYPE_NAMES = {
     "fp16": "float16",
 }
 
+# The largest |trainer logprob - sampler logprob| per token (nats) ember states for a compute
+# dtype, the trainer and the sampler computing in it on one device: fp32 is contract 5's
+# bound; bf16 (8 significant bits) 0.1, as the GPU tests bound bf16 against fp32
+# (tests/engine/test_engine_gpu.py); fp16 (11 bits) 0.02. `ember doctor` checks them.
+LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 0.1, "float16": 0.02}
+
 
 def dtype_name(dtype: Any) -> str:
     """The torch name of a dtype setting ('bf16' -> 'bfloat16'; a torch dtype itself ->

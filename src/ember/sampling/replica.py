@@ -195,7 +195,7 @@ class ReplicaHost:
     def join_weight_sync(self, address) -> None:
         from ember.sampling.weight_sync import WeightReceiver
 
-        self._receiver = WeightReceiver(address)
+        self._receiver = WeightReceiver(address, self.config.resolved_device)  # NCCL: this replica's GPU
 
     def receive_weights(self) -> int:
         """One version from the pool's channel, checked against the model before any data
@@ -212,7 +212,7 @@ class ReplicaHost:
     def join_shard_sync(self, addresses) -> None:
         from ember.sampling.weight_sync import ShardReceiver
 
-        self._shard_receiver = ShardReceiver(addresses)
+        self._shard_receiver = ShardReceiver(addresses, self.config.resolved_device)
 
     def receive_shards(self) -> int:
         """One version from every trainer rank's shard; checked against the model when

@@ -79,7 +79,7 @@ from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import sampled_sequence
 from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
-from ember.sampling.vllm_support import check_vllm_model, engine_fault_message
+from ember.sampling.vllm_support import check_vllm_model, engine_fault_message, engine_kwargs  # noqa: F401 - re-exported
 from ember.sampling.vllm_versions import (
     BASE_KEY, VLLMWeightVersion, keep_full_version, lora_refused_modules, meta_model, remove_version_files,
     write_full_version, write_lora_version,
@@ -203,6 +203,9 @@ class VLLMSampler(Sampler):
             version = keep_full_version(self._id, self._meta, items, self.dtype, self.config.resolved_device, copy)
         elif lora_config is None:
             version = write_full_version(self._id, self._meta, items, self.dtype, self._scratch)
+        elif not self.config.enable_lora:
+            raise ValueError("this vLLM sampler serves no LoRA versions (SamplerConfig.enable_lora is off); "
+                             "turn it on to sample from a LoRA run")
         else:
             version = write_lora_version(self._id, self._meta, items, lora_config, self.dtype,
                                          self.config.max_lora_rank, self._scratch, self._lora_refused)
@@ -362,10 +365,11 @@ class VLLMSampler(Sampler):
 
             kwargs.update(engine_options(self.config.resolved_device))
         args = AsyncEngineArgs(**kwargs)
-        with _multiprocessing_env(self.config):
-            vllm_config = args.create_engine_config()
-        return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
-                                         disable_log_stats=args.disable_log_stats)
+        with _device_env(self.config):  # the engine core starts on the sampler's GPU(s)
+            with _multiprocessing_env(self.config):
+                vllm_config = args.create_engine_config()
+            return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
+                                             disable_log_stats=args.disable_log_stats)
 
     async def _swap(self, llm, key: str, version: VLLMWeightVersion | None) -> None:
         if key != BASE_KEY and version.tensors is not None:  # weight_sync "memory": no file
@@ -442,23 +446,6 @@ class VLLMSampler(Sampler):
                 self._wakes += 1
 
 
-def engine_kwargs(model_dir: Path, config: SamplerConfig, max_len: int) -> dict:
-    """`AsyncEngineArgs` for a SamplerConfig (CPU and CUDA)."""
-    on_cpu = config.resolved_device == "cpu"
-    return dict(
-        model=str(model_dir), tokenizer=str(model_dir), dtype=config.resolved_dtype, max_model_len=max_len,
-        max_num_seqs=config.max_slots, max_num_batched_tokens=max(config.max_prefill_tokens, max_len),
-        enable_lora=True, max_loras=config.max_loras, max_lora_rank=_vllm_rank(config.max_lora_rank),
-        max_cpu_loras=config.max_cpu_loras or config.max_loras,
-        logprobs_mode="raw_logprobs" if config.logprobs_mode == "raw" else "processed_logprobs",
-        max_logprobs=config.max_logprobs, enable_prefix_caching=config.enable_prefix_caching,
-        enforce_eager=config.enforce_eager, seed=0, scheduling_policy="priority",  # fair shares: OwnerBacklog
-        enable_sleep_mode=config.colocate and not on_cpu,
-        **({} if on_cpu else {"gpu_memory_utilization": config.gpu_memory_utilization}),
-        **({"distributed_executor_backend": "uni"} if on_cpu and config.cpu_worker == "inline" else {}),
-    )
-
-
 _ENV_LOCK = threading.Lock()
 
 
@@ -484,12 +471,30 @@ def _multiprocessing_env(config: SamplerConfig):
                 os.environ[name] = before
 
 
-def _vllm_rank(rank: int) -> int:
-    """vLLM accepts a fixed set of max_lora_rank values; the smallest one >= rank."""
-    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-        if allowed >= rank:
-            return allowed
-    return rank
+@contextlib.contextmanager
+def _device_env(config: SamplerConfig):
+    """On CUDA, CUDA_VISIBLE_DEVICES names the sampler's GPU(s) (`visible_devices`) while
+    vLLM makes its config and starts its engine core, which inherits it; then the caller's
+    value is back. CUDA is initialised here first, so this process keeps its own view of
+    the GPUs whatever vLLM touches meanwhile."""
+    if config.resolved_device == "cpu":
+        yield
+        return
+    from ember.sampling.vllm_support import visible_devices
+
+    name = "CUDA_VISIBLE_DEVICES"
+    with _ENV_LOCK:
+        before = os.environ.get(name)
+        value = visible_devices(config.resolved_device, config.tensor_parallel_size, before)
+        torch.cuda.init()
+        os.environ[name] = value
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
 
 
 def _release(sampler_ref, path: Path, lora_id: int | None) -> None:

@@ -1,5 +1,6 @@
-"""What the vLLM backend can serve, checked before an engine starts, and what a client is
-told when the engine fails.
+"""What the vLLM backend can serve, checked before an engine starts, what a client is told
+when the engine fails, and the engine's arguments (`engine_kwargs`, `visible_devices`):
+this module does not import vLLM, so they are checked without it.
 
 vLLM's engine core runs in its own process: a model it cannot run (vLLM's CPU attention
 has a fixed set of head sizes; 16 is not in it) starts, then kills that process at the
@@ -83,3 +84,61 @@ def engine_fault_message(exc: BaseException) -> str:
         return (f"sampling failed: the vLLM engine process died{cause}; ember starts a new engine "
                 "for the next request")
     return f"sampling failed in the vLLM engine ({type(exc).__name__}: {text or 'no message'})"
+
+
+def engine_kwargs(model_dir, config, max_len: int) -> dict:
+    """`AsyncEngineArgs` for a `SamplerConfig` (CPU and CUDA). On CUDA: the memory share
+    (`resolved_gpu_memory_utilization`), `tensor_parallel_size`, and chunked prefill with
+    `max_num_batched_tokens` = max_prefill_tokens, so the engine's start-up profile runs a
+    batch of that size and not one of the model's whole context (131072 tokens for some).
+    vLLM's CPU build keeps the batch at least max_len, as before."""
+    on_cpu = config.resolved_device == "cpu"
+    batched = max(config.max_prefill_tokens, max_len) if on_cpu else max(config.max_prefill_tokens, config.max_slots)
+    kwargs = dict(
+        model=str(model_dir), tokenizer=str(model_dir), dtype=config.resolved_dtype, max_model_len=max_len,
+        max_num_seqs=config.max_slots, max_num_batched_tokens=batched, enable_lora=config.enable_lora,
+        logprobs_mode="raw_logprobs" if config.logprobs_mode == "raw" else "processed_logprobs",
+        max_logprobs=config.max_logprobs, enable_prefix_caching=config.enable_prefix_caching,
+        enforce_eager=config.enforce_eager, seed=0, scheduling_policy="priority",  # fair shares: OwnerBacklog
+        enable_sleep_mode=config.colocate and not on_cpu,
+    )
+    if config.enable_lora:
+        kwargs.update(max_loras=config.max_loras, max_lora_rank=vllm_lora_rank(config.max_lora_rank),
+                      max_cpu_loras=config.max_cpu_loras or config.max_loras)
+    if on_cpu:
+        if config.cpu_worker == "inline":
+            kwargs["distributed_executor_backend"] = "uni"
+    else:
+        kwargs.update(gpu_memory_utilization=config.resolved_gpu_memory_utilization,
+                      tensor_parallel_size=config.tensor_parallel_size, enable_chunked_prefill=True)
+    return kwargs
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM accepts a fixed set of max_lora_rank values; the smallest one >= rank."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if allowed >= rank:
+            return allowed
+    return rank
+
+
+def visible_devices(device: str, tensor_parallel_size: int = 1, parent: str | None = None) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for a vLLM engine serving on `device`, or None on the CPU.
+
+    vLLM takes no device argument: its engine core (a process of its own) runs on the first
+    `tensor_parallel_size` GPUs it sees. "cuda:N" ("cuda": N = 0) takes GPUs N..N+size-1 of
+    this process's view; `parent` is this process's own CUDA_VISIBLE_DEVICES, whose entries
+    those indices name. A layout past the visible GPUs is a ValueError naming both."""
+    if device == "cpu":
+        return None
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"a vLLM sampler's device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    first = int(device[5:]) if device != "cuda" else 0
+    wanted = list(range(first, first + tensor_parallel_size))
+    if parent is None or not parent.strip():
+        return ",".join(map(str, wanted))
+    seen = [p.strip() for p in parent.split(",") if p.strip()]
+    if wanted[-1] >= len(seen):
+        raise ValueError(f"a vLLM engine on {device} with tensor_parallel_size={tensor_parallel_size} needs GPUs "
+                         f"{wanted[0]}..{wanted[-1]}, and CUDA_VISIBLE_DEVICES={parent!r} shows {len(seen)}")
+    return ",".join(seen[i] for i in wanted)

@@ -45,8 +45,16 @@ Protocol of one sync (every message a collective on the channel's group):
    `Sampler.load_weights(..., copy=False)` once every bucket arrived.
 
 CUDA: `backend="nccl"` builds a `ProcessGroupNCCL` with the buckets on the GPU (the
-receiver then loads from GPU tensors); `cuda_ipc_handles` / `open_cuda_ipc_handles` are the
-colocated path (a replica on the trainer's own GPU maps the trainer's tensors through CUDA
+receiver then loads from GPU tensors). Each end names its own device (`device=`, checked by
+`channel_device`), never `torch.cuda.current_device()`: channels are built and used on
+threads of their own, and a new thread's current device is cuda:0 whatever its process set,
+so a trainer on cuda:0 and a replica on cuda:1 would both put their rank on cuda:0, which
+NCCL refuses. `sync_backend` picks gloo (through host memory) for a replica on the sender's
+own GPU, where NCCL cannot have two ranks. A timed-out NCCL channel must not take the
+process down: its group is built with `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (abort the
+communicator only; torch's default tears the process down) so that a dead receiver only
+drops its channel, as with gloo (`nccl_error_handling`). `cuda_ipc_handles` /
+`open_cuda_ipc_handles` are the colocated path (a replica on the trainer's own GPU maps the trainer's tensors through CUDA
 IPC, no copy through the host). Both are written for GPUs and covered only by GPU-marked
 tests.
 
@@ -59,9 +67,11 @@ because vLLM 0.32 takes adapters only from a path (`LoRARequest.lora_path`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -222,16 +232,70 @@ def _new_group(store: dist.Store, host: str, rank: int, world: int, backend: str
     if backend == "nccl":  # pragma: no cover - CUDA only (GPU-marked tests)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world, opts)
+        with nccl_error_handling():
+            return dist.ProcessGroupNCCL(store, rank, world, opts)
     raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
-class Channel:
-    """One side of a sender-receiver group; every operation bounded by `timeout_s`."""
+# How a ProcessGroupNCCL handles a collective that timed out: read from the environment when
+# the group is built. 2 ("CleanUpOnly"): abort the communicator and fail the work, leaving
+# the process alive; torch's default (3) ends the process, which would take the trainer
+# down with one dead receiver.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+_ENV_LOCK = threading.Lock()
 
-    def __init__(self, store: dist.TCPStore, group, rank: int, backend: str, timeout_s: float) -> None:
+
+@contextlib.contextmanager
+def nccl_error_handling():
+    """`NCCL_ERROR_HANDLING` set while a weight-sync group is built (the caller's value back
+    after; one at a time): only these standalone groups get it, not the trainer's own."""
+    name, value = NCCL_ERROR_HANDLING
+    with _ENV_LOCK:
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
+def channel_device(backend: str, device: torch.device | str | None) -> torch.device:
+    """Where one end's buffers live: the host for gloo; for NCCL the CUDA device this end
+    was given ("cuda" alone: device 0 of the process, where it and each of its threads
+    start). Never the thread's current device (see the module docstring)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"weight sync over NCCL needs this end's CUDA device (e.g. 'cuda:1'), got {device!r}: "
+                         "a channel's threads do not share the caller's current device")
+    return torch.device("cuda", dev.index or 0)
+
+
+def sync_backend(sender_device: str | None, receiver_devices: Sequence[str | None]) -> str:
+    """The channel backend between a sender on `sender_device` and receivers on
+    `receiver_devices`: NCCL when every end is on a CUDA device of its own, else gloo
+    (a receiver on the CPU, or on the sender's own GPU, where NCCL refuses two ranks)."""
+    from ember.engine.config import cuda_index
+
+    sender = cuda_index(sender_device)
+    receivers = [cuda_index(d) for d in receiver_devices]
+    if sender is None or not receivers or any(r is None or r == sender for r in receivers):
+        return "gloo"
+    return "nccl"
+
+
+class Channel:
+    """One side of a sender-receiver group; every operation bounded by `timeout_s`.
+    `device`: this end's CUDA device for NCCL (`channel_device`); gloo uses the host."""
+
+    def __init__(self, store: dist.TCPStore, group, rank: int, backend: str, timeout_s: float,
+                 device: torch.device | str | None = None) -> None:
         self.store, self.group, self.rank, self.timeout_s = store, group, rank, timeout_s
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = channel_device(backend, device)
         self.syncs = 0
 
     def _wait(self, work) -> None:
@@ -269,9 +333,12 @@ class Channel:
         return bytes(buf.cpu().numpy())
 
 
-def open_channel(host: str = "127.0.0.1", backend: str = "gloo", timeout_s: float = 60.0):
+def open_channel(host: str = "127.0.0.1", backend: str = "gloo", timeout_s: float = 60.0,
+                 device: torch.device | str | None = None):
     """Sender side: listen on a free port of `host`; returns (address, connect) where
-    `connect()` blocks until the receiver joined (at most `timeout_s`) and gives the Channel."""
+    `connect()` blocks until the receiver joined (at most `timeout_s`) and gives the Channel
+    (on `device`, this end's CUDA device for NCCL; `connect` may run on any thread)."""
+    device = channel_device(backend, device)  # refused here, in the caller, not on a join thread
     store = dist.TCPStore(host, 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     address = ChannelAddress(host, store.port, backend, timeout_s)
 
@@ -280,17 +347,19 @@ def open_channel(host: str = "127.0.0.1", backend: str = "gloo", timeout_s: floa
             group = _new_group(store, host, 0, 2, backend, timeout_s)
         except Exception as exc:  # noqa: BLE001 - rendezvous failures vary by backend
             raise WeightSyncError(f"weight sync: receiver did not join {host}:{address.port}: {exc}") from exc
-        return Channel(store, group, 0, backend, timeout_s)
+        return Channel(store, group, 0, backend, timeout_s, device)
 
     return address, connect
 
 
-def join_channel(address: ChannelAddress) -> Channel:
-    """Receiver side: join the channel a sender opened (blocks until the rendezvous is done)."""
+def join_channel(address: ChannelAddress, device: torch.device | str | None = None) -> Channel:
+    """Receiver side: join the channel a sender opened (blocks until the rendezvous is done);
+    `device`: this end's CUDA device when the channel is NCCL (`channel_device`)."""
+    device = channel_device(address.backend, device)
     timeout = timedelta(seconds=address.timeout_s)
     store = dist.TCPStore(address.host, address.port, 2, is_master=False, timeout=timeout)
     group = _new_group(store, address.host, 1, 2, address.backend, address.timeout_s)
-    return Channel(store, group, 1, address.backend, address.timeout_s)
+    return Channel(store, group, 1, address.backend, address.timeout_s, device)
 
 
 # ---------------------------------------------------------------------- one sync, both sides
@@ -377,8 +446,9 @@ class WeightSender:
     """
 
     def __init__(self, host: str = "127.0.0.1", backend: str = "gloo", timeout_s: float = 60.0,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, device: torch.device | str | None = None) -> None:
         self.host, self.backend, self.timeout_s, self.bucket_bytes = host, backend, timeout_s, bucket_bytes
+        self.device = channel_device(backend, device)  # every channel's end: the caller's device
         self._channels: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._version = 0
@@ -389,7 +459,7 @@ class WeightSender:
             return sorted(self._channels)
 
     def open(self, receiver_id: str) -> ChannelAddress:
-        address, connect = open_channel(self.host, self.backend, self.timeout_s)
+        address, connect = open_channel(self.host, self.backend, self.timeout_s, self.device)
         with self._lock:
             if receiver_id in self._channels:
                 raise ValueError(f"weight sync: receiver {receiver_id!r} already has a channel")
@@ -503,10 +573,11 @@ def _in_thread(fn, pending: _Pending, *args):
 
 
 class WeightReceiver:
-    """Replica side: joins the channel at `address`; `receive_into(sampler)` takes one version."""
+    """Replica side: joins the channel at `address` (on `device`, the replica's CUDA device
+    for NCCL); `receive_into(sampler)` takes one version."""
 
-    def __init__(self, address: ChannelAddress) -> None:
-        self.channel = join_channel(address)
+    def __init__(self, address: ChannelAddress, device: torch.device | str | None = None) -> None:
+        self.channel = join_channel(address, device)
 
     def receive(self, check: Callable[[SyncHeader], None] | None = None):
         return receive_version(self.channel, check)
@@ -582,10 +653,10 @@ class ShardReceiver:
     """Replica side of per-rank sending: one channel per trainer rank (`addresses` in rank
     order, from `GroupEngine.open_shard_sync`); `receive()` takes one version from all."""
 
-    def __init__(self, addresses: Sequence[ChannelAddress]) -> None:
+    def __init__(self, addresses: Sequence[ChannelAddress], device: torch.device | str | None = None) -> None:
         if not addresses:
             raise ValueError("per-rank weight sync: no trainer rank to receive from")
-        self.channels = [join_channel(a) for a in addresses]  # each rank's connect waits on a thread
+        self.channels = [join_channel(a, device) for a in addresses]  # each rank's connect waits on a thread
 
     def receive(self) -> tuple[SyncHeader, list[tuple[str, torch.Tensor]]]:
         """One version: every rank's part received at once, then assembled. The header
@@ -615,8 +686,9 @@ class ReplicaSync:
     pool takes them out (a sync never blocks training).
     """
 
-    def __init__(self, host: str, timeout_s: float, backend: str = "gloo") -> None:
-        self.sender = WeightSender(host, backend, timeout_s)
+    def __init__(self, host: str, timeout_s: float, backend: str = "gloo",
+                 device: torch.device | str | None = None) -> None:
+        self.sender = WeightSender(host, backend, timeout_s, device=device)
         self.timeout_s = timeout_s
         self._versions: dict[int, tuple[list[tuple[str, torch.Tensor]], int | None]] = {}
         self._lock = threading.Lock()

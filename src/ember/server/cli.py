@@ -67,7 +67,31 @@ def check_memory(service, workers) -> None:
 
     parallel = ParallelismConfig(**workers.parallel_dims()) if workers.runtime != "local" else None
     models = {n: service.registry.resolve(n).directory for n in service.registry.names()}
-    check_fits(models, service.config.engine, parallel, log=logging.getLogger("ember.serve").info)
+    check_fits(models, service.config.engine, parallel, log=logging.getLogger("ember.serve").info,
+               reserved=sampler_reserved_bytes(service))
+
+
+def sampler_reserved_bytes(service, gpu_total_bytes: int | None = None) -> int:
+    """The most GPU memory a vLLM sampler takes beside the trainer on the trainer's own GPU
+    while it trains (not colocated: a colocated sampler sleeps then); 0 when none does.
+    `gpu_total_bytes`: the GPU's size (default: asked of the device when needed)."""
+    from ember.engine.config import cuda_index
+
+    engine = service.config.engine
+    resolve = getattr(service.samplers.factory, "resolved_config", None)
+    if resolve is None or cuda_index(engine.device) is None:
+        return 0
+    most = 0
+    for name in service.registry.names():
+        cfg = resolve(service.registry.resolve(name), gpu_total_bytes)
+        beside = any(cuda_index(d) == cuda_index(engine.device) for d in (cfg.devices or [cfg.device]))
+        if cfg.backend == "vllm" and beside and not cfg.colocate:
+            if gpu_total_bytes is None:
+                import torch
+
+                gpu_total_bytes = int(torch.cuda.mem_get_info(torch.device(engine.device))[1])
+            most = max(most, int(cfg.resolved_gpu_memory_utilization * gpu_total_bytes))
+    return most
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -78,15 +78,19 @@ class LocalSamplerFactory(SamplerFactory):
         self.engine_config = engine_config
         self.scratch_dir = scratch_dir
 
-    def resolved_config(self, base: BaseModel):
+    def resolved_config(self, base: BaseModel, gpu_total_bytes: int | None = None):
+        """The sampler's config for `base`; `gpu_total_bytes`: the GPU's size for a derived
+        vLLM memory share (default: asked of the device, only when one is derived)."""
         from ember.engine.config import EngineConfig
         from ember.sampling import resolve_sampler_config
 
         engine = self.engine_config or EngineConfig()
-        device = "cuda" if engine.device.startswith("cuda") else engine.device
-        return resolve_sampler_config(self.config, device=device, dtype=engine.dtype,
-                                      max_position_embeddings=max_positions(base.directory),
-                                      logprob_chunk_tokens=engine.logprob_chunk_tokens)
+        # the trainer's device with its index, and the dtype it computes in (autocast or params)
+        config = resolve_sampler_config(self.config, device=engine.device, dtype=engine.autocast_dtype or engine.dtype,
+                                        max_position_embeddings=max_positions(base.directory),
+                                        logprob_chunk_tokens=engine.logprob_chunk_tokens)
+        share = derived_vllm_share(config, engine, base.directory, gpu_total_bytes)
+        return resolve_sampler_config(config, device=config.device, dtype=config.dtype, gpu_memory_utilization=share)
 
     def check(self, base: BaseModel) -> None:
         from ember.sampling.registry import check_model
@@ -97,6 +101,26 @@ class LocalSamplerFactory(SamplerFactory):
         from ember.sampling import create_sampler
 
         return create_sampler(base.directory, self.resolved_config(base), scratch_dir=self.scratch_dir)
+
+
+def derived_vllm_share(config: Any, engine: Any, model_dir: Path, gpu_total_bytes: int | None = None) -> float | None:
+    """The vLLM memory share a CUDA vLLM sampler left to derive gets (None otherwise):
+    `ember.engine.estimate.vllm_memory_share` of the trainer's estimate beside it, on the
+    GPU of `gpu_total_bytes` (default: the device's own total)."""
+    from ember.engine.config import cuda_index
+    from ember.engine.estimate import trainer_bytes_beside_sampler, vllm_memory_share
+
+    if config.backend != "vllm" or config.gpu_memory_utilization is not None or cuda_index(config.device) is None:
+        return None
+    shares = any(cuda_index(d) == cuda_index(engine.device) for d in (config.devices or [config.device]))
+    try:
+        trainer = trainer_bytes_beside_sampler(model_dir, engine, config.colocate) if shares else 0
+    except Exception as exc:  # noqa: BLE001 - an architecture the estimator does not know: the fixed default
+        log.warning("vLLM memory share: no estimate for %s (%s); using the default", model_dir, exc)
+        return None
+    if gpu_total_bytes is None:
+        gpu_total_bytes = int(torch.cuda.mem_get_info(torch.device(config.device))[1])
+    return vllm_memory_share(gpu_total_bytes, trainer, shares_device=shares)
 
 
 _EVICTED_KEPT = 65536  # evicted snapshot ids remembered, to tell an eviction from a restart

@@ -71,11 +71,21 @@ class EngineSpec:
 
 # ---------------------------------------------------------------------- functions run on ranks
 def gather_named_weights(engine: Any, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
-    """Every rank gathers each full tensor in turn (collectives); only rank 0 keeps them."""
+    """Every rank gathers each full tensor in turn (collectives); only rank 0 keeps them. A
+    rank in a process of its own (a process group) returns them in host memory: a CUDA
+    tensor would unpickle on the GPU in the caller (the server), making a CUDA context and
+    a full copy there (`ember.forkserver`: the server touches no device)."""
     import torch.distributed as dist
 
-    keep = not dist.is_initialized() or dist.get_rank() == 0
-    return [(n, t) for n, t in engine.named_weights(dtype) if keep]
+    if not dist.is_initialized():  # inline: the caller's own process, tensors stay where they are
+        return list(engine.named_weights(dtype))
+    keep = dist.get_rank() == 0
+    return [(n, to_host(t)) for n, t in engine.named_weights(dtype) if keep]
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory (itself when it is there already)."""
+    return t if t.device.type == "cpu" else t.to("cpu")
 
 
 def gather_head_weights(engine: Any) -> dict[str, torch.Tensor]:
@@ -99,7 +109,7 @@ def open_shard_channel(engine: Any, receiver_id: str, host: str, backend: str, t
     senders = _shard_senders.setdefault(engine, {})
     key = (host, backend, timeout_s)
     if key not in senders:
-        senders[key] = WeightSender(host, backend, timeout_s)
+        senders[key] = WeightSender(host, backend, timeout_s, device=engine.device)  # not the thread's device
     return senders[key].open(receiver_id)
 
 

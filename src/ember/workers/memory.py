@@ -71,3 +71,14 @@ def process_rss_bytes() -> int:
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def release_cached_memory(device: torch.device) -> bool:
+    """Hand the blocks torch's CUDA allocator keeps cached back to the driver after an
+    offload (True), so another process (a vLLM engine colocated on this GPU) can use them:
+    freed tensors stay reserved by this process until `torch.cuda.empty_cache()`. Nothing
+    to do on the CPU (False)."""
+    if torch.device(device).type != "cuda":
+        return False
+    torch.cuda.empty_cache()
+    return True

@@ -28,7 +28,8 @@ from typing import Any
 
 from ember import forkserver
 from ember.workers.remote import RemoteRuntime, answer, dumps, pid_alive
-from ember.workers.runtime import RankContext, Reply, Request, WorkerDiedError, WorkerError, free_port, init_rank_process
+from ember.workers.runtime import (RankContext, Reply, Request, WorkerDiedError, WorkerError, check_device_count,
+                                  free_port, init_rank_process)
 
 DEFAULT_PRELOAD = forkserver.PRELOAD
 
@@ -99,6 +100,10 @@ class ProcessRuntime(RemoteRuntime):
     ) -> None:
         """rank_options: `RemoteRuntime`'s (torch_threads, start_timeout_s, pg_timeout_s, failure_grace_s)."""
         super().__init__(world_size, device, **rank_options)
+        if device == "cuda":  # rank r takes cuda:r of this machine
+            import torch
+
+            check_device_count(world_size, torch.cuda.device_count())
         self.start_method = start_method
         self.preload = preload
         self._procs: list[multiprocessing.Process] = []

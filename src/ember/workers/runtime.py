@@ -48,7 +48,7 @@ class RankContext:
     world_size: int
     local_rank: int
     device_type: str  # "cpu" | "cuda"
-    backend: str | None  # "gloo" | "nccl"; None when no process group exists (inline)
+    backend: str | None  # `process_group_backend`; None when no process group exists (inline)
 
     @property
     def device(self) -> str:
@@ -117,7 +117,7 @@ class Runtime(abc.ABC):
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.device_type == "cuda" else "gloo"
+        return process_group_backend(self.device_type)
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -134,6 +134,23 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def alive(self) -> list[bool]:
         """Whether each rank's process is still running."""
+
+
+def process_group_backend(device_type: str) -> str:
+    """The default process group's backend: on CUDA NCCL for GPU tensors *and* gloo for CPU
+    ones (torchtitan's "cuda:nccl,cpu:gloo"), because some collectives carry CPU tensors:
+    FSDP2 `cpu_offload`'s gradients (the grad norm's all-reduce), the metrics' reductions
+    (`ember.metrics.distributed`), and `all_gather_object`. NCCL alone refuses them."""
+    return "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+
+
+def check_device_count(world_size: int, device_count: int) -> None:
+    """A process group of `world_size` ranks on one machine puts rank r on cuda:r: refuse
+    (ValueError naming both) a world larger than the GPUs, where ranks would share a GPU,
+    which NCCL refuses, or name one that does not exist."""
+    if world_size > device_count:
+        raise ValueError(f"world_size={world_size} ranks on CUDA need a GPU each, and this machine has "
+                         f"{device_count}; use at most {device_count} ranks, or Ray across machines")
 
 
 def cuda_available() -> bool:
