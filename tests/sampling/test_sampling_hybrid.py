@@ -125,3 +125,16 @@ def test_a_sliding_window_model_is_still_refused(tmp_path):
     with pytest.raises(ValueError, match=r"TorchSampler serves full-attention and linear-attention layers; this "
                                          r"model has layer types \['full_attention', 'sliding_attention'\]"):
         TorchSampler(Qwen3ForCausalLM(config))
+
+
+def test_the_vllm_backend_refuses_it_with_the_measured_reason(q35_dir):
+    """Measured with vLLM 0.32 on CPU: vLLM fails to inspect Qwen3_5ForCausalLM (its Qwen3.5
+    module imports transformers' torchvision image processor); refused before any engine starts,
+    on every device, naming the torch backend that serves it."""
+    from ember.sampling.base import UnsupportedModelError
+    from ember.sampling.vllm_support import check_vllm_model
+
+    for device in ("cpu", "cuda"):
+        with pytest.raises(UnsupportedModelError, match=r"layer_types: linear_attention: the vLLM sampler backend "
+                                                        r"does not serve .*torchvision.*--sampler.backend torch"):
+            check_vllm_model(q35_dir, device)
