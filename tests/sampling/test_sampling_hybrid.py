@@ -116,6 +116,19 @@ def test_the_prefix_cache_is_off_and_a_repeated_prompt_scores_the_same(q35_dir):
         assert s.kv_cache_bytes > 0
 
 
+def test_a_colocated_sleep_frees_the_recurrent_state_and_sampling_resumes_the_same(q35_dir):
+    params = types.SamplingParams(max_tokens=4, seed=5, temperature=1.0)
+    prompt = types.ModelInput.from_ints(PROMPTS[0])
+    with TorchSampler.from_pretrained(q35_dir, SamplerConfig(max_slots=4, max_len=128, colocate=True)) as s:
+        before = s.sample(prompt, 2, params).sequences
+        s.sleep()
+        assert s.asleep and s.kv_cache_bytes == 0
+        after = s.sample(prompt, 2, params).sequences
+        assert [q.tokens for q in after] == [q.tokens for q in before]
+        for a, b in zip(after, before):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
 def test_a_sliding_window_model_is_still_refused(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
