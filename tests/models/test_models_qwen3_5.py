@@ -118,7 +118,7 @@ def test_a_published_checkpoints_layout_loads_with_the_same_logits(q35_dir, tmp_
     torch.testing.assert_close(target_logprobs(published, PROBE), target_logprobs(tiny, PROBE), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [None, pytest.param(LORA, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_training_lowers_the_loss_and_is_not_packed(q35_dir, vocab, lora):
     engine = _engine(q35_dir, lora=lora)
     assert engine.info().packing == "padded"
@@ -146,8 +146,17 @@ def test_pads_after_a_sequence_do_not_change_its_outputs(q35_dir, vocab):
     torch.testing.assert_close(both[0]["logprobs"].to_torch(), alone_long, rtol=0, atol=1e-6)
 
 
-# `make test-fast` runs the LoRA variant (full fine-tuning: `make test`).
-@pytest.mark.parametrize("lora", [pytest.param(None, marks=pytest.mark.slow), LORA], ids=["full", "lora"])
+def test_gradient_is_invariant_to_the_micro_batch_budget(q35_dir, vocab):
+    """The fast sibling of the test below: one datum per micro-batch vs all in one (LoRA)."""
+    datums = random_sft_datums(4, vocab=vocab, min_len=2, max_len=15, seed=1)
+    ref, small = _engine(q35_dir, lora=LORA), _engine(q35_dir, budget=1, lora=LORA)
+    ref.forward_backward(datums, "cross_entropy")
+    small.forward_backward(datums, "cross_entropy")
+    assert_grads_close(_grads(ref), _grads(small))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
 def test_gradient_is_invariant_to_micro_batches_packing_and_split(q35_dir, vocab, lora):
     datums = random_sft_datums(7, vocab=vocab, min_len=2, max_len=15, seed=1)
     ref = _engine(q35_dir, lora=lora)
@@ -172,7 +181,7 @@ def test_rl_loss_gradient_is_invariant_too(q35_dir, vocab):
     assert_grads_close(_grads(ref), _grads(small))
 
 
-@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [None, pytest.param(LORA, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_hf_export_loads_back_with_the_engines_logits(q35_dir, vocab, lora, tmp_path):
     engine = _engine(q35_dir, lora=lora)
     for _ in range(2):

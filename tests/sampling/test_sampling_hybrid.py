@@ -83,7 +83,8 @@ def _version(sampler, engines, kind):
     return sampler.load_weights(engines[kind].named_weights(), lora_config=KINDS[kind])
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+# `make test-fast` runs the LoRA variant (and the mixed batch below); base and full: `make test`.
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k != "lora" else k for k in KINDS])
 def test_sampled_logprobs_equal_the_engines_forward(q35_dir, engines, kind):
     """8 sequences on 3 slots: slots are refilled, later samples restore the prompt's state
     from a snapshot, and the batch compacts as it drains."""
