@@ -238,4 +238,4 @@ def test_ember_estimate_qwen3_5_9b_from_config_json_only(qwen3_5_9b_dir):
     assert r.returncode == 0, r.stderr
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu < 30, f"ember estimate took {cpu:.1f} s of CPU"
-    assert "recurrent state (linear layers)" in r.stdout and "KV cache (attention layers)" in r.stdout
+    assert "state (linear-attn layers)" in r.stdout and "KV cache (attention layers)" in r.stdout

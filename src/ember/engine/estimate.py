@@ -94,7 +94,7 @@ class MemoryEstimate:
         out += [f"sampler slot cache, one sequence of {self.tokens} tokens (not in the peak):",
                 f"  {'KV cache (attention layers)':<30} {_gib(self.sampler_kv)}"]
         if self.sampler_state:
-            out.append(f"  {'recurrent state (linear layers)':<30} {_gib(self.sampler_state)}")
+            out.append(f"  {'state (linear-attn layers)':<30} {_gib(self.sampler_state)}")
         return out + [f"  note: {n}" for n in self.notes]
 
 
