@@ -105,6 +105,23 @@ def test_rows_of_different_weights_share_decode_steps(q35_dir, engines):
             assert _worst_gap(engines[kind], responses[i * n:(i + 1) * n]) < 1e-4, kind
 
 
+@pytest.mark.parametrize("chunk", [0, 16], ids=["logits", "hidden-chunks"])
+def test_prompt_logprobs_equal_the_engines_forward(q35_dir, engines, chunk):
+    """Scored prompts of different lengths prefilled in one left-padded batch (the short
+    ones' pads must leave the linear layers' state untouched), with the whole-prompt logits
+    or the last hidden states scored in chunks (`logprob_chunk_tokens`)."""
+    config = SamplerConfig(max_slots=8, max_len=128, logprob_chunk_tokens=chunk)
+    with TorchSampler.from_pretrained(q35_dir, config) as s:
+        requests = [SamplingRequest(prompt=types.ModelInput.from_ints(p), num_samples=1, include_prompt_logprobs=True,
+                                    sampling_params=types.SamplingParams(max_tokens=1)) for p in PROMPTS]
+        for p, resp in zip(PROMPTS, s.sample_many(requests, timeout=300)):
+            assert not isinstance(resp, Exception), resp
+            if len(p) < 2:
+                continue
+            ref = engines["base"].forward([sft_datum(p)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_torch()
+            torch.testing.assert_close(torch.tensor(resp.prompt_logprobs[1:]), ref, rtol=0, atol=1e-4)
+
+
 def test_the_prefix_cache_is_off_and_a_repeated_prompt_scores_the_same(q35_dir):
     with TorchSampler.from_pretrained(q35_dir, SamplerConfig(max_slots=4, max_len=128,
                                                              prefix_cache_tokens=4096)) as s:
