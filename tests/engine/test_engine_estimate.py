@@ -38,6 +38,36 @@ def _qwen3_32b_params(tp: int = 1, tied: bool = False) -> int:
     return v * h + lm_head + 64 * layer + h
 
 
+# Qwen3.5-9B's published shape (its config.json: a vision-language config whose text_config is
+# this; transformers' Qwen3_5TextConfig defaults are the same, documented as Qwen3.5-9B's):
+# 32 layers, every fourth full attention (16 heads, 4 KV heads of 256), the others Gated
+# DeltaNet (16 key heads and 32 value heads of 128, a 4-column convolution).
+QWEN3_5_9B_TEXT = {
+    "model_type": "qwen3_5_text", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "eos_token_id": 248044, "dtype": "bfloat16",
+}
+QWEN3_5_9B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": QWEN3_5_9B_TEXT,
+    "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                      "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054, "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_9b_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3.5-9b-config-only")
+    (out / "config.json").write_text(json.dumps(QWEN3_5_9B))
+    return out
+
+
 @pytest.fixture(scope="module")
 def qwen3_32b_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen3-32b-config-only")
@@ -201,3 +231,33 @@ def test_estimate_within_20_percent_of_measured_peak(tmp_path_factory, tokens, c
     est: MemoryEstimate = estimate_memory(out, engine=EngineConfig(logprob_chunk_tokens=chunk), tokens=tokens,
                                           lora_rank=lora_rank or None)
     assert abs(est.peak - measured) <= 0.2 * measured, (est.as_dict(), measured)
+
+
+def test_qwen3_5_counts_a_recurrent_state_not_a_kv_cache_for_its_linear_layers(qwen3_5_9b_dir):
+    """Qwen3.5-9B from config.json only (in process; the fresh-process CPU bound is the slow
+    test below): 8 full-attention layers keep KV per token, 24 Gated DeltaNet layers a fixed
+    state, written out here from the architecture."""
+    est = estimate_memory(qwen3_5_9b_dir, engine=EngineConfig(dtype="bfloat16"), tokens=4096, lora_rank=32)
+    assert est.sampler_kv == 8 * 2 * 4 * 256 * 4096 * 2  # 128 MiB; all 32 layers as attention: 512 MiB
+    conv = (2 * 16 * 128 + 32 * 128) * 4 * 2
+    assert est.sampler_state == 24 * (conv + 32 * 128 * 128 * 4)  # 49.5 MiB, the same for any length
+    longer = estimate_memory(qwen3_5_9b_dir, engine=EngineConfig(dtype="bfloat16"), tokens=8192, lora_rank=32)
+    assert longer.sampler_state == est.sampler_state and longer.sampler_kv == 2 * est.sampler_kv
+    h, v, i, kv = 4096, 248320, 12288, 4 * 256
+    attn = h * 2 * 16 * 256 + 2 * h * kv + 16 * 256 * h + 2 * 256  # q_proj carries the output gate; q/k norms
+    linear = h * (2 * 16 * 128 + 32 * 128) + h * 32 * 128 + 2 * h * 32 + 32 * 128 * h + 8192 * 4 + 2 * 32 + 128
+    params = 2 * v * h + 8 * attn + 24 * linear + 32 * (3 * h * i + 2 * h) + h
+    assert est.parameters == params * 2  # bf16, text only (the vision tower is not loaded)
+    assert 8.5e9 < params < 9.5e9
+
+
+@pytest.mark.slow  # a fresh process, as for Qwen3-32B above
+def test_ember_estimate_qwen3_5_9b_from_config_json_only(qwen3_5_9b_dir):
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = ember("estimate", "--model", str(qwen3_5_9b_dir), "--tokens", "32768", "--lora-rank", "32",
+              "--engine.dtype", "bfloat16")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert r.returncode == 0, r.stderr
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 30, f"ember estimate took {cpu:.1f} s of CPU"
+    assert "state (linear-attn layers)" in r.stdout and "KV cache (attention layers)" in r.stdout

@@ -43,6 +43,16 @@ def test_max_positions_and_heads_flags(tmp_path):
             config["head_dim"]) == ("llama", 8192, 2, 64)
 
 
+def test_the_qwen3_5_family_has_linear_and_full_attention_layers(tmp_path, capsys):
+    """`--family qwen3_5` with the default 2 layers: one Gated DeltaNet layer, then one
+    full-attention layer, heads of 32."""
+    assert main(["tiny-model", str(tmp_path / "m"), "--family", "qwen3_5"]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["head_dim"] == config["linear_key_head_dim"] == 32
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
+    assert "wrote a random-weight qwen3_5" in capsys.readouterr().out
+
+
 TEXTS = ["\\boxed{42} <a|b>_[x]# ~`$%^&*@", "héllo 世界 🎉 \t\r\n\x00\x7f", "  two  spaces\n\nUser:"]
 
 

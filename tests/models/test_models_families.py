@@ -55,7 +55,8 @@ def test_each_family_file_builds_its_tiny_model_and_names_real_classes(name, tmp
 
     family = FAMILIES[name]
     config = tiny_config(name, vocab_size=50)
-    assert config.model_type == name and family_of(config) is family and not uses_sliding_window(config)
+    assert config.model_type in (name, *family.config_types) and family_of(config) is family
+    assert uses_sliding_window(config) is bool(non_full_attention_layers(config))  # Qwen3.5's linear layers
     model = AutoModelForCausalLM.from_config(config)
     suffixes = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     assert set(family.lora.attn + family.lora.mlp + family.lora.unembed) <= suffixes
@@ -71,5 +72,5 @@ def test_unknown_tiny_model_family_is_refused_naming_the_known_ones():
     from ember.models.testing import tiny_config
 
     with pytest.raises(ValueError, match=r"unknown tiny model family 'gpt2'; expected one of \['llama', 'mistral', "
-                                         r"'olmo2', 'qwen2', 'qwen2_5_vl', 'qwen3', 'qwen3_vl'\]"):
+                                         r"'olmo2', 'qwen2', 'qwen2_5_vl', 'qwen3', 'qwen3_5', 'qwen3_vl'\]"):
         tiny_config("gpt2", vocab_size=50)

@@ -26,6 +26,12 @@ activations of one micro-batch of N tokens:
   `ceil(N / cp)` tokens; the (T, T) attention mask stays full-size on every rank (Ulysses
   attention sees the whole sequence for its heads).
 * peak: all of the above (gradients and saved activations coexist during backward).
+* the sampler's slot cache for one sequence of N tokens (beside the peak, not in it: the
+  TorchSampler's memory, `sampler_cache_bytes`): keys and values per token of each
+  full-attention layer, and for a linear-attention layer (Qwen3.5's Gated DeltaNet) its
+  fixed recurrent state instead, whatever N. A model with linear-attention layers is not
+  packed (`TorchEngine`), so it gets no (T, T) packing mask; its linear layers' saved
+  activations are counted with the attention layers' fit (not measured for them).
 
 The model on the meta device is built by transformers (`AutoModelForCausalLM.from_config`),
 the LoRA adapter's size by arithmetic on the target Linear shapes (`lora_target_modules`).
@@ -64,6 +70,8 @@ class MemoryEstimate:
     fsdp_working_set: int = 0
     host_offloaded: int = 0
     notes: list[str] = field(default_factory=list)
+    sampler_kv: int = 0  # one sequence of `tokens` in the sampler: full-attention layers' keys and values
+    sampler_state: int = 0  # ... and linear-attention layers' recurrent state (no KV)
 
     @property
     def peak(self) -> int:
@@ -83,6 +91,10 @@ class MemoryEstimate:
             rows.append(("host memory (offloaded)", self.host_offloaded))
         out = [f"per rank (world size {self.world_size}), one micro-batch of {self.tokens} tokens:"]
         out += [f"  {name:<30} {_gib(n)}" for name, n in rows]
+        out += [f"sampler slot cache, one sequence of {self.tokens} tokens (not in the peak):",
+                f"  {'KV cache (attention layers)':<30} {_gib(self.sampler_kv)}"]
+        if self.sampler_state:
+            out.append(f"  {'state (linear-attn layers)':<30} {_gib(self.sampler_state)}")
         return out + [f"  note: {n}" for n in self.notes]
 
 
@@ -197,6 +209,29 @@ def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
     return per_elem * compute_bytes + norm_extra
 
 
+def sampler_cache_bytes(hf_config, tokens: int, dtype_bytes: int) -> tuple[int, int]:
+    """(KV bytes, recurrent-state bytes) one sequence of `tokens` tokens holds in the
+    TorchSampler's slot cache (`ember.sampling.kv_cache`): a full-attention layer keeps a key
+    and a value per KV head per token; a linear-attention layer keeps, whatever the length,
+    the short convolution's last `linear_conv_kernel_dim` inputs of q/k/v (model dtype) and
+    the delta-rule matrix per value head, key dim x value dim (fp32, as transformers'
+    kernels return it)."""
+    from ember.models.families import linear_attention_layers
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layers, linear = int(text.num_hidden_layers), len(linear_attention_layers(text))
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    kv = (layers - linear) * 2 * kv_heads * head_dim * tokens * dtype_bytes
+    if not linear:
+        return kv, 0
+    hk, hv = int(text.linear_num_key_heads), int(text.linear_num_value_heads)
+    dk, dv = int(text.linear_key_head_dim), int(text.linear_value_head_dim)
+    conv = (2 * hk * dk + hv * dv) * int(text.linear_conv_kernel_dim) * dtype_bytes
+    return kv, linear * (conv + hv * dk * dv * 4)
+
+
 def _activations(hf_config, engine: EngineConfig, tp: int, tokens: int, compute_bytes: int,
                  cp: int = 1) -> tuple[int, int, list]:
     """(device bytes, host bytes, notes) of the decoder's saved activations for `tokens`
@@ -204,7 +239,10 @@ def _activations(hf_config, engine: EngineConfig, tp: int, tokens: int, compute_
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     layers, hidden = int(text.num_hidden_layers), int(text.hidden_size)
     mask = 0
-    if engine.packing and not engine.attn_implementation.startswith("flash"):
+    from ember.models.families import linear_attention_layers
+
+    packed = engine.packing and not linear_attention_layers(text)  # TorchEngine does not pack those
+    if packed and not engine.attn_implementation.startswith("flash"):
         mask = 5 * tokens * tokens  # sdpa's block-diagonal mask: bool + fp32 additive, (T, T), full size under cp
     tokens = -(-tokens // cp)
     per_layer = saved_bytes_per_token(hf_config, compute_bytes, tp) * tokens
@@ -271,12 +309,13 @@ def estimate_memory(
     if parallel.cp > 1:
         notes.append(f"context parallelism: each rank holds {-(-tokens // parallel.cp)} of the {tokens} tokens")
     host = host_acts + (moments if engine.optimizer_offload else 0)
+    sampler_kv, sampler_state = sampler_cache_bytes(hf_config, tokens, param_bytes)
     return MemoryEstimate(
         tokens=tokens, world_size=parallel.world_size, parameters=params, gradients=trained,
         optimizer=0 if engine.optimizer_offload else moments, activations=acts,
         output_head=_output_head(hf_config, engine, -(-tokens // parallel.cp), compute_bytes, parallel.tp, split),
         fsdp_working_set=working,
-        host_offloaded=host, notes=notes,
+        host_offloaded=host, notes=notes, sampler_kv=sampler_kv, sampler_state=sampler_state,
     )
 
 

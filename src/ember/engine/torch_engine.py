@@ -38,7 +38,7 @@ from ember.engine.optimizers import Optimizer, build_optimizer
 from ember.engine.parallel import ParallelismConfig, apply_activation_checkpointing, hf_model
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
-from ember.models.families import vision_of
+from ember.models.families import linear_attention_layers, vision_of
 from ember.models.vision import VisionSpec, load_vision_spec
 
 if TYPE_CHECKING:
@@ -134,6 +134,11 @@ class TorchEngine(TrainingEngine):
         if parallelism is not None and config.activation_checkpointing:
             # under a mesh it must come before FSDP2 (torchtitan's order): let parallelize_model apply it
             parallelism = dataclasses.replace(parallelism, activation_checkpointing=True)
+        if parallelism is not None and parallelism.cp > 1 and linear_attention_layers(model.config):
+            # the delta-rule state would have to pass from one cp rank's columns to the next
+            raise ValueError(f"ParallelismConfig.cp={parallelism.cp}: context parallelism splits a sequence over "
+                             f"ranks, and {model.config.model_type}'s linear-attention layers carry a recurrent "
+                             f"state along it that ember does not pass between ranks; use cp=1 for this family")
         if parallelism is not None and parallelism.world_size > 1 and vision_of(model.config) is not None:
             # FSDP2 gathers the tower's shards in its forward, which only ranks with images run
             raise ValueError(f"{model.config.model_type} is a vision-language model; ember trains it on one rank "
@@ -195,6 +200,15 @@ class TorchEngine(TrainingEngine):
         if self.distributed and self.parallel.config.fsdp and self.device.type == "cuda":
             return None
         return self.config.autocast_dtype
+
+    @property
+    def _packing(self) -> bool:
+        """`EngineConfig.packing`, except for a model with linear-attention layers (Qwen3.5):
+        transformers' torch kernels of the delta rule and its short convolution take no
+        sequence boundaries, so a packed row would carry one sequence's state into the next;
+        those run one sequence per row, right-padded (pads come after a sequence's tokens
+        and the recurrence is causal, so they cannot change its outputs)."""
+        return self.config.packing and not linear_attention_layers(self.hf_config)
 
     @property
     def _varlen_attention(self) -> bool:
@@ -366,7 +380,7 @@ class TorchEngine(TrainingEngine):
         rope_index = self._rope_index()
         for group in plan:
             mb = build_micro_batch(
-                [prepared[i] for i in group], self.config.packing, self._pad_id, single_row=self._varlen_attention,
+                [prepared[i] for i in group], self._packing, self._pad_id, single_row=self._varlen_attention,
                 rope_index=rope_index,
             )
             with torch.set_grad_enabled(backward):
@@ -531,7 +545,7 @@ class TorchEngine(TrainingEngine):
             dtype=self.config.dtype,
             num_parameters=n_all,
             num_trainable_parameters=sum(p.numel() for p in self._params),
-            packing="packed" if self.config.packing else "padded",
+            packing="packed" if self._packing else "padded",
             head=self.head.name,
         )
 

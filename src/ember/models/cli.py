@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-FAMILY_CHOICES = ("qwen3", "llama", "qwen3_vl", "qwen2_5_vl")
+FAMILY_CHOICES = ("qwen3", "llama", "qwen3_vl", "qwen2_5_vl", "qwen3_5")
 
 # (flag, attribute, lowest, highest): a value outside is refused before anything is built
 SIZES = (

@@ -82,6 +82,18 @@ class ModelRunner:
     def _mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return additive_mask(mask, dtype) if self.additive_mask else mask
 
+    def _attention_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict:
+        """The transformers forward's `attention_mask`. With linear-attention layers, the
+        documented per-layer-type mapping: the prepared mask for attention, and for the
+        linear layers a prefill's [B, T] padding mask (which zeroes the left pads' inputs,
+        so no state builds up before a prompt's first token; None when nothing is padded)."""
+        prepared = self._mask(mask, dtype)
+        if not self.cache.recurrent:
+            return prepared
+        plan = self.cache.plan
+        pads = plan is not None and plan.prefill and not bool(plan.valid.all())
+        return {"full_attention": prepared, "linear_attention": plan.valid.to(dtype) if pads else None}
+
     @torch.inference_mode()
     def forward(
         self,
@@ -112,7 +124,7 @@ class ModelRunner:
         kwargs = dict(
             input_ids=input_ids,
             position_ids=position_ids,
-            attention_mask=self._mask(mask, dtype),
+            attention_mask=self._attention_mask(mask, dtype),
             past_key_values=self.cache,
             use_cache=True,
             # hidden: an empty index list, so transformers runs its LM head on no position

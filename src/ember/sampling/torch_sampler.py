@@ -59,12 +59,13 @@ _sampler_ids = itertools.count(1)
 
 
 def _check_supported(model: PreTrainedModel) -> None:
+    """Full-attention layers (a KV cache per slot) and linear-attention ones (a recurrent
+    state per slot, `kv_cache.RecurrentSlotLayer`); a sliding window is refused."""
     config = model.config.get_text_config()  # a vision-language model's decoder
-    layer_types = getattr(config, "layer_types", None) or []
-    if non_full_attention_layers(config):
-        raise ValueError(
-            f"TorchSampler supports full-attention decoders only; this model has layer types {sorted(set(layer_types))}"
-        )
+    other = [t for t in non_full_attention_layers(config) if t != "linear_attention"]
+    if other:
+        raise ValueError(f"TorchSampler serves full-attention and linear-attention layers; this model has layer "
+                         f"types {sorted(set(config.layer_types))}")
 
 
 def _text_decoder(tokenizer: PreTrainedTokenizerBase | None):
@@ -113,10 +114,14 @@ class TorchSampler(Sampler):
         self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)
-        cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len)
+        cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len,
+                                        layer_types=getattr(text_config, "layer_types", None))
         runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
-        self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_cache_block)
+        # A linear-attention layer's state is its whole sequence's, never a cached prefix's:
+        # such a model runs with the prefix cache off (every prompt prefilled in full).
+        prefix_tokens = 0 if cache.recurrent else self.config.prefix_cache_tokens
+        self.prefix_cache = PrefixCache(prefix_tokens, self.config.prefix_cache_block)
         self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens,
                                     _text_decoder(tokenizer), self.prefix_cache,
                                     self.config.resolved_logprob_chunk_tokens)

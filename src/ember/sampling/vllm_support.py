@@ -51,11 +51,26 @@ VISION_REFUSAL = (
     "model with the torch sampler backend (--sampler.backend torch)")
 
 
+# Why the vLLM backend refuses a model with linear-attention layers (Qwen3.5), measured with
+# vLLM 0.32 on CPU on `ember tiny-model --family qwen3_5` (config.json: Qwen3_5ForCausalLM,
+# text only): the engine never starts, because vLLM inspects the architecture by importing
+# `model_executor/models/qwen3_5.py`, which imports its Qwen3-VL module, which imports
+# transformers' torchvision image processor ("No module named 'torchvision'"). Whether vLLM
+# then serves it with contract 5 is not measured, so the refusal holds on every device.
+LINEAR_ATTENTION_REFUSAL = (
+    "layer_types: linear_attention: the vLLM sampler backend does not serve models with linear-attention "
+    "layers (Qwen3.5) in ember: vLLM 0.32's Qwen3.5 implementation imports its Qwen-VL module, which imports "
+    "transformers' torchvision image processor (vLLM 0.32 on CPU fails to inspect Qwen3_5ForCausalLM without "
+    "torchvision), and ember has not verified its sampled logprobs against the trainer; serve this model with "
+    "the torch sampler backend (--sampler.backend torch)")
+
+
 def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
     """Raise `UnsupportedModelError` when vLLM cannot run the model on `device`.
 
     A vision-language model (a `vision_config` in config.json) is refused on every device
-    (`VISION_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
+    (`VISION_REFUSAL`), and so is a model with linear-attention layers
+    (`LINEAR_ATTENTION_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
     only the CPU backend's fixed head sizes are checked here."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -63,9 +78,13 @@ def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
         return  # loading the model reports an unreadable config with its own message
     if isinstance(config, dict) and "vision_config" in config:
         raise UnsupportedModelError(VISION_REFUSAL)
-    if device != "cpu":
+    if not isinstance(config, dict):
         return
     config = config.get("text_config", config)
+    if "linear_attention" in (config.get("layer_types") or []) or "linear_num_value_heads" in config:
+        raise UnsupportedModelError(LINEAR_ATTENTION_REFUSAL)
+    if device != "cpu":
+        return
     head_dim, field = head_dim_of(config)
     supported = cpu_head_sizes()
     if head_dim is not None and head_dim not in supported:

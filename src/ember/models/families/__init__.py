@@ -1,11 +1,12 @@
 """Model-family knowledge, one file per family (as torchtitan keeps `models/<family>/`).
 
-Each family file (`llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `olmo2.py`, and the
-vision-language `qwen2_5_vl.py`, `qwen3_vl.py`) builds one `ModelFamily` (`base.py`): its
+Each family file (`llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `olmo2.py`, the hybrid
+linear-attention `qwen3_5.py`, and the vision-language `qwen2_5_vl.py`, `qwen3_vl.py`) builds one `ModelFamily` (`base.py`): its
 tensor-parallel plan, LoRA target modules, direct-decode layer, sliding-window rule,
 value-head export class, tiny-model config and, for a vision-language model, its
 `VisionFamily` (placeholder tokens, the tower, the transformers class). `FAMILIES` maps
-`config.model_type` to it.
+the family's name (a `config.model_type`) to it; `family_of` also knows each family's
+other model types (`ModelFamily.config_types`).
 
 Adding a family is one new file here plus its line in `_MODULES` (and its tests).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.models.families import llama, mistral, olmo2, qwen2, qwen2_5_vl, qwen3, qwen3_vl
+from ember.models.families import llama, mistral, olmo2, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_vl
 from ember.models.families.base import (
     LLAMA_TP_PLAN,
     DecodeOps,
@@ -37,6 +38,7 @@ __all__ = [
     "direct_decode_families",
     "family_of",
     "lora_targets",
+    "linear_attention_layers",
     "non_full_attention_layers",
     "tp_families",
     "uses_sliding_window",
@@ -44,14 +46,16 @@ __all__ = [
     "vision_of",
 ]
 
-_MODULES = (llama, mistral, qwen2, qwen3, olmo2, qwen2_5_vl, qwen3_vl)
+_MODULES = (llama, mistral, qwen2, qwen3, olmo2, qwen2_5_vl, qwen3_vl, qwen3_5)
 
 FAMILIES: dict[str, ModelFamily] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
+_BY_CONFIG_TYPE: dict[str, ModelFamily] = {t: m.FAMILY for m in _MODULES for t in m.FAMILY.config_types}
 
 
 def family_of(config: Any) -> ModelFamily | None:
     """The family of a transformers config (None for a model_type ember has no entry for)."""
-    return FAMILIES.get(str(getattr(config, "model_type", "")))
+    model_type = str(getattr(config, "model_type", ""))
+    return FAMILIES.get(model_type) or _BY_CONFIG_TYPE.get(model_type)
 
 
 def vision_of(config: Any) -> VisionFamily | None:
@@ -82,6 +86,14 @@ def non_full_attention_layers(config: Any) -> list[str]:
     """The layer types of `config.layer_types` other than full attention (sorted, unique)."""
     layer_types = getattr(config, "layer_types", None) or []
     return sorted({t for t in layer_types if t != "full_attention"})
+
+
+def linear_attention_layers(config: Any) -> list[int]:
+    """Indices of the layers that are linear attention (Gated DeltaNet: a recurrent state per
+    sequence, not a KV cache); a vision-language config's decoder is read. Empty for a
+    transformer whose layers all attend."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [i for i, t in enumerate(getattr(text, "layer_types", None) or []) if t == "linear_attention"]
 
 
 def uses_sliding_window(config: Any) -> bool:

@@ -159,7 +159,9 @@ class ModelFamily:
     forward; `value_head_class` None: transformers has no token classifier for the family,
     so a value-head run exports only as a training checkpoint or a peft adapter;
     `tiny_config(**kwargs)` builds the family's transformers config from ember's tiny-model
-    arguments (`ember.models.testing.tiny_config`); `vision` None: a text-only model."""
+    arguments (`ember.models.testing.tiny_config`); `vision` None: a text-only model;
+    `config_types`: more model types that are this family (Qwen3.5's checkpoints say
+    `qwen3_5`, the text model they load as says `qwen3_5_text`)."""
 
     model_type: str
     tiny_config: Callable[..., Any]
@@ -169,6 +171,7 @@ class ModelFamily:
     window_when_set: bool = False
     value_head_class: str | None = None
     vision: VisionFamily | None = None
+    config_types: tuple[str, ...] = ()  # other `config.model_type`s of the family (a checkpoint's text config)
 
     @property
     def direct_decode(self) -> bool:
