@@ -1,8 +1,8 @@
 """tinker-cookbook 0.6.1's first recipes, `sl_loop` and `rl_loop`, unmodified and with their
 default `model_name` ("Qwen/Qwen3.5-9B-Base"), against `ember serve` offline.
 
-A tiny Qwen3.5 (`ember tiny-model --family qwen3_5`) stands in for the 9B. A user serves a local directory under the hub id the recipe names (`--model
-Qwen/Qwen3.5-9B-Base=DIR`) and links it into the Hugging Face cache under the same id
+A tiny Qwen3.5 (`ember tiny-model --family qwen3_5`) stands in for the 9B. A user serves a
+local directory under the hub id the recipe names (`--model Qwen/Qwen3.5-9B-Base=DIR`) and links it into the Hugging Face cache under the same id
 (`ember hub-link Qwen/Qwen3.5-9B-Base DIR`), so the recipe's own tokenizer lookup of that
 id resolves to DIR with `HF_HUB_OFFLINE=1`; the renderer comes from the cookbook's table
 for that id. The hub data sets are local stand-ins in the hub's layout (README.md configs,
