@@ -227,7 +227,7 @@ class Service(ServiceAPI):
 
     def load_weights(self, owner, path, optimizer, *, model_id=None, seq_id=None, session_id=None,
                      model_seq_id=None, base_model=None, user_metadata=None,
-                     optimizer_config=None) -> Submission:
+                     optimizer_config=None, weights_access_token=None) -> Submission:
         by_model = model_id is not None
         by_session = session_id is not None
         if by_model == by_session:
@@ -238,9 +238,11 @@ class Service(ServiceAPI):
             if err:
                 return self.runs.reject(owner, "LoadWeights", err)
             return self.runs.create_from_checkpoint(owner, session_id, model_seq_id, path, bool(optimizer),
-                                                    base_model, user_metadata, optimizer_config)
+                                                    base_model, user_metadata, optimizer_config,
+                                                    access_token=weights_access_token)
         return self.runs.submit_op(owner, model_id, seq_id, "LoadWeights",
-                                   lambda run: self.runs.load_checkpoint(run, path, bool(optimizer)))
+                                   lambda run: self.runs.load_checkpoint(run, path, bool(optimizer),
+                                                                         weights_access_token))
 
     def forward_backward(self, owner, model_id, seq_id, data, loss_fn, loss_fn_config=None, *,
                          forward_only=False) -> Submission:
@@ -473,6 +475,9 @@ class Service(ServiceAPI):
     def _release_synced(self) -> None:
         """Memory mode: a deleted checkpoint's tensors go too (`SamplerManager.release_synced`)."""
         self.samplers.release_synced(lambda path: self.store.get(CheckpointRow, path) is not None)
+
+    def create_weights_access_token(self, owner, run_id, checkpoint_id, ttl_seconds=None) -> tuple[str, int]:
+        return self.checkpoints.access_token(owner, run_id, checkpoint_id, ttl_seconds)
 
     def external_weights_links(self, owner, run_id, checkpoint_id) -> ExternalWeightsLinks:
         return self.checkpoints.external_links(owner, run_id, checkpoint_id)

@@ -163,9 +163,11 @@ class RunManager:
         return self._create(owner, session_id, model_seq_id, "CreateModel", plan)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
-                               base_model: str | None, user_metadata, optimizer_config=None) -> Submission:
+                               base_model: str | None, user_metadata, optimizer_config=None,
+                               access_token: str | None = None) -> Submission:
         def plan(run_id: str) -> CreatePlan:
-            tpath, crow = self.checkpoints.training_state(owner, path)  # the owner's, or a published one
+            # the owner's, a published one, or one `access_token` grants
+            tpath, crow = self.checkpoints.training_state(owner, path, access_token)
             src = self.store.get(RunRow, crow.run_id)
             lora = types.LoraConfig(**src.lora_config) if src is not None and src.lora_config else None
             base = self.registry.resolve(base_model or (src.base_model if src else ""))
@@ -338,9 +340,10 @@ class RunManager:
         return self.checkpoints.save(run.run_id, run.owner, kind, name, write, overwrite=overwrite,
                                      ttl_seconds=ttl_seconds, user_metadata=user_metadata)
 
-    def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool) -> types.LoadWeightsResponse:
+    def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool,
+                        access_token: str | None = None) -> types.LoadWeightsResponse:
         engine = run.require_engine()
-        tpath, crow = self.checkpoints.training_state(run.owner, path)
+        tpath, crow = self.checkpoints.training_state(run.owner, path, access_token)
         engine.load_state(crow.directory, optimizer=optimizer)
         return types.LoadWeightsResponse(path=tpath.uri, model_id=run.run_id)
 
