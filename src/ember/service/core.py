@@ -500,6 +500,16 @@ class Service(ServiceAPI):
                 "futures_pending": self.futures.pending_count_of(owner),
                 "samplers_loaded": self.samplers.loaded_count(owner)}
 
+    def server_state(self) -> dict[str, Any]:
+        """What the server holds now, over every owner (the periodic status line): runs
+        loaded, sessions active, sampling sessions loaded, each lane's runs and queued
+        requests, samples queued or running, futures pending."""
+        lanes = self.runs.lane_depths()
+        samples, _ = self.samplers.queued.total()
+        return {"runs": sum(n for n, _ in lanes.values()), "sessions": len(self.store.active_sessions()),
+                "samplers": self.samplers.loaded_total(), "lanes": lanes, "samples_queued": samples,
+                "futures_pending": self.futures.pending_count()}
+
     def run_facts(self, owner, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """run_id -> {steps, loaded, head, created} for `owner`'s runs among `run_ids` (the
         console's listing): steps from the live run, else from the metric history."""

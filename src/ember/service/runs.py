@@ -395,6 +395,17 @@ class RunManager:
             runs = list(self._runs.values())
         return {run.run_id: run.seq.queued for run in runs}
 
+    def lane_depths(self) -> dict[str, tuple[int, int]]:
+        """"lane <n> (<base models>)" -> (live runs on it, requests waiting in their
+        sequencers), for every lane in use (the status line)."""
+        with self._lock:
+            runs = list(self._runs.values())
+        lanes: dict[str, list[LiveRun]] = {}
+        for run in runs:
+            lanes.setdefault(run.lane.name, []).append(run)
+        return {f"lane {name} ({', '.join(sorted({r.spec.base.name for r in on}))})":
+                (len(on), sum(r.seq.queued for r in on)) for name, on in sorted(lanes.items())}
+
     def close(self) -> None:
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
