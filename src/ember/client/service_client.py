@@ -230,7 +230,8 @@ class ServiceClient:
                     user_metadata=self._user_metadata, project_id=self._project_id, display_name=self._display_name,
                 )
                 self._session_id = resp.session_id
-                timeout = getattr(getattr(self._service, "config", None), "session_timeout_s", None)
+                sessions = getattr(getattr(self._service, "config", None), "sessions", None)
+                timeout = getattr(sessions, "heartbeat_timeout_s", None)
                 if timeout:
                     threading.Thread(target=self._heartbeat_loop, args=(resp.session_id, min(10.0, timeout / 3)),
                                      name="ember-heartbeat", daemon=True).start()

@@ -215,9 +215,10 @@ class ServiceAPI(abc.ABC):
 
     @abc.abstractmethod
     def expire_sessions(self) -> list[str]:
-        """Expire sessions without a heartbeat for `ServiceConfig.session_timeout_s`
-        (no-op when that is None); unload their models (checkpoints stay). Returns the
-        expired ids. The service calls this itself periodically; exposed for tests."""
+        """Expire sessions without a heartbeat for `sessions.heartbeat_timeout_s`, or idle
+        for `sessions.idle_ttl_s`; save their loaded runs (`tinker://<run>/weights/session-end`)
+        and unload them (checkpoints stay). Returns the expired ids. The service calls this
+        itself periodically; exposed for tests."""
 
     @abc.abstractmethod
     def get_session(self, owner: str, session_id: str) -> types.GetSessionResponse: ...

@@ -45,7 +45,7 @@ from ember.service.futures import FutureTable
 from ember.service.images import check_request_images, count_images, vision_spec_of
 from ember.service.metric_history import MetricHistory
 from ember.service.run_validation import check_samplable
-from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
+from ember.service.runs import SESSION_END_CHECKPOINT, LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager, session_of
 from ember.service.stability import StabilityRecords
@@ -111,7 +111,7 @@ class Service(ServiceAPI):
         self.samplers.check_registered()
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
-        self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end,
+        self.sessions = SessionManager(self.store, config.sessions.heartbeat_timeout_s, self._on_session_expired,
                                        idle_ttl_s=config.sessions.idle_ttl_s,
                                        max_per_key=config.limits.max_sessions_per_key, clock=self._clock)
         self.futures.on_session_activity = self.sessions.touch
@@ -143,7 +143,7 @@ class Service(ServiceAPI):
 
     def _housekeeping_loop(self) -> None:
         interval = self.config.housekeeping_interval_s
-        for timeout in (self.config.session_timeout_s, self.config.sessions.idle_ttl_s):
+        for timeout in (self.config.sessions.heartbeat_timeout_s, self.config.sessions.idle_ttl_s):
             if timeout is not None:
                 interval = min(interval, max(0.5, timeout / 4))
         sweep_every = self.config.checkpoints.sweep_interval_s
@@ -172,10 +172,15 @@ class Service(ServiceAPI):
             self.store.prune_futures(now - self.config.future_retention_s)
         self.sweep_expired_checkpoints()
 
-    def _on_session_end(self, session_id: str) -> None:
-        self.runs.unload_session(session_id)
+    def _on_session_end(self, session_id: str, save_as: str | None = None) -> None:
+        self.runs.unload_session(session_id, save_as=save_as)
         self.samplers.drop_session(session_id)
         self.records.drop_session(session_id)
+
+    def _on_session_expired(self, session_id: str) -> None:
+        """The client is gone (no heartbeat) or idle: its runs are saved before they unload,
+        so that whoever comes back resumes from where they were."""
+        self._on_session_end(session_id, save_as=SESSION_END_CHECKPOINT)
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, owner, *, tags: Sequence[str] = (), user_metadata: Mapping[str, Any] | None = None,
@@ -402,7 +407,8 @@ class Service(ServiceAPI):
             raise UserError(f"sampling sessions quota: this API key has {n} sampling sessions loaded, the quota is "
                             f"limits.max_sampling_sessions_per_key={quota}; close ServiceClients you no longer use "
                             f"(their sessions' samplers are released), or wait for idle sessions to expire "
-                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s})")
+                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s}; a killed client's session "
+                            f"ends after sessions.heartbeat_timeout_s={self.config.sessions.heartbeat_timeout_s})")
 
     def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
         return self.samplers.get(owner, sampling_session_id)
