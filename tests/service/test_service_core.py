@@ -231,3 +231,29 @@ def test_housekeeping_prunes_old_futures_and_expired_checkpoints(make_service):
         svc.retrieve("alice", fb.request_id)
     paths = [c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints]
     assert paths == [keep.path] and short.path not in paths
+
+
+def test_a_run_whose_session_ended_errored_is_listed_as_failed(make_service):
+    """`corrupted` is what `tinker run list` shows as Failed: a run of a session the client
+    finished "errored" (its script failed; the console shows that session so) is one."""
+    svc = make_service()
+    runs = {}
+    for reason in ("success", "errored"):
+        sid, runs[reason] = new_run(svc)
+        svc.finish_session("alice", sid, reason)
+    assert svc.get_training_run("alice", runs["errored"]).corrupted is True
+    assert svc.get_training_run("alice", runs["success"]).corrupted is False
+    listed = {r.training_run_id: r.corrupted for r in svc.list_training_runs("alice").training_runs}
+    assert listed == {runs["errored"]: True, runs["success"]: False}
+
+
+def test_runs_left_loaded_by_an_earlier_process_are_no_warning(make_service, tmp_path, caplog):
+    """Every process leaves its runs loaded in the database (in-process `ember train` too):
+    the next start on that data directory marks them unloaded without a warning."""
+    first = make_service(data_dir=tmp_path / "reused")
+    new_run(first)
+    first.close()
+    with caplog.at_level("DEBUG", logger="ember.service"):
+        make_service(data_dir=tmp_path / "reused")
+    assert "1 training run(s) of an earlier process" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

@@ -49,7 +49,7 @@ from ember.service.runs import SESSION_END_CHECKPOINT, LiveRun, RunManager, RunN
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager, session_of
 from ember.service.stability import StabilityRecords
-from ember.service.store import CheckpointRow, FutureRow, Store
+from ember.service.store import CheckpointRow, FutureRow, SessionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,13 @@ class Service(ServiceAPI):
         self.store = Store(config.resolved_database_url, lock_timeout_s=durability.db_lock_timeout_s)
         failed = self.store.fail_pending_futures(RESTART_MESSAGE)
         unloaded = self.store.unload_active_runs()
-        if failed or unloaded:
-            log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
+        # Runs left loaded by an earlier process are routine (every process ends so, in process
+        # too); requests cut off in flight are not (it did not end cleanly): only they warn.
+        if failed:
+            log.warning("%d request(s) of an earlier process on this data directory were in flight when it ended: "
+                        "failed (their clients are told so)", failed)
+        if unloaded:
+            log.debug("%d training run(s) of an earlier process on this data directory marked unloaded", unloaded)
         self.checkpoints = CheckpointStore(self.store, config.data_dir, config.checkpoints,
                                            quota_bytes=config.limits.max_checkpoint_bytes_per_key)
         self.checkpoints.sweep_interrupted()  # before any run or sampler exists
@@ -451,7 +456,8 @@ class Service(ServiceAPI):
         return rest.list_training_runs(self.store, self.checkpoints, owner, limit, offset)
 
     def get_training_run(self, owner, run_id) -> types.TrainingRun:
-        return rest.training_run(self.checkpoints, rest.run_row(self.store, owner, run_id))
+        row = rest.run_row(self.store, owner, run_id)
+        return rest.training_run(self.checkpoints, row, self.store.get(SessionRow, row.session_id))
 
     def list_checkpoints(self, owner, run_id) -> types.CheckpointsListResponse:
         rest.run_row(self.store, owner, run_id)
