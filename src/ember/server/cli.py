@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=config.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin, every start
+        if config.log_level != "debug":
+            quiet_third_parties()
         code = start(config, sock)
         if code == 0 and config.log_level != "debug":
             _silence_teardown()
@@ -191,6 +193,19 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         sock.close()
+
+
+def quiet_third_parties() -> None:
+    """Progress bars (transformers' "Loading weights" on every run created, tqdm's anywhere,
+    in replica processes too) and vLLM's start-up lines stay out of the operator's log, by
+    each library's documented switch; an operator's own setting of the variables wins.
+    `--log-level debug` leaves them on."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _silence_teardown() -> None:
