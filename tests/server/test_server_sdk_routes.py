@@ -99,3 +99,10 @@ def test_a_refused_call_answers_tinkers_error_shape_naming_the_call(http, method
 
 def test_a_refusal_needs_a_key(http):
     assert http.post("/api/v1/copy_weights", json={}).status_code == 401
+
+
+def test_the_flags_ember_keeps_off_are_those_of_the_routes_it_refuses():
+    from ember.server.config import UNSERVED_FLAGS
+
+    refused = {f"/api/v1{path}" for _, path, _ in ENDPOINTS}
+    assert set(UNSERVED_FLAGS.values()) <= refused

@@ -34,6 +34,15 @@ DEFAULT_DYNAMIC_CONFIG: dict[str, Any] = {
     "sample_cancel_enabled": False,
     "sample_cancel_max_batch_size": 64,
 }
+# Flags that make the SDK call a route ember refuses (`ember.service.unsupported.UNSERVED_ROUTES`):
+# (config, flag) -> the route. Turning one on would make every such call fail; refused at start-up.
+UNSERVED_FLAGS: dict[tuple[str, str], str] = {
+    ("client_config", "pjwt_auth_enabled"): "/api/v1/auth/token",
+    ("client_config", "sample_use_retrieve_futures"): "/api/v1/retrieve_futures",
+    ("client_config", "custom_loss_server_side"): "/api/v1/create_custom_loss",
+    ("client_config", "sample_join_sampling_session"): "/api/v1/join_sampling_session",
+    ("dynamic_config", "sample_cancel_enabled"): "/api/v1/cancel_future",
+}
 # The SDK's read timeout for one retrieve_future poll; a long-poll must end well before it.
 SDK_RETRIEVE_TIMEOUT_S = 45.0
 
@@ -93,7 +102,8 @@ class ServerConfig:
     request_log_bodies: the request log also holds headers and small JSON bodies (debugging).
     path_prefix: serve under `/<prefix>/api/v1/...` (for a reverse proxy); "" = root.
     client_config / dynamic_config: overrides of `/api/v1/client/config` and its dynamic
-        config (e.g. fwdbwd_max_chunk_len=256), merged over ember's defaults.
+        config (e.g. fwdbwd_max_chunk_len=256), merged over ember's defaults. A flag that
+        would make the SDK call a route ember refuses (`UNSERVED_FLAGS`) cannot be turned on.
     metrics_auth: `GET /metrics` needs an accepted API key (X-API-Key or Authorization:
         Bearer). On by default because the metrics name every tenant's live runs; turn it
         off only where the port is reachable by the scraper alone.
@@ -166,6 +176,10 @@ class ServerConfig:
         self.dynamic_config = {**DEFAULT_DYNAMIC_CONFIG, **dict(self.dynamic_config)}
         if overridden:  # ember's defaults are valid (a test checks them): no tinker (and torch) import for them
             check_client_configs(self.client_config, self.dynamic_config)
+            for (table, flag), route in UNSERVED_FLAGS.items():
+                if getattr(self, table).get(flag):
+                    raise ValueError(f"{table}.{flag}: ember does not serve {route}, which the SDK calls when it is "
+                                     "on; leave it false")
 
     @property
     def inline_result_bytes(self) -> int:
