@@ -231,10 +231,13 @@ def test_a_renamed_flag_fails_the_check():
 def test_the_not_supported_list_matches_the_code():
     """README's "Not supported" section names exactly the SDK calls and losses ember refuses."""
     from ember.losses.registry import UNSUPPORTED as LOSSES_REFUSED
-    from ember.service.unsupported import UNSUPPORTED
+    from ember.service.unsupported import UNSERVED_ROUTES, UNSUPPORTED
 
     text = README.read_text()
     start = text.index("## Not supported")
     section = text[start:text.index("\n## ", start + 1)]
-    listed = set(re.findall(r"^\| `([\w.:]+)`", section, re.M))
-    assert listed == set(UNSUPPORTED) | {f"loss_fn:{name}" for name in LOSSES_REFUSED}
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `([\w.:]+)` \| .*? \| (.*) \|$", section, re.M)}
+    code = {**UNSUPPORTED, **{f"route:{name}": why for name, why in UNSERVED_ROUTES.items()},
+            **{f"loss_fn:{name}": why for name, why in LOSSES_REFUSED.items()}}
+    assert set(rows) == set(code)
+    assert rows == code  # each reason is the one the error gives (it cannot say more or less)

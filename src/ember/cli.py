@@ -15,7 +15,7 @@ from ember.registry import load
 SUBCOMMANDS = {
     "serve": ("ember.server.cli", "serve Tinker's HTTP protocol for the official tinker SDK"),
     "demo": ("ember.recipes.demo", "SFT then GRPO on digit sums with a tiny model (CPU, minutes)"),
-    "train": ("ember.recipes.train_cli", "run a recipe: ember train sft|grpo|ppo|reward_model --config file.toml"),
+    "train": ("ember.recipes.train_cli", "run a recipe: ember train sft|grpo|ppo|reward_model|vlm_sft --config file.toml"),
     "tiny-model": ("ember.models.cli", "write a tiny random-weight model + tokenizer to a directory (to try ember)"),
     "limits": ("ember.server.limits_table", "every bound the server enforces (--markdown: README's table)"),
     "hub-link": ("ember.models.hub_link", "make a local model directory answer to a hub id (ember hub-link ORG/NAME DIR)"),

@@ -138,6 +138,9 @@ def start_server(
         *(arg for key in keys for arg in ("--api-key", key)),
         "--request-log", str(log_path), "--request-log-bodies", "on",
         "--log-level", "warning",
+        # Modules that talk raw HTTP hold sessions without heartbeats for longer than the
+        # default 300 s (a shared server lives all session): tests of that expiry set their own.
+        "--sessions.heartbeat_timeout_s", "86400",
         *extra_args,
     ]
     full_env = {**server_env(), **(env or {})}

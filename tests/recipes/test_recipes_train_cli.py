@@ -88,3 +88,11 @@ def test_without_a_url_ember_train_says_it_trains_in_process(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert out.splitlines()[0] == (f"ember train sft: training in process (no client.base_url, no $TINKER_BASE_URL); "
                                    f"data in {tmp_path / 'data'}")
+
+
+def test_ember_help_names_every_recipe(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())  # argparse wraps the help lines
+    named = listed.split("ember train ", 1)[1].split()[0].split("|")
+    assert set(named) == set(RECIPES), listed

@@ -10,6 +10,7 @@ import pytest
 from ember.server import cli
 from ember.server.config import (
     DEFAULT_CLIENT_CONFIG,
+    UNSERVED_FLAGS,
     ServerConfig,
     is_loopback,
     key_identity,
@@ -59,6 +60,13 @@ def test_client_config_defaults_keep_flag_endpoints_off():
     with pytest.raises(ValueError):
         ServerConfig(client_config={"fwdbwd_max_chunk_len": "many"})
     assert set(DEFAULT_CLIENT_CONFIG) <= set(cfg.client_config)
+
+
+@pytest.mark.parametrize("table,flag", list(UNSERVED_FLAGS), ids=[f for _, f in UNSERVED_FLAGS])
+def test_a_flag_for_a_route_ember_refuses_cannot_be_turned_on(table, flag):
+    with pytest.raises(ValueError, match=f"{table}.{flag}: ember does not serve {UNSERVED_FLAGS[table, flag]}"):
+        ServerConfig(**{table: {flag: True}})
+    assert ServerConfig(**{table: {flag: False}})  # off, as by default, is fine
 
 
 def test_engine_options_match_engine_config():

@@ -1,6 +1,7 @@
 """`ember serve` (and `ember train`) check their settings before the heavy imports: a bad
-flag, value, model registration or config path exits 2 with its one-line message from a
-process that never imported torch, tinker, transformers, peft or SQLAlchemy.
+flag, value, model registration or config path, a busy port or an unusable data directory
+exits 2 with its one-line message from a process that never imported torch, tinker,
+transformers, peft or SQLAlchemy.
 
 The proof is what the child process imported (`sys.modules` after `ember.cli.main`
 returned), never how long it took.
@@ -9,11 +10,13 @@ returned), never how long it took.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from ember.service.datadir import DataDirLock
 from ember.server.config import DEFAULT_CLIENT_CONFIG, DEFAULT_DYNAMIC_CONFIG, ServerConfig, check_client_configs
 from helpers.server import server_env
 
@@ -81,3 +84,48 @@ def test_an_overridden_client_config_is_still_checked():
     with pytest.raises(ValueError, match="fwdbwd_max_chunk_len"):
         ServerConfig(client_config={"fwdbwd_max_chunk_len": "many"})
     assert ServerConfig(client_config={"fwdbwd_max_chunk_len": 256}).client_config["fwdbwd_max_chunk_len"] == 256
+
+
+def _busy_port(tmp_path, held):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    held.append(sock)
+    return ["--port", str(sock.getsockname()[1]), "--data-dir", str(tmp_path / "data")]
+
+
+def _data_dir_in_use(tmp_path, held):
+    lock = DataDirLock(tmp_path / "data")
+    (tmp_path / "data").mkdir()
+    lock.acquire()  # this process holds it, as a running server would
+    held.append(lock)
+    return ["--port", "0", "--data-dir", str(tmp_path / "data")]
+
+
+def _file(tmp_path, held, below=""):
+    (tmp_path / "a-file").write_text("not a directory")
+    return ["--port", "0", "--data-dir", str(tmp_path / "a-file" / below)]
+
+
+# case -> (its flags, given tmp_path and a list of what the test must hold open; the one line's words)
+PLACES = {
+    "busy-port": (_busy_port, "cannot listen on 127.0.0.1:"),
+    "data-dir-in-use": (_data_dir_in_use, "is in use by another ember process (pid"),
+    "data-dir-is-a-file": (_file, "exists and is not a directory"),
+    "data-dir-below-a-file": (lambda p, h: _file(p, h, "sub"), "cannot be created: Not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLACES))
+def test_a_busy_port_or_unusable_data_dir_exits_2_before_any_heavy_import(tmp_path, tiny_model_dir, case):
+    make_flags, message = PLACES[case]
+    held: list = []
+    try:
+        out, stderr = run_child("serve", "--model", f"tiny={tiny_model_dir}", *make_flags(tmp_path, held))
+    finally:
+        for thing in held:
+            (thing.close if isinstance(thing, socket.socket) else thing.release)()
+    assert out["rc"] == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ember serve: ") and message in lines[0], stderr
+    assert out["heavy"] == [], f"{case}: checked after importing {out['heavy']}"

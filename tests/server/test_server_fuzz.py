@@ -188,6 +188,7 @@ BODY_MODELS = {
     "/api/v1/asample": rq.SampleRequest,
     "/api/v1/retrieve_future": rq.FutureRetrieveRequest,
     "/api/v1/weights_info": rq.WeightsInfoRequest,
+    "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/access_token": rq.WeightsAccessTokenRequest,
     "/v1/completions": oa.CompletionRequest,
     "/v1/chat/completions": oa.ChatRequest,
 }

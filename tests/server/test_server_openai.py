@@ -124,7 +124,7 @@ def test_another_key_cannot_use_the_checkpoint(ember_server, checkpoint):
     (dict(model=MODEL_NAME, prompt="hi", logprobs=10**6), 400),
     (dict(model="no/such-model", prompt="hi"), 404),
     (dict(model="tinker://nope:train:0/sampler_weights/x", prompt="hi"), 404),
-    (dict(model=MODEL_NAME, prompt="hi", stream=True), 400),
+    (dict(model=MODEL_NAME, prompt="hi", stream_options={"include_usage": True}), 400),  # needs stream=true
     (dict(model=MODEL_NAME, prompt="hi", echo=True), 400),
     (dict(model=MODEL_NAME, prompt=["a", "b"]), 400),
     (dict(model=MODEL_NAME, prompt="hi", temperature="hot"), 400),
@@ -135,6 +135,34 @@ def test_bad_input_is_an_openai_error(ember_server, kwargs, status):
     assert r.status_code == status, r.text
     body = r.json()["error"]
     assert isinstance(body["message"], str) and body["message"] and "type" in body and "code" in body
+
+
+def test_a_streamed_completion_is_the_same_answer_as_events(oai):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT_TEXT, max_tokens=10, temperature=0, seed=5, logprobs=2)
+    whole = oai.completions.create(**kwargs)
+    chunks = list(oai.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    streamed_lps = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                    for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed_lps == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()  # usage last
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(oai.completions.create(**kwargs, stream=True))  # no usage unless asked
+    assert plain and all(c.usage is None and c.choices for c in plain)
+
+
+def test_a_streamed_chat_answer_has_the_role_content_and_finish(oai):
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0, seed=1, n=2)
+    whole = oai.chat.completions.create(**kwargs)
+    chunks = list(oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(ch.delta.content or "" for ch in mine) == whole.choices[i].message.content
+        assert mine[-1].finish_reason == whole.choices[i].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
 
 
 def test_auth_errors_use_the_openai_shape(ember_server):

@@ -172,24 +172,48 @@ def test_visibility_is_by_owner(make_service):
     assert svc.get_weights_info("alice", path).lora_rank == 4
 
 
-def test_sessions_heartbeat_finish_and_expiry(make_service):
+def test_sessions_heartbeat_finish_and_expiry(make_service, caplog):
     # A manual clock: the session is silent for 0.7 s of its time however slow the machine is.
     now = [1_000_000.0]
-    svc = make_service(session_timeout_s=0.5, clock=lambda: now[0])
+    svc = make_service(sessions={"heartbeat_timeout_s": 0.5}, clock=lambda: now[0])
     sid, mid = new_run(svc)
+    result(svc, "alice", svc.forward_backward("alice", mid, 1, random_sft_datums(2, VOCAB), "cross_entropy"))
+    result(svc, "alice", svc.optim_step("alice", mid, 2, ADAM))
+    trained = _logprobs(svc, "alice", mid, 3)
     svc.heartbeat("alice", sid)
-    assert svc.get_session("alice", sid).training_run_ids == [mid]
+    now[0] += 0.4
+    svc.heartbeat("alice", sid)  # a heartbeat keeps it: 0.8 s old, 0.4 s since the last one
+    now[0] += 0.4
+    assert svc.expire_sessions() == [] and svc.get_session("alice", sid).training_run_ids == [mid]
+    assert list(svc.owner_state("alice")["queue_depths"]) == [mid]  # loaded
     now[0] += 0.7
-    svc.expire_sessions()  # returns [] when the housekeeping thread expired it first; either way:
-    with pytest.raises(SessionGoneError):
-        svc.heartbeat("alice", sid)
-    st = wait(svc, "alice", svc.optim_step("alice", mid, 1, ADAM))
-    assert st.category == Server and "not loaded" in st.error
+    with caplog.at_level("INFO", logger="ember.service"):
+        svc.expire_sessions()  # returns [] when the housekeeping thread expired it first; either way:
+        with pytest.raises(SessionGoneError, match="no heartbeat for more than 0.5 s"):
+            svc.heartbeat("alice", sid)
+        assert svc.owner_state("alice")["queue_depths"] == {}  # unloaded: the runs quota is free at once
+        saved = f"tinker://{mid}/weights/session-end"
+        deadline = time.monotonic() + 60  # saved on the run's lane, after what was queued
+        while saved not in [c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints]:
+            assert time.monotonic() < deadline, "the run was not saved when its session expired"
+            time.sleep(0.05)
+        st = wait(svc, "alice", svc.optim_step("alice", mid, 4, ADAM))
+        assert st.category == Server and "not loaded" in st.error and saved in st.error  # saved before unloading
+    assert f"session {sid} expired (no heartbeat" in caplog.text and f"saved as {saved}" in caplog.text
+    # ... with its optimizer: resumed, it continues where it was
+    sid3 = svc.create_session("alice").session_id
+    resumed = result(svc, "alice", svc.load_weights("alice", saved, True, session_id=sid3, model_seq_id=0)).model_id
+    torch.testing.assert_close(_logprobs(svc, "alice", resumed, 1), trained, rtol=1e-5, atol=0)
     sid2 = svc.create_session("alice").session_id
     svc.finish_session("alice", sid2, "success")
     with pytest.raises(SessionGoneError):
         svc.heartbeat("alice", sid2)
     assert svc.retrieve("alice", svc.create_model("alice", sid2, 0, "tiny", None).request_id, 5).category == User
+
+
+def _logprobs(svc, owner, model_id, seq_id):
+    out = svc.forward_backward(owner, model_id, seq_id, [sft_datum([5, 9, 14, 22])], "cross_entropy", forward_only=True)
+    return result(svc, owner, out).loss_fn_outputs[0]["logprobs"].to_torch()
 
 
 def test_housekeeping_prunes_old_futures_and_expired_checkpoints(make_service):
@@ -207,3 +231,29 @@ def test_housekeeping_prunes_old_futures_and_expired_checkpoints(make_service):
         svc.retrieve("alice", fb.request_id)
     paths = [c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints]
     assert paths == [keep.path] and short.path not in paths
+
+
+def test_a_run_whose_session_ended_errored_is_listed_as_failed(make_service):
+    """`corrupted` is what `tinker run list` shows as Failed: a run of a session the client
+    finished "errored" (its script failed; the console shows that session so) is one."""
+    svc = make_service()
+    runs = {}
+    for reason in ("success", "errored"):
+        sid, runs[reason] = new_run(svc)
+        svc.finish_session("alice", sid, reason)
+    assert svc.get_training_run("alice", runs["errored"]).corrupted is True
+    assert svc.get_training_run("alice", runs["success"]).corrupted is False
+    listed = {r.training_run_id: r.corrupted for r in svc.list_training_runs("alice").training_runs}
+    assert listed == {runs["errored"]: True, runs["success"]: False}
+
+
+def test_runs_left_loaded_by_an_earlier_process_are_no_warning(make_service, tmp_path, caplog):
+    """Every process leaves its runs loaded in the database (in-process `ember train` too):
+    the next start on that data directory marks them unloaded without a warning."""
+    first = make_service(data_dir=tmp_path / "reused")
+    new_run(first)
+    first.close()
+    with caplog.at_level("DEBUG", logger="ember.service"):
+        make_service(data_dir=tmp_path / "reused")
+    assert "1 training run(s) of an earlier process" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

@@ -230,7 +230,8 @@ class ServiceClient:
                     user_metadata=self._user_metadata, project_id=self._project_id, display_name=self._display_name,
                 )
                 self._session_id = resp.session_id
-                timeout = getattr(getattr(self._service, "config", None), "session_timeout_s", None)
+                sessions = getattr(getattr(self._service, "config", None), "sessions", None)
+                timeout = getattr(sessions, "heartbeat_timeout_s", None)
                 if timeout:
                     threading.Thread(target=self._heartbeat_loop, args=(resp.session_id, min(10.0, timeout / 3)),
                                      name="ember-heartbeat", daemon=True).start()
@@ -305,11 +306,13 @@ class ServiceClient:
                                                       user_metadata, optimizer)
 
     def _from_state(self, path: str, optimizer: bool, base_model: str | None, user_metadata,
-                    optimizer_config: types.OptimizerConfig | None = None) -> ClientFuture[TrainingClient]:
+                    optimizer_config: types.OptimizerConfig | None = None,
+                    weights_access_token: str | None = None) -> ClientFuture[TrainingClient]:
         session_id, seq = self._session(), self._next_model_seq()
         opt = optimizer_config.model_dump(mode="json") if optimizer_config is not None else None
         sub = self._service.load_weights(self._owner, path, optimizer, session_id=session_id, model_seq_id=seq,
-                                         base_model=base_model, user_metadata=user_metadata, optimizer_config=opt)
+                                         base_model=base_model, user_metadata=user_metadata, optimizer_config=opt,
+                                         weights_access_token=weights_access_token)
         model_id = f"{session_id}:train:{seq}"
         return ClientFuture(chain(self._context.watch(sub.request_id),
                                   lambda st: (unwrap(st), self._training_client(model_id, seq))[1]))
@@ -318,21 +321,23 @@ class ServiceClient:
                                           user_metadata: dict[str, str] | None = None,
                                           weights_access_token: str | None = None,
                                           optimizer: types.OptimizerConfig | None = None) -> ClientFuture[TrainingClient]:
-        return self._from_state(path, False, base_model, user_metadata, optimizer)
+        return self._from_state(path, False, base_model, user_metadata, optimizer, weights_access_token)
 
     async def create_training_client_from_state_async(self, path: str, base_model=None, user_metadata=None,
                                                       weights_access_token=None, optimizer=None) -> TrainingClient:
-        return await self.create_training_client_from_state(path, base_model, user_metadata, optimizer=optimizer)
+        return await self.create_training_client_from_state(path, base_model, user_metadata, weights_access_token,
+                                                            optimizer=optimizer)
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
                                                          user_metadata: dict[str, str] | None = None,
                                                          weights_access_token: str | None = None) -> ClientFuture[TrainingClient]:
-        return self._from_state(path, True, base_model, user_metadata)
+        return self._from_state(path, True, base_model, user_metadata, weights_access_token=weights_access_token)
 
     async def create_training_client_from_state_with_optimizer_async(self, path: str, base_model=None,
                                                                      user_metadata=None,
                                                                      weights_access_token=None) -> TrainingClient:
-        return await self.create_training_client_from_state_with_optimizer(path, base_model, user_metadata)
+        return await self.create_training_client_from_state_with_optimizer(path, base_model, user_metadata,
+                                                                           weights_access_token)
 
     # ------------------------------------------------------------------ sampling clients
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,

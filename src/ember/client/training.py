@@ -203,19 +203,20 @@ class TrainingClient:
     async def save_state_async(self, name, ttl_seconds=None, overwrite=False, user_metadata=None) -> APIFuture:
         return self.save_state(name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata)
 
-    def _load(self, path: str, optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
+    def _load(self, path: str, optimizer: bool, token: str | None) -> APIFuture[types.LoadWeightsResponse]:
         log.error(LOAD_STATE_DEPRECATION)
         owner = self._ctx.owner
-        return self._call(lambda s: self._service.load_weights(owner, path, optimizer, model_id=self.model_id, seq_id=s))
+        return self._call(lambda s: self._service.load_weights(owner, path, optimizer, model_id=self.model_id, seq_id=s,
+                                                               weights_access_token=token))
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
-        return self._load(path, optimizer=False)
+        return self._load(path, optimizer=False, token=weights_access_token)
 
     async def load_state_async(self, path: str, weights_access_token: str | None = None) -> APIFuture:
         return self.load_state(path, weights_access_token)
 
     def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
-        return self._load(path, optimizer=True)
+        return self._load(path, optimizer=True, token=weights_access_token)
 
     async def load_state_with_optimizer_async(self, path: str, weights_access_token: str | None = None) -> APIFuture:
         return self.load_state_with_optimizer(path, weights_access_token)

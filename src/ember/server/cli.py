@@ -14,9 +14,13 @@ Ray actors. The group is shut down when the server stops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 
 
@@ -31,9 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings(parser, ServeConfig, TITLES)
 
 
-def load_serve_config(args: argparse.Namespace | Sequence[str]):
+def load_serve_config(args: argparse.Namespace | Sequence[str], check_backend: bool = True):
     """The `ServeConfig` of parsed `ember serve` arguments (or an argv list): the `--config`
-    file, the flags on top. Raises ConfigError (a ValueError) naming a bad key."""
+    file, the flags on top. Raises ConfigError (a ValueError) naming a bad key.
+    `check_backend=False` leaves the sampler backend's import check (`ServeConfig.check_backend`)
+    to the caller."""
     from ember.config import load_config, overrides_from_args
     from ember.server.serve_config import ServeConfig
 
@@ -41,7 +47,10 @@ def load_serve_config(args: argparse.Namespace | Sequence[str]):
         parser = argparse.ArgumentParser(prog="ember serve")
         add_arguments(parser)
         args = parser.parse_args(list(args))
-    return load_config(ServeConfig, args.config, overrides_from_args(args, ServeConfig))
+    config = load_config(ServeConfig, args.config, overrides_from_args(args, ServeConfig))
+    if check_backend:
+        config.check_backend()
+    return config
 
 
 def build_app(config):
@@ -94,18 +103,27 @@ def sampler_reserved_bytes(service, gpu_total_bytes: int | None = None) -> int:
     return most
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """The server's socket, bound; listening unless `listen=False` (`ember serve` binds
+    before its slow start-up, so a busy port is answered at once, and listens once it
+    serves, so no client waits in the backlog meanwhile). OSError naming the address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror} (another server there? "
+                      "choose another --port)") from None
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
 
 def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: float = 10.0,
-          path_prefix: str = "", console: bool = False) -> int:
+          path_prefix: str = "", console: bool = False, sock: socket.socket | None = None) -> int:
     """Run `app` with uvicorn on host:port (0 = any free port), announcing the URL on stdout.
 
     The HTTP protocol is h11 (uvicorn's one hard dependency), never "auto": the header
@@ -116,7 +134,8 @@ def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: 
 
     from ember.server.request_guards import header_timeout_protocol
 
-    sock = bind_socket(host, port)
+    sock = sock or bind_socket(host, port)
+    sock.listen(2048)  # again on a listening socket only changes its backlog
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"ember serve: listening on http://{shown}:{actual}", flush=True)
@@ -125,26 +144,108 @@ def serve(app, host: str, port: int, log_level: str = "info", header_timeout_s: 
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=5, lifespan="on",
                             http=header_timeout_protocol(header_timeout_s))
-    uvicorn.Server(config).run(sockets=[sock])
+    server = _quiet_server_class()(config)
+    server.run(sockets=[sock])
+    if server.stopped_by:
+        print(f"ember serve: stopped ({server.stopped_by})", file=sys.stderr, flush=True)
     return 0
 
 
+def _quiet_server_class():
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn's server, minus one thing: after a graceful shutdown on SIGINT or SIGTERM
+        uvicorn raises the signal again, which makes Ctrl-C a KeyboardInterrupt traceback
+        and SIGTERM a death by signal. Here the shutdown is the end: `serve` returns 0."""
+
+        stopped_by: str | None = None  # the first signal's name
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.stopped_by = self.stopped_by or signal.Signals(sig).name
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return QuietServer
+
+
+def _interrupt(signum: int, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Settings first, with light imports only (a bad one exits 2 at once); then the
-    service (torch, transformers, SQLAlchemy) and the server."""
+    """Settings, the port and the data directory first, with light imports only (any of them
+    wrong exits 2 at once, one line); then the service (torch, transformers, SQLAlchemy) and
+    the server. SIGTERM during start-up ends it like Ctrl-C: one line, no traceback, 130."""
+    from ember.service.datadir import check_data_dir
+
     try:
-        config = load_serve_config(args)
+        config = load_serve_config(args, check_backend=False)
+        sock = bind_socket(config.server.host, config.server.port, listen=False)
     except (ValueError, OSError) as exc:
         print(f"ember serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin, every start
-    return start(config)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        check_data_dir(config.service.data_dir)
+        config.check_backend()
+        logging.basicConfig(level=config.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin, every start
+        if config.log_level != "debug":
+            quiet_third_parties()
+        code = start(config, sock)
+        if code == 0 and config.log_level != "debug":
+            _silence_teardown()
+        return code
+    except (ValueError, OSError) as exc:
+        print(f"ember serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(f"ember serve: interrupted ({exc or 'SIGINT'})", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        sock.close()
 
 
-def start(config) -> int:
-    """Build the app of a checked `ServeConfig` and serve it; 2 (one line on stderr) when
-    the service cannot start."""
+def quiet_third_parties() -> None:
+    """Progress bars (transformers' "Loading weights" on every run created, tqdm's anywhere,
+    in replica processes too) and vLLM's start-up lines stay out of the operator's log, by
+    each library's documented switch; an operator's own setting of the variables wins.
+    `--log-level debug` leaves them on."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _silence_teardown() -> None:
+    """After a clean stop, what the interpreter's teardown prints is noise no operator can act
+    on (nanobind's "leaked 514 functions" lines from triton's bindings, dozens of them): from
+    here on stderr goes to /dev/null (`--log-level debug` keeps it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def start(config, sock: socket.socket | None = None) -> int:
+    """Build the app of a checked `ServeConfig` and serve it (on `sock` if given: bound,
+    maybe not listening yet); 2 (one line on stderr) when the service cannot start."""
     from sqlalchemy.exc import SQLAlchemyError
 
     from ember.service.faults import public_message
@@ -159,11 +260,16 @@ def start(config) -> int:
         print(f"ember serve: cannot open the database ({public_message(exc)}); see `ember db current`",
               file=sys.stderr)
         return 2
+    from ember.server.status import StatusReporter
+
+    status = StatusReporter(config.log.status_every_s, app.state.service.server_state,
+                            app.state.metrics.token_totals).start()
     try:
         server = config.server
         return serve(app, server.host, server.port, config.log_level, server.header_timeout_s,
-                     server.path_prefix, server.console)
+                     server.path_prefix, server.console, sock=sock)
     finally:
+        status.stop()
         app.state.service.close()  # idempotent; covers a uvicorn that never ran its lifespan
 
 

@@ -34,6 +34,15 @@ DEFAULT_DYNAMIC_CONFIG: dict[str, Any] = {
     "sample_cancel_enabled": False,
     "sample_cancel_max_batch_size": 64,
 }
+# Flags that make the SDK call a route ember refuses (`ember.service.unsupported.UNSERVED_ROUTES`):
+# (config, flag) -> the route. Turning one on would make every such call fail; refused at start-up.
+UNSERVED_FLAGS: dict[tuple[str, str], str] = {
+    ("client_config", "pjwt_auth_enabled"): "/api/v1/auth/token",
+    ("client_config", "sample_use_retrieve_futures"): "/api/v1/retrieve_futures",
+    ("client_config", "custom_loss_server_side"): "/api/v1/create_custom_loss",
+    ("client_config", "sample_join_sampling_session"): "/api/v1/join_sampling_session",
+    ("dynamic_config", "sample_cancel_enabled"): "/api/v1/cancel_future",
+}
 # The SDK's read timeout for one retrieve_future poll; a long-poll must end well before it.
 SDK_RETRIEVE_TIMEOUT_S = 45.0
 
@@ -84,12 +93,17 @@ class ServerConfig:
         "any `tml-` key, each its own tenant" and is only allowed on a loopback host.
     long_poll_s: how long `retrieve_future` holds a pending future before `try_again`
         (must stay well under the SDK's 45 s read timeout).
+    inline_result_mb: a finished result larger than this, polled with `allow_metadata_only`
+        (the SDK's first poll), is first answered with its size only (`complete_metadata`),
+        so that the SDK reserves that much of its in-flight response memory before it polls
+        for the bytes.
     max_body_mb: larger request bodies (also after zstd decompression) get HTTP 413.
     request_log: optional JSONL file with one short line per request (rotated by size).
     request_log_bodies: the request log also holds headers and small JSON bodies (debugging).
     path_prefix: serve under `/<prefix>/api/v1/...` (for a reverse proxy); "" = root.
     client_config / dynamic_config: overrides of `/api/v1/client/config` and its dynamic
-        config (e.g. fwdbwd_max_chunk_len=256), merged over ember's defaults.
+        config (e.g. fwdbwd_max_chunk_len=256), merged over ember's defaults. A flag that
+        would make the SDK call a route ember refuses (`UNSERVED_FLAGS`) cannot be turned on.
     metrics_auth: `GET /metrics` needs an accepted API key (X-API-Key or Authorization:
         Bearer). On by default because the metrics name every tenant's live runs; turn it
         off only where the port is reachable by the scraper alone.
@@ -117,6 +131,7 @@ class ServerConfig:
     api_keys_file: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)
     long_poll_s: float = 20.0
+    inline_result_mb: float = 1.0
     max_body_mb: float = field(default=64.0, metadata=meta(limit=True))
     request_log: str | None = None
     request_log_bodies: bool = False
@@ -137,6 +152,8 @@ class ServerConfig:
                 f"ServerConfig.long_poll_s must be in (0, {SDK_RETRIEVE_TIMEOUT_S - 10}] "
                 f"(the SDK gives up on a poll after {SDK_RETRIEVE_TIMEOUT_S} s), got {self.long_poll_s}"
             )
+        if not self.inline_result_mb >= 0:
+            raise ValueError(f"ServerConfig.inline_result_mb must be >= 0, got {self.inline_result_mb}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"ServerConfig.max_body_mb must be at least 1 KiB, got {self.max_body_mb}")
         for name in ("header_timeout_s", "body_timeout_s", "body_deadline_s", "console_session_ttl_s"):
@@ -159,6 +176,14 @@ class ServerConfig:
         self.dynamic_config = {**DEFAULT_DYNAMIC_CONFIG, **dict(self.dynamic_config)}
         if overridden:  # ember's defaults are valid (a test checks them): no tinker (and torch) import for them
             check_client_configs(self.client_config, self.dynamic_config)
+            for (table, flag), route in UNSERVED_FLAGS.items():
+                if getattr(self, table).get(flag):
+                    raise ValueError(f"{table}.{flag}: ember does not serve {route}, which the SDK calls when it is "
+                                     "on; leave it false")
+
+    @property
+    def inline_result_bytes(self) -> int:
+        return int(self.inline_result_mb * 1024 * 1024)
 
     @property
     def max_body_bytes(self) -> int:

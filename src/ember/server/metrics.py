@@ -12,7 +12,8 @@ Exported (names as scraped):
 * `ember_run_queue_depth{run_id}` (gauge, at scrape time): requests waiting in each live
   training run's seq_id sequencer (only live runs, so the label set stays bounded).
 * `ember_samples_total`, `ember_sampled_tokens_total`: sequences and tokens returned by
-  completed `sample` requests; `ember_optim_steps_total`: completed optimizer steps.
+  completed `sample` requests; `ember_optim_steps_total`: completed optimizer steps;
+  `ember_trained_tokens_total`: target tokens of completed `forward_backward` requests.
 * `ember_weight_sync_seconds{mode}` (histogram): how long each new weight version took to
   reach its sampler: `memory` = a run's tensors handed over (ephemeral snapshots; with
   `--sampler.weight_sync memory` also `save_weights_for_sampler`), `files` = a checkpoint
@@ -88,6 +89,8 @@ class EmberMetrics:
         self.sampled_tokens = Counter("ember_sampled_tokens", "Tokens in sequences returned by completed "
                                       "sample requests", registry=r)
         self.optim_steps = Counter("ember_optim_steps", "Completed optimizer steps", registry=r)
+        self.trained_tokens = Counter("ember_trained_tokens", "Target tokens of completed forward_backward "
+                                      "requests", registry=r)
         self.weight_sync = Histogram("ember_weight_sync_seconds", "Seconds for a new weight version to reach its "
                                      "sampler, by mode (memory | files)", ("mode",), buckets=_SYNC_BUCKETS, registry=r)
         samplers = getattr(service, "samplers", None)
@@ -104,6 +107,8 @@ class EmberMetrics:
             return
         if state.request_type == "OptimStep":
             self.optim_steps.inc()
+        elif state.request_type == "ForwardBackward":
+            self.trained_tokens.inc(trained_tokens(state.result))
         elif state.request_type == "Sample":
             sequences = getattr(state.result, "sequences", None) or []
             self.samples.inc(len(sequences))
@@ -114,8 +119,23 @@ class EmberMetrics:
         return sum(s.value for m in self.finished.collect() for s in m.samples
                    if s.name.endswith("_total") and s.labels.get("state") == status)
 
+    def token_totals(self) -> dict[str, float]:
+        """Tokens trained and sampled since start-up (the status line's rates)."""
+        return {name: sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+                for name, counter in (("trained_tokens", self.trained_tokens), ("sampled_tokens", self.sampled_tokens))}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def trained_tokens(output: Any) -> int:
+    """Target tokens of a ForwardBackwardOutput: the length of each datum's `logprobs`."""
+    total = 0
+    for out in getattr(output, "loss_fn_outputs", None) or []:
+        logprobs = out.get("logprobs") if isinstance(out, dict) else None
+        shape = getattr(logprobs, "shape", None)
+        total += int(shape[0]) if shape else len(getattr(logprobs, "data", None) or [])
+    return total
 
 
 class ServiceCollector(Collector):

@@ -43,14 +43,15 @@ class _Common(pydantic.BaseModel):
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = None
     stream: Optional[bool] = False
+    stream_options: Optional[dict[str, Any]] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
     best_of: Optional[int] = None
 
     def check_supported(self) -> None:
-        if self.stream:
-            raise Unsupported("stream: streaming is not supported by this server; send stream=false")
+        if self.stream_options is not None and not self.stream:
+            raise Unsupported("stream_options: only with stream=true")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise Unsupported(f"{name}: not supported by this server (got {getattr(self, name)}); leave it 0")
@@ -58,6 +59,10 @@ class _Common(pydantic.BaseModel):
             raise Unsupported("logit_bias: not supported by this server")
         if self.best_of not in (None, 1, self.n):
             raise Unsupported(f"best_of: only best_of = n is supported (got {self.best_of}, n = {self.n})")
+
+    def include_usage(self) -> bool:
+        """`stream_options.include_usage`: a last chunk with the usage (and `usage: null` before)."""
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
 
     def check_limits(self, limits: Any, params: types.SamplingParams) -> None:
         """`n`, the top-logprob count and the logprob entries the answer would hold, bounded
@@ -285,6 +290,30 @@ def envelope(kind: str, model: str, choices: list[dict], usage_: dict[str, int])
     prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage_}
+
+
+def stream_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """An answer (`envelope`) as OpenAI's stream chunks: per choice one chunk with all its
+    text (chat: a `delta` with the role and content) and its logprobs, then one with its
+    `finish_reason`; with `include_usage` every chunk has `usage: null` and a last one,
+    without choices, the usage. ember samples a request whole, so the chunks come at once."""
+    chat = body["object"] == "chat.completion"
+    base = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}
+    chunks = []
+    for c in body["choices"]:
+        if chat:
+            first = {"delta": {"role": "assistant", "content": c["message"]["content"]}}
+            last: dict[str, Any] = {"delta": {}}
+        else:
+            first, last = {"text": c["text"]}, {"text": ""}
+        chunks.append({**base, "choices": [{"index": c["index"], **first, "logprobs": c["logprobs"],
+                                            "finish_reason": None}]})
+        chunks.append({**base, "choices": [{"index": c["index"], **last, "logprobs": None,
+                                            "finish_reason": c["finish_reason"]}]})
+    if include_usage:
+        chunks = [{**chunk, "usage": None} for chunk in chunks] + [{**base, "choices": [], "usage": body["usage"]}]
+    return chunks
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:

@@ -207,6 +207,12 @@ class WeightsInfoRequest(pydantic.BaseModel):
     tinker_path: str
 
 
+class WeightsAccessTokenRequest(pydantic.BaseModel):
+    """ember's own: `{"ttl_seconds": int | null}` (checked by the checkpoint store, which names it)."""
+    model_config = _LENIENT
+    ttl_seconds: Any = None
+
+
 class TelemetryRequest(pydantic.BaseModel):
     model_config = _LENIENT
     events: list[dict[str, Any]] = []

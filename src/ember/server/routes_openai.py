@@ -10,7 +10,9 @@ logprobs equal what `SamplingClient.sample` returns for the same prompt and seed
 Sampling sessions: each API key gets one internal client session (tag "openai", kept
 alive by a heartbeat on every request; recreated when it was finished or expired), and
 one sampling session per (key, model) in it, cached so a repeated model does not reload
-weights. Streaming is not supported (`stream=true` is a 400).
+weights. `stream=true` answers the same as server-sent events (`oa.stream_chunks`), sent
+once the request is sampled: ember's samplers return a request whole, so the chunks do not
+come as tokens are generated, and a client that hangs up does not stop its sampling.
 """
 
 from __future__ import annotations
@@ -129,17 +131,27 @@ async def _read_request(request: Request, model: type[pydantic.BaseModel], defau
     return await run_in_threadpool(lambda: _parse(model, rq.decode_json(raw, limits), limits, default_max_tokens))
 
 
-def _answer(body: dict[str, Any], limits: Limits) -> Response:
-    """The JSON answer, refused (400) when it is over `max_openai_response_bytes`. Runs in the
-    thread pool: an answer of a few hundred thousand logprob entries takes seconds to build."""
+def _json(body: Any) -> bytes:
     try:
-        raw = b"".join(json_pieces(body))
+        return b"".join(json_pieces(body))
     except ValueError:  # a -inf logprob: JSON has no infinity (see wire.json_safe)
-        raw = b"".join(json_pieces(json_safe(body)))
+        return b"".join(json_pieces(json_safe(body)))
+
+
+def _answer(body: dict[str, Any], limits: Limits, req: oa._Common | None = None) -> Response:
+    """The JSON answer, or with `req.stream` the same as server-sent events (one `data:` line
+    per chunk, then `data: [DONE]`); refused (400) when it is over `max_openai_response_bytes`.
+    Runs in the thread pool: an answer of a few hundred thousand logprob entries takes
+    seconds to build."""
+    if req is not None and req.stream:
+        events = [b"data: " + _json(chunk) + b"\n\n" for chunk in oa.stream_chunks(body, req.include_usage())]
+        raw, media_type = b"".join(events) + b"data: [DONE]\n\n", "text/event-stream"
+    else:
+        raw, media_type = _json(body), "application/json"
     if len(raw) > limits.max_openai_response_bytes:
         raise BadRequest(f"the answer is {len(raw)} bytes; the limit is max_openai_response_bytes="
                          f"{limits.max_openai_response_bytes} (ask for fewer choices, tokens or logprobs)")
-    return Response(raw, media_type="application/json")
+    return Response(raw, media_type=media_type)
 
 
 def _dumps(value: Any) -> bytes:
@@ -222,7 +234,7 @@ def _completion_answer(req, params, tokenizer, prompt, ids, seqs, limits: Limits
     choices = [{"index": i, "text": oa.completion_text(tokenizer, s, params.stop or []),
                 "logprobs": oa.completion_logprobs(tokenizer, s, offset0) if req.logprobs is not None else None,
                 "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
-    return _answer(oa.envelope("text_completion", req.model, choices, oa.usage(len(ids), seqs)), limits)
+    return _answer(oa.envelope("text_completion", req.model, choices, oa.usage(len(ids), seqs)), limits, req)
 
 
 @router.post("/chat/completions")
@@ -280,7 +292,7 @@ def _chat_answer(req, params, tokenizer, ids, seqs, limits: Limits) -> Response:
                 "message": {"role": "assistant", "content": oa.completion_text(tokenizer, s, params.stop or [])},
                 "logprobs": oa.chat_logprobs(tokenizer, s) if req.logprobs else None,
                 "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
-    return _answer(oa.envelope("chat.completion", req.model, choices, oa.usage(len(ids), seqs)), limits)
+    return _answer(oa.envelope("chat.completion", req.model, choices, oa.usage(len(ids), seqs)), limits, req)
 
 
 @router.get("/models")

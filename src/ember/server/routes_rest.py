@@ -2,11 +2,14 @@
 
 `access_scope` ("owned" | "accessible") is accepted; both mean the caller's own runs:
 what one API key shares with others is a published checkpoint, read by its tinker path
-(sampling, loading, weights info), never a listing. `project_id` filtering is not
+(sampling, loading, weights info), never a listing, or one private checkpoint's training
+state through a weights access token its owner makes here (`.../access_token`). `project_id` filtering is not
 supported (the parameter is accepted and ignored).
 """
 
 from __future__ import annotations
+
+from datetime import datetime, timezone
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
@@ -50,6 +53,18 @@ async def list_checkpoints(run_id: str, owner: str = Owner, service=ServiceDep):
 async def publish_checkpoint(run_id: str, checkpoint_id: str, owner: str = Owner, service=ServiceDep):
     await run_in_threadpool(service.set_checkpoint_public, owner, run_id, checkpoint_id, True)
     return JSONResponse({})
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/access_token")
+async def create_weights_access_token(run_id: str, checkpoint_id: str, request: Request, owner: str = Owner,
+                                      service=ServiceDep):
+    """ember's own: a `weights_access_token` that lets another API key load this private
+    `weights/<name>` checkpoint (`load_state`, `create_training_client_from_state`)."""
+    req = await rq.read(request, rq.WeightsAccessTokenRequest)
+    token, expires = await run_in_threadpool(service.create_weights_access_token, owner, run_id, checkpoint_id,
+                                             req.ttl_seconds)
+    return JSONResponse({"weights_access_token": token,
+                         "expires": datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()})
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")

@@ -94,7 +94,12 @@ async def retrieve_future(request: Request, owner: str = Owner, service=ServiceD
         category = types.RequestErrorCategory(state.category or types.RequestErrorCategory.Unknown)
         return JSONResponse({"error": state.error or "request failed", "category": category.value})
     wants_proto = wire.PROTOBUF_CONTENT_TYPE in request.headers.get("accept", "")
-    return await run_in_threadpool(encode_result, state, wants_proto)
+    response = await run_in_threadpool(encode_result, state, wants_proto)
+    if req.allow_metadata_only and len(response.body) > get_config(request).inline_result_bytes:
+        # the SDK reserves this many bytes of its in-flight budget, then polls again for them
+        log_extra(request, metadata_only=True)
+        return JSONResponse({"status": "complete_metadata", "response_payload_size": len(response.body)})
+    return response
 
 
 async def _hung_up(request: Request) -> None:

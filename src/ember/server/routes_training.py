@@ -102,8 +102,8 @@ async def load_weights(request: Request, owner: str = Owner, service=ServiceDep)
     sub = await run_in_threadpool(
         service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
         session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
-        user_metadata=req.user_metadata,
-        optimizer_config=rq.optimizer_config(data, req),
+        user_metadata=req.user_metadata, optimizer_config=rq.optimizer_config(data, req),
+        weights_access_token=req.weights_access_token,
     )
     return future_response(sub)
 

@@ -4,8 +4,8 @@
 
 The components are the ones the code already takes: `ServerConfig` (HTTP), `ServiceConfig`
 (data directory, models, and its sections `[engine]`, `[sampler]`, `[limits]`,
-`[durability]`, `[stability]`, `[checkpoints]`, `[sessions]`) and `WorkersConfig` (`[workers]`,
-`[parallel]`). `ember.config` generates every flag, TOML key and `--help` line from their
+`[durability]`, `[stability]`, `[checkpoints]`, `[sessions]`), `WorkersConfig` (`[workers]`,
+`[parallel]`) and `LogConfig` (`[log]`). `ember.config` generates every flag, TOML key and `--help` line from their
 fields and docstrings, and checks every value on the way in (a bad key, type or value is
 one ConfigError naming it); a flag given on the command line wins over the file, a
 repeated one (`--api-key`, `--model NAME=DIR`) adds to the file's list or table.
@@ -20,6 +20,7 @@ from typing import Literal
 
 from ember.config import meta
 from ember.server.config import ServerConfig
+from ember.server.status import LogConfig
 from ember.service.config import ServiceConfig, WorkersConfig
 
 # `--help` group titles per section ("" = the top level)
@@ -34,6 +35,7 @@ TITLES = {
     "sessions": "[sessions] when idle client sessions end (their runs unloaded, samplers released)",
     "workers": "[workers] scale-out: run every training engine on a worker group (default: in process)",
     "parallel": "[parallel] layout of every engine on the worker group",
+    "log": "[log] what the server logs beyond --log-level",
 }
 
 
@@ -48,12 +50,18 @@ class ServeConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig, metadata=meta(flat=True))
     workers: WorkersConfig = field(default_factory=WorkersConfig, metadata=meta(flat=True))
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        from ember.sampling.registry import backend_missing
-
         # a retrieve wait ends with the server's long-poll (below the SDK's read timeout)
         self.service.retrieve_max_wait_s = self.server.long_poll_s
-        reason = backend_missing(self.service.sampler.backend)  # fail at start-up, not at the first sample
+
+    def check_backend(self) -> None:
+        """ValueError when the sampler backend cannot be imported here: at start-up, not at
+        the first sample. Apart from the other checks because it imports the backend (torch,
+        vLLM): `ember serve` first answers what needs no heavy import (port, data directory)."""
+        from ember.sampling.registry import backend_missing
+
+        reason = backend_missing(self.service.sampler.backend)
         if reason:
             raise ValueError(f"sampler.backend: {reason}")

@@ -215,9 +215,10 @@ class ServiceAPI(abc.ABC):
 
     @abc.abstractmethod
     def expire_sessions(self) -> list[str]:
-        """Expire sessions without a heartbeat for `ServiceConfig.session_timeout_s`
-        (no-op when that is None); unload their models (checkpoints stay). Returns the
-        expired ids. The service calls this itself periodically; exposed for tests."""
+        """Expire sessions without a heartbeat for `sessions.heartbeat_timeout_s`, or idle
+        for `sessions.idle_ttl_s`; save their loaded runs (`tinker://<run>/weights/session-end`)
+        and unload them (checkpoints stay). Returns the expired ids. The service calls this
+        itself periodically; exposed for tests."""
 
     @abc.abstractmethod
     def get_session(self, owner: str, session_id: str) -> types.GetSessionResponse: ...
@@ -267,6 +268,7 @@ class ServiceAPI(abc.ABC):
         base_model: str | None = None,
         user_metadata: Mapping[str, Any] | None = None,
         optimizer_config: Mapping[str, Any] | None = None,
+        weights_access_token: str | None = None,
     ) -> Submission:
         """Load a `tinker://<run>/weights/<name>` checkpoint (state saved by `save_weights`).
 
@@ -279,7 +281,9 @@ class ServiceAPI(abc.ABC):
         `create_training_client_from_state(optimizer=...)`; default AdamW) when creating a
         run, else the run's own. `optimizer=True` restores the checkpoint's optimizer and its
         state; an `optimizer_config` of another type is then a user error. Future → LoadWeightsResponse
-        (path, model_id). Unknown/foreign path → failed, user.
+        (path, model_id). Unknown/foreign path → failed, user. Another key's private
+        checkpoint loads when `weights_access_token` is one its owner made for it
+        (`create_weights_access_token`); any other token for it → failed, user, saying so.
         """
 
     @abc.abstractmethod
@@ -363,6 +367,14 @@ class ServiceAPI(abc.ABC):
         checkpoint "tinker://<model_id>/external_weights/<name>" (an existing one is replaced).
         Future → SaveWeightsExternalResponseInternal(path, size_bytes). Encryption
         (`age_encryption_recipients`) is not supported → failed, user."""
+
+    @abc.abstractmethod
+    def create_weights_access_token(self, owner: str, run_id: str, checkpoint_id: str,
+                                    ttl_seconds: int | None = None) -> tuple[str, int]:
+        """Direct. (token, expires as a Unix time): a `weights_access_token` that lets any
+        API key load the owner's private "weights/<name>" checkpoint for `ttl_seconds`
+        (default 7 days, at most `checkpoints.max_ttl_s`) or until it is overwritten or
+        deleted. Unknown, foreign or expired → NotFoundError; sampler weights → UserError."""
 
     @abc.abstractmethod
     def external_weights_links(self, owner: str, run_id: str, checkpoint_id: str) -> ExternalWeightsLinks:

@@ -13,7 +13,10 @@ This module owns what happens to them:
   published. Every call that changes one (publish, unpublish, TTL, delete, export links)
   goes through `owned`. A checkpoint past its expiry is gone for both from that instant
   on, before the sweep deletes its files. Each refusal answers the same `NotFoundError`
-  as a path never saved, so a caller learns nothing about checkpoints it may not see;
+  as a path never saved, so a caller learns nothing about checkpoints it may not see.
+  Loading training state also takes a weights access token (`LoadWeightsRequest.
+  weights_access_token`): one the owner made for that checkpoint (`access_token`) lets
+  another key load it while it is private;
 * publish, TTL, delete, the TTL sweep, the start-up sweep of interrupted saves;
 * listings (REST) and external-weights download links.
 
@@ -43,6 +46,13 @@ log = logging.getLogger(__name__)
 
 READ_REFUSED = "checkpoint {path!r} not found (or not visible to this API key)"
 WRITE_REFUSED = "checkpoint {path!r} not found (or not owned by this API key)"
+TOKEN_REFUSED = ("weights_access_token does not grant access to {path!r}: a token lets another API key load only "
+                 "the checkpoint its owner made it for (POST /api/v1/training_runs/<run>/checkpoints/<id>/access_token), "
+                 "until it expires or that checkpoint is overwritten or deleted; or the owner publishes the checkpoint")
+ACCESS_TOKEN_TTL_S = 7 * 86400  # a weights access token's default lifetime
+# A download link (same signer) binds the directory itself: this prefix keeps an access token
+# from ever being a download link, and a link from being an access token.
+ACCESS_DOMAIN = "weights-access:"
 QUOTA_FREE = ("free space by deleting checkpoints (RestClient.delete_checkpoint_from_tinker_path) or "
               "saving with a ttl_seconds")
 
@@ -154,13 +164,45 @@ class CheckpointStore:
     def readable(self, owner: str, path: object) -> tuple[files.TinkerPath, CheckpointRow]:
         return readable(self.store, owner, path)
 
-    def training_state(self, owner: str, path: object) -> tuple[files.TinkerPath, CheckpointRow]:
-        """A readable `save_state` checkpoint (what a run is created from or loads)."""
-        tpath, row = readable(self.store, owner, path)
+    def training_state(self, owner: str, path: object,
+                       access_token: str | None = None) -> tuple[files.TinkerPath, CheckpointRow]:
+        """A `save_state` checkpoint `owner` may load (what a run is created from or loads):
+        readable, or granted by `access_token` (a token is looked at only when needed)."""
+        tpath, row = self._granted(owner, path, access_token)
         if tpath.kind != "training":
             raise UserError(f"checkpoint {path!r} holds sampler weights only; load training state from a "
                             "tinker://<run>/weights/<name> path (written by save_state)")
         return tpath, row
+
+    def _granted(self, owner: str, path: object, token: str | None) -> tuple[files.TinkerPath, CheckpointRow]:
+        try:
+            return readable(self.store, owner, path)
+        except NotFoundError:
+            if token is None:
+                raise
+        tpath, row = _live_row(self.store, path)
+        try:
+            if row is None:
+                raise NotFoundError(external.REFUSED)
+            found, expires, mac = self._links.tinker_path_of(token)
+            if found != row.tinker_path:
+                raise NotFoundError(external.REFUSED)
+            self._links.check(row.tinker_path, row.owner, ACCESS_DOMAIN + row.directory, expires, mac)
+        except NotFoundError:
+            raise UserError(TOKEN_REFUSED.format(path=path)) from None
+        return tpath, row
+
+    def access_token(self, owner: str, run_id: object, checkpoint_id: object,
+                     ttl_seconds: Any = None) -> tuple[str, int]:
+        """(token, expires): lets any API key load the owner's `weights/<name>` checkpoint
+        (`weights_access_token`) for `ttl_seconds` (default 7 days), or until the
+        checkpoint is overwritten or deleted."""
+        ttl = check_ttl(ttl_seconds, self.config) or ACCESS_TOKEN_TTL_S
+        row = self._owned_rest(owner, run_id, checkpoint_id)
+        if files.parse_tinker_path(row.tinker_path).kind != "training":
+            raise UserError(f"checkpoint_id: a weights access token is for training state ('weights/<name>', "
+                            f"what load_state reads), got {checkpoint_id!r}")
+        return self._links.sign(row.tinker_path, row.owner, ACCESS_DOMAIN + row.directory, ttl)
 
     def row(self, tinker_path: str) -> CheckpointRow | None:
         """Read-only: the checkpoint's database row (its directory, TTL, owner), or None, with

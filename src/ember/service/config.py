@@ -144,20 +144,32 @@ class CheckpointConfig:
 class SessionsConfig:
     """When client sessions end by themselves (`[sessions]`, `--sessions.*`).
 
+    heartbeat_timeout_s: a session whose client sent no heartbeat for this long is ended:
+        the client is gone (killed, crashed, its machine lost). Its training runs are saved
+        first (`tinker://<run>/weights/session-end`, training state with the optimizer,
+        resumable with create_training_client_from_state_with_optimizer), then unloaded;
+        its samplers released; its quota freed. The SDK sends a heartbeat every 10 s from
+        a background thread for as long as the client object lives and warns after 120 s
+        without one; the default, 300 s, is 30 missed heartbeats. None = never.
+
     idle_ttl_s: a session that no request has named (itself, one of its training runs or
         sampling sessions) for this long, with nothing of it pending, is ended: its runs
-        are unloaded and its samplers released, and its client's next call is told so.
+        are saved and unloaded as above and its samplers released, and its client's next
+        call is told so.
         Heartbeats do not count (the SDK sends them for as long as the client object
         lives). Default 2 hours: a training loop names its session every step, and a
         run left untouched that long on a shared server holds memory others wait for
         (recreate it from its last checkpoint). None = never.
     """
 
+    heartbeat_timeout_s: float | None = 300.0
     idle_ttl_s: float | None = 2 * 3600.0
 
     def __post_init__(self) -> None:
-        if self.idle_ttl_s is not None and (isinstance(self.idle_ttl_s, bool) or not self.idle_ttl_s > 0):
-            raise ValueError(f"sessions.idle_ttl_s must be > 0 seconds or None, got {self.idle_ttl_s!r}")
+        for name in ("heartbeat_timeout_s", "idle_ttl_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"sessions.{name} must be > 0 seconds or None, got {value!r}")
 
 
 @dataclass
@@ -181,7 +193,6 @@ class ServiceConfig:
     sampler: the samplers' `SamplerConfig` (None = its defaults). Its max_lora_rank is
         `limits.max_lora_rank`: a run the limit admits is one every sampler can load.
     seq_gap_timeout_s: how long a run waits for a missing seq_id before skipping it.
-    session_timeout_s: expire sessions without a heartbeat for this long (None = never).
     retrieve_max_wait_s: cap on one `retrieve` wait (the server long-polls below the SDK's
         45 s read timeout).
     max_samplers_per_session: sampling sessions (weight versions) kept loaded per client
@@ -197,7 +208,7 @@ class ServiceConfig:
         keep for `stable_reinforce` (`StabilityConfig`; the records: `ember.service.stability`).
     checkpoints: checkpoint TTL sweep and bounds of ttl_seconds / user_metadata
         (`CheckpointConfig`).
-    sessions: when idle client sessions end (`SessionsConfig`).
+    sessions: when client sessions end by themselves: no heartbeat, or idle (`SessionsConfig`).
     metric_history_rows: per-step metric rows kept per training run (the console's
         curves; one row per forward_backward / forward / optim_step). Past it the older
         half of the run's steps is thinned to every second step (`ember.service.metric_history`).
@@ -213,7 +224,6 @@ class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     seq_gap_timeout_s: float = 5.0
-    session_timeout_s: float | None = None
     # `ember serve` sets it from the server's long_poll_s: not a setting of its own
     retrieve_max_wait_s: float = field(default=25.0, metadata=meta(hidden=True))
     max_samplers_per_session: int = 32
@@ -249,8 +259,6 @@ class ServiceConfig:
             self.sampler = dataclasses.replace(self.sampler, max_lora_rank=self.limits.max_lora_rank)
         if self.seq_gap_timeout_s <= 0:
             raise ValueError(f"ServiceConfig.seq_gap_timeout_s must be > 0, got {self.seq_gap_timeout_s}")
-        if self.session_timeout_s is not None and self.session_timeout_s <= 0:
-            raise ValueError(f"ServiceConfig.session_timeout_s must be > 0 or None, got {self.session_timeout_s}")
         if self.max_samplers_per_session < 1:
             raise ValueError(f"ServiceConfig.max_samplers_per_session must be >= 1, got {self.max_samplers_per_session}")
         if self.future_retention_s is not None and self.future_retention_s <= 0:

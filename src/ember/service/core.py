@@ -46,11 +46,11 @@ from ember.service.futures import FutureTable
 from ember.service.images import check_request_images, count_images, vision_spec_of
 from ember.service.metric_history import MetricHistory
 from ember.service.run_validation import check_samplable
-from ember.service.runs import LiveRun, RunManager, RunNotLoadedError
+from ember.service.runs import SESSION_END_CHECKPOINT, LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager, session_of
 from ember.service.stability import StabilityRecords
-from ember.service.store import CheckpointRow, FutureRow, Store
+from ember.service.store import CheckpointRow, FutureRow, SessionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,13 @@ class Service(ServiceAPI):
         self.store = Store(config.resolved_database_url, lock_timeout_s=durability.db_lock_timeout_s)
         failed = self.store.fail_pending_futures(RESTART_MESSAGE)
         unloaded = self.store.unload_active_runs()
-        if failed or unloaded:
-            log.warning("restart: %d in-flight future(s) failed, %d run(s) marked unloaded", failed, unloaded)
+        # Runs left loaded by an earlier process are routine (every process ends so, in process
+        # too); requests cut off in flight are not (it did not end cleanly): only they warn.
+        if failed:
+            log.warning("%d request(s) of an earlier process on this data directory were in flight when it ended: "
+                        "failed (their clients are told so)", failed)
+        if unloaded:
+            log.debug("%d training run(s) of an earlier process on this data directory marked unloaded", unloaded)
         self.checkpoints = CheckpointStore(self.store, config.data_dir, config.checkpoints,
                                            quota_bytes=config.limits.max_checkpoint_bytes_per_key)
         self.checkpoints.sweep_interrupted()  # before any run or sampler exists
@@ -112,7 +117,7 @@ class Service(ServiceAPI):
         self.samplers.check_registered()
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
-        self.sessions = SessionManager(self.store, config.session_timeout_s, self._on_session_end,
+        self.sessions = SessionManager(self.store, config.sessions.heartbeat_timeout_s, self._on_session_expired,
                                        idle_ttl_s=config.sessions.idle_ttl_s,
                                        max_per_key=config.limits.max_sessions_per_key, clock=self._clock)
         self.futures.on_session_activity = self.sessions.touch
@@ -144,7 +149,7 @@ class Service(ServiceAPI):
 
     def _housekeeping_loop(self) -> None:
         interval = self.config.housekeeping_interval_s
-        for timeout in (self.config.session_timeout_s, self.config.sessions.idle_ttl_s):
+        for timeout in (self.config.sessions.heartbeat_timeout_s, self.config.sessions.idle_ttl_s):
             if timeout is not None:
                 interval = min(interval, max(0.5, timeout / 4))
         sweep_every = self.config.checkpoints.sweep_interval_s
@@ -173,10 +178,15 @@ class Service(ServiceAPI):
             self.store.prune_futures(now - self.config.future_retention_s)
         self.sweep_expired_checkpoints()
 
-    def _on_session_end(self, session_id: str) -> None:
-        self.runs.unload_session(session_id)
+    def _on_session_end(self, session_id: str, save_as: str | None = None) -> None:
+        self.runs.unload_session(session_id, save_as=save_as)
         self.samplers.drop_session(session_id)
         self.records.drop_session(session_id)
+
+    def _on_session_expired(self, session_id: str) -> None:
+        """The client is gone (no heartbeat) or idle: its runs are saved before they unload,
+        so that whoever comes back resumes from where they were."""
+        self._on_session_end(session_id, save_as=SESSION_END_CHECKPOINT)
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, owner, *, tags: Sequence[str] = (), user_metadata: Mapping[str, Any] | None = None,
@@ -228,7 +238,7 @@ class Service(ServiceAPI):
 
     def load_weights(self, owner, path, optimizer, *, model_id=None, seq_id=None, session_id=None,
                      model_seq_id=None, base_model=None, user_metadata=None,
-                     optimizer_config=None) -> Submission:
+                     optimizer_config=None, weights_access_token=None) -> Submission:
         by_model = model_id is not None
         by_session = session_id is not None
         if by_model == by_session:
@@ -239,9 +249,11 @@ class Service(ServiceAPI):
             if err:
                 return self.runs.reject(owner, "LoadWeights", err)
             return self.runs.create_from_checkpoint(owner, session_id, model_seq_id, path, bool(optimizer),
-                                                    base_model, user_metadata, optimizer_config)
+                                                    base_model, user_metadata, optimizer_config,
+                                                    access_token=weights_access_token)
         return self.runs.submit_op(owner, model_id, seq_id, "LoadWeights",
-                                   lambda run: self.runs.load_checkpoint(run, path, bool(optimizer)))
+                                   lambda run: self.runs.load_checkpoint(run, path, bool(optimizer),
+                                                                         weights_access_token))
 
     def forward_backward(self, owner, model_id, seq_id, data, loss_fn, loss_fn_config=None, *,
                          forward_only=False) -> Submission:
@@ -407,7 +419,8 @@ class Service(ServiceAPI):
             raise UserError(f"sampling sessions quota: this API key has {n} sampling sessions loaded, the quota is "
                             f"limits.max_sampling_sessions_per_key={quota}; close ServiceClients you no longer use "
                             f"(their sessions' samplers are released), or wait for idle sessions to expire "
-                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s})")
+                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s}; a killed client's session "
+                            f"ends after sessions.heartbeat_timeout_s={self.config.sessions.heartbeat_timeout_s})")
 
     def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
         return self.samplers.get(owner, sampling_session_id)
@@ -450,7 +463,8 @@ class Service(ServiceAPI):
         return rest.list_training_runs(self.store, self.checkpoints, owner, limit, offset)
 
     def get_training_run(self, owner, run_id) -> types.TrainingRun:
-        return rest.training_run(self.checkpoints, rest.run_row(self.store, owner, run_id))
+        row = rest.run_row(self.store, owner, run_id)
+        return rest.training_run(self.checkpoints, row, self.store.get(SessionRow, row.session_id))
 
     def list_checkpoints(self, owner, run_id) -> types.CheckpointsListResponse:
         rest.run_row(self.store, owner, run_id)
@@ -481,6 +495,9 @@ class Service(ServiceAPI):
         """Memory mode: a deleted checkpoint's tensors go too (`SamplerManager.release_synced`)."""
         self.samplers.release_synced(lambda path: self.store.get(CheckpointRow, path) is not None)
 
+    def create_weights_access_token(self, owner, run_id, checkpoint_id, ttl_seconds=None) -> tuple[str, int]:
+        return self.checkpoints.access_token(owner, run_id, checkpoint_id, ttl_seconds)
+
     def external_weights_links(self, owner, run_id, checkpoint_id) -> ExternalWeightsLinks:
         return self.checkpoints.external_links(owner, run_id, checkpoint_id)
 
@@ -501,6 +518,16 @@ class Service(ServiceAPI):
         return {"queue_depths": {rid: run.seq.queued for rid, run in live.items()},
                 "futures_pending": self.futures.pending_count_of(owner),
                 "samplers_loaded": self.samplers.loaded_count(owner)}
+
+    def server_state(self) -> dict[str, Any]:
+        """What the server holds now, over every owner (the periodic status line): runs
+        loaded, sessions active, sampling sessions loaded, each lane's runs and queued
+        requests, samples queued or running, futures pending."""
+        lanes = self.runs.lane_depths()
+        samples, _ = self.samplers.queued.total()
+        return {"runs": sum(n for n, _ in lanes.values()), "sessions": len(self.store.active_sessions()),
+                "samplers": self.samplers.loaded_total(), "lanes": lanes, "samples_queued": samples,
+                "futures_pending": self.futures.pending_count()}
 
     def run_facts(self, owner, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """run_id -> {steps, loaded, head, created} for `owner`'s runs among `run_ids` (the

@@ -22,6 +22,27 @@ class DataDirInUseError(ValueError):
     """Another process holds the data directory (ValueError: a start-up error, exit 2)."""
 
 
+def check_data_dir(data_dir: str | os.PathLike) -> None:
+    """ValueError, naming the directory and what is wrong, when `data_dir` cannot be this
+    process's data directory: not creatable, not a directory, not writable, or in use by
+    another ember process. Light (no database, no model): `ember serve` asks before it
+    imports anything heavy. The service takes the lock itself later."""
+    path = Path(data_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"data directory {str(path)!r} exists and is not a directory") from None
+    except OSError as exc:
+        raise ValueError(f"data directory {str(path)!r} cannot be created: {exc.strerror}") from None
+    if not path.is_dir():
+        raise ValueError(f"data directory {str(path)!r} exists and is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"data directory {str(path)!r} is not writable by this user")
+    lock = DataDirLock(path)
+    lock.acquire()  # DataDirInUseError (a ValueError) names the holder's pid
+    lock.release()
+
+
 class DataDirLock:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = Path(data_dir)

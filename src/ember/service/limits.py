@@ -89,9 +89,10 @@ class Limits:
     Quotas per API key (owner), so that one tenant cannot take a shared server's memory or
     disk from the others; each refusal names the quota and how to free it:
     max_runs_per_key: training runs loaded at once (created and not yet unloaded: a
-        run is unloaded when its session ends, is finished or expires idle).
+        run is unloaded when its session is finished, or expires without heartbeats or idle).
     max_sessions_per_key: client sessions active at once (one per `ServiceClient`; ended
-        by closing it, or after `sessions.idle_ttl_s` without requests).
+        by closing it, after `sessions.heartbeat_timeout_s` without a heartbeat (the client
+        died), or after `sessions.idle_ttl_s` without requests).
     max_sampling_sessions_per_key: sampling sessions (weight versions) loaded at once,
         over all the key's sessions (each session also keeps at most
         `max_samplers_per_session`).

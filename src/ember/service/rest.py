@@ -14,18 +14,23 @@ from ember.service.checkpoint_store import CheckpointStore
 from ember.service.limits import Limits
 from ember.service.model_registry import ModelRegistry
 from ember.service.samplers import max_positions
-from ember.service.store import RunRow, Store
+from ember.service.store import RunRow, SessionRow, Store
 
 
 def _dt(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
 
 
-def training_run(checkpoints: CheckpointStore, row: RunRow) -> types.TrainingRun:
+def training_run(checkpoints: CheckpointStore, row: RunRow, session: SessionRow | None = None) -> types.TrainingRun:
+    """The REST view of a run. `corrupted` (what `tinker run list` shows as "Failed", the
+    console as "failed") is true when the run could not be created, or when its session
+    ended "errored" (the client's script failed; the console shows that session so)."""
     meta = {str(k): str(v) for k, v in (row.user_metadata or {}).items()} or None
+    errored = session is not None and session.finish_reason == "errored"
     return types.TrainingRun(
         training_run_id=row.id, base_model=row.base_model, model_owner=row.owner, is_lora=row.is_lora,
-        corrupted=row.status == "failed", lora_rank=(row.lora_config or {}).get("rank") if row.is_lora else None,
+        corrupted=row.status == "failed" or errored,
+        lora_rank=(row.lora_config or {}).get("rank") if row.is_lora else None,
         last_request_time=_dt(row.last_request_time), last_checkpoint=checkpoints.last(row.id, "training"),
         last_sampler_checkpoint=checkpoints.last(row.id, "sampler"), user_metadata=meta,
     )
@@ -42,8 +47,9 @@ def list_training_runs(store: Store, checkpoints: CheckpointStore, owner: str, l
     limit, offset = page(limit, offset)
     total = store.count_runs(owner)
     rows = store.list_runs(owner, limit, offset)
+    sessions = {sid: store.get(SessionRow, sid) for sid in {r.session_id for r in rows}}
     return types.TrainingRunsResponse(
-        training_runs=[training_run(checkpoints, r) for r in rows],
+        training_runs=[training_run(checkpoints, r, sessions[r.session_id]) for r in rows],
         cursor=types.Cursor(offset=offset, limit=limit, total_count=int(total)),
     )
 

@@ -46,6 +46,9 @@ RESTARTED = (
     "training run {run} is not loaded: the server restarted (or its session ended) since it was created. "
     "Recreate it from its last checkpoint with create_training_client_from_state[_with_optimizer]"
 )
+# What a run is saved as when its session expires (no heartbeat, or idle) before it unloads.
+SESSION_END_CHECKPOINT = "session-end"
+SAVED_AT_SESSION_END = "; it was saved when its session ended: {path} (its state and optimizer)"
 
 
 class RunNotLoadedError(Exception):
@@ -82,7 +85,8 @@ def classify(exc: BaseException) -> tuple[str, types.RequestErrorCategory]:
 
 RUNS_QUOTA = ("training runs quota: this API key has {n} training runs loaded, the quota is "
               "limits.max_runs_per_key={quota}; free one by ending the session that holds it (close its "
-              "ServiceClient) or wait for idle sessions to expire (sessions.idle_ttl_s)")
+              "ServiceClient) or wait for idle sessions to expire (sessions.idle_ttl_s); a killed client's "
+              "session ends after sessions.heartbeat_timeout_s without a heartbeat")
 
 
 @dataclass
@@ -142,7 +146,9 @@ class RunManager:
         row = self.store.get(RunRow, model_id)
         if row is None or row.owner != owner:
             raise NotFoundError(f"unknown model_id {model_id!r}")
-        raise RunNotLoadedError(RESTARTED.format(run=model_id))
+        saved = self.checkpoints.row(f"tinker://{model_id}/weights/{SESSION_END_CHECKPOINT}")
+        hint = SAVED_AT_SESSION_END.format(path=saved.tinker_path) if saved is not None else ""
+        raise RunNotLoadedError(RESTARTED.format(run=model_id) + hint)
 
     def loaded_runs(self, owner: str) -> int:
         """Runs of `owner` loaded now (created, or being created; not failed)."""
@@ -163,9 +169,11 @@ class RunManager:
         return self._create(owner, session_id, model_seq_id, "CreateModel", plan)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
-                               base_model: str | None, user_metadata, optimizer_config=None) -> Submission:
+                               base_model: str | None, user_metadata, optimizer_config=None,
+                               access_token: str | None = None) -> Submission:
         def plan(run_id: str) -> CreatePlan:
-            tpath, crow = self.checkpoints.training_state(owner, path)  # the owner's, or a published one
+            # the owner's, a published one, or one `access_token` grants
+            tpath, crow = self.checkpoints.training_state(owner, path, access_token)
             src = self.store.get(RunRow, crow.run_id)
             lora = types.LoraConfig(**src.lora_config) if src is not None and src.lora_config else None
             base = self.registry.resolve(base_model or (src.base_model if src else ""))
@@ -338,9 +346,10 @@ class RunManager:
         return self.checkpoints.save(run.run_id, run.owner, kind, name, write, overwrite=overwrite,
                                      ttl_seconds=ttl_seconds, user_metadata=user_metadata)
 
-    def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool) -> types.LoadWeightsResponse:
+    def load_checkpoint(self, run: LiveRun, path: str, optimizer: bool,
+                        access_token: str | None = None) -> types.LoadWeightsResponse:
         engine = run.require_engine()
-        tpath, crow = self.checkpoints.training_state(run.owner, path)
+        tpath, crow = self.checkpoints.training_state(run.owner, path, access_token)
         engine.load_state(crow.directory, optimizer=optimizer)
         return types.LoadWeightsResponse(path=tpath.uri, model_id=run.run_id)
 
@@ -363,16 +372,28 @@ class RunManager:
             is_lora=row.is_lora, lora_rank=rank, model_name=row.base_model,
         )
 
-    def unload_session(self, session_id: str) -> None:
-        """The session ended: its runs take no new requests, finish what is queued, then
-        release their engines (adapters are deleted from the shared model)."""
+    def unload_session(self, session_id: str, save_as: str | None = None) -> None:
+        """The session ended: its runs take no new requests, finish what is queued, are
+        saved as the training-state checkpoint `save_as` if given (the session expired:
+        its client may come back), then release their engines (adapters are deleted from
+        the shared model)."""
         with self._lock:
             runs = [r for r in self._runs.values() if r.session_id == session_id]
             for r in runs:
                 del self._runs[r.run_id]
         for run in runs:
             self.store.update(RunRow, run.run_id, status="unloaded")
-            run.seq.drain(lambda run=run: self._release(run))
+            run.seq.drain(lambda run=run: self._save_then_release(run, save_as))
+
+    def _save_then_release(self, run: LiveRun, save_as: str | None) -> None:
+        if save_as is not None and run.engine is not None:
+            try:
+                row = self.save_checkpoint(run, save_as, "training", overwrite=True, ttl_seconds=None,
+                                           user_metadata=None)
+                log.info("run %s saved as %s before unloading (its session ended)", run.run_id, row.tinker_path)
+            except Exception as exc:  # noqa: BLE001 - the run is unloaded either way; say why it was not saved
+                log.warning("run %s could not be saved before unloading: %s", run.run_id, public_message(exc))
+        self._release(run)
 
     def _release(self, run: LiveRun) -> None:
         """On the run's lane: free the engine; a lane no live run uses any more is closed."""
@@ -391,6 +412,17 @@ class RunManager:
         with self._lock:
             runs = list(self._runs.values())
         return {run.run_id: run.seq.queued for run in runs}
+
+    def lane_depths(self) -> dict[str, tuple[int, int]]:
+        """"lane <n> (<base models>)" -> (live runs on it, requests waiting in their
+        sequencers), for every lane in use (the status line)."""
+        with self._lock:
+            runs = list(self._runs.values())
+        lanes: dict[str, list[LiveRun]] = {}
+        for run in runs:
+            lanes.setdefault(run.lane.name, []).append(run)
+        return {f"lane {name} ({', '.join(sorted({r.spec.base.name for r in on}))})":
+                (len(on), sum(r.seq.queued for r in on)) for name, on in sorted(lanes.items())}
 
     def close(self) -> None:
         with self._lock:

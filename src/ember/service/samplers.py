@@ -206,6 +206,11 @@ class QueuedWork:
         with self._lock:
             return self._by_owner.get(owner, (0, 0))
 
+    def total(self) -> tuple[int, int]:
+        """(samples, tokens) queued or running, over every owner."""
+        with self._lock:
+            return sum(s for s, _ in self._by_owner.values()), sum(t for _, t in self._by_owner.values())
+
 
 def request_work(kwargs: dict[str, Any], default_max_tokens: int) -> tuple[int, int]:
     """(samples, tokens) a sample request asks for: num_samples x (prompt + max_tokens)."""
@@ -358,7 +363,8 @@ class SamplerManager:
                 self._evicted[evicted] = None
                 while len(self._evicted) > _EVICTED_KEPT:
                     self._evicted.popitem(last=False)
-                log.info("sampling session %s evicted (more than %d loaded)", evicted, self.max_per_session)
+                # routine (an RL loop makes a sampling client per step): not an operator's line
+                log.debug("sampling session %s evicted (more than %d loaded)", evicted, self.max_per_session)
 
     def _existing(self, session_id: str, seq: int | None) -> SamplerRow | None:
         if seq is None:
@@ -392,7 +398,7 @@ class SamplerManager:
             self.backend(base)
         row = self._new_row(owner, session_id, seq, base, model_path, None)
         self._remember(LiveSampler(row.id, owner, session_id, base, version, model_path))
-        log.info("sampling session %s loaded for %s: %s", row.id, owner, model_path or f"base model {base.name}")
+        log.debug("sampling session %s loaded for %s: %s", row.id, owner, model_path or f"base model {base.name}")
         return row.id
 
     def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,
@@ -434,6 +440,10 @@ class SamplerManager:
         with self._lock:
             target = self._inflight.get(live.follows)
         return target.version if target is not None else live.version
+    def loaded_total(self) -> int:
+        """Sampling sessions loaded now, over every owner."""
+        with self._lock:
+            return len(self._by_id)
 
     def loaded_count(self, owner: str) -> int:
         """Sampling sessions of `owner` loaded now (`limits.max_sampling_sessions_per_key`)."""

@@ -1,13 +1,14 @@
 """Sessions: one per client, owner of its training runs and sampling sessions.
 
 A session ends when its client finishes it, when its heartbeats stop for
-`session_timeout_s` (off by default), or when it is idle for `sessions.idle_ttl_s`: no
+`sessions.heartbeat_timeout_s` (the client is gone), or when it is idle for `sessions.idle_ttl_s`: no
 request named it, one of its training runs or one of its sampling sessions, and no
 future of it was pending, for that long. Heartbeats alone do not keep a session alive
 (the SDK sends them from a background thread for as long as the client object lives, so
-a forgotten client would otherwise hold its runs' memory for ever). An ended session's
-runs are unloaded and its samplers released (`Service._on_session_end`); its next
-request is told why (410).
+a forgotten client would otherwise hold its runs' memory for ever). An expired session's
+runs are saved (`tinker://<run>/weights/session-end`) and unloaded, a finished one's only
+unloaded, and its samplers released (`Service._on_session_end`); its next request is told
+why (410), a training call naming the saved checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ FINISH_REASONS = ("success", "errored", "interrupted")
 
 SESSIONS_QUOTA = ("sessions quota: this API key has {n} sessions active, the quota is "
                   "limits.max_sessions_per_key={quota}; close ServiceClients you no longer use (their sessions "
-                  "end), or wait for idle ones to expire (sessions.idle_ttl_s={ttl})")
+                  "end), or wait for idle ones to expire (sessions.idle_ttl_s={ttl}; the session of a killed "
+                  "client ends after sessions.heartbeat_timeout_s={heartbeat})")
 
 
 def session_of(resource_id: object) -> str | None:
@@ -73,7 +75,8 @@ class SessionManager:
         if self._max_per_key is not None:
             n = self._store.count_active_sessions(owner)
             if n >= self._max_per_key:
-                raise UserError(SESSIONS_QUOTA.format(n=n, quota=self._max_per_key, ttl=self._idle_ttl_s))
+                raise UserError(SESSIONS_QUOTA.format(n=n, quota=self._max_per_key, ttl=self._idle_ttl_s,
+                                                      heartbeat=self._timeout_s))
         now = self._clock()
         sid = f"sess-{uuid.uuid4().hex[:20]}"
         self._active[sid] = now

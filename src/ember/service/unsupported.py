@@ -21,17 +21,37 @@ UNSUPPORTED: dict[str, str] = {
     "get_billing_usage": "ember has no billing",
     "get_current_checkpoint_storage_usage": "ember has no storage accounting",
     "whoami": "in process the caller is the operator (no credential to describe)",
-    "get_console_url": "ember has no web console",
+    "get_console_url": "in process there is no server, so no console to link to (ember serve has one)",
     "holder": "the SDK's HTTP connection holder does not exist in process",
     "from_sampler_handle": "in process, create the sampler with ServiceClient.create_sampling_client",
     "create": "in process, create the sampler with ServiceClient.create_sampling_client",
+}
+
+# Routes the SDK calls outside its client classes' methods (its CLI, or a feature its
+# client config turns on and ember leaves off, docs/protocol.md §1.4) -> why ember answers
+# them with that reason; `ember serve` refuses them like the calls above (404, the reason).
+UNSERVED_ROUTES: dict[str, str] = {
+    "get_self_api_key": "ember's API keys are set by its operator (--api-key, --api-keys-file); set "
+                        "TINKER_API_KEY instead of running `tinker auth login`",
+    "delete_self_api_key": "ember's API keys are set by its operator (--api-key, --api-keys-file); only the "
+                           "operator revokes one",
+    "auth_token": "ember takes plain API keys, no JWT exchange (client config pjwt_auth_enabled is off)",
+    "join_sampling_session": "a SamplingClient gets its own sampling session from create_sampling_session "
+                             "(client config sample_join_sampling_session is off)",
+    "cancel_future": "a sample request runs to completion once queued (dynamic config sample_cancel_enabled is off)",
+    "retrieve_futures": "futures are polled one at a time with retrieve_future (client config "
+                        "sample_use_retrieve_futures is off)",
+    "create_custom_loss": "custom losses run in the client with forward_backward_custom (client config "
+                          "custom_loss_server_side is off)",
 }
 
 IN_PROCESS_URL = "http://ember.in-process/api/v1"
 
 
 def unsupported_body(method: str) -> dict[str, str]:
-    return {"error": f"{method} is not supported by ember: {UNSUPPORTED[method]}", "category": "user"}
+    """The 404 body of an SDK call (`UNSUPPORTED`) or route (`UNSERVED_ROUTES`) ember refuses."""
+    reason = UNSUPPORTED.get(method) or UNSERVED_ROUTES[method]
+    return {"error": f"{method} is not supported by ember: {reason}", "category": "user"}
 
 
 def unsupported_error(method: str) -> tinker.NotFoundError:
