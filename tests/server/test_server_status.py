@@ -9,6 +9,7 @@ import time
 import pytest
 
 from ember.server.status import LogConfig, StatusReporter, status_line
+from helpers.server import wait_until
 
 STATE = {"runs": 2, "sessions": 3, "samplers": 1, "lanes": {"lane 0 (tiny)": (2, 5)}, "samples_queued": 7,
          "futures_pending": 4}
@@ -26,14 +27,18 @@ def test_the_line_says_what_the_server_holds_and_the_rates_over_the_interval():
 def test_the_reporter_logs_every_interval_until_stopped(caplog):
     totals = iter(range(0, 10_000, 100))
     reporter = StatusReporter(0.05, lambda: STATE, lambda: {"trained_tokens": float(next(totals))})
+
+    def lines() -> list[str]:  # only the reporter's: an SDK client of another test may log here too
+        return [r.getMessage() for r in caplog.records if r.name == "ember.status"]
+
     with caplog.at_level(logging.INFO, logger="ember.status"):
         reporter.start()
-        time.sleep(0.4)
+        wait_until(lambda: len(lines()) >= 3, timeout=30, interval=0.05, message="three status lines")
         reporter.stop()
-        n = len(caplog.records)
-        time.sleep(0.15)
-    assert n >= 3 and len(caplog.records) == n  # nothing after stop()
-    assert all(r.getMessage().startswith("status: 2 runs") for r in caplog.records)
+        n = len(lines())
+        time.sleep(0.15)  # three more intervals: a reporter still running would log again
+    assert len(lines()) == n  # nothing after stop()
+    assert all(line.startswith("status: 2 runs") for line in lines())
 
 
 def test_zero_means_no_line_and_negative_is_refused():
