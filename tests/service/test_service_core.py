@@ -8,6 +8,7 @@ import pytest
 import torch
 from tinker import types
 
+from helpers.clock import ManualClock
 from helpers.datums import random_sft_datums, sft_datum
 from ember.service import NotFoundError, SessionGoneError, UserError
 
@@ -193,15 +194,16 @@ def test_sessions_heartbeat_finish_and_expiry(make_service):
 
 
 def test_housekeeping_prunes_old_futures_and_expired_checkpoints(make_service):
-    first = make_service(future_retention_s=0.2)
+    clock = ManualClock()
+    first = make_service(future_retention_s=0.2, clock=clock)
     _, mid = new_run(first)
     keep = result(first, "alice", first.save_weights("alice", mid, 1, "keep"))
     short = result(first, "alice", first.save_weights("alice", mid, 2, "short", ttl_seconds=1))
     fb = first.forward_backward("alice", mid, 3, random_sft_datums(1, VOCAB), "cross_entropy")
     wait(first, "alice", fb)
-    time.sleep(1.1)
+    clock.advance(1.1)
     first.close()  # a restart on the same data: no in-memory cache, only the database answers now
-    svc = make_service(data_dir=first.config.data_dir, future_retention_s=0.2)
+    svc = make_service(data_dir=first.config.data_dir, future_retention_s=0.2, clock=clock)
     svc.housekeeping()
     with pytest.raises(NotFoundError):
         svc.retrieve("alice", fb.request_id)
