@@ -13,6 +13,7 @@ from tinker import types
 
 from helpers.clock import ManualClock
 from helpers.datums import random_sft_datums
+from helpers.server import wait_until
 from ember.service import NotFoundError, UserError
 
 from .conftest import new_run, result, wait
@@ -196,10 +197,8 @@ def test_the_housekeeping_thread_sweeps_at_its_interval_and_state_survives_a_res
     svc.set_checkpoint_ttl("alice", *_ids(sampler), 3600)
     short = result(svc, "alice", svc.save_weights("alice", mid, 5, "short", ttl_seconds=1)).path
     directory = Path(svc.checkpoints.row(short).directory)
-    deadline = time.monotonic() + 10
-    while directory.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not directory.exists() and svc.checkpoints.row(short) is None
+    wait_until(lambda: not directory.exists(), 10, interval=0.1, message=f"{directory} to be removed")
+    assert svc.checkpoints.row(short) is None
     before = {c.tinker_path: (c.public, c.expires_at) for c in svc.list_user_checkpoints("alice").checkpoints}
     svc.close()
     again = make_service(data_dir=data, database_url=database_url)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from helpers.clock import ManualClock
 from helpers.datums import random_sft_datums, sft_datum
 from ember.service import NotFoundError, SessionGoneError, UserError
 
-from .conftest import new_run, result, wait
+from .conftest import lane_drained, new_run, result, wait
 
 User = types.RequestErrorCategory.User
 Server = types.RequestErrorCategory.Server
@@ -33,8 +32,9 @@ def test_ops_run_in_seq_order_when_submitted_out_of_order(make_service):
     # must see the gradient of forward_backward (1).
     s3 = svc.forward_backward("alice", mid, 3, probe, "cross_entropy", forward_only=True)
     s2 = svc.optim_step("alice", mid, 2, ADAM)
-    time.sleep(0.2)
+    lane_drained(svc, "alice", mid)  # had the sequencer released 2 (or 3), it would have run by now
     assert svc.retrieve("alice", s2.request_id).status == "pending"
+    assert svc.retrieve("alice", s3.request_id).status == "pending"
     s1 = svc.forward_backward("alice", mid, 1, data, "cross_entropy")
     before = result(svc, "alice", s1)
     step = result(svc, "alice", s2)

@@ -18,9 +18,9 @@ from tinker import types
 
 from ember import failpoints
 from helpers.clock import ManualClock
-from helpers.server import sft_datum
+from helpers.server import sft_datum, wait_until
 
-from .conftest import new_run, result, wait
+from .conftest import lane_drained, new_run, result, wait
 
 RETRY_S, LOCK_S = 0.6, 0.3
 BOUND_S = RETRY_S + 2 * LOCK_S + 1.5  # the stated bound plus scheduling slack on a busy 2-core machine
@@ -46,10 +46,7 @@ def _held_step(svc, owner, model_id, seq_id):
     `failpoints.release("run.op")`; returns once the op has started and is held."""
     failpoints.arm("run.op", "hold", times=1)
     sub = svc.optim_step(owner, model_id, seq_id, types.AdamParams(learning_rate=1e-3))
-    deadline = time.monotonic() + 30
-    while failpoints.pending("run.op") and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not failpoints.pending("run.op"), "the op never reached its lane"
+    wait_until(lambda: not failpoints.pending("run.op"), 30, interval=0.01, message="the op to reach its lane")
     return sub
 
 
@@ -165,7 +162,7 @@ def test_the_sweep_ends_overdue_futures_and_orphaned_rows(make_service):
     orphaned = svc.retrieve("alice", "req-orphan")
     assert orphaned.status == "failed" and orphaned.category == types.RequestErrorCategory.Server
     failpoints.release("run.op")  # the op ends later: its result is ignored, the future stays failed
-    time.sleep(0.3)
+    lane_drained(svc, "alice", model_id)  # the released op has run to its end
     assert svc.retrieve("alice", sub.request_id).status == "failed"
     assert result(svc, "alice", svc.forward_backward("alice", model_id, 2, DATA, "cross_entropy")).metrics
 
