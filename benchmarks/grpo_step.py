@@ -32,7 +32,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
-from ember.recipes.env import Environment, Problem  # noqa: E402
+from ember.recipes.rl.env import Environment, Problem  # noqa: E402
 
 RANK, LR, MAX_TOKENS = 64, 2e-4, 4  # the demo's: ' 45' + EOS
 
@@ -62,7 +62,8 @@ def build_model(out: Path) -> Path:
 
 
 def ember_step(tc, sampler, env, rng, args, cfg) -> tuple[dict[str, float], object]:
-    from ember.recipes.grpo import collect_groups, submit_samples, train_on_batch
+    from ember.recipes.grpo import train_on_batch
+    from ember.recipes.rl.rollouts import collect_groups, submit_samples
 
     params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, stop=env.stop())
     t0 = time.perf_counter()

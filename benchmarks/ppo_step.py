@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def ppo_step(roles: dict, env, cfg, rng: random.Random, overlap: bool) -> dict[str, float]:
-    from ember.recipes.grpo import collect_groups, submit_samples
+    from ember.recipes.rl.rollouts import collect_groups, submit_samples
     from ember.recipes.ppo import compute_advantages, role_forwards, update
 
     policy, critic = roles["policy"], roles["critic"]
@@ -97,7 +97,7 @@ def create_roles(sc, args) -> dict:
     else:
         critic = sc.create_lora_training_client(base_model="bench", rank=16, seed=1,
                                                 user_metadata=dict(VALUE_HEAD)).result()
-    from ember.recipes.grpo import step0_reference
+    from ember.recipes.rl.reference import step0_reference
 
     roles = {"policy": policy, "critic": critic, "reference": step0_reference(policy),
              "sampler": policy.save_weights_and_get_sampling_client().result()}

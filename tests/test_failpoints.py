@@ -40,6 +40,10 @@ def test_enospc_and_raise():
     failpoints.arm("checkpoint.after_write", "raise")
     with pytest.raises(failpoints.FailPointError, match="checkpoint.after_write"):
         failpoints.hit("checkpoint.after_write")
+    failpoints.arm("checkpoint.after_write", "valueerror")  # a bug's ValueError: not the caller's fault
+    with pytest.raises(ValueError, match=r"could not be broadcast .*checkpoint.after_write") as info:
+        failpoints.hit("checkpoint.after_write")
+    assert type(info.value) is ValueError
 
 
 @pytest.mark.parametrize("name,action", [("no.such.point", "kill"), ("checkpoint.after_write", "explode"),

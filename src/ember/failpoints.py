@@ -14,6 +14,8 @@ or in process with `arm(name, action, times)` / `disarm()`. Actions:
 
     kill          SIGKILL this process (a crash: nothing is flushed or cleaned up)
     raise         RuntimeError("fail point <name>")
+    valueerror    ValueError as numpy raises it on mismatched shapes: a bug of ember's that must be
+                  reported as `server` (not as bad input: only `UserError` is the caller's fault)
     enospc        OSError(ENOSPC): a full disk
     dblocked      sqlalchemy OperationalError "database is locked"
     oom           MemoryError
@@ -50,6 +52,7 @@ POINTS = {
     "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs)",
     "run.create_engine": "a training run's engine is about to be built (on its lane)",
     "run.op": "a training run's op (forward_backward, optim_step, save, ...) is about to run on its lane",
+    "sampler.submit": "a sample request, checked and counted against its owner, is about to reach its sampler",
 }
 HOLD_MAX_S = 60.0
 
@@ -96,7 +99,7 @@ def _check(name: str) -> str:
 
 def _check_action(action: str) -> str:
     kind, _, arg = action.partition(":")
-    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap", "hold") or (kind == "sleep") != bool(arg):
+    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap", "hold", "valueerror") or (kind == "sleep") != bool(arg):
         raise ValueError(f"unknown fail point action {action!r}")
     if arg:
         float(arg)
@@ -184,6 +187,8 @@ def _fire(name: str, action: str) -> None:
         raise OperationalError(f"/* fail point {name} */ UPDATE futures SET ...", {}, Exception("database is locked"))
     if kind == "oom":
         raise MemoryError()
+    if kind == "valueerror":
+        raise ValueError(f"operands could not be broadcast together with shapes (3,) (4,) (fail point {name})")
     if kind == "mmap":
         path = os.path.join(os.getcwd(), "models", "tiny", "model.safetensors")
         raise RuntimeError(f"unable to mmap 342000 bytes from file <{path}>: Cannot allocate memory (12)")

@@ -3,15 +3,15 @@ resolution, formula and refusals as over HTTP (tests/server/test_server_sdk_stab
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
 import ember
+from helpers.clock import ManualClock
 from helpers.server import sft_datum, stable_datum, stable_reinforce_loss
+from ember.service import Service
 from ember.service.config import ServiceConfig
 
 MODEL = "ember-test/tiny-qwen3"
@@ -23,16 +23,23 @@ def params(seed: int) -> types.SamplingParams:
 
 
 @pytest.fixture
-def client(tmp_path, tiny_model_dir):
+def clock():
+    return ManualClock()
+
+
+@pytest.fixture
+def client(tmp_path, tiny_model_dir, clock):
     config = ServiceConfig(data_dir=tmp_path / "data", models={MODEL: str(tiny_model_dir)},
                            stability={"ttl_s": 4.0})
-    sc = ember.ServiceClient(config=config)
+    service = Service(config, clock=clock)  # the records' sliding expiry runs on the test's clock
+    sc = ember.ServiceClient(service=service)
     yield sc
     sc.close("success")
+    service.close()
 
 
 @pytest.mark.slow
-def test_in_process_end_to_end_and_refusals(client):
+def test_in_process_end_to_end_and_refusals(client, clock):
     tc = client.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
     seqs = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, params(11)).result().sequences
@@ -55,9 +62,9 @@ def test_in_process_end_to_end_and_refusals(client):
 
     # sliding expiry (ttl 4 s here; Tinker's is a day): each use restarts it, 5 s idle ends it
     for _ in range(2):
-        time.sleep(2.0)
+        clock.advance(2.0)
         tc.forward([stable_datum(PROMPT, seqs[0])], "stable_reinforce").result()
-    time.sleep(5.0)
+    clock.advance(5.0)
     with pytest.raises(tinker.RequestFailedError) as info:
         tc.forward([stable_datum(PROMPT, seqs[0])], "stable_reinforce").result()
     assert "expired" in str(info.value) and "datum 0: model_input_spans[0]" in str(info.value)

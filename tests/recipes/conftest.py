@@ -35,7 +35,7 @@ class DigitCountEnv:
     all equal and every GRPO step trains (the digit-sum reward is 0 for a random model)."""
 
     def __new__(cls, tokenizer):
-        from ember.recipes.env import Environment, Problem
+        from ember.recipes.rl.env import Environment, Problem
 
         digits = {tokenizer.convert_tokens_to_ids(c) for c in "0123456789"}
 

@@ -13,16 +13,12 @@ import ember
 import ember.recipes.grpo as grpo
 from ember.config import ConfigError
 from ember.metrics import MetricsLogger, use_logger
-from ember.recipes.common import (
-    ClientConfig,
-    completion_logprobs,
-    kl_k1,
-    make_service_client,
-    rl_datum,
-    submit_reference_logprobs,
-)
-from ember.recipes.env import Problem
-from ember.recipes.grpo import GRPOConfig, Rollout, collect_groups, make_reference, submit_samples, train_grpo
+from ember.recipes.common import ClientConfig, make_service_client, rl_datum
+from ember.recipes.grpo import GRPOConfig, make_reference, train_grpo
+from ember.recipes.rl.advantages import group_advantages, kl_k1
+from ember.recipes.rl.env import Problem
+from ember.recipes.rl.reference import completion_logprobs, submit_reference_logprobs
+from ember.recipes.rl.rollouts import Rollout, collect_groups, submit_samples
 from ember.recipes.train_cli import load_recipe_config
 
 from .conftest import API_KEY, SERVED_NAME
@@ -43,7 +39,7 @@ def legacy_minibatch_datums(groups, std_normalize):
     n_seqs = sum(len(g) for g in groups)
     datums = []
     for group in groups:
-        for rollout, adv in zip(group, grpo.group_advantages([r.reward for r in group], std_normalize)):
+        for rollout, adv in zip(group, group_advantages([r.reward for r in group], std_normalize)):
             if adv != 0.0 and rollout.tokens:
                 datums.append(rl_datum(rollout.problem.tokens, rollout.tokens, rollout.logprobs, adv / n_seqs))
     return datums

@@ -25,6 +25,7 @@ from ember.metrics import MetricsLogger, read_jsonl, use_logger
 from ember.recipes.common import ClientConfig
 from ember.recipes.grpo import GRPOConfig, load_checkpoint, run_grpo, train_grpo
 from ember.recipes.resume import CHECKPOINT_FILE, Checkpoint, SavedBatch, write_checkpoint
+from ember.recipes.rl.environments import ENVIRONMENTS
 
 from .conftest import API_KEY, SERVED_NAME, DigitCountEnv
 
@@ -38,7 +39,7 @@ class Killed(Exception):
 @pytest.fixture(autouse=True)
 def digit_count_registered(monkeypatch):
     """The graded digit-count reward as a registered environment, so that run_grpo and `ember train` use it."""
-    monkeypatch.setitem(grpo.ENVIRONMENTS, "digit_count", lambda tokenizer: DigitCountEnv(tokenizer))
+    monkeypatch.setitem(ENVIRONMENTS, "digit_count", lambda tokenizer: DigitCountEnv(tokenizer))
 
 
 def config(digit_model_dir, data_dir, run_dir, **overrides) -> GRPOConfig:

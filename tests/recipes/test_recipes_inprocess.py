@@ -10,7 +10,8 @@ from tinker import types
 import ember
 from ember.metrics import MetricsLogger, read_jsonl, use_logger
 from ember.recipes.digit_sum import DigitSumEnv, DigitSumTask
-from ember.recipes.grpo import GRPOConfig, evaluate_greedy, train_grpo
+from ember.recipes.grpo import GRPOConfig, train_grpo
+from ember.recipes.rl.rollouts import evaluate_greedy
 from ember.recipes.sft import SFTConfig, train_sft
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").

@@ -12,9 +12,8 @@ from tinker import types
 
 from ember.models import load_tokenizer
 from ember.recipes.digit_sum import PARTIAL_CREDIT, DigitSumEnv, DigitSumTask, make_env
-from ember.recipes.ppo import (
-    PPOConfig, completion_values, explained_variance, gae, score_datum, token_rewards, value_datum, whiten,
-)
+from ember.recipes.ppo import PPOConfig, completion_values, explained_variance, score_datum, value_datum
+from ember.recipes.rl.advantages import gae, token_rewards, whiten
 
 
 def brute_force_gae(r, v, gamma, lam):

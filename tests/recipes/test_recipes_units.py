@@ -9,19 +9,13 @@ import random
 import pytest
 
 from ember.models import load_tokenizer
-from ember.recipes.common import (
-    completion_logprobs,
-    kl_k1,
-    kl_k3,
-    kl_shaped_advantages,
-    learning_rate_at,
-    rl_datum,
-    sft_datum,
-    submit_reference_logprobs,
-)
+from ember.recipes.common import learning_rate_at, rl_datum, sft_datum
 from ember.recipes.digit_sum import DigitSumEnv, DigitSumTask, digit_sum
-from ember.recipes.env import Problem
-from ember.recipes.grpo import GRPOConfig, Rollout, group_advantages, minibatch_datums
+from ember.recipes.grpo import GRPOConfig, minibatch_datums
+from ember.recipes.rl.advantages import group_advantages, kl_k1, kl_k3, kl_shaped_advantages
+from ember.recipes.rl.env import Problem
+from ember.recipes.rl.reference import completion_logprobs, submit_reference_logprobs
+from ember.recipes.rl.rollouts import Rollout
 from ember.recipes.sft import batch_datums, load_jsonl
 
 

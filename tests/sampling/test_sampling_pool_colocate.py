@@ -23,6 +23,7 @@ from ember.engine import EngineConfig, TorchEngine
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
 from ember.sampling.router import HashRing
 from helpers.datums import random_sft_datums, sft_datum
+from helpers.server import wait_until
 
 PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14]]
 LONG_PROMPT = list(range(5, 25))  # past one prefix-cache block (16): its prefix is cached
@@ -89,8 +90,7 @@ def test_sleep_frees_the_caches_and_the_next_request_wakes_it(colocated, trained
 def test_sleep_waits_for_the_requests_in_progress_and_holds_new_ones(colocated):
     slept = threading.Event()
     long = colocated.submit(request(PROMPTS[1], seed=2, max_tokens=100))
-    while not colocated.scheduler.busy:
-        time.sleep(0.01)
+    wait_until(lambda: colocated.scheduler.busy, 60, interval=0.01, message="the long request to start")
     sleeper = threading.Thread(target=lambda: (colocated.sleep(), slept.set()))
     sleeper.start()
     held = colocated.submit(request(PROMPTS[0], seed=3))  # arrives while the sleep drains
@@ -108,8 +108,7 @@ def test_closing_while_a_sleep_drains_fails_the_held_requests(tiny_model_dir):
     config = SamplerConfig(**{**COLOCATED, "max_len": 4096})
     with TorchSampler.from_pretrained(tiny_model_dir, config) as sampler:
         long = sampler.submit(request(PROMPTS[1], seed=2, max_tokens=4000))
-        while not sampler.scheduler.busy:
-            time.sleep(0.01)
+        wait_until(lambda: sampler.scheduler.busy, 60, interval=0.01, message="the long request to start")
         sleeper = threading.Thread(target=sampler.sleep)
         sleeper.start()
         time.sleep(0.2)  # the sleep is draining by now

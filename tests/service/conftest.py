@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from tinker import types
 
@@ -34,6 +36,16 @@ def result(svc, owner, sub, timeout=60.0):
     state = wait(svc, owner, sub, timeout)
     assert state.status == "complete", f"{state.request_type} failed: {state.category} {state.error}"
     return state.result
+
+
+def lane_drained(svc, owner, model_id, timeout=60.0) -> None:
+    """Return once every op already queued on the run's lane has run: a marker op queued now
+    runs after them (a lane runs one owner's ops in order), so what the sequencer released to
+    the lane before this call has finished, however slow the host."""
+    run = svc.live_run(owner, model_id)
+    ran = threading.Event()
+    run.lane.submit(ran.set, run.seq.owner)
+    assert ran.wait(timeout), f"the lane of {model_id} did not drain in {timeout} s"
 
 
 def new_run(svc, owner="alice", rank=4, seed=0, base="tiny"):

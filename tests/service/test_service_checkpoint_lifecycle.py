@@ -11,7 +11,9 @@ import pytest
 import torch
 from tinker import types
 
+from helpers.clock import ManualClock
 from helpers.datums import random_sft_datums
+from helpers.server import wait_until
 from ember.service import NotFoundError, UserError
 
 from .conftest import new_run, result, wait
@@ -96,7 +98,8 @@ def test_published_checkpoint_is_readable_by_another_owner_until_unpublished(mak
 
 @pytest.mark.slow
 def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service, database_url):
-    svc = make_service(database_url=database_url)
+    clock = ManualClock()
+    svc = make_service(database_url=database_url, clock=clock)
     sid, mid, state, _ = _trained(svc)
     short = result(svc, "alice", svc.save_weights("alice", mid, 5, "short", ttl_seconds=1)).path
     listed = {c.tinker_path: c for c in svc.list_checkpoints("alice", mid).checkpoints}
@@ -105,7 +108,7 @@ def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service, database
     sampler_id = svc.create_sampling_session("alice", sid, 0, model_path=short).sampling_session_id
     svc.set_checkpoint_public("alice", *_ids(short), True)
     directory = Path(svc.checkpoints.row(short).directory)
-    time.sleep(1.1)
+    clock.advance(1.1)
     # Expired, not yet swept: files still there, but every call answers 404 (user).
     assert directory.is_dir()
     assert short not in {c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints}
@@ -126,7 +129,7 @@ def test_expired_checkpoint_is_gone_everywhere_then_swept(make_service, database
     assert st.category == User and "not found" in st.error
     # Saving the name again is not an overwrite of a live checkpoint.
     assert result(svc, "alice", svc.save_weights("alice", mid, 7, "short", ttl_seconds=1)).path == short
-    time.sleep(1.1)
+    clock.advance(1.1)
     assert svc.sweep_expired_checkpoints() == 1
     assert svc.checkpoints.row(short) is None and not directory.exists()
     assert not any(Path(svc.config.data_dir, "checkpoints").rglob("short*"))
@@ -194,10 +197,8 @@ def test_the_housekeeping_thread_sweeps_at_its_interval_and_state_survives_a_res
     svc.set_checkpoint_ttl("alice", *_ids(sampler), 3600)
     short = result(svc, "alice", svc.save_weights("alice", mid, 5, "short", ttl_seconds=1)).path
     directory = Path(svc.checkpoints.row(short).directory)
-    deadline = time.monotonic() + 10
-    while directory.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not directory.exists() and svc.checkpoints.row(short) is None
+    wait_until(lambda: not directory.exists(), 10, interval=0.1, message=f"{directory} to be removed")
+    assert svc.checkpoints.row(short) is None
     before = {c.tinker_path: (c.public, c.expires_at) for c in svc.list_user_checkpoints("alice").checkpoints}
     svc.close()
     again = make_service(data_dir=data, database_url=database_url)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 from tinker import types
 
+from helpers.clock import ManualClock
 from helpers.datums import random_sft_datums, sft_datum
 from ember.service import NotFoundError, SessionGoneError, UserError
 
-from .conftest import new_run, result, wait
+from .conftest import lane_drained, new_run, result, wait
 
 User = types.RequestErrorCategory.User
 Server = types.RequestErrorCategory.Server
@@ -32,8 +32,9 @@ def test_ops_run_in_seq_order_when_submitted_out_of_order(make_service):
     # must see the gradient of forward_backward (1).
     s3 = svc.forward_backward("alice", mid, 3, probe, "cross_entropy", forward_only=True)
     s2 = svc.optim_step("alice", mid, 2, ADAM)
-    time.sleep(0.2)
+    lane_drained(svc, "alice", mid)  # had the sequencer released 2 (or 3), it would have run by now
     assert svc.retrieve("alice", s2.request_id).status == "pending"
+    assert svc.retrieve("alice", s3.request_id).status == "pending"
     s1 = svc.forward_backward("alice", mid, 1, data, "cross_entropy")
     before = result(svc, "alice", s1)
     step = result(svc, "alice", s2)
@@ -217,15 +218,16 @@ def _logprobs(svc, owner, model_id, seq_id):
 
 
 def test_housekeeping_prunes_old_futures_and_expired_checkpoints(make_service):
-    first = make_service(future_retention_s=0.2)
+    clock = ManualClock()
+    first = make_service(future_retention_s=0.2, clock=clock)
     _, mid = new_run(first)
     keep = result(first, "alice", first.save_weights("alice", mid, 1, "keep"))
     short = result(first, "alice", first.save_weights("alice", mid, 2, "short", ttl_seconds=1))
     fb = first.forward_backward("alice", mid, 3, random_sft_datums(1, VOCAB), "cross_entropy")
     wait(first, "alice", fb)
-    time.sleep(1.1)
+    clock.advance(1.1)
     first.close()  # a restart on the same data: no in-memory cache, only the database answers now
-    svc = make_service(data_dir=first.config.data_dir, future_retention_s=0.2)
+    svc = make_service(data_dir=first.config.data_dir, future_retention_s=0.2, clock=clock)
     svc.housekeeping()
     with pytest.raises(NotFoundError):
         svc.retrieve("alice", fb.request_id)

@@ -17,9 +17,10 @@ import pytest
 from tinker import types
 
 from ember import failpoints
-from helpers.server import sft_datum
+from helpers.clock import ManualClock
+from helpers.server import sft_datum, wait_until
 
-from .conftest import new_run, result, wait
+from .conftest import lane_drained, new_run, result, wait
 
 RETRY_S, LOCK_S = 0.6, 0.3
 BOUND_S = RETRY_S + 2 * LOCK_S + 1.5  # the stated bound plus scheduling slack on a busy 2-core machine
@@ -45,19 +46,17 @@ def _held_step(svc, owner, model_id, seq_id):
     `failpoints.release("run.op")`; returns once the op has started and is held."""
     failpoints.arm("run.op", "hold", times=1)
     sub = svc.optim_step(owner, model_id, seq_id, types.AdamParams(learning_rate=1e-3))
-    deadline = time.monotonic() + 30
-    while failpoints.pending("run.op") and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not failpoints.pending("run.op"), "the op never reached its lane"
+    wait_until(lambda: not failpoints.pending("run.op"), 30, interval=0.01, message="the op to reach its lane")
     return sub
 
 
-def _orphan_row(svc, request_id: str, age_s: float) -> None:
+def _orphan_row(svc, request_id: str, age_s: float, now: float | None = None) -> None:
     """A pending future row no work holds, as a server that died leaves it: written into
-    the service's SQLite file from another connection."""
+    the service's SQLite file from another connection, `age_s` before `now` (the service's clock)."""
     with sqlite3.connect(svc.config.data_dir / "ember.db") as db:
         db.execute("INSERT INTO futures (request_id, owner, request_type, status, created_at) "
-                   "VALUES (?, 'alice', 'Sample', 'pending', ?)", (request_id, time.time() - age_s))
+                   "VALUES (?, 'alice', 'Sample', 'pending', ?)",
+                   (request_id, (time.time() if now is None else now) - age_s))
 
 
 def _assert_clean(message: str) -> None:
@@ -150,18 +149,20 @@ def test_a_create_whose_work_cannot_be_queued_fails_its_recorded_future(svc):
 
 
 def test_the_sweep_ends_overdue_futures_and_orphaned_rows(make_service):
-    svc = make_service(durability={"future_deadline_s": 0.5, "orphan_grace_s": 0.5}, housekeeping_interval_s=3600)
+    clock = ManualClock()
+    svc = make_service(durability={"future_deadline_s": 0.5, "orphan_grace_s": 0.5}, housekeeping_interval_s=3600,
+                       clock=clock)
     _, model_id = new_run(svc)
     sub = _held_step(svc, "alice", model_id, 1)
-    _orphan_row(svc, "req-orphan", age_s=5)
-    time.sleep(0.6)
+    _orphan_row(svc, "req-orphan", age_s=5, now=clock())
+    clock.advance(0.6)
     svc.housekeeping()
     state = svc.retrieve("alice", sub.request_id)
     assert state.status == "failed" and "did not finish within 0.5 s" in state.error
     orphaned = svc.retrieve("alice", "req-orphan")
     assert orphaned.status == "failed" and orphaned.category == types.RequestErrorCategory.Server
     failpoints.release("run.op")  # the op ends later: its result is ignored, the future stays failed
-    time.sleep(0.3)
+    lane_drained(svc, "alice", model_id)  # the released op has run to its end
     assert svc.retrieve("alice", sub.request_id).status == "failed"
     assert result(svc, "alice", svc.forward_backward("alice", model_id, 2, DATA, "cross_entropy")).metrics
 

@@ -3,13 +3,12 @@ quotas themselves are tested against `ember serve` in tests/server/test_server_q
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from tinker import types
 
 from ember.service import SessionGoneError
+from helpers.clock import ManualClock
 from ember.service.faults import public_message
 
 from .conftest import new_run, wait
@@ -18,17 +17,20 @@ ADAM = types.AdamParams(learning_rate=1e-3)
 
 
 def test_an_idle_session_ends_but_one_with_pending_work_does_not(make_service):
-    svc = make_service(sessions={"idle_ttl_s": 0.5}, seq_gap_timeout_s=30.0)
-    idle_sid, idle_run = new_run(svc)
-    last_request = time.monotonic()  # alice's last one
+    clock = ManualClock()  # the sessions' idleness runs on it: 0.5 s of its time, however slow the host
+    svc = make_service(sessions={"idle_ttl_s": 0.5}, seq_gap_timeout_s=30.0, clock=clock)
+    idle_sid, idle_run = new_run(svc)  # alice's last request
     busy_sid, busy_run = new_run(svc, owner="bob")
     pending = svc.optim_step("bob", busy_run, 2, ADAM)  # waits for seq_id 1: pending work
+    clock.advance(0.3)  # under the TTL: still there
+    svc.heartbeat("alice", idle_sid)
+    svc.expire_sessions()
+    svc.heartbeat("alice", idle_sid)
+    clock.advance(0.3)  # over it, with heartbeats in between: heartbeats alone do not keep a session
     with pytest.raises(SessionGoneError, match="idle for more than 0.5 s"):
-        while time.monotonic() - last_request < 5:  # heartbeats alone do not keep a session
-            svc.heartbeat("alice", idle_sid)
-            time.sleep(0.1)
-            svc.expire_sessions()  # [] when the housekeeping thread was first
-    assert time.monotonic() - last_request >= 0.5
+        svc.heartbeat("alice", idle_sid)
+        svc.expire_sessions()  # [] when the housekeeping thread was first
+        svc.heartbeat("alice", idle_sid)
     assert "not loaded" in wait(svc, "alice", svc.optim_step("alice", idle_run, 1, ADAM)).error
     svc.heartbeat("bob", busy_sid)  # still active: its request is pending
     assert svc.retrieve("bob", pending.request_id).status == "pending"

@@ -59,7 +59,9 @@ def test_missing_seq_id_is_skipped_after_the_gap_timeout(lane, caplog):
     assert any("never arrived" in r.getMessage() for r in caplog.records)
     # The skipped seq_id arriving afterwards must not run; it is reported instead.
     seq.offer(1, op("late", 99), late.append)
-    time.sleep(0.05)
+    ran = threading.Event()  # a marker after whatever the offer queued on the lane: that has run by now
+    lane.submit(ran.set, seq.owner)
+    assert ran.wait(5)
     assert done == [2, 3]
     assert len(late) == 1 and "arrived after it was skipped" in late[0]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from helpers.datums import random_sft_datums, sft_datum
+from helpers.server import wait_until
 from ember.service.engines import adapter_name
 
 from .conftest import new_run, result
@@ -95,9 +95,9 @@ def test_finishing_a_session_frees_its_adapter_and_the_other_tenant_trains_on(ma
     svc.finish_session("alice", alice_sid, "success")
     assert result(svc, "alice", queued).metrics["loss:sum"] > 0  # queued work still completes
     shared = svc.engine_factory.shared_models()[0]
-    deadline = time.monotonic() + 10
-    while adapter_name(alice) in shared.peft_config and time.monotonic() < deadline:
-        time.sleep(0.05)  # the release runs on the lane after the queued work
+    # the release runs on the lane after the queued work
+    wait_until(lambda: adapter_name(alice) not in shared.peft_config, 10, interval=0.05,
+               message="alice's adapter to be released")
     assert set(shared.peft_config) == {adapter_name(bob)}
     late = svc.retrieve("alice", svc.optim_step("alice", alice, 2, ADAM).request_id, 30)
     assert late.status == "failed" and late.category == types.RequestErrorCategory.Server
@@ -143,10 +143,8 @@ def test_a_shared_training_lane_serves_owners_round_robin(make_service, tmp_path
     failpoints.arm("run.create_engine", "hold", times=1)
     try:
         gate = svc.create_model("alice", alice_runs[0][0], 1, "tiny", types.LoraConfig(rank=4))
-        deadline = time.monotonic() + 30
-        while failpoints.pending("run.create_engine") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not failpoints.pending("run.create_engine"), "the creation never reached the lane"
+        wait_until(lambda: not failpoints.pending("run.create_engine"), 30, interval=0.01,
+                   message="the creation to reach the lane")
         subs = [svc.forward_backward("alice", mid, s, random_sft_datums(2, VOCAB, seed=s), "cross_entropy")
                 for s in (1, 2, 3) for _, mid in alice_runs]
         bob_sub = svc.forward_backward("bob", bob, 1, random_sft_datums(2, VOCAB, seed=7), "cross_entropy")

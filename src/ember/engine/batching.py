@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from tinker import types
 
+from ember.errors import UserError
 from ember.losses import LOSSES, LossSpec, validate_datum_inputs
 from ember.losses.validation import first_bad_datum
 from ember.engine.vision_batch import RopeIndex, vision_kwargs
@@ -69,17 +70,17 @@ class MicroBatch:
 def _model_input_ids(index: int, datum: types.Datum, vocab_size: int, scan: bool = True) -> torch.Tensor:
     for j, chunk in enumerate(datum.model_input.chunks):
         if not isinstance(chunk, types.EncodedTextChunk):
-            raise ValueError(
+            raise UserError(
                 f"datum {index}: model_input chunk {j} is of type {getattr(chunk, 'type', type(chunk).__name__)!r}; "
                 "this engine serves text-only models (encoded_text chunks)"
             )
     ids = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
     if ids.numel() == 0:
-        raise ValueError(f"datum {index}: model_input is empty; at least one token is required")
+        raise UserError(f"datum {index}: model_input is empty; at least one token is required")
     bad = ((ids < 0) | (ids >= vocab_size)) if scan else None
     if bad is not None and bad.any():
         pos = int(bad.nonzero()[0, 0])
-        raise ValueError(
+        raise UserError(
             f"datum {index}: model_input token {int(ids[pos])} at position {pos} is outside the "
             f"vocabulary [0, {vocab_size})"
         )
@@ -101,13 +102,13 @@ def _loss_input_tensors(index: int, datum: types.Datum) -> dict[str, torch.Tenso
     for key, td in datum.loss_fn_inputs.items():
         dtype = str(td.dtype)
         if dtype not in _DTYPES:
-            raise ValueError(
+            raise UserError(
                 f"datum {index}: loss_fn_inputs[{key!r}] has dtype {dtype!r}; expected 'int64' or 'float32'"
             )
         try:
             out[key] = td.to_torch()
         except Exception as exc:  # malformed shape/data, bad sparse indices
-            raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] cannot be read as a tensor: {exc}") from exc
+            raise UserError(f"datum {index}: loss_fn_inputs[{key!r}] cannot be read as a tensor: {exc}") from exc
     return out
 
 
@@ -144,9 +145,9 @@ def prepare_datums(
     if output not in OUTPUT_NAMES:
         raise ValueError(f"head output must be one of {sorted(OUTPUT_NAMES)}, got {output!r}")
     if output not in spec.consumes:
-        raise ValueError(head_mismatch(spec, output))
+        raise UserError(head_mismatch(spec, output))
     if len(datums) == 0:
-        raise ValueError("forward_backward needs at least one datum; got an empty list")
+        raise UserError("forward_backward needs at least one datum; got an empty list")
     prepared = []
     for i, datum in enumerate(datums):
         ids, expanded = _datum_ids(i, datum, vocab_size, vision, scan=False)
@@ -163,7 +164,7 @@ def _check_targets(prepared: list[PreparedDatum], output: str) -> list[PreparedD
         for p in with_targets:
             shape = tuple(p.inputs["target_tokens"].shape)
             if len(shape) != 1:
-                raise ValueError(
+                raise UserError(
                     f"datum {p.index}: loss_fn_inputs['target_tokens'] has shape {shape}; a value head "
                     f"has one output per position, use ({shape[0]},)"
                 )
@@ -171,7 +172,7 @@ def _check_targets(prepared: list[PreparedDatum], output: str) -> list[PreparedD
         return prepared
     ranks = {p.inputs["target_tokens"].dim() for p in with_targets}
     if len(ranks) > 1:
-        raise ValueError("all datums of one request must have target_tokens of the same rank ((N,) or (N, K))")
+        raise UserError("all datums of one request must have target_tokens of the same rank ((N,) or (N, K))")
     return prepared
 
 
@@ -184,7 +185,7 @@ def _scan_values(datums: Sequence[types.Datum], prepared: list[PreparedDatum], s
         bad = (ids < 0) | (ids >= vocab_size)
         if bad.any():
             pos = int(bad.nonzero()[0, 0])
-            raise ValueError(f"datum {first}: model_input token {int(ids[pos])} at position {pos} is outside the "
+            raise UserError(f"datum {first}: model_input token {int(ids[pos])} at position {pos} is outside the "
                              f"vocabulary [0, {vocab_size})")
         validate_datum_inputs(spec.name, first, int(ids.shape[0]), _loss_input_tensors(first, datums[first]),
                               vocab_size)

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from peft import get_peft_model_state_dict
 
 from ember.engine import hf_export
+from ember.errors import UserError
 
 if TYPE_CHECKING:
     from ember.engine.torch_engine import TorchEngine
@@ -93,28 +94,28 @@ def save(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
 def read_meta(path: Path) -> dict:
     meta_file = path / META
     if not meta_file.is_file():
-        raise ValueError(f"{str(path)!r} is not an ember checkpoint (no {META})")
+        raise UserError(f"{str(path)!r} is not an ember checkpoint (no {META})")
     return json.loads(meta_file.read_text())
 
 
 def _check_compatible(engine: "TorchEngine", meta: dict, path: Path) -> None:
     head = meta.get("head", "policy")
     if head != engine.head.name:
-        raise ValueError(f"checkpoint {str(path)!r} holds a {head}-head run; this run has a {engine.head.name} "
+        raise UserError(f"checkpoint {str(path)!r} holds a {head}-head run; this run has a {engine.head.name} "
                          f"head (user_metadata['ember.head'] = {engine.head.name!r})")
     kind = "lora" if engine.is_lora else "full"
     if meta["kind"] != kind:
-        raise ValueError(f"checkpoint {str(path)!r} holds {meta['kind']} weights; this run trains {kind} weights")
+        raise UserError(f"checkpoint {str(path)!r} holds {meta['kind']} weights; this run trains {kind} weights")
     tower = meta.get("train_vision", False)
     if kind == "full" and getattr(engine, "vision", None) is not None and tower != engine.config.train_vision:
-        raise ValueError(f"checkpoint {str(path)!r} was saved with train_vision={tower} (its vision tower "
+        raise UserError(f"checkpoint {str(path)!r} was saved with train_vision={tower} (its vision tower "
                          f"{'trained' if tower else 'frozen'}); this engine has train_vision="
                          f"{engine.config.train_vision}")
     if engine.is_lora:
         mine, theirs = engine.lora_config.model_dump(), dict(meta["lora_config"])
         mine.pop("seed", None), theirs.pop("seed", None)
         if mine != theirs:
-            raise ValueError(f"checkpoint {str(path)!r} has LoRA config {theirs}; this run has {mine}")
+            raise UserError(f"checkpoint {str(path)!r} has LoRA config {theirs}; this run has {mine}")
 
 
 def _saved_keys(path: Path) -> set[str]:
@@ -126,10 +127,10 @@ def load(engine: "TorchEngine", path: Path, optimizer: bool = True) -> None:
     meta = read_meta(path)
     _check_compatible(engine, meta, path)
     if optimizer and not meta["has_optimizer"]:
-        raise ValueError(f"checkpoint {str(path)!r} was saved without optimizer state")
+        raise UserError(f"checkpoint {str(path)!r} was saved without optimizer state")
     saved_opt = meta.get("optimizer", "adamw")
     if optimizer and saved_opt != engine.optimizer.name:
-        raise ValueError(f"checkpoint {str(path)!r} holds {saved_opt} optimizer state; this run's optimizer is "
+        raise UserError(f"checkpoint {str(path)!r} holds {saved_opt} optimizer state; this run's optimizer is "
                          f"{engine.optimizer.name}")
     with torch.no_grad():
         state = {"model": {n: p.detach() for n, p in engine.state_tensors().items()}}

@@ -30,6 +30,7 @@ import torch.utils.checkpoint
 
 from ember.engine.batching import MicroBatch
 from ember.engine.vocab_parallel import VocabShard, vocab_parallel_target_logprobs
+from ember.errors import UserError
 
 HEAD_METADATA_KEY = "ember.head"
 
@@ -213,9 +214,9 @@ HEAD_OUTPUTS: dict[str, str] = {"policy": PolicyHead.output, "value": ValueHead.
 def _check_name(name: object, field: str) -> str:
     known = ", ".join(HEADS)
     if not isinstance(name, str):
-        raise ValueError(f"{field} must be a string, one of {known}; got {type(name).__name__} {reprlib.repr(name)}")
+        raise UserError(f"{field} must be a string, one of {known}; got {type(name).__name__} {reprlib.repr(name)}")
     if name not in HEADS:
-        raise ValueError(f"{field} must be one of {known}; got {reprlib.repr(name)}")
+        raise UserError(f"{field} must be one of {known}; got {reprlib.repr(name)}")
     return name
 
 
@@ -232,7 +233,7 @@ def head_output(name: str) -> str:
 def head_from_metadata(meta: Mapping[str, Any] | None) -> str:
     """The head a run's ``user_metadata`` asks for: ``"policy"`` when absent.
 
-    ValueError naming ``user_metadata['ember.head']``, the known heads and what was got,
+    UserError naming ``user_metadata['ember.head']``, the known heads and what was got,
     for a value that is not a known head name (wrong type included)."""
     if meta is None or HEAD_METADATA_KEY not in meta:
         return "policy"

@@ -38,6 +38,7 @@ import safetensors.torch
 import torch
 
 # the adapter's file names and targets, as exports' readers know them from here
+from ember.errors import UserError
 from ember.models.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from ember.models.adapter import adapter_target_modules as lora_target_modules
 from ember.models.families import FAMILIES
@@ -141,7 +142,7 @@ def value_head_class(base_config: dict) -> str:
     if family is None:
         return causal[0].removesuffix("ForCausalLM") + "ForTokenClassification"
     if family.value_head_class is None:
-        raise ValueError(f"model family {family.model_type!r} has no transformers token-classification class "
+        raise UserError(f"model family {family.model_type!r} has no transformers token-classification class "
                          f"to export a value head as (its training checkpoint keeps the head)")
     return family.value_head_class
 

@@ -55,6 +55,8 @@ import pydantic
 import torch
 from tinker import types
 
+from ember.errors import UserError
+
 DAMPING = 0.1
 RANK_LR_EXPONENT = 0.5
 REFERENCE_RANK = 32
@@ -123,7 +125,7 @@ def _validate_adam(p: types.AdamParams) -> None:
     for name, ok in checks:
         value = getattr(p, name)
         if not ok or not math.isfinite(value):
-            raise ValueError(f"AdamParams.{name}={value} is out of range")
+            raise UserError(f"AdamParams.{name}={value} is out of range")
 
 
 class AdamW(Optimizer):
@@ -219,7 +221,7 @@ class Dimuon(Optimizer):
               "grad_clip_norm": True, "damping": values["damping"] > 0, "rank_lr_correction_exponent": True}
         for name, value in values.items():
             if not ok[name] or not math.isfinite(value):
-                raise ValueError(f"DimuonParams.{name}={value} is out of range")
+                raise UserError(f"DimuonParams.{name}={value} is out of range")
 
     @torch.no_grad()
     def step(self, params: types.DimuonParams) -> None:
@@ -305,12 +307,12 @@ def optimizer_config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     entry = OPTIMIZERS.get(kind)
     if entry is None:
         known = ", ".join(f"{{'type': {k!r}}}" for k in OPTIMIZERS)
-        raise ValueError(f"optimizer {kind!r} is not supported by ember; use one of {known}")
+        raise UserError(f"optimizer {kind!r} is not supported by ember; use one of {known}")
     try:
         return entry.config_type.model_validate(cfg).model_dump(mode="json")
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"optimizer {kind!r}: {problems}") from None
+        raise UserError(f"optimizer {kind!r}: {problems}") from None
 
 
 def build_optimizer(config, params: Sequence[torch.nn.Parameter], lora_rank: int | None) -> Optimizer:
@@ -322,7 +324,7 @@ def build_optimizer(config, params: Sequence[torch.nn.Parameter], lora_rank: int
     else:
         kind = config.type
     if kind not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {kind!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+        raise UserError(f"unknown optimizer {kind!r}; known: {', '.join(sorted(OPTIMIZERS))}")
     entry = OPTIMIZERS[kind]
     policy = entry.policy(params, lora_rank)
     policy.name, policy.params_type = kind, entry.params_type

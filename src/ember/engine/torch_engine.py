@@ -36,6 +36,7 @@ from ember.engine.config import EngineConfig
 from ember.engine.heads import OutputHead, build_head, head_output
 from ember.engine.optimizers import Optimizer, build_optimizer
 from ember.engine.parallel import ParallelismConfig, apply_activation_checkpointing, hf_model
+from ember.errors import UserError
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
 from ember.models.families import linear_attention_layers, vision_of
@@ -141,7 +142,7 @@ class TorchEngine(TrainingEngine):
                              f"state along it that ember does not pass between ranks; use cp=1 for this family")
         if parallelism is not None and parallelism.world_size > 1 and vision_of(model.config) is not None:
             # FSDP2 gathers the tower's shards in its forward, which only ranks with images run
-            raise ValueError(f"{model.config.model_type} is a vision-language model; ember trains it on one rank "
+            raise UserError(f"{model.config.model_type} is a vision-language model; ember trains it on one rank "
                              f"(world_size 1), got a layout of {parallelism.world_size} ranks")
         if parallelism is not None and parallelism.world_size > 1:
             from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
@@ -161,7 +162,7 @@ class TorchEngine(TrainingEngine):
         if vision_of(hf.config) is None:
             return None
         if self.config.train_vision and isinstance(model, PeftModel):
-            raise ValueError("train_vision trains the vision tower's own weights, which a LoRA run shares with the "
+            raise UserError("train_vision trains the vision tower's own weights, which a LoRA run shares with the "
                              "other runs on its base model; train the tower in a full fine-tuning run")
         return load_vision_spec(hf.name_or_path, hf.config)
 
@@ -344,7 +345,7 @@ class TorchEngine(TrainingEngine):
         prepared, plan = [], []
         try:  # a rank may get no datum at all (a batch smaller than the data-parallel degree)
             if self.head.output not in spec.consumes:  # the same refusal on a rank without datums
-                raise ValueError(head_mismatch(spec, self.head.output))
+                raise UserError(head_mismatch(spec, self.head.output))
             prepared = prepare_datums(datums, spec, vocab, output=self.head.output,
                                       vision=self.vision) if len(datums) else []
             plan = plan_micro_batches([p.num_tokens for p in prepared], self.config.micro_batch_tokens)
@@ -354,9 +355,9 @@ class TorchEngine(TrainingEngine):
         if error is not None:
             raise error
         if failed:
-            raise ValueError("another data-parallel rank rejected its share of the batch (see that rank's error)")
+            raise UserError("another data-parallel rank rejected its share of the batch (see that rank's error)")
         if passes == 0:
-            raise ValueError("forward_backward needs at least one datum; got an empty list on every rank")
+            raise UserError("forward_backward needs at least one datum; got an empty list on every rank")
         return prepared, plan, passes
 
     def _padding_pass(self, backward: bool) -> None:

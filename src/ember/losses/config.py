@@ -11,6 +11,7 @@ import math
 import numbers
 from collections.abc import Mapping
 
+from ember.errors import UserError
 from ember.losses.registry import get_loss
 
 ConfigIn = Mapping[str, float | str] | None
@@ -19,13 +20,13 @@ ConfigIn = Mapping[str, float | str] | None
 def _as_number(name: str, key: str, value: object) -> float:
     # bool is an int subclass; `True` as a clip threshold is certainly a mistake.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
+        raise UserError(
             f"loss {name!r}: loss_fn_config[{key!r}] must be a number, "
             f"got {type(value).__name__} {value!r}"
         )
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"loss {name!r}: loss_fn_config[{key!r}] must be finite, got {number}")
+        raise UserError(f"loss {name!r}: loss_fn_config[{key!r}] must be finite, got {number}")
     return number
 
 
@@ -33,17 +34,17 @@ def _check_ranges(name: str, config: Mapping[str, float]) -> None:
     if "clip_low_threshold" in config:
         low, high = config["clip_low_threshold"], config["clip_high_threshold"]
         if not 0.0 <= low <= high:
-            raise ValueError(
+            raise UserError(
                 f"loss {name!r}: clip thresholds must satisfy 0 <= clip_low_threshold <= "
                 f"clip_high_threshold (absolute ratio bounds, e.g. 0.8 and 1.2), "
                 f"got clip_low_threshold={low}, clip_high_threshold={high}"
             )
     if config.get("beta", 0.0) < 0.0:
-        raise ValueError(
+        raise UserError(
             f"loss {name!r}: loss_fn_config['beta'] must be >= 0, got {config['beta']}"
         )
     if "value_clip" in config and not config["value_clip"] > 0.0:
-        raise ValueError(
+        raise UserError(
             f"loss {name!r}: loss_fn_config['value_clip'] must be > 0 (the clip range ε of "
             f"V − V_old, e.g. 0.2), got {config['value_clip']}"
         )
@@ -62,7 +63,7 @@ def resolve_config(name: str, config: ConfigIn) -> dict[str, float]:
     unknown = sorted(str(k) for k in given if k not in spec.config_defaults)
     if unknown:
         accepted = ", ".join(sorted(spec.config_defaults)) or "none"
-        raise ValueError(
+        raise UserError(
             f"loss {name!r}: unknown loss_fn_config key(s) {unknown}; accepted keys: {accepted}"
         )
     resolved = dict(spec.config_defaults)

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ember.errors import UserError
+
 Inputs = Mapping[str, torch.Tensor]
 Config = Mapping[str, float]
 
@@ -47,7 +49,7 @@ def _per_token(name: str, inputs: Inputs, logp_T: torch.Tensor) -> torch.Tensor:
     """``inputs[name]`` as a (T,) tensor in the compute dtype, aligned with ``logp_T``."""
     x_T = inputs[name]
     if x_T.shape != logp_T.shape:
-        raise ValueError(
+        raise UserError(
             f"loss input {name!r} has shape {tuple(x_T.shape)}, "
             f"expected {tuple(logp_T.shape)} (same as target_logprobs)"
         )
@@ -59,7 +61,7 @@ def _rl_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp_T, q_T, adv_T) in the compute dtype; logp_T keeps its graph."""
     if target_logprobs.dim() != 1:
-        raise ValueError(
+        raise UserError(
             f"RL losses need target_logprobs of shape (T,), got {tuple(target_logprobs.shape)}"
         )
     logp_T = target_logprobs.to(_compute_dtype(target_logprobs))
@@ -173,7 +175,7 @@ def gspo_sequence_log_ratio(
     if segment_ids is None:
         segment_ids = torch.zeros_like(logp_T, dtype=torch.long)
     if segment_ids.shape != logp_T.shape:
-        raise ValueError(
+        raise UserError(
             f"segment_ids has shape {tuple(segment_ids.shape)}, "
             f"expected {tuple(logp_T.shape)} (same as target_logprobs)"
         )
@@ -253,7 +255,7 @@ def _value_tensors(
 
     ``weights`` defaults to ones (validation fills it in; direct callers may omit it)."""
     if values.dim() != 1:
-        raise ValueError(f"value losses need values of shape (T,), got {tuple(values.shape)}")
+        raise UserError(f"value losses need values of shape (T,), got {tuple(values.shape)}")
     v_T = values.to(_compute_dtype(values))
     w_T = _per_token("weights", inputs, v_T) if "weights" in inputs else torch.ones_like(v_T)
     return v_T, _per_token("returns", inputs, v_T), w_T

@@ -36,6 +36,7 @@ from types import MappingProxyType
 
 import torch
 
+from ember.errors import UserError
 from ember.losses import functions
 
 LossFn = Callable[
@@ -129,11 +130,11 @@ def get_loss(name: str) -> LossSpec:
     """The `LossSpec` registered as ``name``; ``ValueError`` naming the known losses."""
     known = ", ".join(LOSSES)
     if not isinstance(name, str):
-        raise ValueError(f"loss_fn must be a string, got {type(name).__name__}; known: {known}")
+        raise UserError(f"loss_fn must be a string, got {type(name).__name__}; known: {known}")
     if name in LOSSES:
         return LOSSES[name]
     if name in UNSUPPORTED:
-        raise ValueError(
+        raise UserError(
             f"loss_fn {name!r} is not supported by ember: {UNSUPPORTED[name]}. Supported: {known}"
         )
-    raise ValueError(f"unknown loss_fn {name!r}; known: {known}")
+    raise UserError(f"unknown loss_fn {name!r}; known: {known}")

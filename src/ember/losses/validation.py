@@ -6,7 +6,7 @@ int64 (N,), or (N, K) for top-K ``cross_entropy`` with ``weights`` of the same s
 ``weights``, ``logprobs``, ``advantages``, ``sequence_ratio_mask``, ``returns`` and
 ``old_values`` are float (N,). Value losses accept ``target_tokens`` but do not require it.
 
-Every error is a ``ValueError`` that names the datum index and the field, e.g.
+Every error is a ``UserError`` (a ValueError: ``ember.errors``) that names the datum index and the field, e.g.
 ``datum 3: loss_fn_inputs['weights'] has shape (7,), expected (8,) (same as target_tokens)``.
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ember.errors import UserError
 from ember.losses.registry import LOSSES, LossSpec, get_loss
 
 _CONFIG_KEYS = frozenset(k for spec in LOSSES.values() for k in spec.config_defaults)
@@ -40,7 +41,7 @@ def _check_keys(spec: LossSpec, where: str, inputs: Mapping[str, object]) -> Non
     got = sorted(map(str, inputs))
     missing = [k for k in spec.required_inputs if k not in inputs]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"{where}: loss_fn_inputs is missing {missing}, required by loss {spec.name!r} "
             f"(got keys {got})"
         )
@@ -48,7 +49,7 @@ def _check_keys(spec: LossSpec, where: str, inputs: Mapping[str, object]) -> Non
     if unknown:
         hint = [k for k in unknown if k in _CONFIG_KEYS]
         note = f"; {hint} belong in loss_fn_config, not loss_fn_inputs" if hint else ""
-        raise ValueError(
+        raise UserError(
             f"{where}: loss_fn_inputs has unknown key(s) {unknown} for loss {spec.name!r} "
             f"(accepted: {', '.join(spec.accepted_inputs)}){note}"
         )
@@ -56,13 +57,13 @@ def _check_keys(spec: LossSpec, where: str, inputs: Mapping[str, object]) -> Non
 
 def _as_dense(where: str, key: str, value: object, n_tokens: int, vocab_size: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise ValueError(
+        raise UserError(
             f"{where}: loss_fn_inputs[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
         )
     # No input is larger than (N, vocab_size) (top-K targets at most K = vocab_size): a
     # sparse tensor's declared shape is checked before `to_dense` allocates it.
     if value.layout != torch.strided and math.prod(value.shape) > n_tokens * max(vocab_size, 1):
-        raise ValueError(
+        raise UserError(
             f"{where}: loss_fn_inputs[{key!r}] has shape {_shape(value.shape)}, more values than "
             f"model_input length x vocab_size = {n_tokens} x {vocab_size}"
         )
@@ -75,28 +76,28 @@ def _check_target_tokens(
     field = f"{where}: loss_fn_inputs['target_tokens']"
     allowed = "(N,) or (N, K)" if spec.supports_top_k else "(N,)"
     if tokens.dim() not in ((1, 2) if spec.supports_top_k else (1,)):
-        raise ValueError(
+        raise UserError(
             f"{field} has shape {_shape(tokens.shape)}, expected {allowed} with N={n_tokens}"
             + ("" if spec.supports_top_k else " (only cross_entropy takes (N, K) targets)")
         )
     if tokens.shape[0] != n_tokens or (tokens.dim() == 2 and tokens.shape[1] < 1):
         expected = f"({n_tokens},)" if tokens.dim() == 1 else f"({n_tokens}, K) with K >= 1"
-        raise ValueError(
+        raise UserError(
             f"{field} has shape {_shape(tokens.shape)}, expected {expected} "
             "(first dim = model_input length)"
         )
     if tokens.dim() == 2 and tokens.shape[1] > vocab_size:
-        raise ValueError(
+        raise UserError(
             f"{field} has shape {_shape(tokens.shape)}: K={tokens.shape[1]} top-K targets per position, "
             f"more than the vocabulary (K <= vocab_size={vocab_size})"
         )
     if tokens.dtype != torch.int64:
-        raise ValueError(f"{field} has dtype {_dtype(tokens)}, expected int64")
+        raise UserError(f"{field} has dtype {_dtype(tokens)}, expected int64")
     bad = _bad_values("target_tokens", tokens, vocab_size) if scan else None
     if bad is not None and bool(bad.any()):
         position = _first_bad(bad)
         value = int(tokens[bad][0])
-        raise ValueError(
+        raise UserError(
             f"{field} has token id {value} at position {position}, "
             f"outside [0, vocab_size={vocab_size})"
         )
@@ -108,15 +109,15 @@ def _check_float(
 ) -> torch.Tensor:
     field = f"{where}: loss_fn_inputs[{key!r}]"
     if not value.is_floating_point():
-        raise ValueError(f"{field} has dtype {_dtype(value)}, expected a float tensor (float32)")
+        raise UserError(f"{field} has dtype {_dtype(value)}, expected a float tensor (float32)")
     if value.shape != expected:
-        raise ValueError(
+        raise UserError(
             f"{field} has shape {_shape(value.shape)}, expected {_shape(expected)} ({note})"
         )
     value = value.to(torch.float32).contiguous()
     bad = _bad_values(key, value, 0) if scan else None
     if bad is not None and bool(bad.any()):
-        raise ValueError(
+        raise UserError(
             f"{field} has a non-finite value {float(value[bad][0])} at position {_first_bad(bad)}"
         )
     return value
@@ -170,7 +171,7 @@ def validate_datum_inputs(
     spec = get_loss(name)
     where = f"datum {datum_index}"
     if n_tokens < 1:
-        raise ValueError(f"{where}: model_input is empty (length {n_tokens}); need >= 1 token")
+        raise UserError(f"{where}: model_input is empty (length {n_tokens}); need >= 1 token")
     _check_keys(spec, where, inputs)
     dense = {key: _as_dense(where, key, value, n_tokens, vocab_size) for key, value in inputs.items()}
     out: dict[str, torch.Tensor] = {}

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from tinker import types
 
+from ember.errors import UserError
 from ember.models.families import VisionFamily, vision_of
 
 IMAGE_CHUNK_TYPES = (types.ImageChunk, types.ImageAssetPointerChunk)
@@ -103,14 +104,14 @@ def decode_image_chunk(chunk: Any, where: str, index: int):
     from PIL import Image
 
     if not isinstance(chunk, types.ImageChunk):
-        raise ValueError(f"{where}: model_input chunk {index} is an image_asset_pointer; this server does not "
+        raise UserError(f"{where}: model_input chunk {index} is an image_asset_pointer; this server does not "
                          "resolve image locations here (send the image bytes as an `image` chunk)")
     try:
         with Image.open(io.BytesIO(chunk.data)) as img:
             img.load()
             return img.convert("RGB")
     except Exception as exc:  # PIL raises many types for bad bytes
-        raise ValueError(f"{where}: model_input chunk {index} ({chunk.format} image) cannot be decoded: {exc}") from exc
+        raise UserError(f"{where}: model_input chunk {index} ({chunk.format} image) cannot be decoded: {exc}") from exc
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -125,13 +126,13 @@ def _check_expected(where: str, index: int, chunk: Any, count: int, image, grid:
     if expected is not None and int(expected) != count:
         w, h = _image_size(image)
         t, gh, gw = (int(x) for x in grid[0])
-        raise ValueError(
+        raise UserError(
             f"{where}: model_input chunk {index} (image) has expected_tokens={expected}, but this model makes "
             f"{count} tokens of it (a {w}x{h} image -> {t}x{gh}x{gw} patches, merged {merge}x{merge})")
 
 
 def check_image_tokens(spec: VisionSpec, chunk: Any, image: Any, where: str, index: int) -> int:
-    """The number of placeholder tokens the model makes of `image`; ValueError (naming
+    """The number of placeholder tokens the model makes of `image`; UserError (naming
     `where`, the chunk index, expected and computed) when the chunk's `expected_tokens`
     says otherwise. The service calls it when a request arrives, the expansion again."""
     _, grid = spec.encode(image)

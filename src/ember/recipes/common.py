@@ -23,7 +23,7 @@ SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 RL_LOSSES: tuple[str, ...] = ("importance_sampling", "ppo")  # the losses the GRPO recipe can use
 
 
-def _check_sequence(prompt: Sequence[int], completion: Sequence[int]) -> None:
+def check_sequence(prompt: Sequence[int], completion: Sequence[int]) -> None:
     if len(prompt) < 1:
         raise ValueError("a datum needs at least one prompt token (the first token is never predicted)")
     if len(completion) < 1:
@@ -32,7 +32,7 @@ def _check_sequence(prompt: Sequence[int], completion: Sequence[int]) -> None:
 
 def sft_datum(prompt: Sequence[int], completion: Sequence[int], weight: float = 1.0) -> types.Datum:
     """Cross-entropy datum: completion tokens weighted `weight`, prompt tokens 0."""
-    _check_sequence(prompt, completion)
+    check_sequence(prompt, completion)
     tokens = [*prompt, *completion]
     weights = [0.0] * (len(prompt) - 1) + [float(weight)] * len(completion)
     return types.Datum(
@@ -50,7 +50,7 @@ def rl_datum(
     `advantage` is one float for every completion token (GRPO), or a per-token list of
     length `len(completion)` (KL-shaped or GAE advantages).
     """
-    _check_sequence(prompt, completion)
+    check_sequence(prompt, completion)
     if len(sampler_logprobs) != len(completion):
         raise ValueError(
             f"rl_datum: {len(sampler_logprobs)} sampler logprobs for {len(completion)} completion tokens"
@@ -77,86 +77,6 @@ def _token_advantages(advantage: float | Sequence[float], n_tokens: int) -> list
         raise ValueError(f"rl_datum: advantage has {len(advantage)} per-token values for {n_tokens} "
                          f"completion tokens (expected {n_tokens})")
     return [float(a) for a in advantage]
-
-
-def submit_reference_logprobs(reference: Any, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list:
-    """One `compute_logprobs(prompt + completion)` per (prompt, completion), all submitted before returning.
-
-    `reference` is any sampling client (ember's in process or the SDK's): a reference model is
-    a sampler of a frozen checkpoint. Only the completion's log-probs are asked for
-    (`prompt_logprobs_last_n`); read each result with `completion_logprobs`. Returns the
-    futures in the order of `sequences`; awaiting them later lets the reference run while
-    the caller does other work (e.g. the policy's `forward_backward`).
-    """
-    for i, (prompt, completion) in enumerate(sequences):
-        try:
-            _check_sequence(prompt, completion)
-        except ValueError as e:
-            raise ValueError(f"submit_reference_logprobs: sequence {i}: {e}") from None
-    return [
-        reference.compute_logprobs(types.ModelInput.from_ints([*prompt, *completion]),
-                                   prompt_logprobs_last_n=len(completion))
-        for prompt, completion in sequences
-    ]
-
-
-def completion_logprobs(result: Sequence[float | None] | None, prompt_len: int, completion_len: int) -> list[float]:
-    """The completion tokens' log-probs from a `compute_logprobs` result over prompt + completion.
-
-    `result[k]` is log p(token k | tokens < k) (None at position 0 and where not scored), so
-    the completion's are the last `completion_len` entries; each must be a number.
-    """
-    if result is None:
-        raise ValueError("completion_logprobs: the reference returned no logprobs (None)")
-    if len(result) != prompt_len + completion_len:
-        raise ValueError(f"completion_logprobs: {len(result)} logprobs for a sequence of {prompt_len} prompt + "
-                         f"{completion_len} completion tokens (expected {prompt_len + completion_len})")
-    tail = list(result[len(result) - completion_len:]) if completion_len else []
-    missing = [k for k, x in enumerate(tail) if x is None]
-    if missing:
-        raise ValueError(f"completion_logprobs: no logprob for completion token(s) {missing[:8]} "
-                         f"(of {completion_len})")
-    return [float(x) for x in tail]  # type: ignore[arg-type]
-
-
-def kl_k1(sampler_logprobs_T: Sequence[float], ref_logprobs_T: Sequence[float]) -> list[float]:
-    """Per-token k1 = log q - log p_ref on sampled tokens: its mean estimates KL(q || p_ref)."""
-    _check_same_length(sampler_logprobs_T, ref_logprobs_T)
-    return [float(q) - float(r) for q, r in zip(sampler_logprobs_T, ref_logprobs_T)]
-
-
-def kl_k3(sampler_logprobs_T: Sequence[float], ref_logprobs_T: Sequence[float]) -> list[float]:
-    """Per-token k3 = exp(r) - 1 - r, r = log p_ref - log q: unbiased, always >= 0, lower variance."""
-    _check_same_length(sampler_logprobs_T, ref_logprobs_T)
-    return [math.expm1(r) - r for r in (float(p) - float(q) for q, p in zip(sampler_logprobs_T, ref_logprobs_T))]
-
-
-def _check_same_length(sampler_logprobs_T: Sequence[float], ref_logprobs_T: Sequence[float]) -> None:
-    if len(sampler_logprobs_T) != len(ref_logprobs_T):
-        raise ValueError(f"KL estimate: {len(sampler_logprobs_T)} sampler logprobs vs "
-                         f"{len(ref_logprobs_T)} reference logprobs (expected equal lengths)")
-
-
-def kl_shaped_advantages(
-    advantages_N: Sequence[float], sampler_logprobs_N_T: Sequence[Sequence[float]],
-    ref_logprobs_N_T: Sequence[Sequence[float]], kl_coef: float,
-) -> list[list[float]]:
-    """Per-token advantages A_i + kl_coef * (mean_k1 - k1_it), k1 = log q - log p_ref.
-
-    The k1 penalty is a per-token reward -kl_coef*k1 (tinker-cookbook's
-    `incorporate_kl_penalty`); centring on `mean_k1`, the mean over all N sequences'
-    tokens, keeps the token-mean of the shaped advantages equal to that of `advantages_N`
-    (no drift of the baseline). Ragged: sequence i has its own length T_i.
-    """
-    if kl_coef < 0 or not math.isfinite(kl_coef):
-        raise ValueError(f"kl_shaped_advantages: kl_coef must be a finite number >= 0, got {kl_coef}")
-    if not len(advantages_N) == len(sampler_logprobs_N_T) == len(ref_logprobs_N_T):
-        raise ValueError(f"kl_shaped_advantages: {len(advantages_N)} advantages, {len(sampler_logprobs_N_T)} "
-                         f"sampler and {len(ref_logprobs_N_T)} reference logprob lists (expected equal counts)")
-    k1_N_T = [kl_k1(q, p) for q, p in zip(sampler_logprobs_N_T, ref_logprobs_N_T)]
-    n_tokens = sum(len(k) for k in k1_N_T)
-    mean_k1 = sum(sum(k) for k in k1_N_T) / n_tokens if n_tokens else 0.0
-    return [[float(a) + kl_coef * (mean_k1 - k) for k in k1_T] for a, k1_T in zip(advantages_N, k1_N_T)]
 
 
 def learning_rate_at(step: int, total_steps: int, base_lr: float, schedule: str, min_ratio: float = 0.0) -> float:

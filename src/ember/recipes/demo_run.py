@@ -12,9 +12,10 @@ from rich.table import Table
 from ember.metrics import JsonlSink, MetricsLogger, TensorBoardSink, use_logger
 from ember.recipes.demo import DEMO_MODEL_NAME, DemoSettings, settings_dict, write_json
 from ember.recipes.digit_sum import ALPHABET, DigitSumEnv, DigitSumTask
-from ember.recipes.grpo import GRPOConfig, evaluate_greedy, train_grpo
+from ember.recipes.grpo import GRPOConfig, train_grpo
 from ember.recipes.plotting import plot_demo
 from ember.recipes.progress import PhaseProgress
+from ember.recipes.rl.rollouts import evaluate_greedy
 from ember.recipes.sft import SFTConfig, train_sft
 
 

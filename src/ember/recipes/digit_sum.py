@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
-from ember.recipes.env import Environment, Problem
+from ember.recipes.rl.env import Environment, Problem
 
 PROMPT_TEMPLATE = "Sum the digits of {n}:"
 # Every character the task can produce, for a one-token-per-character tokenizer.

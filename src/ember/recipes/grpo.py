@@ -57,33 +57,23 @@ import logging
 import math
 import random
 import re
-import statistics
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from tinker import types
 
 from ember.config import to_dict
-from ember.metrics import MetricsConfig, get_logger, record_metric, span
+from ember.metrics import get_logger, record_metric, span
 from ember.recipes.common import (
     RL_LOSSES,
     SCHEDULES,
-    ClientConfig,
     Evaluator,
     Schedule,
     StepHook,
-    completion_logprobs,
-    kl_k1,
-    kl_k3,
-    kl_shaped_advantages,
     learning_rate_at,
     rl_datum,
-    submit_reference_logprobs,
 )
-from ember.recipes.digit_sum import make_env as make_digit_sum_env
-from ember.recipes.env import Environment, Problem
 from ember.recipes.resume import (
     Checkpoint,
     SavedBatch,
@@ -94,49 +84,35 @@ from ember.recipes.resume import (
     samples_of,
     write_checkpoint,
 )
-
+from ember.recipes.rl.advantages import group_advantages, kl_k1, kl_k3, kl_shaped_advantages
+from ember.recipes.rl.config import RLConfig
+from ember.recipes.rl.env import Environment, Problem
+from ember.recipes.rl.environments import check_env_name, make_env
+from ember.recipes.rl.reference import completion_logprobs, save_step0_reference, submit_reference_logprobs
+from ember.recipes.rl.rollouts import Rollout, collect_groups, submit_samples
 
 log = logging.getLogger(__name__)
 NO_SIGNAL_STEPS = 3  # consecutive steps without an optimizer step before the warning
 
 
 @dataclass
-class GRPOConfig:
-    base_model: str = ""
-    init_from: str = ""  # a tinker:// save_state path to start from (e.g. an SFT run); empty: fresh LoRA
-    lora_rank: int = 32
-    steps: int = 100
-    prompts_per_step: int = 16  # P
+class GRPOConfig(RLConfig):
     group_size: int = 8  # G
-    max_tokens: int = 16
-    temperature: float = 1.0
-    learning_rate: float = 1e-4
     lr_schedule: Schedule = "constant"
-    adam_beta2: float = 0.95  # Tinker's default; 0.999 smooths the noisy, sparse RL gradient
     loss_fn: Literal["importance_sampling", "ppo"] = "importance_sampling"
-    clip_low: float = 0.8  # ppo ratio bounds (absolute, Tinker's convention)
-    clip_high: float = 1.2
     minibatches: int = 1  # optimizer steps per batch
     max_staleness: int = 0  # k: sample from weights at most k steps old
     std_normalize: bool = False
-    kl_coef: float = 0.0  # beta >= 0: per-token reward -beta*(log pi - log pi_ref), centred; 0 = no reference
     # KL reference: "" = the policy's step-0 weights; a tinker://<run>/sampler_weights/<name> path; a base model name
     kl_reference: str = ""
     eval_every: int = 0  # steps between held-out evaluations (0: only the caller's)
-    seed: int = 0
-    env: str = "digit_sum"
-    env_args: dict[str, Any] = field(default_factory=dict)
-    run_dir: str = ""
-    save_name: str = "final"
     save_every: int = 0  # steps between resumable checkpoints (save_state + <run_dir>/checkpoint.json); 0: none
     resume_from: str = ""  # the run_dir of a run with save_every > 0: go on from its last checkpoint
-    client: ClientConfig = field(default_factory=ClientConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    AT_LEAST_ONE = (*RLConfig.AT_LEAST_ONE, "group_size", "minibatches")
 
     def __post_init__(self) -> None:
-        for name in ("lora_rank", "steps", "prompts_per_step", "group_size", "max_tokens", "minibatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GRPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
         if self.save_every < 0:
             raise ValueError(f"GRPOConfig.save_every must be >= 0 (0: no checkpoints), got {self.save_every}")
         if self.minibatches > self.prompts_per_step:
@@ -147,8 +123,6 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.loss_fn must be one of {RL_LOSSES}, got {self.loss_fn!r}")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"GRPOConfig.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
-        if not 0 <= self.clip_low <= 1 <= self.clip_high:
-            raise ValueError(f"GRPOConfig: need 0 <= clip_low <= 1 <= clip_high, got {self.clip_low}, {self.clip_high}")
         self._check_kl()
 
     def _check_kl(self) -> None:
@@ -170,48 +144,6 @@ class GRPOConfig:
 # kl_reference spellings: a sampler (or state) checkpoint path, or a base model name ("Qwen/Qwen3-8B", "tiny").
 KL_REFERENCE_PATH = re.compile(r"tinker://[^/\s]+/(sampler_weights|weights)/[^/\s]+")
 KL_REFERENCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)?")
-
-
-@dataclass
-class Rollout:
-    problem: Problem
-    tokens: list[int]
-    logprobs: list[float]
-    reward: float
-    ref_logprobs: list[float] | None = None  # the reference's log-probs of `tokens` (kl_coef > 0)
-
-
-def submit_samples(
-    sampling_client, problems: Sequence[Problem], n: int, params: types.SamplingParams,
-    rng: random.Random | None = None,
-) -> list:
-    """One `sample` request per problem, all submitted before any is awaited.
-
-    With `rng`, each request gets its own sampling seed (reproducible runs).
-    """
-    futures = []
-    for p in problems:
-        req_params = params if rng is None else params.model_copy(update={"seed": rng.randrange(2**31)})
-        futures.append(sampling_client.sample(types.ModelInput.from_ints(list(p.tokens)), n, req_params))
-    return futures
-
-
-def collect_groups(env: Environment, problems: Sequence[Problem], futures: Sequence) -> list[list[Rollout]]:
-    groups = []
-    for problem, future in zip(problems, futures):
-        seqs = future.result().sequences
-        groups.append([Rollout(problem, list(s.tokens), list(s.logprobs or []), env.reward(problem, s.tokens))
-                       for s in seqs])
-    return groups
-
-
-def group_advantages(rewards_G: Sequence[float], std_normalize: bool) -> list[float]:
-    mean = sum(rewards_G) / len(rewards_G)
-    adv = [r - mean for r in rewards_G]
-    if std_normalize and len(rewards_G) > 1:
-        std = statistics.pstdev(rewards_G)
-        adv = [a / (std + 1e-6) for a in adv]
-    return adv
 
 
 def minibatch_datums(groups: Sequence[list[Rollout]], std_normalize: bool, kl_coef: float = 0.0) -> list[types.Datum]:
@@ -328,25 +260,6 @@ def record_batch_metrics(groups: Sequence[list[Rollout]]) -> None:
         record_metric("sampler_nll", -sum(logps) / len(logps))
 
 
-def evaluate_greedy(sampling_client, env: Environment, problems: Sequence[Problem], max_tokens: int) -> float:
-    """Mean reward of greedy (temperature 0) completions: exact-match accuracy for 0/1 rewards."""
-    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=env.stop())
-    groups = collect_groups(env, problems, submit_samples(sampling_client, problems, 1, params))
-    return sum(g[0].reward for g in groups) / len(groups)
-
-
-def save_step0_reference(training_client) -> str:
-    """Save the policy's current weights for sampling (`save_weights_for_sampler`); returns the path."""
-    name = f"grpo-kl-reference-{uuid.uuid4().hex[:12]}"
-    return training_client.save_weights_for_sampler(name).result().path
-
-
-def step0_reference(training_client) -> Any:
-    """A sampler of the policy's current weights, saved so that it outlives the service's cap on
-    in-memory snapshots per session: evicted, it reloads from disk."""
-    return training_client.create_sampling_client(save_step0_reference(training_client)).result()
-
-
 def make_reference(service_client, kl_reference: str) -> Any:
     """The sampler named by `GRPOConfig.kl_reference` (a tinker:// path or a base model name)."""
     kwargs = {"model_path": kl_reference} if kl_reference.startswith("tinker://") else {"base_model": kl_reference}
@@ -357,7 +270,7 @@ def make_reference(service_client, kl_reference: str) -> Any:
                          f"{type(e).__name__}: {e}") from e
 
 
-class Sampler(NamedTuple):
+class PolicySnapshot(NamedTuple):
     """A sampling client of the policy and the number of optimizer steps its weights have seen."""
 
     client: Any
@@ -378,16 +291,16 @@ class Snapshots:
 
     def __init__(self, training_client) -> None:
         self.training_client = training_client
-        self.latest: Sampler | None = None
+        self.latest: PolicySnapshot | None = None
 
-    def at(self, version: int) -> Sampler:
+    def at(self, version: int) -> PolicySnapshot:
         if self.latest is None or self.latest.version != version:
             with span("sync"):
-                self.latest = Sampler(self.training_client.save_weights_and_get_sampling_client().result(), version)
+                self.latest = PolicySnapshot(self.training_client.save_weights_and_get_sampling_client().result(), version)
         return self.latest
 
 
-def sample_batch(sampler: Sampler, env: Environment, cfg: GRPOConfig, params: types.SamplingParams,
+def sample_batch(sampler: PolicySnapshot, env: Environment, cfg: GRPOConfig, params: types.SamplingParams,
                  rng: random.Random) -> Batch:
     """Draw P problems and submit G samples of each; nothing is awaited."""
     rng_state = rng.getstate()
@@ -532,10 +445,6 @@ def save_checkpoint(training_client, cfg: GRPOConfig, done: int, rng: random.Ran
                                                  reference_path, saved))
 
 
-# name -> factory(tokenizer, **env_args); `ember train grpo|ppo --env NAME --env_args '{...}'`
-ENVIRONMENTS: dict[str, Any] = {"digit_sum": make_digit_sum_env}
-
-
 def create_policy(service_client, cfg: GRPOConfig, checkpoint: Checkpoint | None) -> Any:
     """The policy's training client: the checkpoint's state with its optimizer, `init_from`, or a fresh LoRA."""
     if checkpoint is not None:
@@ -550,13 +459,12 @@ def run_grpo(config: GRPOConfig, on_step: StepHook | None = None) -> str | None:
     """Create (restore, or resume) the training client, train, save; returns the saved path (or None)."""
     from ember.recipes.common import make_service_client
 
-    if config.env not in ENVIRONMENTS:
-        raise ValueError(f"GRPOConfig.env: unknown environment {config.env!r}; known: {sorted(ENVIRONMENTS)}")
+    check_env_name(config.env, "GRPOConfig")
     checkpoint = load_checkpoint(config) if config.resume_from else None  # bad input fails before any model loads
     with make_service_client(config.client) as service_client:  # closed at the end: an open SDK client heartbeats
         training_client = create_policy(service_client, config, checkpoint)
         reference = make_reference(service_client, config.kl_reference) if config.kl_reference else None
-        env = ENVIRONMENTS[config.env](training_client.get_tokenizer(), **config.env_args)
+        env = make_env(config.env, training_client.get_tokenizer(), config.env_args)
         train_grpo(training_client, env, config, on_step=on_step, reference=reference, checkpoint=checkpoint)
         if not config.save_name:
             return None

@@ -42,60 +42,43 @@ from typing import Any
 
 from tinker import types
 
-from ember.metrics import MetricsConfig, get_logger, record_metric, span
-from ember.recipes.common import (
-    ClientConfig, StepHook, completion_logprobs, kl_k1, rl_datum, submit_reference_logprobs,
-)
-from ember.recipes.env import Environment
-from ember.recipes.grpo import ENVIRONMENTS, Rollout, collect_groups, step0_reference, submit_samples
+from ember.metrics import get_logger, record_metric, span
+from ember.recipes.common import ClientConfig, StepHook, rl_datum
+from ember.recipes.rl.advantages import gae, kl_k1, token_rewards, whiten
+from ember.recipes.rl.config import RLConfig
+from ember.recipes.rl.env import Environment
+from ember.recipes.rl.environments import check_env_name, make_env
+from ember.recipes.rl.reference import completion_logprobs, step0_reference, submit_reference_logprobs
+from ember.recipes.rl.rollouts import Rollout, collect_groups, submit_samples
 
 VALUE_HEAD = {"ember.head": "value"}  # user_metadata of a critic / reward-model run
 
 
 @dataclass
-class PPOConfig:
-    base_model: str = ""
-    init_from: str = ""  # policy: a tinker:// save_state path; empty: fresh LoRA
-    lora_rank: int = 32
+class PPOConfig(RLConfig):
+    steps: int = 50
     critic_lora_rank: int = 32
     critic_full_ft: bool = False  # full FT: its own lane, so it overlaps with the policy
     critic_init_from: str = ""  # a value-head save_state path; empty: fresh critic
     reward_model: str = ""  # a value-head save_state path (reward_model.py); empty: the env's reward
-    steps: int = 50
-    prompts_per_step: int = 16  # P
     samples_per_prompt: int = 1  # G
-    max_tokens: int = 16
-    temperature: float = 1.0
-    learning_rate: float = 1e-4
     critic_learning_rate: float = 1e-4
-    adam_beta2: float = 0.95
     gamma: float = 1.0
     lam: float = 0.95
     epochs: int = 2
     minibatches: int = 2  # per epoch, split by rollout
-    clip_low: float = 0.8  # ppo ratio bounds (absolute, Tinker's convention)
-    clip_high: float = 1.2
     value_clip: float = 0.2  # ppo_value: V is kept within old V +- value_clip
-    kl_coef: float = 0.0  # per-token KL penalty to the reference in the reward
     whiten_advantages: bool = True
     overlap: bool = True  # submit role forwards / updates together (False: await each at once)
-    seed: int = 0
-    env: str = "digit_sum"
-    env_args: dict[str, Any] = field(default_factory=dict)
-    run_dir: str = ""
-    save_name: str = "final"
-    client: ClientConfig = field(default_factory=ClientConfig)
     # Another ember (other devices: a second `ember serve`, or another in-process service) for the
     # critic, so its forwards and updates run beside the policy's; empty: the policy's client.
     critic_client: ClientConfig = field(default_factory=ClientConfig)
     critic_base_model: str = ""  # the critic's base model name there (same tokenizer); empty: base_model
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    AT_LEAST_ONE = (*RLConfig.AT_LEAST_ONE, "critic_lora_rank", "samples_per_prompt", "epochs", "minibatches")
 
     def __post_init__(self) -> None:
-        for name in ("lora_rank", "critic_lora_rank", "steps", "prompts_per_step", "samples_per_prompt",
-                     "max_tokens", "epochs", "minibatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PPOConfig.{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
         if self.minibatches > self.prompts_per_step * self.samples_per_prompt:
             raise ValueError(f"PPOConfig.minibatches ({self.minibatches}) > rollouts per step "
                              f"({self.prompts_per_step * self.samples_per_prompt})")
@@ -105,45 +88,15 @@ class PPOConfig:
         if self.kl_coef < 0 or self.temperature < 0 or self.value_clip <= 0:
             raise ValueError(f"PPOConfig: need kl_coef >= 0, temperature >= 0, value_clip > 0; got "
                              f"{self.kl_coef}, {self.temperature}, {self.value_clip}")
-        if not 0 <= self.clip_low <= 1 <= self.clip_high:
-            raise ValueError(f"PPOConfig: need 0 <= clip_low <= 1 <= clip_high, got {self.clip_low}, {self.clip_high}")
 
 
 # ---------------------------------------------------------------- pure helpers
-def token_rewards(reward: float, q_T: Sequence[float], ref_T: Sequence[float] | None, kl_coef: float) -> list[float]:
-    """r_t = -kl_coef * (log q_t - log ref_t) on the sampled tokens; the task reward lands on the last."""
-    r_T = [0.0] * len(q_T)
-    if kl_coef > 0 and ref_T is not None:
-        r_T = [-kl_coef * k for k in kl_k1(q_T, ref_T)]
-    r_T[-1] += reward
-    return r_T
-
-
-def gae(rewards_T: Sequence[float], values_T: Sequence[float], gamma: float,
-        lam: float) -> tuple[list[float], list[float]]:
-    """GAE: delta_t = r_t + gamma*V_{t+1} - V_t with V_T = 0; A_t = sum_l (gamma*lam)^l delta_{t+l};
-    returns (A_T, R_T) with R_t = A_t + V_t."""
-    if len(rewards_T) != len(values_T):
-        raise ValueError(f"gae: {len(rewards_T)} rewards for {len(values_T)} values")
-    adv_T, next_adv, next_value = [0.0] * len(rewards_T), 0.0, 0.0
-    for t in reversed(range(len(rewards_T))):
-        delta = rewards_T[t] + gamma * next_value - values_T[t]
-        next_adv = adv_T[t] = delta + gamma * lam * next_adv
-        next_value = values_T[t]
-    return adv_T, [a + v for a, v in zip(adv_T, values_T)]
-
-
 def explained_variance(pred: Sequence[float], target: Sequence[float]) -> float:
     """1 - Var(target - pred) / Var(target); nan when the target is constant."""
     var_t = statistics.pvariance(target)
     if var_t == 0.0:
         return math.nan
     return 1.0 - statistics.pvariance([y - p for y, p in zip(target, pred, strict=True)]) / var_t
-
-
-def whiten(values_N: Sequence[float]) -> list[float]:
-    mean, std = statistics.fmean(values_N), statistics.pstdev(values_N)
-    return [(x - mean) / (std + 1e-8) for x in values_N]
 
 
 def value_datum(prompt: Sequence[int], completion: Sequence[int], returns_T: Sequence[float] | None = None,
@@ -352,8 +305,7 @@ def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
     and prints the critic's."""
     from ember.recipes.common import make_service_client
 
-    if config.env not in ENVIRONMENTS:
-        raise ValueError(f"PPOConfig.env: unknown environment {config.env!r}; known: {sorted(ENVIRONMENTS)}")
+    check_env_name(config.env, "PPOConfig")
     with contextlib.ExitStack() as stack:  # clients closed at the end: an open SDK client heartbeats forever
         sc = stack.enter_context(make_service_client(config.client))
         if config.init_from:
@@ -363,7 +315,7 @@ def run_ppo(config: PPOConfig, on_step: StepHook | None = None) -> str | None:
                                                     seed=config.seed).result()
         critic = create_critic(critic_service(config, sc, stack), config)
         rm = value_run_from_state(sc, config.reward_model) if config.reward_model else None
-        env = ENVIRONMENTS[config.env](policy.get_tokenizer(), **config.env_args)
+        env = make_env(config.env, policy.get_tokenizer(), config.env_args)
         train_ppo(policy, critic, env, config, reward_model=rm, on_step=on_step)
         if not config.save_name:
             return None

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ember import forkserver
+from ember.errors import UserError
 from ember.sampling.config import SamplerConfig
 from ember.sampling.replica import Replica, ReplicaError, ReplicaFailed
 
@@ -120,13 +121,13 @@ class LocalReplica(Replica):
 
 def _error(payload: tuple[str, str]) -> Exception:
     kind, message = payload
-    return ValueError(message) if kind == "value" else ReplicaError(message)
+    return UserError(message) if kind == "user" else ReplicaError(message)
 
 
 def _encode(exc: BaseException) -> tuple[str, str]:
     """An exception as (kind, message): only the category and the text cross the pipe."""
-    if isinstance(exc, ValueError):
-        return "value", str(exc)
+    if isinstance(exc, UserError):  # the caller's input: its type must survive the pipe (category user)
+        return "user", str(exc)
     return "error", str(exc) if isinstance(exc, (ReplicaError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
 
 
@@ -148,7 +149,7 @@ def serve_replica(conn, model_dir: str, config: SamplerConfig, scratch_dir: str 
         host, failure = ReplicaHost(model_dir, config, scratch_dir), None
     except Exception as exc:  # noqa: BLE001 - reported to the pool as the answer to every call
         log.exception("the replica's sampler could not start")
-        host, failure = None, ("value" if isinstance(exc, ValueError) else "error",
+        host, failure = None, ("user" if isinstance(exc, UserError) else "error",
                                f"the sampler replica could not start: {type(exc).__name__}: {exc}")
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-replica-ops")
     closed = _serve_loop(conn, host, failure, send, worker)
@@ -202,6 +203,6 @@ def _run_op(host, rid: int, op: str, args, send) -> None:
     try:
         send((rid, True, method(*args)))
     except Exception as exc:  # noqa: BLE001 - the op's failure, reported to its caller
-        if not isinstance(exc, ValueError):  # a ValueError is the caller's input, reported to it alone
+        if not isinstance(exc, UserError):  # a UserError is the caller's input, reported to it alone
             log.exception("replica op %s failed", op)
         send((rid, False, _encode(exc)))

@@ -1,6 +1,6 @@
 """Validate a `SamplingRequest` and resolve its defaults (pure functions, no model).
 
-Every error is a `ValueError` naming the field, what was expected and what came, so a
+Every error is a `UserError` (a ValueError: `ember.errors`) naming the field, what was expected and what came, so a
 bad request fails alone and the caller sees why (docs/architecture.md contract 7).
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tinker import types
 
+from ember.errors import UserError
 from ember.sampling.base import SamplingRequest
 from ember.sampling.prompt_extras import PromptTargets, check_alt_tokens_k, check_targets
 
@@ -86,8 +87,8 @@ def effective_max_len(wanted: int | None, model_config) -> int:
     return min(chosen, positions) if positions else chosen
 
 
-def _fail(field: str, expected: str, got) -> ValueError:
-    return ValueError(f"sample request: {field}: expected {expected}, got {got!r}")
+def _fail(field: str, expected: str, got) -> UserError:
+    return UserError(f"sample request: {field}: expected {expected}, got {got!r}")
 
 
 def prompt_tokens(prompt: types.ModelInput, vocab_size: int) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tinker import types
 
+from ember.errors import UserError
 from ember.sampling import rng
 from ember.sampling.prompt_logits import PromptLogits
 
@@ -43,8 +44,8 @@ class PromptTargets:
                                 sparse_crow_indices=list(self.crow), sparse_col_indices=list(self.col))
 
 
-def _fail(field: str, expected: str, got) -> ValueError:
-    return ValueError(f"sample request: {field}: expected {expected}, got {got!r}")
+def _fail(field: str, expected: str, got) -> UserError:
+    return UserError(f"sample request: {field}: expected {expected}, got {got!r}")
 
 
 def check_alt_tokens_k(k) -> int:

@@ -18,7 +18,7 @@ module only carries the pool's calls to it:
   its GPUs (`CUDA_VISIBLE_DEVICES`), so its device is `cuda:0`.
 * **Calls**: a threaded actor (`max_concurrency` = the backend's slots + 4), so `ping`
   answers while samples run; a `sample` blocks one actor thread until its response.
-  Answers come back as ("ok", value) | ("user", ValueError) | ("error", message), never
+  Answers come back as ("ok", value) | ("user", UserError) | ("error", message), never
   as Ray exceptions, so a request's own fault keeps its type and message (category user).
 * **Faults**: a call whose actor died (its process killed, its node lost) fails with
   `ReplicaFailed` as soon as Ray reports the death; `kill()` fails every pending call at
@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from ember.errors import UserError
 from ember.sampling.config import SamplerConfig
 from ember.sampling.replica import Replica, ReplicaError, ReplicaFailed
 
@@ -120,7 +121,7 @@ class _ReplicaActor:
             if isinstance(value, Future):
                 value = value.result()
             return "ok", value
-        except ValueError as exc:  # the request's own fault: its type and message travel
+        except UserError as exc:  # the request's own fault: its type and message travel
             return "user", exc
         except Exception as exc:  # noqa: BLE001 - anything else is the replica's
             return "error", f"{type(exc).__name__}: {exc}"

@@ -36,6 +36,7 @@ import torch
 from tinker import types
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ember.errors import UserError
 from ember.models import load_model, load_tokenizer
 from ember.models.families import non_full_attention_layers
 from ember.models.vision import VisionSpec, load_vision_spec
@@ -251,7 +252,7 @@ class TorchSampler(Sampler):
         cache's view of the prompt); runs on the submitting thread, not the worker's."""
         if self.vision is None:
             j = next(j for j, c in enumerate(request.prompt.chunks) if not isinstance(c, types.EncodedTextChunk))
-            raise ValueError(f"prompt: chunk {j} is an image, but this model takes text only")
+            raise UserError(f"prompt: chunk {j} is an image, but this model takes text only")
         prompt, images = expand_prompt(request.prompt, self.vision, self.model)
         generation = self._image_ids.generation
         cache_prompt = images.cache_prompt(tuple(prompt.to_ints()), self._image_ids)

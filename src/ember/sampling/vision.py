@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from tinker import types
 
+from ember.errors import UserError
 from ember.models.images import image_digest
 from ember.models.vision import VisionSpec, expand_model_input, is_image_chunk
 
@@ -99,7 +100,7 @@ def check_no_placeholders(prompt: types.ModelInput, spec: VisionSpec) -> None:
     (transformers raises on the count mismatch inside the forward)."""
     for j, chunk in enumerate(prompt.chunks):
         if not is_image_chunk(chunk) and spec.image_token_id in chunk.tokens:
-            raise ValueError(f"prompt: chunk {j} (encoded_text) holds the image placeholder token "
+            raise UserError(f"prompt: chunk {j} (encoded_text) holds the image placeholder token "
                              f"{spec.image_token_id}; images go in image chunks")
 
 

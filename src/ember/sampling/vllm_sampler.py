@@ -74,6 +74,7 @@ import torch
 import vllm  # noqa: F401 - imported here so the registry reports a missing vLLM with its install hint
 from tinker import types
 
+from ember.errors import UserError
 from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
@@ -258,13 +259,13 @@ class VLLMSampler(Sampler):
             can_decode=self.tokenizer is not None,
         )
         if spec.logprobs_mode != self.config.logprobs_mode and not needs_scorer(spec):
-            raise ValueError(f"sample request: logprobs_mode: expected {self.config.logprobs_mode!r} (a vLLM engine "
+            raise UserError(f"sample request: logprobs_mode: expected {self.config.logprobs_mode!r} (a vLLM engine "
                              f"computes one kind, set by SamplerConfig.logprobs_mode), got {spec.logprobs_mode!r}")
         if spec.temperature > MAX_TEMPERATURE:
-            raise ValueError(f"sample request: sampling_params.temperature: expected a number in [0, {MAX_TEMPERATURE}] "
+            raise UserError(f"sample request: sampling_params.temperature: expected a number in [0, {MAX_TEMPERATURE}] "
                              f"(vLLM's range), got {spec.temperature}")
         if spec.topk_sample_logprobs > self.config.max_logprobs:
-            raise ValueError(f"sample request: topk_sample_logprobs: expected at most {self.config.max_logprobs} "
+            raise UserError(f"sample request: topk_sample_logprobs: expected at most {self.config.max_logprobs} "
                              f"(SamplerConfig.max_logprobs), got {spec.topk_sample_logprobs}")
         return spec, version
 

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from tinker import types
 from torch import nn
 
+from ember.errors import UserError
 from ember.models import LORA_ALPHA
 from ember.models.adapter import ADAPTER_WEIGHTS, write_peft_adapter
 from ember.sampling.base import WeightVersion
@@ -86,7 +87,7 @@ def write_lora_version(
     """`refused_modules`: module names vLLM serves no adapter on for this model (see
     `lora_refused_modules`); an adapter on one is refused here, before vLLM sees it."""
     if lora_config.rank > max_rank:
-        raise ValueError(f"load_weights: LoRA rank {lora_config.rank} exceeds the vLLM sampler's max_lora_rank "
+        raise UserError(f"load_weights: LoRA rank {lora_config.rank} exceeds the vLLM sampler's max_lora_rank "
                          f"{max_rank} (raise SamplerConfig.max_lora_rank)")
     items = list(named_weights)
     build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)  # checks only
@@ -120,7 +121,7 @@ def _check_servable(items: list[tuple[str, torch.Tensor]], refused: tuple[str, .
     bad = sorted(targets & set(refused))
     if bad:
         arch = (getattr(model.config, "architectures", None) or ["?"])[0]
-        raise ValueError(f"load_weights: vLLM serves {arch} through its transformers backend, which has no LoRA on "
+        raise UserError(f"load_weights: vLLM serves {arch} through its transformers backend, which has no LoRA on "
                          f"{bad}; train with LoraConfig(train_unembed=False) or use the torch sampler backend")
 
 

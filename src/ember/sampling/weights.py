@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tinker import types
 from torch import nn
 
+from ember.errors import UserError
 from ember.models import LORA_ALPHA
 from ember.sampling.base import WeightVersion
 
@@ -99,14 +100,14 @@ def build_full_version(
         key = aliases.get(name)
         if key is None:
             hint = " (this looks like a LoRA adapter weight: pass lora_config)" if ".lora_" in name else ""
-            raise ValueError(f"load_weights: unknown weight name {name!r} for this base model{hint}")
+            raise UserError(f"load_weights: unknown weight name {name!r} for this base model{hint}")
         if tuple(t.shape) != tuple(shapes[key]):
-            raise ValueError(f"load_weights: {name!r}: expected shape {tuple(shapes[key])}, got {tuple(t.shape)}")
+            raise UserError(f"load_weights: {name!r}: expected shape {tuple(shapes[key])}, got {tuple(t.shape)}")
         if key not in params:  # tied aliases carry the same values; keep one tensor
             params[key] = _place(t, device, dtype, copy)
     missing = sorted(required - params.keys())
     if missing:
-        raise ValueError(
+        raise UserError(
             f"load_weights: a full fine-tuning version needs every parameter of the base model; "
             f"missing {len(missing)} (first: {missing[0]!r})"
         )
@@ -118,7 +119,7 @@ def _lora_pairs(named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, 
     for name, t in named_weights:
         m = _LORA_NAME.fullmatch(name)
         if m is None:
-            raise ValueError(
+            raise UserError(
                 f"load_weights: {name!r} is not a LoRA adapter weight "
                 "(expected PEFT saved-adapter names like 'base_model.model.<module>.lora_A.weight')"
             )
@@ -137,28 +138,28 @@ def build_lora_version(
 ) -> TorchWeightVersion:
     rank = lora_config.rank
     if rank < 1:
-        raise ValueError(f"load_weights: LoraConfig.rank must be >= 1, got {rank}")
+        raise UserError(f"load_weights: LoraConfig.rank must be >= 1, got {rank}")
     deltas: dict[str, LoraDelta] = {}
     for module_name, ab in _lora_pairs(named_weights).items():
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"load_weights: adapter of {module_name!r} has lora_{''.join(ab)} but not both A and B")
+            raise UserError(f"load_weights: adapter of {module_name!r} has lora_{''.join(ab)} but not both A and B")
         try:
             module = model.get_submodule(module_name)
         except AttributeError:
-            raise ValueError(f"load_weights: the base model has no module {module_name!r}") from None
+            raise UserError(f"load_weights: the base model has no module {module_name!r}") from None
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"load_weights: {module_name!r} is a {type(module).__name__}, LoRA needs an nn.Linear")
+            raise UserError(f"load_weights: {module_name!r} is a {type(module).__name__}, LoRA needs an nn.Linear")
         a, b = ab["A"], ab["B"]
         want_a, want_b = (rank, module.in_features), (module.out_features, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise ValueError(
+            raise UserError(
                 f"load_weights: adapter of {module_name!r}: expected lora_A {want_a} and lora_B {want_b} "
                 f"(rank {rank}), got {tuple(a.shape)} and {tuple(b.shape)}"
             )
         a, b = _place(a, device, dtype, copy), _place(b, device, dtype, copy)
         deltas[module_name] = LoraDelta(a, b, LORA_ALPHA / rank)
     if not deltas:
-        raise ValueError("load_weights: a LoRA version needs at least one adapter weight, got none")
+        raise UserError("load_weights: a LoRA version needs at least one adapter weight, got none")
     return TorchWeightVersion(sampler_id, lora=deltas, lora_rank=rank)
 
 

@@ -69,6 +69,8 @@ from typing import Any, Literal
 
 from tinker import types
 
+from ember.errors import ServerError, ServiceError, UserError  # their home; exported from here too
+
 __all__ = [
     "FutureStatus",
     "ExternalWeightsLinks",
@@ -111,30 +113,12 @@ RequestType = Literal[
 FutureStatus = Literal["pending", "complete", "failed"]
 
 
-class ServiceError(Exception):
-    """Base of the errors raised by direct calls. `category` as in RequestFailedResponse."""
-
-    category: types.RequestErrorCategory = types.RequestErrorCategory.Unknown
-
-
-class UserError(ServiceError, ValueError):
-    """Bad input from the caller (HTTP 400)."""
-
-    category = types.RequestErrorCategory.User
-
-
 class NotFoundError(UserError, LookupError):
     """Unknown id, or an id owned by someone else (HTTP 404)."""
 
 
 class SessionGoneError(UserError):
     """The session was finished or expired (HTTP 410 on heartbeat)."""
-
-
-class ServerError(ServiceError, RuntimeError):
-    """Our fault (HTTP 500)."""
-
-    category = types.RequestErrorCategory.Server
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ The HTTP routes and `Service` call this class; nothing else touches checkpoint r
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +37,7 @@ from ember import failpoints
 from ember.service import checkpoint_files as files
 from ember.service import external
 from ember.service.api import ExternalWeightsLinks, NotFoundError, UserError
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.config import CheckpointConfig
 from ember.service.store import CheckpointRow, RunRow, Store
 from ember.service.sweep import sweep_data_dir
@@ -60,27 +60,28 @@ Writer = Callable[[Path], None]  # writes a checkpoint's files into a new direct
 
 
 # ---------------------------------------------------------------------- access (pure over a Store)
-def expired(row: CheckpointRow, now: float | None = None) -> bool:
-    return row.expires_at is not None and row.expires_at <= (time.time() if now is None else now)
+def expired(row: CheckpointRow, now: float) -> bool:
+    return row.expires_at is not None and row.expires_at <= now
 
 
-def _live_row(store: Store, path: object) -> tuple[files.TinkerPath, CheckpointRow | None]:
+def _live_row(store: Store, path: object, now: float) -> tuple[files.TinkerPath, CheckpointRow | None]:
     tpath = files.parse_tinker_path(path)
     row = store.get(CheckpointRow, tpath.uri)
-    return tpath, None if row is None or expired(row) else row
+    return tpath, None if row is None or expired(row, now) else row
 
 
-def readable(store: Store, owner: str, path: object) -> tuple[files.TinkerPath, CheckpointRow]:
-    """The checkpoint at `path` if `owner` may read it (owns it, or it is published)."""
-    tpath, row = _live_row(store, path)
+def readable(store: Store, owner: str, path: object, now: float) -> tuple[files.TinkerPath, CheckpointRow]:
+    """The checkpoint at `path` if `owner` may read it (owns it, or it is published) and it
+    has not expired by `now` (the service's clock)."""
+    tpath, row = _live_row(store, path, now)
     if row is None or not (row.owner == owner or row.public):
         raise NotFoundError(READ_REFUSED.format(path=path))
     return tpath, row
 
 
-def owned(store: Store, owner: str, path: object) -> tuple[files.TinkerPath, CheckpointRow]:
+def owned(store: Store, owner: str, path: object, now: float) -> tuple[files.TinkerPath, CheckpointRow]:
     """The checkpoint at `path` if `owner` owns it (publish, unpublish, TTL, delete)."""
-    tpath, row = _live_row(store, path)
+    tpath, row = _live_row(store, path, now)
     if row is None or row.owner != owner:
         raise NotFoundError(WRITE_REFUSED.format(path=path))
     return tpath, row
@@ -154,15 +155,17 @@ class CheckpointStore:
     """Saves, access checks, publish/TTL/delete, sweeps, listings and export links."""
 
     def __init__(self, store: Store, data_dir: Path, config: CheckpointConfig | None = None,
-                 links: external.LinkSigner | None = None, quota_bytes: int | None = None) -> None:
+                 links: external.LinkSigner | None = None, quota_bytes: int | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.store, self.data_dir = store, Path(data_dir)
         self.config = config or CheckpointConfig()
-        self._links = links or external.LinkSigner(external.load_secret(self.data_dir))
+        self.clock = clock  # TTLs and expiry (ember.service.clock)
+        self._links = links or external.LinkSigner(external.load_secret(self.data_dir), clock)
         self.quota_bytes = quota_bytes  # None: no checkpoint bytes quota
 
     # ------------------------------------------------------------------ access
     def readable(self, owner: str, path: object) -> tuple[files.TinkerPath, CheckpointRow]:
-        return readable(self.store, owner, path)
+        return readable(self.store, owner, path, self.clock())
 
     def training_state(self, owner: str, path: object,
                        access_token: str | None = None) -> tuple[files.TinkerPath, CheckpointRow]:
@@ -176,11 +179,11 @@ class CheckpointStore:
 
     def _granted(self, owner: str, path: object, token: str | None) -> tuple[files.TinkerPath, CheckpointRow]:
         try:
-            return readable(self.store, owner, path)
+            return readable(self.store, owner, path, self.clock())
         except NotFoundError:
             if token is None:
                 raise
-        tpath, row = _live_row(self.store, path)
+        tpath, row = _live_row(self.store, path, self.clock())
         try:
             if row is None:
                 raise NotFoundError(external.REFUSED)
@@ -210,7 +213,7 @@ class CheckpointStore:
         return self.store.get(CheckpointRow, tinker_path)
 
     def _owned_rest(self, owner: str, run_id: object, checkpoint_id: object) -> CheckpointRow:
-        return owned(self.store, owner, rest_path(run_id, checkpoint_id))[1]
+        return owned(self.store, owner, rest_path(run_id, checkpoint_id), self.clock())[1]
 
     # ------------------------------------------------------------------ save
     def save(self, run_id: str, owner: str, kind: str, name: Any, write: Writer, *, overwrite: bool,
@@ -222,11 +225,11 @@ class CheckpointStore:
         ttl = check_ttl(ttl_seconds, self.config)
         meta = check_metadata(user_metadata, self.config)
         existing = self.store.get(CheckpointRow, tpath.uri)
-        if existing is not None and not overwrite and not expired(existing):
+        if existing is not None and not overwrite and not expired(existing, self.clock()):
             raise UserError(f"checkpoint {tpath.uri} already exists; pass overwrite=True to replace it")
         used = self._check_quota_before(owner)
         final = self._write(tpath, write)
-        now = time.time()
+        now = self.clock()
         row = CheckpointRow(
             tinker_path=tpath.uri, run_id=run_id, owner=owner, kind=kind, name=tpath.name, directory=str(final),
             size_bytes=files.dir_size(final), user_metadata=meta, created_at=now,
@@ -269,7 +272,7 @@ class CheckpointStore:
     # ------------------------------------------------------------------ quota
     def bytes_used(self, owner: str) -> int:
         """Bytes of `owner`'s checkpoints not past their expiry (what the quota counts)."""
-        return self.store.checkpoint_bytes(owner, time.time())
+        return self.store.checkpoint_bytes(owner, self.clock())
 
     def _check_quota_before(self, owner: str) -> int:
         used = self.bytes_used(owner) if self.quota_bytes is not None else 0
@@ -282,7 +285,7 @@ class CheckpointStore:
         """The written size is known only now: over the quota, the new files go again."""
         if self.quota_bytes is None:
             return
-        replaced = (existing.size_bytes or 0) if existing is not None and not expired(existing) else 0
+        replaced = (existing.size_bytes or 0) if existing is not None and not expired(existing, self.clock()) else 0
         total = used - replaced + row.size_bytes
         if total > self.quota_bytes:
             files.remove_dir(final)
@@ -299,7 +302,7 @@ class CheckpointStore:
     def set_ttl(self, owner: str, run_id: object, checkpoint_id: object, ttl_seconds: Any) -> None:
         ttl = check_ttl(ttl_seconds, self.config)
         row = self._owned_rest(owner, run_id, checkpoint_id)
-        expires_at = None if ttl is None else time.time() + ttl
+        expires_at = None if ttl is None else self.clock() + ttl
         if not self.store.update_checkpoint(row.tinker_path, row.directory, expires_at=expires_at):
             raise NotFoundError(WRITE_REFUSED.format(path=row.tinker_path))
 
@@ -318,7 +321,7 @@ class CheckpointStore:
     def sweep_expired(self) -> int:
         """Delete every checkpoint past its expiry (row, then files); how many."""
         removed = 0
-        for row in self.store.expired_checkpoints(time.time()):
+        for row in self.store.expired_checkpoints(self.clock()):
             if self._remove(row):
                 removed += 1
                 log.info("checkpoint %s expired (ttl)", row.tinker_path)
@@ -332,25 +335,25 @@ class CheckpointStore:
     # ------------------------------------------------------------------ listings
     def of_run(self, run_id: str) -> list[CheckpointRow]:
         """The run's checkpoints not past their expiry, oldest first (no owner check)."""
-        return self.store.checkpoints_of_run(run_id, time.time())
+        return self.store.checkpoints_of_run(run_id, self.clock())
 
     def list_run(self, run_id: str) -> types.CheckpointsListResponse:
         return types.CheckpointsListResponse(checkpoints=[checkpoint_type(r) for r in self.of_run(run_id)])
 
     def list_owner(self, owner: str, limit: int, offset: int) -> types.CheckpointsListResponse:
-        now = time.time()
+        now = self.clock()
         total = self.store.count_checkpoints(owner, now)
         rows = self.store.list_checkpoints(owner, limit, offset, now)
         return types.CheckpointsListResponse(checkpoints=[checkpoint_type(r) for r in rows],
                                              cursor=types.Cursor(offset=offset, limit=limit, total_count=int(total)))
 
     def last(self, run_id: str, kind: str) -> types.Checkpoint | None:
-        row = self.store.last_checkpoint(run_id, kind, time.time())
+        row = self.store.last_checkpoint(run_id, kind, self.clock())
         return None if row is None else checkpoint_type(row)
 
     def weights_info(self, owner: str, tinker_path: str) -> types.WeightsInfoResponse:
         """Of any checkpoint `owner` may read (its own, or a published one)."""
-        _, row = readable(self.store, owner, tinker_path)
+        _, row = readable(self.store, owner, tinker_path, self.clock())
         run = self.store.get(RunRow, row.run_id)
         if run is None:
             raise NotFoundError(READ_REFUSED.format(path=tinker_path))
@@ -373,7 +376,7 @@ class CheckpointStore:
     def open_external_file(self, token: object, file: object) -> str:
         path, expires, mac = self._links.tinker_path_of(token)
         row = self.store.get(CheckpointRow, path)
-        if row is None or row.kind != "external" or expired(row):
+        if row is None or row.kind != "external" or expired(row, self.clock()):
             raise NotFoundError(external.REFUSED)
         self._links.check(row.tinker_path, row.owner, row.directory, expires, mac)
         return str(external.resolve_file(Path(row.directory), file))

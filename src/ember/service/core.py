@@ -37,6 +37,7 @@ from ember.engine.optimizers import OPTIMIZERS, params_name
 from ember.service import external, rest
 from ember.service.fidelity import logprob_gap_metrics
 from ember.service.checkpoint_store import CheckpointStore, check_ttl
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.api import ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError
 from ember.service.config import ServiceConfig, WorkersConfig
 from ember.service.datadir import DataDirLock
@@ -69,12 +70,13 @@ class Service(ServiceAPI):
         *,
         engine_factory: EngineFactory | None = None,
         sampler_factory: SamplerFactory | None = None,
-        clock: Callable[[], float] | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        """`clock` (default `time.time`) times session heartbeats and idleness; tests pass a
-        manual one to expire sessions without sleeping."""
+        """`clock` (default `time.time`: `ember.service.clock`) is the one clock of every manager
+        (sessions, checkpoints' TTLs, futures' times and deadlines, stability records, runs,
+        samplers, metric history); tests pass a manual one to expire things without sleeping."""
         self.config = config
-        self._clock = clock or time.time
+        self._clock = clock or SYSTEM_CLOCK
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self._data_lock = DataDirLock(config.data_dir)
         self._data_lock.acquire()  # before the database: a second process must not fail our futures
@@ -88,7 +90,7 @@ class Service(ServiceAPI):
                sampler_factory: SamplerFactory | None) -> None:
         durability = config.durability
         self.store = Store(config.resolved_database_url, lock_timeout_s=durability.db_lock_timeout_s)
-        failed = self.store.fail_pending_futures(RESTART_MESSAGE)
+        failed = self.store.fail_pending_futures(RESTART_MESSAGE, self._clock())
         unloaded = self.store.unload_active_runs()
         # Runs left loaded by an earlier process are routine (every process ends so, in process
         # too); requests cut off in flight are not (it did not end cleanly): only they warn.
@@ -97,29 +99,30 @@ class Service(ServiceAPI):
                         "failed (their clients are told so)", failed)
         if unloaded:
             log.debug("%d training run(s) of an earlier process on this data directory marked unloaded", unloaded)
+        clock = self._clock
         self.checkpoints = CheckpointStore(self.store, config.data_dir, config.checkpoints,
-                                           quota_bytes=config.limits.max_checkpoint_bytes_per_key)
+                                           quota_bytes=config.limits.max_checkpoint_bytes_per_key, clock=clock)
         self.checkpoints.sweep_interrupted()  # before any run or sampler exists
         self.registry = ModelRegistry(config.models, roots=config.model_roots, private=[config.data_dir])
         self.futures = FutureTable(self.store, finish_retry_s=durability.finish_retry_s,
-                                   check_result_size=config.limits.check_result_size)
+                                   check_result_size=config.limits.check_result_size, clock=clock)
         self.runs = RunManager(
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
-            self.checkpoints, config.seq_gap_timeout_s, config.limits,
+            self.checkpoints, config.seq_gap_timeout_s, config.limits, clock=clock,
         )
-        self.records = StabilityRecords(config.stability)
-        self.metric_history = MetricHistory(self.store, config.metric_history_rows)
+        self.records = StabilityRecords(config.stability, clock=clock)
+        self.metric_history = MetricHistory(self.store, config.metric_history_rows, clock=clock)
         self.samplers = SamplerManager(
             self.store, self.futures, self.registry,
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
-            config.max_samplers_per_session, records=self.records, limits=config.limits,
+            config.max_samplers_per_session, records=self.records, limits=config.limits, clock=clock,
         )
         self.samplers.check_registered()
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
         self.sessions = SessionManager(self.store, config.sessions.heartbeat_timeout_s, self._on_session_expired,
                                        idle_ttl_s=config.sessions.idle_ttl_s,
-                                       max_per_key=config.limits.max_sessions_per_key, clock=self._clock)
+                                       max_per_key=config.limits.max_sessions_per_key, clock=clock)
         self.futures.on_session_activity = self.sessions.touch
         self._closed = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
@@ -173,7 +176,7 @@ class Service(ServiceAPI):
             log.warning("housekeeping ended %d stuck future(s)", ended)
         self.sessions.expire(busy=self.futures.pending_sessions())
         self.records.expire()
-        now = time.time()
+        now = self._clock()
         if self.config.future_retention_s is not None:
             self.store.prune_futures(now - self.config.future_retention_s)
         self.sweep_expired_checkpoints()

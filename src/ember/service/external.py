@@ -26,13 +26,13 @@ import hmac
 import json
 import os
 import secrets
-import time
 from pathlib import Path
 
 from ember.engine import hf_export
 from ember.engine.base import TrainingEngine
 from ember.models.lora import LORA_ALPHA
 from ember.service.api import NotFoundError, UserError
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.engines import RunSpec
 
 URL_TTL_S = 3600  # how long a download link works
@@ -127,15 +127,16 @@ def _unb64(text: str) -> bytes:
 
 
 class LinkSigner:
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, clock: Clock = SYSTEM_CLOCK) -> None:
         self._secret = secret
+        self._clock = clock  # the service's (ember.service.clock): links expire by it
 
     def _mac(self, tinker_path: str, owner: str, directory: str, expires: int) -> bytes:
         msg = "\0".join((tinker_path, owner, directory, str(expires))).encode()
         return hmac.new(self._secret, msg, hashlib.sha256).digest()
 
     def sign(self, tinker_path: str, owner: str, directory: str, ttl_s: int = URL_TTL_S) -> tuple[str, int]:
-        expires = int(time.time()) + ttl_s
+        expires = int(self._clock()) + ttl_s
         mac = self._mac(tinker_path, owner, directory, expires)
         return f"{expires}.{_b64(tinker_path.encode())}.{_b64(mac)}", expires
 
@@ -146,7 +147,7 @@ class LinkSigner:
             expires, path, mac = int(expires_s), _unb64(path_s).decode(), _unb64(mac_s)
         except (ValueError, UnicodeDecodeError):
             raise NotFoundError(REFUSED) from None
-        if expires < time.time():
+        if expires < self._clock():
             raise NotFoundError(REFUSED)
         return path, expires, mac
 

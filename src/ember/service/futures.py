@@ -36,6 +36,7 @@ from tinker import types
 
 from ember import failpoints
 from ember.service.api import FutureState, NotFoundError, RequestType, Submission, UserError
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.faults import is_transient, public_message
 from ember.service.store import FutureRow, Store, dump_payload, load_payload
 
@@ -52,7 +53,7 @@ class _Entry:
     event: threading.Event = field(default_factory=threading.Event)
     callbacks: list[Callable[[FutureState], None]] = field(default_factory=list)
     finishing: bool = False
-    created: float = field(default_factory=time.monotonic)
+    created: float = 0.0  # the table's clock when it was accepted (the pending deadline counts from it)
     session: str | None = None  # the client session whose request this is (idle expiry)
 
 
@@ -64,8 +65,9 @@ class FutureTable:
     """Creates, finishes and serves futures. Thread-safe."""
 
     def __init__(self, store: Store, cache_size: int = 4096, finish_retry_s: float = 10.0,
-                 check_result_size: Callable[[int], None] | None = None) -> None:
+                 check_result_size: Callable[[int], None] | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self._store = store
+        self._clock = clock  # created/finished times, the pending deadline, orphaned rows (ember.service.clock)
         # Raises UserError for a stored result over its bound (`Limits.check_result_size`).
         self._check_result_size = check_result_size
         self._finish_retry_s = finish_retry_s
@@ -113,7 +115,7 @@ class FutureTable:
             rid = f"req-{uuid.uuid4().hex}"
             seq_ids = [f"{rid}:{i}" for i in range(num_sequences)] if num_sequences is not None else None
             row = dict(request_id=rid, owner=owner, request_type=request_type, model_id=model_id, dedup_key=dedup_key,
-                       sample_sequence_ids=seq_ids, status="pending", created_at=time.time())
+                       sample_sequence_ids=seq_ids, status="pending", created_at=self._clock())
             if not self._store.insert_future(row):  # the key exists from an earlier lifetime (or another owner)
                 existing = self._store.future_by_key(dedup_key)
                 if existing is not None and existing.owner == owner:
@@ -129,7 +131,7 @@ class FutureTable:
                     self._keys.popitem(last=False)
         state = FutureState(request_id=rid, request_type=request_type, status="pending", model_id=model_id)
         with self._lock:
-            self._live[rid] = _Entry(owner=owner, state=state, session=session)
+            self._live[rid] = _Entry(owner=owner, state=state, session=session, created=self._clock())
         return sub, True
 
     def tag_session(self, request_id: str, session: str) -> None:
@@ -176,7 +178,7 @@ class FutureTable:
         if category == Server:  # the operator's to look at (user errors are the caller's)
             log.warning("request %s (%s) failed (server): %s", request_id, entry.state.request_type, error)
         values = dict(status=status, payload=payload, error=error,
-                      category=None if category is None else str(category), finished_at=time.time())
+                      category=None if category is None else str(category), finished_at=self._clock())
         # The row is committed before anyone can observe the result (survives a crash).
         saved, values = self._store_final(request_id, values, self._finish_retry_s if retry_s is None else retry_s)
         s = entry.state
@@ -266,16 +268,16 @@ class FutureTable:
                 self.fail(rid, f"this request did not finish within {deadline_s:g} s of being accepted; "
                                "the server ended it (resubmit it)", Server)
                 ended += 1
-        for rid in self._store.pending_future_ids(time.time() - orphan_grace_s):
+        for rid in self._store.pending_future_ids(self._clock() - orphan_grace_s):
             with self._lock:
                 held = rid in self._live or rid in self._unsaved
-            if not held and self._store.fail_future_if_pending(rid, ORPHAN_MESSAGE):
+            if not held and self._store.fail_future_if_pending(rid, ORPHAN_MESSAGE, self._clock()):
                 log.warning("future %s was pending with no work behind it; ended", rid)
                 ended += 1
         return ended
 
     def _overdue(self, deadline_s: float) -> list[str]:
-        cutoff = time.monotonic() - deadline_s
+        cutoff = self._clock() - deadline_s
         with self._lock:
             return [rid for rid, e in self._live.items() if e.created < cutoff and not e.finishing]
 

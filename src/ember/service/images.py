@@ -102,7 +102,9 @@ def _check_expected(chunk, where: str) -> None:
 def _check_count(spec: VisionSpec | None, chunk: Any, image: Any, name: str, index: int) -> None:
     if spec is None or chunk.expected_tokens is None:
         return
-    try:  # the engine's words: "datum 3: model_input chunk 1 (image) has expected_tokens=..."
+    # The engine's words ("datum 3: model_input chunk 1 (image) has expected_tokens=..."), or the
+    # image processor's refusal of the caller's image: a validation boundary, so a user error.
+    try:
         check_image_tokens(spec, chunk, image, name.split(":", 1)[0], index)
     except ValueError as exc:
         raise UserError(str(exc)) from None

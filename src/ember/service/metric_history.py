@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.faults import public_message
 from ember.service.store import Store
 
@@ -74,10 +74,11 @@ def series(rows: Sequence[Any]) -> dict[str, list[tuple[int, float | None]]]:
 class MetricHistory:
     """Records rows and keeps each run under its bound. Thread-safe."""
 
-    def __init__(self, store: Store, max_rows: int) -> None:
+    def __init__(self, store: Store, max_rows: int, clock: Clock = SYSTEM_CLOCK) -> None:
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0 or 0 < max_rows < 8:
             raise ValueError(f"metric_history_rows must be 0 (off) or an integer >= 8, got {max_rows!r}")
         self.store, self.max_rows = store, max_rows
+        self._clock = clock  # rows' created_at (ember.service.clock)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._thinning: set[str] = set()
@@ -89,7 +90,7 @@ class MetricHistory:
             return
         try:
             self.store.insert_metrics(dict(run_id=run_id, step=int(step), kind=kind,
-                                           metrics=clean_metrics(metrics), created_at=time.time()))
+                                           metrics=clean_metrics(metrics), created_at=self._clock()))
             self._count(run_id)
         except Exception as exc:  # noqa: BLE001
             log.warning("run %s: metrics of a %s not recorded (%s)", run_id, kind, public_message(exc))

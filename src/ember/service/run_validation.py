@@ -17,6 +17,9 @@ from ember.service.api import UserError
 from ember.service.engines import RunSpec
 
 
+SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.manual_seed accepts
+
+
 def is_seq_id(seq_id: Any) -> bool:
     """A well-formed seq_id or model_seq_id: an int >= 0 (not a bool)."""
     return isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 0
@@ -35,16 +38,16 @@ def validate_lora(cfg: types.LoraConfig | None) -> None:
         raise UserError(f"lora_config.rank must be an integer >= 1, got {cfg.rank!r}")
     if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
         raise UserError("lora_config must train at least one of attn, mlp, unembed")
+    seed = cfg.seed  # torch's generators take [-2**63, 2**64); checked here, not left to torch's ValueError
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed < SEED_END):
+        raise UserError(f"lora_config.seed must be an integer in [-2**63, 2**64) or null, got {seed!r}")
 
 
 def validate_head(user_metadata: Mapping[str, Any] | None) -> str:
     """The run's head, from `user_metadata["ember.head"]` ("policy" when absent)."""
     from ember.engine.heads import head_from_metadata
 
-    try:
-        return head_from_metadata(user_metadata)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    return head_from_metadata(user_metadata)  # UserError naming the key, the known heads and the value
 
 
 def check_samplable(spec: RunSpec) -> None:
@@ -100,10 +103,7 @@ def validate_optimizer(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     entry (AdamW by default); a user error naming what is wrong."""
     from ember.engine.optimizers import optimizer_config
 
-    try:
-        return optimizer_config(cfg)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    return optimizer_config(cfg)  # UserError naming what is wrong
 
 
 def model_arch(directory: Path) -> str | None:

@@ -3,9 +3,9 @@
 A live run is a `LiveRun`: its spec, its lane (shared by every LoRA run of one base
 model; `ember.service.lanes`), its `RunSequencer` and, once created on the lane, its
 engine. Every op is executed on the lane by `execute`, which turns the outcome into a
-finished future: ValueError (bad input, with the engine's message) and
-NonFiniteGradientError are `user` failures; anything else is a `server` failure, logged
-with its traceback. A failing op never stops the lane or the run. What a run is created
+finished future: `UserError` (bad input, raised where it is validated, with the engine's
+message) and NonFiniteGradientError are `user` failures; anything else, a ValueError
+included, is a `server` failure, logged with its traceback. A failing op never stops the lane or the run. What a run is created
 with is checked in `ember.service.run_validation`; checkpoints are `CheckpointStore`'s.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from ember.engine.base import NonFiniteGradientError, TrainingEngine
 from ember.service import external
 from ember.service.api import NotFoundError, RequestType, Submission, UserError
 from ember.service.checkpoint_store import CheckpointStore
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.engines import EngineFactory, RunSpec
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
@@ -76,9 +76,10 @@ class LiveRun:
 
 
 def classify(exc: BaseException) -> tuple[str, types.RequestErrorCategory]:
-    if isinstance(exc, NonFiniteGradientError):
-        return str(exc), User
-    if isinstance(exc, ValueError):  # includes UserError: bad input, the engine names datum/field
+    """`user` for what validation refused (`UserError`: the engine names datum and field) and
+    for a non-finite gradient (the data's, not ours); anything else is `server`, even a
+    ValueError: one from torch or numpy is a bug of ours, not bad input."""
+    if isinstance(exc, (UserError, NonFiniteGradientError)):
         return str(exc), User
     return public_message(exc), Server
 
@@ -107,9 +108,11 @@ class RunManager:
     def __init__(
         self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: EngineFactory,
         checkpoints: CheckpointStore, gap_timeout_s: float, limits: Limits | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
         self.checkpoints = checkpoints
+        self._clock = clock  # creation and last-request times (ember.service.clock)
         self.gap_timeout_s = gap_timeout_s
         self.limits = limits or Limits()
         self._runs: dict[str, LiveRun] = {}
@@ -227,7 +230,7 @@ class RunManager:
             run = LiveRun(spec.run_id, owner, session_id, spec, lane,
                           RunSequencer(spec.run_id, lane, self.gap_timeout_s, next_seq=0, owner=owner))
             self._runs[spec.run_id] = run
-        now = time.time()
+        now = self._clock()
         try:
             self.store.add(RunRow(
                 id=spec.run_id, owner=owner, session_id=session_id, model_seq_id=model_seq_id,
@@ -320,7 +323,7 @@ class RunManager:
 
     def _touch(self, run: LiveRun) -> None:
         """Record the run's last request time (at most once a second: it is only for listings)."""
-        now = time.time()
+        now = self._clock()
         if now - run.touched >= 1.0:
             run.touched = now
             try:

@@ -38,10 +38,12 @@ from typing import Any
 import torch
 from tinker import types
 
+from ember import failpoints
 from ember.sampling.base import UnsupportedModelError
 from ember.service import checkpoint_files as ckpt
 from ember.service.checkpoint_store import readable
 from ember.service.api import NotFoundError, Submission, UserError
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
@@ -224,8 +226,9 @@ def request_work(kwargs: dict[str, Any], default_max_tokens: int) -> tuple[int, 
 class SamplerManager:
     def __init__(self, store: Store, futures: FutureTable, registry: ModelRegistry, factory: SamplerFactory,
                  max_per_session: int = 32, records: StabilityRecords | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.store, self.futures, self.registry, self.factory = store, futures, registry, factory
+        self._clock = clock  # checkpoint expiry, creation times (ember.service.clock)
         self.records = records  # where record_stability_info samples are kept (None: refused)
         self.max_per_session = max_per_session
         self.queued = QueuedWork(limits or Limits())
@@ -328,7 +331,7 @@ class SamplerManager:
         return len(gone)
 
     def _version_from_checkpoint(self, owner: str, path: str) -> tuple[BaseModel, Any]:
-        tpath, crow = readable(self.store, owner, path)  # the owner's, or a published one
+        tpath, crow = readable(self.store, owner, path, self._clock())  # the owner's, or a published one
         synced = self._synced_version(tpath.uri)  # after the access check, never instead of it
         if synced is not None:
             return synced
@@ -347,7 +350,7 @@ class SamplerManager:
         weights = ckpt.read_state_weights(d) if tpath.kind == "training" else ckpt.read_sampler_weights(d)
         try:
             return base, self._load(base, weights.items(), lora, mode="files", start=start)
-        except ValueError as exc:  # the backend refused the tensors: the checkpoint's content, not our fault
+        except UserError as exc:  # the backend refused the tensors: the checkpoint's content, not our fault
             raise UserError(f"checkpoint {path!r} cannot be sampled from: {exc}") from None
 
     # ------------------------------------------------------------------ sessions
@@ -375,7 +378,7 @@ class SamplerManager:
         row = SamplerRow(
             id=f"{session_id}:sample:{seq}" if seq is not None else f"{session_id}:sample:{uuid.uuid4().hex[:12]}",
             owner=owner, session_id=session_id, sampling_session_seq_id=seq, base_model=base.name,
-            model_path=model_path, source_run_id=source_run_id, created_at=time.time(),
+            model_path=model_path, source_run_id=source_run_id, created_at=self._clock(),
         )
         self.store.add(row)
         return row
@@ -518,7 +521,7 @@ class SamplerManager:
             row = self.store.get(SamplerRow, sampler_id)
             path = row.model_path if row is not None and row.owner == owner else None  # else: _resolve's 404
         if path is not None:
-            readable(self.store, owner, path)
+            readable(self.store, owner, path, self._clock())
 
     def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any],
                       record: bool) -> None:
@@ -549,8 +552,9 @@ class SamplerManager:
             reserved = work
             request = SamplingRequest(version=self._version_for(live), sequence_ids=sub.sample_sequence_ids,
                                       owner=live.owner, session=live.sampler_id, **kwargs)
+            failpoints.hit("sampler.submit")
             fut = backend.submit(request)
-        except ValueError as exc:  # UserError is one too
+        except UserError as exc:  # validation refused the request: the caller's to fix
             self._release(live.owner, reserved)
             self.futures.fail(rid, str(exc), User)
             return
@@ -584,10 +588,10 @@ class SamplerManager:
                 return
         if exc is None:
             self.futures.complete(rid, fut.result())
-        elif isinstance(exc, ValueError):
+        elif isinstance(exc, UserError):
             self.futures.fail(rid, str(exc), User)
-        else:
-            log.error("sample %s failed: %r", rid, exc)
+        else:  # any other exception, a ValueError from torch included, is a bug of ours
+            log.error("sample %s failed", rid, exc_info=exc)
             self.futures.fail(rid, public_message(exc), Server)
 
     def sleep_all(self) -> None:

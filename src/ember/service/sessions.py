@@ -14,7 +14,6 @@ why (410), a training call naming the saved checkpoint.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from tinker import types
 
 from ember.service.api import NotFoundError, SessionGoneError, UserError
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.store import SessionRow, Store
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def session_of(resource_id: object) -> str | None:
 class SessionManager:
     def __init__(self, store: Store, timeout_s: float | None, on_expire: Callable[[str], None],
                  idle_ttl_s: float | None = None, max_per_key: int | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self._store = store
         self._clock = clock  # wall-clock seconds; tests pass a manual clock to drive expiry
         self._timeout_s = timeout_s

@@ -41,15 +41,15 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from tinker import types
 
 from ember.service.api import UserError
+from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.config import DAY_S, StabilityConfig  # noqa: F401 (DAY_S: the default ttl, for callers)
 from ember.service.provenance import resolve_datum
 
@@ -104,7 +104,7 @@ class StabilityRecords:
     bound), and indexed by session (`drop_session`), so `record` — called on the finisher
     threads that complete every tenant's samples — never scans other records."""
 
-    def __init__(self, config: StabilityConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: StabilityConfig | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config or StabilityConfig()
         self._clock = clock
         self._lock = threading.Lock()

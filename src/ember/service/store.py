@@ -21,7 +21,6 @@ import contextlib
 import functools
 import pickle
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -315,11 +314,11 @@ class Store(_Db):
         with self._read() as s:
             return s.scalars(select(FutureRow).where(FutureRow.dedup_key == dedup_key)).first()
 
-    def fail_pending_futures(self, message: str) -> int:
-        """At start-up: every future a previous server lifetime left pending fails (server)."""
+    def fail_pending_futures(self, message: str, now: float) -> int:
+        """At start-up: every future a previous server lifetime left pending fails (server), finished at `now`."""
         return self._changed(
             update(FutureRow).where(FutureRow.status == "pending")
-            .values(status="failed", error=message, category="server", finished_at=time.time())
+            .values(status="failed", error=message, category="server", finished_at=now)
         )
 
     def prune_futures(self, finished_before: float) -> int:
@@ -333,11 +332,11 @@ class Store(_Db):
             select(FutureRow.request_id).where(FutureRow.status == "pending", FutureRow.created_at < created_before)
         )
 
-    def fail_future_if_pending(self, request_id: str, message: str) -> bool:
-        """End one pending future as a server failure; False if it had finished meanwhile."""
+    def fail_future_if_pending(self, request_id: str, message: str, now: float) -> bool:
+        """End one pending future as a server failure at `now`; False if it had finished meanwhile."""
         return self._changed(
             update(FutureRow).where(FutureRow.request_id == request_id, FutureRow.status == "pending")
-            .values(status="failed", error=message, category="server", finished_at=time.time())
+            .values(status="failed", error=message, category="server", finished_at=now)
         ) > 0
 
     # ------------------------------------------------------------------ per-step metrics

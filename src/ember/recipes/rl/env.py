@@ -1,7 +1,8 @@
-"""The RL environment interface of the GRPO recipe: prompts in, completions scored.
+"""The RL environment interface of the GRPO and PPO recipes: prompts in, completions scored.
 
 An environment hands out problems (a tokenized prompt plus whatever the verifier needs)
-and scores a sampled completion. Single-turn, verifier-based: that is all GRPO needs.
+and scores a sampled completion. Single-turn, verifier-based: that is all GRPO and PPO need.
+The environments a config can name are in `ember.recipes.rl.environments`.
 """
 
 from __future__ import annotations
