@@ -9,6 +9,7 @@ from tinker import types
 
 from helpers.clock import ManualClock
 from helpers.datums import random_sft_datums, sft_datum
+from helpers.server import wait_until
 from ember.service import NotFoundError, SessionGoneError, UserError
 
 from .conftest import lane_drained, new_run, result, wait
@@ -194,10 +195,9 @@ def test_sessions_heartbeat_finish_and_expiry(make_service, caplog):
             svc.heartbeat("alice", sid)
         assert svc.owner_state("alice")["queue_depths"] == {}  # unloaded: the runs quota is free at once
         saved = f"tinker://{mid}/weights/session-end"
-        deadline = time.monotonic() + 60  # saved on the run's lane, after what was queued
-        while saved not in [c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints]:
-            assert time.monotonic() < deadline, "the run was not saved when its session expired"
-            time.sleep(0.05)
+        wait_until(lambda: saved in [c.tinker_path for c in svc.list_checkpoints("alice", mid).checkpoints],
+                   timeout=60, interval=0.05,  # saved on the run's lane, after what was queued
+                   message="the run's save when its session expired")
         st = wait(svc, "alice", svc.optim_step("alice", mid, 4, ADAM))
         assert st.category == Server and "not loaded" in st.error and saved in st.error  # saved before unloading
     assert f"session {sid} expired (no heartbeat" in caplog.text and f"saved as {saved}" in caplog.text
