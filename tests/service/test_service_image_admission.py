@@ -5,6 +5,8 @@ decoding is a retryable `BusyError`, not a failure of someone else's request."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -12,7 +14,7 @@ import pytest
 from tinker import types
 
 from ember.service.api import BusyError, UserError
-from ember.service.image_admission import ImageAdmission, PixelBudget
+from ember.service.image_admission import DECODE_NICE, ImageAdmission, PixelBudget
 from ember.service.images import check_request_images
 from ember.service.limits import Limits
 from helpers.images import image_bytes
@@ -44,9 +46,9 @@ class Recording(ImageAdmission):
         super().__init__(limits)
         self.requests: list[list[int]] = []
 
-    def run(self, owner, jobs):
+    def decode(self, owner, jobs):
         self.requests.append([pixels for pixels, _, _ in jobs])
-        return super().run(owner, jobs)
+        return super().decode(owner, jobs)
 
 
 def test_the_issues_request_is_refused_from_its_headers_before_any_decode():
@@ -147,31 +149,36 @@ def test_a_memory_error_while_decoding_is_busy_and_frees_the_budget():
     try:
         with pytest.raises(BusyError, match="prompt: chunk 1: the server ran out of memory decoding this image; "
                                             "retry later") as info:
-            admission.run("a", [(1 << 20, "prompt: chunk 1", decode)])
+            admission.decode("a", [(1 << 20, "prompt: chunk 1", decode)])
         assert info.value.__context__ is None  # the failed frames (and their memory) are not kept
         assert admission.budget.in_flight() == {}
-        assert admission.run("a", [(10, "prompt: chunk 1", lambda: "decoded")]) == ["decoded"]
+        assert admission.decode("a", [(10, "prompt: chunk 1", lambda: "decoded")]) == ["decoded"]
     finally:
         admission.close()
 
 
-def test_decoding_runs_on_the_pool_threads_only():
+def test_decoding_runs_on_the_pool_threads_only_at_background_priority():
     admission = ImageAdmission(Limits(max_image_decode_threads=2))
     seen: set[str] = set()
+    nice: set[int] = set()
     lock = threading.Lock()
 
     def job():
         with lock:
             seen.add(threading.current_thread().name)
+            nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         time.sleep(0.05)
 
     try:
-        threads = [threading.Thread(target=admission.run, args=(f"k{i}", [(1, "x", job)] * 3)) for i in range(4)]
+        threads = [threading.Thread(target=admission.decode, args=(f"k{i}", [(1, "x", job)] * 3)) for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(10)
         assert seen and seen <= {"ember-image-decode-0", "ember-image-decode-1"}
+        if sys.platform.startswith("linux"):  # each thread its own nice value; this one's is unchanged
+            ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            assert nice == {min(19, ours + DECODE_NICE)} and ours == os.getpriority(os.PRIO_PROCESS, 0)
     finally:
         admission.close()
 

@@ -4,18 +4,22 @@ flight, fair shares of it per API key, and one small pool of decoding threads
 
 `service/images.py` checks every image's header of a request (format, declared size,
 the request's pixel total) before any is decoded; what it then decodes goes through
-`ImageAdmission.run`:
+`ImageAdmission`:
 
-* at most `Limits.max_image_requests_per_key` requests of one key are in here at once;
-  one more is refused at once with `BusyError` (HTTP 429, retried by the SDK), so one
-  tenant's flood holds a few of the server's request threads, never all of them;
-* each image holds its pixels of the budget (`Limits.max_decoding_image_pixels`) while it
+* at most `Limits.max_image_requests_per_key` requests of one key have their images
+  checked at once (`request`, taken before any header is read); one more is refused at
+  once with `BusyError` (HTTP 429, retried by the SDK), so one tenant's flood holds a few
+  of the server's request threads, never all of them, and a refusal costs no image work;
+* each image holds its pixels of the budget (`decode`) (`Limits.max_decoding_image_pixels`) while it
   is decoded. A key holding pixels may take more only within its fair share (the budget
   divided among the keys with requests in here); over it, the request waits for its own
   key's images to finish, and after `wait_s` is refused with `BusyError`. Another key's
   request is granted as soon as the budget has room, so a flood slows its own sender;
 * the decoding runs on `Limits.max_image_decode_threads` threads made when the service
-  starts (none is started per request, so memory pressure cannot fail a thread start);
+  starts (none is started per request, so memory pressure cannot fail a thread start),
+  each at a nice value `DECODE_NICE` above the server's on Linux (where every thread has
+  its own): decoding is background work, and the scheduler gives a core to the samplers,
+  trainers and the event loop first, so another tenant's requests keep their latency;
 * a `MemoryError` while decoding fails that request with `BusyError` (retry later), and
   the pixels are dropped before the error leaves, so the next request has the memory.
 """
@@ -23,7 +27,9 @@ the request's pixel total) before any is decoded; what it then decodes goes thro
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import queue
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +40,7 @@ from ember.service.api import BusyError
 from ember.service.limits import Limits
 
 ADMISSION_WAIT_S = 30.0  # a request's wait for its key's share, well inside the SDK's timeouts
+DECODE_NICE = 10  # CFS weighs a nice-10 thread at ~1/10 of a nice-0 one
 
 
 class PixelBudget:
@@ -115,6 +122,7 @@ class DecodePool:
         return future.result()
 
     def _work(self) -> None:
+        background_priority()
         while (item := self._jobs.get()) is not None:
             fn, future = item
             if future.set_running_or_notify_cancel():
@@ -136,18 +144,36 @@ class ImageAdmission:
         self.budget = PixelBudget(limits.max_decoding_image_pixels, limits.max_image_requests_per_key, wait_s)
         self.pool = DecodePool(limits.max_image_decode_threads)
 
-    def run(self, owner: str, jobs: Sequence[tuple[int, str, Callable[[], Any]]]) -> list[Any]:
+    def request(self, owner: str):
+        """A context holding one of `owner`'s `max_image_requests_per_key` places (BusyError
+        when none is free), taken before a request's headers are read: a refusal costs no
+        image work."""
+        return self.budget.request(owner)
+
+    def decode(self, owner: str, jobs: Sequence[tuple[int, str, Callable[[], Any]]]) -> list[Any]:
         """Each `(pixels, where, decode)` of one request of `owner`, one after another, on
         the pool under the budget; their results. A decoder's `MemoryError` is `BusyError`."""
         out = []
-        with self.budget.request(owner):
-            for pixels, where, decode in jobs:
-                with self.budget.pixels(owner, pixels, where):
-                    out.append(self.pool.run(lambda: without_memory_error(decode, where)))
+        for pixels, where, decode in jobs:
+            with self.budget.pixels(owner, pixels, where):
+                out.append(self.pool.run(lambda: without_memory_error(decode, where)))
         return out
 
     def close(self) -> None:
         self.pool.close()
+
+
+def background_priority(nice: int = DECODE_NICE) -> None:
+    """Lower the calling thread's scheduling priority by `nice` (Linux, where
+    `setpriority` on a thread id changes that thread alone; elsewhere it would change the
+    whole process, so nothing is done). A thread may always lower its own priority."""
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass  # a sandbox that forbids it: decoding keeps the server's priority
 
 
 def without_memory_error(fn: Callable[[], Any], where: str) -> Any:

@@ -25,6 +25,7 @@ Each refusal is a `UserError` naming the datum (or prompt) and the chunk index.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -92,6 +93,13 @@ def check_request_images(inputs: Sequence[tuple[str, types.ModelInput]], limits:
                         f"max_images_per_request={limits.max_images_per_request}")
     if not total:
         return [mi for _, mi in inputs]
+    with admission.request(owner) if admission is not None else contextlib.nullcontext():
+        return _checked(inputs, limits, roots, private, spec, owner, admission)
+
+
+def _checked(inputs: Sequence[tuple[str, types.ModelInput]], limits: Limits, roots: Sequence[Path],
+             private: Sequence[Path], spec: VisionSpec | None, owner: str,
+             admission: ImageAdmission | None) -> list[types.ModelInput]:
     bounds = limits.image_bounds
     resolved = [_resolved(name, mi, bounds, roots, private) for name, mi in inputs]
     probed = [p for _, ps in resolved for p in ps]
@@ -103,7 +111,7 @@ def check_request_images(inputs: Sequence[tuple[str, types.ModelInput]], limits:
         spec = None  # nothing left for a decode to count
     jobs = [(p.pixels, p.where, functools.partial(_decoded, p, bounds, spec)) for p in probed]
     if admission is not None:
-        admission.run(owner, jobs)
+        admission.decode(owner, jobs)
     else:
         for _, _, decode in jobs:
             decode()
