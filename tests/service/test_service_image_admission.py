@@ -183,6 +183,26 @@ def test_decoding_runs_on_the_pool_threads_only_at_background_priority():
         admission.close()
 
 
+def test_a_closed_pool_finishes_its_jobs_and_refuses_new_ones():
+    admission = ImageAdmission(Limits(max_image_decode_threads=1))
+    started = threading.Event()
+    out: list = []
+
+    def slow():
+        started.set()
+        time.sleep(0.2)
+        return "done"
+
+    t = threading.Thread(target=lambda: out.append(admission.decode("a", [(1, "x", slow)])))
+    t.start()
+    started.wait(5)
+    admission.close()
+    t.join(5)
+    assert out == [["done"]]
+    with pytest.raises(BusyError, match="shutting down"):
+        admission.decode("a", [(1, "x", lambda: None)])
+
+
 def test_decoding_budget_below_one_image_is_refused_at_start():
     with pytest.raises(ValueError, match="max_decoding_image_pixels=100 must be at least limits.max_image_pixels"):
         Limits(max_decoding_image_pixels=100)

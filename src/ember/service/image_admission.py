@@ -111,6 +111,8 @@ class DecodePool:
 
     def __init__(self, threads: int, name: str = "ember-image-decode"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -118,7 +120,10 @@ class DecodePool:
     def run(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on a pool thread; its result, or its exception raised here."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, future))
+        with self._lock:  # every job is queued before `close`'s stop marks, so a worker runs it
+            if self._closed:
+                raise BusyError("the server is shutting down; retry")
+            self._jobs.put((fn, future))
         return future.result()
 
     def _work(self) -> None:
@@ -133,8 +138,11 @@ class DecodePool:
             del item, fn, future  # nothing of the job outlives it on this thread
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+        """The threads end once the jobs queued so far are done; `run` refuses new ones."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(None)
 
 
 class ImageAdmission:
