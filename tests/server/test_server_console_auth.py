@@ -34,6 +34,9 @@ def test_csrf_token_bound_to_its_sign_in(tmp_path):
     token = auth.csrf_token(secret, one)
     assert auth.csrf_ok(secret, one, token)
     assert not auth.csrf_ok(secret, two, token) and not auth.csrf_ok(secret, one, None)
+    for hostile in ("\u202e", "é" * 43, "\udcff", "\x00"):  # a no, never a TypeError
+        assert not auth.csrf_ok(secret, one, hostile)
+        assert auth.read_cookie(secret, token[:10] + "." + hostile) is None
 
 
 def test_secret_file_is_0600_stable_and_refused_when_readable_by_others(tmp_path):

@@ -112,7 +112,7 @@ def test_every_console_route_with_hostile_paths(server, cookie, signed_in):
         problems += check_answer(server, "GET", target, *raw_request(server.port, "GET", target, headers))
     form = {**headers, "Content-Type": "application/x-www-form-urlencoded"}
     for target in targets(POST_TEMPLATES):
-        body = b"api_key=tml-nope&next=%2F%2Fevil.example&action=delete&csrf=x&prompt=%E2%80%AE"
+        body = b"api_key=tml-nope&next=%2F%2Fevil.example&action=delete&csrf=%E2%80%AE&prompt=%E2%80%AE"
         problems += check_answer(server, "POST", target, *raw_request(server.port, "POST", target, form, body))
     assert not problems, "\n".join(problems[:40])
     assert "Traceback" not in server.stderr_path.read_text(), server.stderr_tail()

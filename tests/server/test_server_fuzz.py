@@ -45,7 +45,7 @@ import pytest
 import schemathesis
 import tinker
 import zstandard
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation import GenerationMode
@@ -615,24 +615,34 @@ def console_target(template: str, values: list[str], prefix: str) -> str:
 def test_hostile_console_requests(fuzz):
     """Every console route, signed in and not: hostile path segments, `//host` prefixes,
     query values and form fields. No 5xx, and every `Location` is ASCII and same-origin."""
-    r = fuzz.http.post(fuzz.server.base_url + "/login", data={"api_key": API_KEY}, timeout=30)
+    r = httpx.post(fuzz.server.base_url + "/login", data={"api_key": API_KEY}, timeout=30)
     assert r.status_code == 303, r.text
     cookie = r.headers["set-cookie"].split(";")[0]
     origin = urlsplit(fuzz.server.base_url).netloc
 
     @settings(FUZZ_SETTINGS, max_examples=150)
     @given(route=st.sampled_from(CONSOLE_ROUTES), values=st.lists(HOSTILE_TEXT, min_size=2, max_size=2),
-           prefix=st.sampled_from(["", "", "/", "//evil.example", "/%2F%2Fevil.example"]),
+           prefix=st.sampled_from(["", "", "", "/", "//evil.example", "/%2F%2Fevil.example"]),
            query=st.dictionaries(st.sampled_from(["next", "mode", "checkpoint", "base_model", "offset", "metric"]),
                                  HOSTILE_TEXT, max_size=3),
            form=st.dictionaries(st.sampled_from(["api_key", "next", "csrf", "action", "ttl_seconds", "prompt",
                                                  "mode", "checkpoint", "max_tokens", "temperature", "seed"]),
                                 HOSTILE_TEXT, max_size=5),
            signed_in=st.booleans())
+    # the issue's request first (explicit examples run before the drawn ones), then its kin
+    @example(route=("/training_runs/{run_id}", "GET"), values=["\u202eabc", "x"], prefix="", query={}, form={},
+             signed_in=False)
+    @example(route=("/sessions/{session_id}", "GET"), values=["a\r\nSet-Cookie: x=1", "x"], prefix="", query={},
+             form={}, signed_in=False)
+    @example(route=("/checkpoints/{run_id}/{checkpoint_id}", "GET"), values=["\x00", "\u202e" * 3000], prefix="",
+             query={}, form={}, signed_in=True)
+    @example(route=("/login", "POST"), values=["x", "x"], prefix="", query={}, form={"api_key": API_KEY,
+             "next": "/\u202e\t/evil.example"}, signed_in=False)
     def attack(route, values, prefix, query, form, signed_in):
         template, method = route
         url = fuzz.server.base_url + console_target(template, values, prefix)
         headers = {"Cookie": cookie} if signed_in else {}
+        fuzz.http.cookies.clear()  # signed in by the Cookie header only (a sign-in example sets one)
         try:
             r = fuzz.http.request(method, url, params=query, data=form if method == "POST" else None,
                                   headers=headers, timeout=30)
