@@ -10,8 +10,8 @@ the request's pixel total) before any is decoded; what it then decodes goes thro
   checked at once (`request`, taken before any header is read); one more is refused at
   once with `BusyError` (HTTP 429, retried by the SDK), so one tenant's flood holds a few
   of the server's request threads, never all of them, and a refusal costs no image work;
-* each image holds its pixels of the budget (`decode`) (`Limits.max_decoding_image_pixels`) while it
-  is decoded. A key holding pixels may take more only within its fair share (the budget
+* each image holds its pixels of the budget (`Limits.max_decoding_image_pixels`) while it
+  is decoded (`decode`). A key holding pixels may take more only within its fair share (the budget
   divided among the keys with requests in here); over it, the request waits for its own
   key's images to finish, and after `wait_s` is refused with `BusyError`. Another key's
   request is granted as soon as the budget has room, so a flood slows its own sender;
