@@ -96,6 +96,18 @@ def test_wrong_expected_tokens_is_refused_naming_chunk_and_counts(vl_dir):
     assert "56x56" in msg
 
 
+def test_the_count_from_a_size_is_the_count_from_the_pixels(vl_dir):
+    """What admission checks before decoding (`token_count_of_size`, from the header's
+    size) is what the expansion makes of the pixels, for square, wide, tall, tiny and
+    large images (each family's processor resizes its own way)."""
+    from PIL import Image
+
+    spec = load_vision_spec(vl_dir[1])
+    for width, height in [(56, 56), (57, 113), (300, 20), (20, 300), (1, 1), (1000, 700), (2048, 4096)]:
+        _, grid = spec.encode(Image.new("RGB", (width, height)))
+        assert spec.token_count_of_size(width, height) == spec.token_count(grid), (width, height)
+
+
 def test_decoded_images_are_taken_as_given(vl_dir):
     """The sampler and the HTTP routes hand over images decoded (and bounded) already."""
     from PIL import Image

@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from ember.server.console import auth
-from ember.server.console.pages import local_path
+from ember.server.console.pages import local_path, location
 from ember.server.console.svg import chart
 
 
@@ -34,6 +34,9 @@ def test_csrf_token_bound_to_its_sign_in(tmp_path):
     token = auth.csrf_token(secret, one)
     assert auth.csrf_ok(secret, one, token)
     assert not auth.csrf_ok(secret, two, token) and not auth.csrf_ok(secret, one, None)
+    for hostile in ("\u202e", "é" * 43, "\udcff", "\x00"):  # a no, never a TypeError
+        assert not auth.csrf_ok(secret, one, hostile)
+        assert auth.read_cookie(secret, token[:10] + "." + hostile) is None
 
 
 def test_secret_file_is_0600_stable_and_refused_when_readable_by_others(tmp_path):
@@ -47,9 +50,21 @@ def test_secret_file_is_0600_stable_and_refused_when_readable_by_others(tmp_path
 
 
 @pytest.mark.parametrize("target,want", [("/training_runs", "/training_runs"), ("//evil.example", "/"),
-                                         ("https://evil.example/", "/"), ("/\\evil", "/"), ("", "/")])
+                                         ("https://evil.example/", "/"), ("/\\evil", "/"), ("", "/"),
+                                         ("/\t/evil.example", "/"), ("/a\r\nSet-Cookie: x=1", "/"),
+                                         ("/a\x00b", "/"), ("/a\x85", "/"), ("/" + "x" * 5000, "/"),
+                                         ("/training_runs/\u202eabc", "/training_runs/\u202eabc")])
 def test_redirect_targets_stay_local(target, want):
     assert local_path(target) == want
+
+
+@pytest.mark.parametrize("path,want", [
+    ("/login?next=/training_runs/%E2%80%AE", "/login?next=/training_runs/%E2%80%AE"),  # encoded stays as is
+    ("/training_runs/\u202eabc", "/training_runs/%E2%80%AEabc"), ("/a b\"<>", "/a%20b%22%3C%3E"),
+    ("/a#b[c]", "/a%23b%5Bc%5D")])
+def test_a_location_is_ascii_and_percent_encoded(path, want):
+    assert location("", path) == want
+    assert location("/prefix", path) == "/prefix" + want
 
 
 def test_chart_places_points_and_breaks_at_missing_values():

@@ -9,6 +9,12 @@ of memory:
 * hypothesis: valid create_model / asample JSON bodies and forward_backward protobuf
   bodies with fields mutated (wrong types, missing, NaN/inf, negative and huge counts,
   seq_ids far ahead), truncated or corrupted protobuf and random bytes;
+* hypothesis: image chunks in sample prompts (sizes up to 4096 x 4096 and headers claiming
+  more, modes, format labels, truncation, flipped bytes, counts past the limits), with
+  the server's peak RSS bounded (issue 43);
+* hypothesis: every console page (GET and POST), signed in and not, with hostile path
+  segments, `//host` prefixes, query values and form fields; every `Location` stays
+  ASCII and same-origin (issue 43);
 * a client that hangs up in the middle of a retrieve_future long-poll.
 
 The pass criterion is `assert_server_healthy`: no 5xx answer (seen by the client or in
@@ -19,15 +25,19 @@ Everything is seeded (`derandomize=True`) and no hypothesis database is written.
 
 from __future__ import annotations
 
+import base64
 import copy
+import io
 import json
 import math
+import re
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
 import numpy as np
@@ -35,7 +45,7 @@ import pytest
 import schemathesis
 import tinker
 import zstandard
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation import GenerationMode
@@ -47,6 +57,7 @@ from ember.server import requests as rq
 from ember.server import openai_compat as oa
 from ember.server import routes_unsupported
 from ember.server.app import create_app
+from ember.server.console.routes import router as console_router
 from ember.server.config import ServerConfig
 from helpers.server import API_KEY, MODEL_NAME, ServerProc, memory_cap, sft_datum, start_server, wait_until
 
@@ -500,6 +511,156 @@ def test_mutated_sample(fuzz, targets, path):
     attack()
     drain(fuzz, accepted)
     assert_server_healthy(fuzz)
+
+
+# ---------------------------------------------------------------------------------------
+# hypothesis: image chunks (issue 43): dimensions, formats, truncation, counts
+# ---------------------------------------------------------------------------------------
+
+# the fuzzed server may reach this at its peak (torch at rest ~1.6 GB, the decoding budget,
+# the parsers); its address space is capped at MEMORY_CAP_BYTES
+RSS_BOUND = 3 * 1024**3
+
+
+def server_peak_rss(server: ServerProc) -> int:
+    """The server's peak resident set (VmHWM) so far, in bytes."""
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {server.proc.pid}")
+
+
+@st.composite
+def image_bytes_drawn(draw) -> tuple[bytes, str]:
+    """(bytes, format label): a real image of drawn size and mode, or a header claiming a
+    drawn size, truncated or corrupted at a drawn place, under a drawn label."""
+    from PIL import Image
+
+    from helpers.images import png_claiming
+
+    width, height = draw(st.integers(1, 4096)), draw(st.integers(1, 4096))
+    kind = draw(st.sampled_from(["real", "real", "claiming", "huge_claim", "random"]))
+    if kind == "real":
+        mode, fmt = draw(st.sampled_from(["1", "L", "RGB", "RGBA"])), draw(st.sampled_from(["PNG", "JPEG"]))
+        buf = io.BytesIO()
+        Image.new(mode if fmt == "PNG" or mode in ("L", "RGB") else "RGB", (width, height)).save(buf, format=fmt)
+        data = buf.getvalue()
+    elif kind == "claiming":
+        data = png_claiming(width, height, payload=draw(st.integers(0, 2000)))
+    elif kind == "huge_claim":
+        data = png_claiming(draw(st.integers(4097, 2**31 - 1)), draw(st.integers(1, 2**31 - 1)), payload=10)
+    else:
+        data = draw(st.binary(max_size=256))
+    cut = draw(st.sampled_from(["whole", "whole", "truncated", "flipped"]))
+    if cut == "truncated" and data:
+        data = data[:draw(st.integers(0, len(data) - 1))]
+    elif cut == "flipped" and data:
+        at = draw(st.integers(0, len(data) - 1))
+        data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+    label = draw(st.sampled_from(["png", "jpeg", "png", "jpeg", "gif", "", "PNG"]))
+    return data, label
+
+
+@st.composite
+def image_prompt(draw) -> dict:
+    images = draw(st.lists(image_bytes_drawn(), min_size=0, max_size=6))
+    chunks: list[dict] = [{"type": "encoded_text", "tokens": [1, 2]}]
+    for data, label in images:
+        expected = draw(st.sampled_from([None, 1, 4, 0, -1, 2**40]))
+        chunks.append({"type": "image", "data": base64.b64encode(data).decode(), "format": label,
+                       "expected_tokens": expected})
+    if draw(st.booleans()):  # many copies of one image: the count and the pixel total
+        chunks += chunks[-1:] * draw(st.integers(0, 1100))
+    return {"chunks": chunks}
+
+
+def test_hostile_image_chunks(fuzz, targets):
+    """Image chunks of every drawn size, mode, format label, truncation and count in
+    sample prompts: no 5xx, no traceback, and the server's peak RSS stays bounded."""
+    accepted: list[str] = []
+
+    @settings(FUZZ_SETTINGS, max_examples=80)
+    @given(prompt=image_prompt())
+    def attack(prompt):
+        body = sample_body(targets, 3 * 10**5 + len(accepted))
+        body["prompt"] = prompt
+        if rid := accepted_id(post_json(fuzz, "/asample", body)):
+            accepted.append(rid)
+
+    start = time.monotonic()
+    attack()
+    drain(fuzz, accepted)
+    assert time.monotonic() - start < 60
+    problems = server_problems(fuzz)
+    assert not problems, "\n".join(problems)
+    assert server_peak_rss(fuzz.server) < RSS_BOUND
+
+
+# ---------------------------------------------------------------------------------------
+# hypothesis: the console's pages (issue 43): hostile paths, queries and forms
+# ---------------------------------------------------------------------------------------
+
+CONSOLE_ROUTES = sorted({(r.path, m) for r in console_router.routes for m in r.methods if m in ("GET", "POST")})
+HOSTILE_TEXT = st.text(st.characters(codec="utf-8"), max_size=40) | st.sampled_from(
+    ["\u202e", "\x00", "\r\nSet-Cookie: x=1", "//evil.example", "/\\evil.example", "\t/evil.example", "%ZZ",
+     "x" * 5000, "..", "/"])
+
+
+def console_target(template: str, values: list[str], prefix: str) -> str:
+    """`template` with its path parameters filled with the percent-encoded `values`."""
+    parts = iter(values)
+    path = re.sub(r"\{[^}]+\}", lambda _: quote(next(parts, "x"), safe="") or "x", template)
+    return prefix + path
+
+
+def test_hostile_console_requests(fuzz):
+    """Every console route, signed in and not: hostile path segments, `//host` prefixes,
+    query values and form fields. No 5xx, and every `Location` is ASCII and same-origin."""
+    r = httpx.post(fuzz.server.base_url + "/login", data={"api_key": API_KEY}, timeout=30)
+    assert r.status_code == 303, r.text
+    cookie = r.headers["set-cookie"].split(";")[0]
+    origin = urlsplit(fuzz.server.base_url).netloc
+
+    @settings(FUZZ_SETTINGS, max_examples=150)
+    @given(route=st.sampled_from(CONSOLE_ROUTES), values=st.lists(HOSTILE_TEXT, min_size=2, max_size=2),
+           prefix=st.sampled_from(["", "", "", "/", "//evil.example", "/%2F%2Fevil.example"]),
+           query=st.dictionaries(st.sampled_from(["next", "mode", "checkpoint", "base_model", "offset", "metric"]),
+                                 HOSTILE_TEXT, max_size=3),
+           form=st.dictionaries(st.sampled_from(["api_key", "next", "csrf", "action", "ttl_seconds", "prompt",
+                                                 "mode", "checkpoint", "max_tokens", "temperature", "seed"]),
+                                HOSTILE_TEXT, max_size=5),
+           signed_in=st.booleans())
+    # the issue's request first (explicit examples run before the drawn ones), then its kin
+    @example(route=("/training_runs/{run_id}", "GET"), values=["\u202eabc", "x"], prefix="", query={}, form={},
+             signed_in=False)
+    @example(route=("/sessions/{session_id}", "GET"), values=["a\r\nSet-Cookie: x=1", "x"], prefix="", query={},
+             form={}, signed_in=False)
+    @example(route=("/checkpoints/{run_id}/{checkpoint_id}", "GET"), values=["\x00", "\u202e" * 3000], prefix="",
+             query={}, form={}, signed_in=True)
+    @example(route=("/login", "POST"), values=["x", "x"], prefix="", query={}, form={"api_key": API_KEY,
+             "next": "/\u202e\t/evil.example"}, signed_in=False)
+    def attack(route, values, prefix, query, form, signed_in):
+        template, method = route
+        url = fuzz.server.base_url + console_target(template, values, prefix)
+        headers = {"Cookie": cookie} if signed_in else {}
+        fuzz.http.cookies.clear()  # signed in by the Cookie header only (a sign-in example sets one)
+        try:
+            r = fuzz.http.request(method, url, params=query, data=form if method == "POST" else None,
+                                  headers=headers, timeout=30)
+        except httpx.InvalidURL:
+            return  # a URL httpx will not send (the raw-socket test sends such bytes)
+        fuzz.saw(method, url[:200], r, {"query": query, "form": form})
+        loc = r.headers.get("location")
+        if loc is not None and (not loc.isascii() or not loc.startswith("/") or loc.startswith("//")
+                                or urlsplit(urljoin(url, loc)).netloc != origin):
+            fuzz.server_errors.append(f"{method} {url[:200]} -> Location {loc[:200]!r}")
+
+    start = time.monotonic()
+    attack()
+    assert time.monotonic() - start < 60
+    problems = server_problems(fuzz)
+    assert not problems, "\n".join(problems)
+    assert server_peak_rss(fuzz.server) < RSS_BOUND
 
 
 def test_mutated_optim_step(fuzz):

@@ -7,16 +7,32 @@ ServiceClient's private attributes: the service, the caller's identity, the sess
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from concurrent.futures import Future as ConcurrentFuture
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ember.service.api import ServiceAPI
+from ember.service.api import BusyError, ServiceAPI
 
 if TYPE_CHECKING:
     from ember.client.sampling import SamplingClient
+
+BUSY_RETRY_S = 300.0  # how long a submission the service is too busy for is retried (the SDK retries 429 as long)
+
+
+def retry_busy(submit: Callable[[], Any], give_up_s: float = BUSY_RETRY_S) -> Any:
+    """`submit()`, again after `BusyError.retry_after_s` while the service raises
+    `BusyError` (what the SDK does with HTTP 429), for at most `give_up_s`; then the error."""
+    deadline = time.monotonic() + give_up_s
+    while True:
+        try:
+            return submit()
+        except BusyError as exc:
+            if time.monotonic() + exc.retry_after_s > deadline:
+                raise
+            time.sleep(exc.retry_after_s)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
+from ember.client.context import retry_busy
 from ember.client.futures import chain, unwrap
 from ember.service.api import NotFoundError
 from ember.service.unsupported import unsupported
@@ -80,13 +81,14 @@ class SamplingClient:
         if prompt_logprobs_last_n is not None and not include_prompt_logprobs:
             raise ValueError("prompt_logprobs_last_n requires include_prompt_logprobs=True")
         try:
-            sub = self._ctx.service.sample(
-                self._ctx.owner, self._sampling_session_id, self._next_seq(), prompt, num_samples, sampling_params,
+            seq_id = self._next_seq()
+            sub = retry_busy(lambda: self._ctx.service.sample(
+                self._ctx.owner, self._sampling_session_id, seq_id, prompt, num_samples, sampling_params,
                 include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
                 topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
                 target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
                 record_stability_info=self._record_stability_info,
-            )
+            ))
         except NotFoundError as exc:  # e.g. its checkpoint was unpublished: raised by .result(), as over HTTP
             failed: ConcurrentFuture = ConcurrentFuture()
             failed.set_exception(exc)

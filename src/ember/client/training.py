@@ -22,7 +22,7 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
-from ember.client.context import ClientContext
+from ember.client.context import ClientContext, retry_busy
 from ember.client.futures import ClientFuture, chain, unwrap
 from ember.engine.optimizers import params_types
 from ember.service.unsupported import unsupported
@@ -134,8 +134,8 @@ class TrainingClient:
             raise ValueError("No data provided")
         owner = self._ctx.owner
         return self._call(
-            lambda s: self._service.forward_backward(owner, self.model_id, s, data, loss_fn, loss_fn_config,
-                                                     forward_only=forward_only),
+            lambda s: retry_busy(lambda: self._service.forward_backward(owner, self.model_id, s, data, loss_fn,
+                                                                        loss_fn_config, forward_only=forward_only)),
             seq_id=seq_id,
         )
 

@@ -92,6 +92,19 @@ def decode_image(data: bytes, fmt: str, bounds: ImageBounds, where: str) -> Imag
             raise ImageError(f"{where}: the {fmt} data is corrupt or truncated ({_reason(exc)})") from None
 
 
+def verify_image(data: bytes, fmt: str, bounds: ImageBounds, where: str) -> tuple[int, int]:
+    """(width, height) of an image that decodes whole (`ImageError` otherwise), its pixels
+    dropped at once: what admission needs to know, at the decoder's own size (1 to 4 bytes
+    a pixel) rather than `decode_image`'s RGB copy beside it."""
+    probe_image(data, fmt, bounds, where)
+    with _open(data, fmt, bounds, where) as img:
+        try:
+            img.load()
+        except _DECODE_ERRORS as exc:
+            raise ImageError(f"{where}: the {fmt} data is corrupt or truncated ({_reason(exc)})") from None
+        return img.size
+
+
 def _open(data: bytes, fmt: str, bounds: ImageBounds, where: str) -> Image.Image:
     """`Image.open` (header only) with the declared size checked against `bounds`."""
     try:

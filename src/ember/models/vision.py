@@ -58,6 +58,16 @@ class VisionSpec:
         """The `<|image_pad|>` run of an image: its patches // merge_size**2."""
         return int(grid_thw.prod()) // (self.merge_size ** 2)
 
+    def token_count_of_size(self, width: int, height: int) -> int | None:
+        """The `<|image_pad|>` run of a `width` x `height` image from its size alone (the
+        processor's own `get_number_of_image_patches`, the resize `encode` does), so a
+        request's counts are checked before any image is decoded; None for a processor
+        without it (then only `encode` counts)."""
+        count = getattr(self.processor, "get_number_of_image_patches", None)
+        if count is None:
+            return None
+        return int(count(height, width, images_kwargs={})) // (self.merge_size ** 2)
+
 
 @dataclass(frozen=True)
 class ExpandedInput:
@@ -129,6 +139,19 @@ def _check_expected(where: str, index: int, chunk: Any, count: int, image, grid:
         raise UserError(
             f"{where}: model_input chunk {index} (image) has expected_tokens={expected}, but this model makes "
             f"{count} tokens of it (a {w}x{h} image -> {t}x{gh}x{gw} patches, merged {merge}x{merge})")
+
+
+def check_image_size_tokens(spec: VisionSpec, chunk: Any, width: int, height: int, where: str,
+                            index: int) -> int | None:
+    """`check_image_tokens` from the image's declared size, nothing decoded (None: this
+    processor counts only from pixels, `check_image_tokens` then)."""
+    count = spec.token_count_of_size(width, height)
+    expected = chunk.expected_tokens
+    if count is not None and expected is not None and int(expected) != count:
+        raise ValueError(f"{where}: model_input chunk {index} (image) has expected_tokens={expected}, but this model "
+                         f"makes {count} tokens of it (a {width}x{height} image, merged "
+                         f"{spec.merge_size}x{spec.merge_size})")
+    return count
 
 
 def check_image_tokens(spec: VisionSpec, chunk: Any, image: Any, where: str, index: int) -> int:

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from ember.server.request_guards import BodyTimeout
 from ember.server.middleware import BodyTooLarge
 from ember.server.wire import WireError
-from ember.service.api import NotFoundError, ServiceError, SessionGoneError, UserError
+from ember.service.api import BusyError, NotFoundError, ServiceError, SessionGoneError, UserError
 from ember.service.faults import public_message
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ def _validation_message(errors: list[dict]) -> str:
 
 
 def _service_status(exc: ServiceError) -> int:
+    if isinstance(exc, BusyError):
+        return 429
     if isinstance(exc, NotFoundError):
         return 404
     if isinstance(exc, SessionGoneError):
@@ -118,6 +120,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service(request: Request, exc: ServiceError):
         status = _service_status(exc)
+        if isinstance(exc, BusyError):  # retried by the SDK after Retry-After
+            response = error_response(status, str(exc), "server", request=request)
+            response.headers["retry-after"] = str(exc.retry_after_s)
+            return response
         return error_response(status, str(exc), "server" if status >= 500 else "user", request=request)
 
     @app.exception_handler(StarletteHTTPException)

@@ -10,6 +10,7 @@ without tinker or torch.
 from ember.registry import lazy_exports
 
 _EXPORTS = {
+    "BusyError": "ember.service.api",
     "FutureState": "ember.service.api",
     "NotFoundError": "ember.service.api",
     "ServerError": "ember.service.api",

@@ -27,11 +27,12 @@ Conventions
   something that does not exist (`NotFoundError`), so ids cannot be probed.
 * **Direct calls** (sessions, `get_info`, `create_sampling_session`, `get_sampler`, REST
   listings) return their result or raise a `ServiceError` subclass (mapping to HTTP:
-  `UserError` 400, `NotFoundError` 404, `SessionGoneError` 410, `ServerError` 500).
+  `UserError` 400, `NotFoundError` 404, `SessionGoneError` 410, `BusyError` 429, `ServerError` 500).
 * **Submissions** (`create_model`, `load_weights`, `forward_backward`, `optim_step`,
   `save_weights`, `save_weights_for_sampler`, `save_weights_external`, `sample`) return a
   `Submission` at once and never block on the work. They raise only for malformed arguments that the caller should
-  have rejected itself (a `UserError`, e.g. a negative seq_id). Every *semantic* failure
+  have rejected itself (a `UserError`, e.g. a negative seq_id), or `BusyError` when the
+  server cannot take them now (retry later). Every *semantic* failure
   (unknown model or base model, unknown loss, bad datum, duplicate checkpoint name,
   non-finite gradient, ...) is reported through the future as
   `FutureState(status="failed", category=User)`, never as an exception: the SDK retries
@@ -77,6 +78,7 @@ __all__ = [
     "FutureState",
     "NotFoundError",
     "RequestType",
+    "BusyError",
     "ServerError",
     "ServiceAPI",
     "ServiceError",
@@ -119,6 +121,15 @@ class NotFoundError(UserError, LookupError):
 
 class SessionGoneError(UserError):
     """The session was finished or expired (HTTP 410 on heartbeat)."""
+
+
+class BusyError(ServiceError):
+    """The server cannot take this request now; the same request later can (HTTP 429 with
+    Retry-After, which the SDK retries). Raised by a submission before any future is made,
+    e.g. a key over its share of image decoding (`ember.service.image_admission`)."""
+
+    category = types.RequestErrorCategory.Server
+    retry_after_s = 1
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ This class validates arguments, checks visibility (owner) and delegates; the tra
 and sampling work happens in the managers' lanes and samplers.
 
 The managers are attributes (`store`, `futures`, `runs`, `samplers`, `sessions`,
-`checkpoints`, `registry`, `records`, `metric_history`), read-only by contract: the
+`checkpoints`, `registry`, `records`, `metric_history`, `image_admission`), read-only by contract: the
 server's routes call `ServiceAPI` methods, and only its metrics read the managers'
 counters (`server/metrics.py`). What a test must see inside has a read-only accessor here
 ("inspection" below) or a documented read method on its manager (`CheckpointStore.row`).
@@ -38,12 +38,15 @@ from ember.service import external, rest
 from ember.service.fidelity import logprob_gap_metrics
 from ember.service.checkpoint_store import CheckpointStore, check_ttl
 from ember.service.clock import SYSTEM_CLOCK, Clock
-from ember.service.api import ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError
+from ember.service.api import (
+    BusyError, ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError,
+)
 from ember.service.config import ServiceConfig, WorkersConfig
 from ember.service.datadir import DataDirLock
 from ember.service.engines import EngineFactory, LocalEngineFactory, engine_factory_for
 from ember.service.model_registry import ModelRegistry
 from ember.service.futures import FutureTable
+from ember.service.image_admission import ImageAdmission
 from ember.service.images import check_request_images, count_images, vision_spec_of
 from ember.service.metric_history import MetricHistory
 from ember.service.run_validation import check_samplable
@@ -124,6 +127,7 @@ class Service(ServiceAPI):
                                        idle_ttl_s=config.sessions.idle_ttl_s,
                                        max_per_key=config.limits.max_sessions_per_key, clock=clock)
         self.futures.on_session_activity = self.sessions.touch
+        self.image_admission = ImageAdmission(config.limits)
         self._closed = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping_loop, name="ember-housekeeping", daemon=True)
         self._housekeeper.start()
@@ -281,12 +285,17 @@ class Service(ServiceAPI):
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
 
-    def _check_images(self, inputs, model_dir: str | None = None):
-        """`check_request_images` with this service's limits, image roots and data directory,
-        and (given the model's directory) the model's image token counts."""
+    def _check_images(self, inputs, owner: str, model_dir: str | None = None):
+        """`check_request_images` with this service's limits, image roots, data directory
+        and decoding budget (`image_admission`), and (given the model's directory) the
+        model's image token counts. Out of memory while checking is `BusyError` (retry)."""
         spec = vision_spec_of(str(model_dir)) if model_dir is not None else None
-        return check_request_images(inputs, self.config.limits, self.config.image_roots, [self.config.data_dir],
-                                    spec)
+        try:
+            return check_request_images(inputs, self.config.limits, self.config.image_roots, [self.config.data_dir],
+                                        spec, owner=owner, admission=self.image_admission)
+        except MemoryError:
+            pass  # raised below, once the frames that held the memory are gone
+        raise BusyError("the server ran out of memory checking this request's images; retry later")
 
     def datums_with_images(self, data: list, owner: str | None = None, model_id: str | None = None) -> list:
         """The datums with their images checked and pointers read (`service/images.py`);
@@ -297,7 +306,7 @@ class Service(ServiceAPI):
             return data
         model_dir = self._run_dir(owner, model_id) if model_id is not None else None
         inputs = self._check_images([(f"datum {i}: model_input", getattr(d, "model_input", None))
-                                     for i, d in enumerate(data)], model_dir)
+                                     for i, d in enumerate(data)], owner or "local", model_dir)
         return [d if d.model_input is mi else
                 types.Datum(model_input=mi, loss_fn_inputs=d.loss_fn_inputs, model_input_spans=d.model_input_spans,
                             loss_fn_input_spans=d.loss_fn_input_spans)
@@ -436,7 +445,8 @@ class Service(ServiceAPI):
             self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
                                             topk_sample_logprobs, prompt_alt_tokens_k)
             if count_images(prompt):
-                [prompt] = self._check_images([("prompt", prompt)], self._sampler_dir(owner, sampling_session_id))
+                [prompt] = self._check_images([("prompt", prompt)], owner,
+                                              self._sampler_dir(owner, sampling_session_id))
         except UserError as exc:
             return self.runs.reject(owner, "Sample", str(exc))
         kwargs = dict(
@@ -590,6 +600,7 @@ class Service(ServiceAPI):
         self._closed.set()
         self.runs.close()
         self.samplers.close()
+        self.image_admission.close()
         self.metric_history.close()
         self.futures.fail_all_pending("the service was shut down before this request finished")
         self.store.close()

@@ -109,6 +109,14 @@ class Limits:
     max_image_pixels: width x height one image declares in its header (a 100 kB PNG can
         declare 50,000 x 50,000: refused before it is decoded).
     max_images_per_request: images of one request, all datums (or the prompt) together.
+    max_request_image_pixels: width x height summed over the images of one request, read
+        from their headers before any is decoded (64 small PNGs can each declare 4096 x 4096).
+    max_decoding_image_pixels: decoded pixels in flight across the server (1 to 4 bytes
+        each while an image is checked); each API key gets a fair share of it, and a
+        request over its key's share waits (then 429). At least max_image_pixels.
+    max_image_decode_threads: threads that decode images (one pool for the server).
+    max_image_requests_per_key: requests of one API key having their images checked at
+        once; more get 429 with Retry-After (the SDK retries them).
     """
 
     max_num_samples: int = 256
@@ -141,6 +149,10 @@ class Limits:
     max_image_bytes: int = 10 * 1024 * 1024
     max_image_pixels: int = 16_777_216
     max_images_per_request: int = 1024
+    max_request_image_pixels: int = 268_435_456
+    max_decoding_image_pixels: int = 67_108_864
+    max_image_decode_threads: int = 2
+    max_image_requests_per_key: int = 4
 
     def __post_init__(self) -> None:
         # every limit is a positive number: an int field an integer >= 1, a float one > 0
@@ -153,6 +165,9 @@ class Limits:
                     raise ValueError(f"limits.{f.name} must be a number > 0, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"limits.{f.name} must be an integer >= 1, got {value!r}")
+        if self.max_decoding_image_pixels < self.max_image_pixels:
+            raise ValueError(f"limits.max_decoding_image_pixels={self.max_decoding_image_pixels} must be at least "
+                             f"limits.max_image_pixels={self.max_image_pixels} (one image must fit)")
 
     @property
     def image_bounds(self) -> ImageBounds:

@@ -81,7 +81,7 @@ def read_cookie(secret: bytes, value: str | None, now: float | None = None) -> S
     if not value or len(value) > MAX_COOKIE_CHARS or value.count(".") != 1:
         return None
     body, mac = value.split(".")
-    if not hmac.compare_digest(mac, _mac(secret, "cookie:" + body)):
+    if not _same(mac, _mac(secret, "cookie:" + body)):
         return None
     try:
         data: Any = json.loads(_unb64(body))
@@ -96,4 +96,10 @@ def csrf_token(secret: bytes, signin: Signin) -> str:
 
 
 def csrf_ok(secret: bytes, signin: Signin, token: str | None) -> bool:
-    return bool(token) and hmac.compare_digest(str(token), csrf_token(secret, signin))
+    return bool(token) and _same(str(token), csrf_token(secret, signin))
+
+
+def _same(given: str, expected: str) -> bool:
+    """Constant-time equality of a value from a request and ours, compared as bytes:
+    `hmac.compare_digest` raises TypeError for a str holding non-ASCII (a 500, not a no)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())

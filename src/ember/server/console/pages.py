@@ -10,11 +10,12 @@ one) and, once signed in, carry the sign-in's CSRF token.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -34,6 +35,13 @@ SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",
 }
 MAX_FORM_BYTES = 64 * 1024  # the playground's prompt is the largest field
+MAX_TARGET_CHARS = 2048  # a longer `next` was not made by a page of ours
+# C0 and C1 controls (browsers drop tabs and newlines from a URL, so "/\t/host" would
+# read as "//host"), and the backslash some browsers read as a slash
+_UNSAFE_IN_TARGET = re.compile(r"[\x00-\x1f\x7f-\x9f\\]")
+# what stays as is in a Location: RFC 3986's path and query characters; everything else
+# (non-ASCII, controls, spaces, quotes) is percent-encoded, so the header is plain ASCII
+LOCATION_SAFE = "/:@!$&'()*+,;=-._~?%"
 
 
 class SignInRequired(Exception):
@@ -125,7 +133,8 @@ def render(request: Request, template: str, status: int = 200, **context: Any) -
 
 
 def redirect(request: Request, path: str) -> Response:
-    return secure(RedirectResponse(root(request) + path, status_code=303))
+    """A 303 to `path` on this console (`location`: same origin, ASCII)."""
+    return secure(RedirectResponse(location(root(request), local_path(path)), status_code=303))
 
 
 async def call(fn, *args, **kwargs) -> Any:
@@ -175,10 +184,20 @@ async def signed_form(request: Request) -> tuple[str, dict[str, str]]:
 
 
 def local_path(target: str | None) -> str:
-    """A redirect target that stays on this server (no open redirect)."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+    """A redirect target that stays on this server (no open redirect): a path starting
+    with one "/", without control characters or backslashes, at most `MAX_TARGET_CHARS`;
+    "/" for anything else."""
+    if (not target or not target.startswith("/") or target.startswith("//") or len(target) > MAX_TARGET_CHARS
+            or _UNSAFE_IN_TARGET.search(target)):
         return "/"
     return target
+
+
+def location(root_path: str, path: str) -> str:
+    """The `Location` of a redirect to `path` on the console mounted at `root_path`: every
+    character outside `LOCATION_SAFE` percent-encoded (a header is latin-1 on the wire,
+    and a control character in it would end the header)."""
+    return quote(root_path + path, safe=LOCATION_SAFE)
 
 
 async def not_found_page(request: Request, exc: PageNotFound) -> Response:
@@ -192,8 +211,9 @@ async def error_page(request: Request, exc: PageError) -> Response:
 
 
 async def signin_redirect(request: Request, exc: SignInRequired) -> Response:
-    response = redirect(request, "/login")
+    """To /login, with `next=` the page asked for (a GET of a local path only), the
+    path percent-encoded whole so that it is one query value."""
     target = local_path(request.url.path)
-    if target != "/" and request.method == "GET":
-        response.headers["location"] = f"{root(request)}/login?next={target}"
-    return response
+    if target == "/" or request.method != "GET":
+        return redirect(request, "/login")
+    return redirect(request, "/login?next=" + quote(target, safe="/"))
