@@ -210,6 +210,20 @@ def tiny_vllm_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-hd32"), family="qwen3", seed=0, head_dim=32)
 
 
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
+
+
+@pytest.fixture(scope="session", params=MOE_FAMILIES)
+def tiny_moe_dir(request, tmp_path_factory):
+    """A tiny mixture-of-experts model of each family (hidden 64, 2 layers, 2 heads of 32,
+    4 experts, 2 per token) with the char tokenizer; the hub's per-expert layout for
+    Qwen3-MoE (transformers' `save_pretrained` writes it), fused for gpt-oss."""
+    from ember.models.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), family=request.param, seed=0,
+                            num_heads=2, num_kv_heads=2, head_dim=32)
+
+
 # ---------------------------------------------------------------- databases
 # One PostgreSQL server per test session (started on first use), one fresh database per
 # test in it; SQLite is a fresh file. Tests that take `database_url` run on both.

@@ -39,7 +39,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ember.models import load_model, load_tokenizer
 from ember.models.families import non_full_attention_layers
 from ember.models.vision import VisionSpec, load_vision_spec
-from ember.models.loading import resolve_dtype
+from ember.models.loading import effective_attention, resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import Job
@@ -114,7 +114,8 @@ class TorchSampler(Sampler):
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)
         cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len)
-        runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
+        attention = effective_attention(model.config, self.config.attn_implementation)  # as load_model chose
+        runner = ModelRunner(self.model, cache, attention, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_cache_block)
         self._scheduler = Scheduler(runner, slots, self.device, self.config.max_prefill_tokens,
