@@ -290,3 +290,16 @@ def build_micro_batch(
         segment_ids=segment_ids,
         model_kwargs=model_kwargs,
     )
+
+
+def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive (rows, 1, width, width) mask of packed rows: a token attends to the
+    tokens before it in its own sequence (a new one starts where position_ids restart at 0),
+    what transformers derives from position_ids for the families that do
+    (`ModelFamily.packs_by_position`); 0 where attended, dtype's minimum elsewhere."""
+    segment = (position_ids == 0).cumsum(dim=-1)
+    width = position_ids.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (segment[:, :, None] == segment[:, None, :]) & causal
+    zero = torch.zeros((), dtype=dtype, device=position_ids.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]

@@ -15,6 +15,7 @@ collects them into `FAMILIES`. The fields are read by exactly one place each:
   adapter's per-expert A/B, merging, the sampler's expert versions) and the routing
   metrics and auxiliary loss (`ember.engine.moe`);
 * `attention` by model loading (`ember.models.loading`: a family without an SDPA kernel);
+* `packs_by_position` by the engine's packed micro-batches (`ember.engine.torch_engine`);
 * `tiny_chat` by the tiny test models' tokenizer (`ember.models.testing`).
 
 This module imports nothing from ember: the layer functions get the direct decoder's
@@ -221,6 +222,9 @@ class ModelFamily:
     vision: VisionFamily | None = None
     moe: MoeLayout | None = None
     attention: str | None = None  # the attention kernel when the family has no SDPA one (gpt-oss: "eager")
+    # transformers' forward finds packed sequences from restarting position_ids; False: the
+    # engine passes the block-diagonal mask itself (gpt-oss's model builds its masks without them)
+    packs_by_position: bool = True
     tiny_chat: TinyChat | None = None  # None: ChatML (`ember.models.testing`)
 
     @property

@@ -6,7 +6,9 @@ up interleaved) and `mlp.experts.down_proj` (E, I, H); the published models alte
 sliding-window (128) and full-attention layers.
 
 transformers has no SDPA kernel with sinks for it, so it loads with eager attention
-(`attention`). The tiny model keeps every layer full-attention with a window as long
+(`attention`); its model builds attention masks without the position ids, so it does not
+see packed sequences: the engine passes packed micro-batches their block-diagonal causal
+mask itself (`packs_by_position=False`). The tiny model keeps every layer full-attention with a window as long
 as its context (TorchSampler serves full-attention decoders; vLLM applies the window to
 every other layer whatever `layer_types` says, which at that length changes nothing),
 and YaRN with factor 1 (vLLM's gpt-oss reads YaRN's fields; at factor 1 it is plain RoPE).
@@ -50,5 +52,6 @@ def tiny_config(**kwargs) -> GptOssConfig:
 
 
 FAMILY = ModelFamily("gpt_oss", tiny_config=tiny_config, tp_plan=None, decode=None, moe=MOE, attention="eager",
+                     packs_by_position=False,
                      lora=LoraTargets(mlp=(), experts=MOE.param_paths), tiny_chat=HARMONY,
                      value_head_class="GptOssForTokenClassification")
