@@ -18,6 +18,7 @@ last of `MoeLayout.params`, `<layer>.mlp.experts.base_layer.lora_A` to the one b
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -63,6 +64,22 @@ def expert_delta(a: torch.Tensor, b: torch.Tensor, num_experts: int, transposed:
     return (delta.transpose(1, 2) if transposed else delta) * scale
 
 
+def adapted_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, num_experts: int, transposed: bool,
+                   scale: float) -> torch.Tensor:
+    """weight + scale * its per-expert update, as peft folds it for a forward (one `baddbmm`
+    in the weight's dtype, no (E, out, in) update held apart)."""
+    a3, b3 = expert_factors(a.to(weight.dtype), b.to(weight.dtype), num_experts)
+    lhs, rhs = (a3.transpose(1, 2), b3.transpose(1, 2)) if transposed else (b3, a3)
+    return torch.baddbmm(weight, lhs, rhs, alpha=scale)
+
+
+def factor_shapes(weight_shape: tuple[int, ...], rank: int, transposed: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (A, B) shapes of a rank-`rank` adapter on a fused (E, d1, d2) expert weight."""
+    experts, d1, d2 = weight_shape
+    fan_in, fan_out = (d1, d2) if transposed else (d2, d1)
+    return (experts * rank, fan_in), (fan_out, rank * experts)
+
+
 _PER_EXPERT = re.compile(r"(?P<experts>.+)\.(?P<index>\d+)\.(?P<module>[^.]+)\.weight")
 
 
@@ -83,3 +100,30 @@ def part_rows(matrix: torch.Tensor, part: int, parts: int) -> torch.Tensor:
     """Block `part` of `parts` equal row blocks of one expert's (out, in) matrix."""
     size = matrix.shape[0] // parts
     return matrix[part * size:(part + 1) * size]
+
+
+def fused_expert_weights(named: Iterable[tuple[str, torch.Tensor]], layout: MoeLayout,
+                         experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` with a hub checkpoint's per-expert tensors (`per_expert_slot`) fused into the
+    model's 3-D weights (expert-major, parts in order: what transformers' loader builds),
+    each yielded once all its experts have come by; every other tensor passes through.
+    Incomplete experts are a ValueError naming the weight."""
+    parts = {f"{layout.experts}.{fused}": sum(1 for _, f, _, _ in layout.per_expert if f == fused)
+             for _, fused, _, _ in layout.per_expert}
+    pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+    for name, t in named:
+        slot = per_expert_slot(name, layout)
+        if slot is None:
+            yield name, t
+            continue
+        weight, e, part, n = slot
+        got = pending.setdefault(weight, {})
+        got[(e, part)] = t
+        if len(got) == experts * n:
+            yield weight, torch.stack([torch.cat([got[(i, p)] for p in range(n)]) for i in range(experts)])
+            del pending[weight]
+    if pending:
+        weight, got = next(iter(pending.items()))
+        per = next(n for f, n in parts.items() if weight.endswith("." + f) or weight == f)
+        raise ValueError(f"expert weight {weight!r}: {len(got)} per-expert tensors, expected {experts * per} "
+                         f"({experts} experts x {per})")

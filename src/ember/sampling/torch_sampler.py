@@ -180,7 +180,8 @@ class TorchSampler(Sampler):
     ) -> TorchWeightVersion:
         items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
         if lora_config is None:
-            version = build_full_version(self._id, items, self._names, self.device, self.dtype, copy)
+            version = build_full_version(self._id, items, self._names, self.device, self.dtype, copy,
+                                         model_config=self.model.config)
         else:
             version = build_lora_version(self._id, self.model, items, lora_config, self.device, self.dtype, copy)
         self._versions.add(version)
