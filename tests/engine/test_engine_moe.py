@@ -4,6 +4,8 @@ routing metrics over real tokens only, the auxiliary loss's gradient, the HF exp
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tinker import types
@@ -167,3 +169,27 @@ def test_full_fine_tuning_export_loads_with_the_trained_logprobs(tiny_moe_dir, d
     tokens = datums[0].model_input.to_ints() + [int(datums[0].loss_fn_inputs["target_tokens"].to_torch()[-1])]
     got = engine.forward([datums[0]], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_torch()
     torch.testing.assert_close(target_logprobs(loaded, tokens), got, rtol=0, atol=1e-5)
+
+
+def test_gpt_oss_packed_rows_keep_each_sequence_and_sliding_window_apart(tmp_path):
+    """gpt-oss's model builds its masks without position_ids, so the engine passes packed
+    rows their masks: block-diagonal, and windowed for its sliding-window layers (as the
+    published checkpoints alternate them). Packed logprobs equal each datum run alone,
+    with sequences longer than the window of 4."""
+    from ember.models.testing import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", family="gpt_oss", num_heads=2, num_kv_heads=2, head_dim=32)
+    config = json.loads((model_dir / "config.json").read_text())
+    config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    data = random_sft_datums(5, vocab=80, min_len=6, max_len=12, seed=4)
+    packed = _engine(model_dir, lora=None).forward(data, "cross_entropy").loss_fn_outputs
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for d, out in zip(data, packed):
+        tokens = d.model_input.to_ints() + [int(d.loss_fn_inputs["target_tokens"].to_torch()[-1])]
+        torch.testing.assert_close(out["logprobs"].to_torch(), target_logprobs(model, tokens), rtol=0, atol=1e-5)
+    config["sliding_window"] = 64  # the window changes the function (the check above is not vacuous)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    wide = _engine(model_dir, lora=None).forward(data, "cross_entropy").loss_fn_outputs
+    assert max(float((a["logprobs"].to_torch() - b["logprobs"].to_torch()).abs().max())
+               for a, b in zip(packed, wide)) > 1e-3

@@ -33,9 +33,9 @@ from ember.engine import checkpoint
 from ember.engine.base import EngineInfo, EngineStatus, LossConfig, NonFiniteGradientError, TrainingEngine
 from ember.engine.batching import (
     MicroBatch,
-    block_causal_mask,
     build_micro_batch,
     head_mismatch,
+    packed_masks,
     plan_micro_batches,
     prepare_datums,
 )
@@ -271,8 +271,9 @@ class TorchEngine(TrainingEngine):
         if self.distributed and self.parallel.cp > 1:
             return self._cp_head_outputs(mb)
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
-        if mask is None and not self._packs_by_position:  # packed rows: their block-diagonal mask
-            mask = block_causal_mask(mb.position_ids.to(dev), resolve_dtype(self._autocast or self.config.dtype))
+        if mask is None and not self._packs_by_position:  # packed rows: their block-diagonal mask(s)
+            mask = packed_masks(mb.position_ids.to(dev), resolve_dtype(self._autocast or self.config.dtype),
+                                self.hf_config.get_text_config())
         out = self._model_forward(mb.input_ids.to(dev), mb.position_ids.to(dev), mask, mb.model_kwargs)
         return self.head.outputs(out, mb, dev)
 
