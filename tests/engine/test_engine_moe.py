@@ -193,3 +193,45 @@ def test_gpt_oss_packed_rows_keep_each_sequence_and_sliding_window_apart(tmp_pat
     wide = _engine(model_dir, lora=None).forward(data, "cross_entropy").loss_fn_outputs
     assert max(float((a["logprobs"].to_torch() - b["logprobs"].to_torch()).abs().max())
                for a, b in zip(packed, wide)) > 1e-3
+
+
+def test_a_lora_checkpoint_with_expert_factors_resumes_exactly(tiny_moe_dir, datums, tmp_path):
+    engine = _engine(tiny_moe_dir)
+    engine.forward_backward(datums, "cross_entropy")
+    engine.optim_step(types.AdamParams(learning_rate=1e-2))
+    engine.save_state(tmp_path / "ckpt")
+    resumed = _engine(tiny_moe_dir)
+    resumed.load_state(tmp_path / "ckpt")
+    for name, t in engine.state_tensors().items():
+        assert torch.equal(resumed.state_tensors()[name], t), name
+    a = engine.forward(datums, "cross_entropy").loss_fn_outputs
+    b = resumed.forward(datums, "cross_entropy").loss_fn_outputs
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x["logprobs"].to_torch(), y["logprobs"].to_torch(), rtol=0, atol=0)
+
+
+def test_lora_tenants_on_one_moe_base_keep_their_own_experts(tiny_moe_dir):
+    """Two adapters on one shared model (as LoRA runs on one base share it): one adapts the
+    experts, one does not (train_mlp=False); each computes what it would alone."""
+    from ember.models import add_lora_adapter, load_model
+
+    shared = add_lora_adapter(load_model(tiny_moe_dir), "t1", LORA)
+    shared = add_lora_adapter(shared, "t2", types.LoraConfig(rank=2, seed=5, train_mlp=False))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in shared.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ids = torch.tensor([[5, 9, 14, 22, 31, 40]])
+    outs = {}
+    for name in ("t1", "t2"):
+        shared.set_adapter(name)
+        with torch.no_grad():
+            outs[name] = shared(input_ids=ids).logits
+    assert not any(".mlp.experts." in n and ".t2." in n for n, _ in shared.named_parameters())
+    alone = add_lora_adapter(load_model(tiny_moe_dir), "t1", LORA)
+    alone.load_state_dict({n: p for n, p in shared.state_dict().items() if ".t2." not in n and "lora_" in n},
+                          strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(alone(input_ids=ids).logits, outs["t1"], rtol=0, atol=1e-6)
+    assert float((outs["t1"] - outs["t2"]).abs().max()) > 1e-4
