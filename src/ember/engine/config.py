@@ -52,7 +52,7 @@ class EngineConfig:
     moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss, added (times this
         coefficient) to every forward_backward's loss: per sequence and layer, E/(kT) x
         sum over experts of (tokens routed there) x (mean router probability), summed
-        (`ember.engine.moe`); 0 (the default) = off. Reported as `moe:aux_loss:sum`, apart
+        (`ember.engine.moe`); 0 (the default) = off. Reported as `moe_aux_loss:sum`, apart
         from `loss:sum`.
     """
 

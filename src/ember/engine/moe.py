@@ -10,10 +10,12 @@ no capacity), which transformers' expert modules already do.
 
 * `RoutingStats`: expert counts per layer and the router entropy summed over real tokens,
   accumulated over a call's micro-batches (sums: independent of the micro-batching), then
-  `metrics()`: `moe:load_imbalance:max` (the largest, over layers, of the busiest
+  `metrics()`: `moe_load_imbalance:max` (the largest, over layers, of the busiest
   expert's assignments over the mean per expert: 1 is balanced, E / k is k experts taking
-  every token) and `moe:router_entropy:mean` (nats, of the softmax over all E, per real
-  token and layer), and `moe:aux_loss:sum` when the auxiliary loss is on.
+  every token) and `moe_router_entropy:mean` (nats, of the softmax over all E, per real
+  token and layer), and `moe_aux_loss:sum` when the auxiliary loss is on. One colon each:
+  the SDK splits every key once into name and reduction (`ember.metrics.keys`), so the keys
+  are the same in process and over HTTP.
 * `sequence_balance_loss`: the auxiliary load-balancing loss, per sequence and layer
   (DeepSeek-V3's sequence-wise form of Switch's loss): sum_e f_e * P_e with
   f_e = E / (k T) * (tokens of the sequence routed to e) and P_e the mean router
@@ -86,10 +88,10 @@ class RoutingStats:
         if self.counts is None or self.entries == 0:
             return {}
         mean = self.counts.mean(dim=1).clamp_min(1e-12)
-        out = {"moe:load_imbalance:max": float((self.counts.max(dim=1).values / mean).max()),
-               "moe:router_entropy:mean": self.entropy_sum / self.entries}
+        out = {"moe_load_imbalance:max": float((self.counts.max(dim=1).values / mean).max()),
+               "moe_router_entropy:mean": self.entropy_sum / self.entries}
         if self.aux_loss is not None:
-            out["moe:aux_loss:sum"] = self.aux_loss
+            out["moe_aux_loss:sum"] = self.aux_loss
         return out
 
 
