@@ -28,6 +28,7 @@ no capacity), which transformers' expert modules already do.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,7 @@ class RoutingStats:
     """A call's routing, summed over its micro-batches (see the module docstring)."""
 
     top_k: int
-    counts: torch.Tensor | None = None  # (layers, E) assignments of real tokens
+    counts: torch.Tensor  # (layers, E) float64 assignments of real tokens
     entropy_sum: float = 0.0
     entries: int = 0  # real tokens x layers
     aux_loss: float | None = None  # the auxiliary loss's value when it is on
@@ -76,16 +77,23 @@ class RoutingStats:
     def add(self, logits: torch.Tensor) -> None:
         """Record one micro-batch's (layers, T, E) real-token logits."""
         with torch.no_grad():
-            chosen = logits.topk(self.top_k, dim=-1).indices
-            counts = torch.zeros(logits.shape[0], logits.shape[-1], dtype=torch.float64, device=logits.device)
-            counts.scatter_add_(1, chosen.flatten(1), torch.ones_like(chosen.flatten(1), dtype=torch.float64))
-            self.counts = counts if self.counts is None else self.counts + counts
+            chosen = logits.topk(self.top_k, dim=-1).indices.flatten(1).to(self.counts.device)
+            self.counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=torch.float64))
             logp = torch.log_softmax(logits, dim=-1)
             self.entropy_sum += float(-(logp.exp() * logp).sum())
             self.entries += logits.shape[0] * logits.shape[1]
 
+    def sum_over_ranks(self, sum_: Callable[[list[torch.Tensor]], None]) -> None:
+        """Make the counts and the entropy those of the whole batch, all data-parallel ranks
+        together (`sum_`: `ParallelContext.sum_over_dp_`, which every rank calls), so each
+        rank reports the world-1 metrics. The auxiliary loss stays this rank's: it is a
+        `:sum`, which the ranks' results add up."""
+        extra = torch.tensor([self.entropy_sum, float(self.entries)], dtype=torch.float64, device=self.counts.device)
+        sum_([self.counts, extra])
+        self.entropy_sum, self.entries = float(extra[0]), int(extra[1])
+
     def metrics(self) -> dict[str, float]:
-        if self.counts is None or self.entries == 0:
+        if self.entries == 0:
             return {}
         mean = self.counts.mean(dim=1).clamp_min(1e-12)
         out = {"moe_load_imbalance:max": float((self.counts.max(dim=1).values / mean).max()),
@@ -118,12 +126,15 @@ class MoeRouting:
     def __init__(self, model: nn.Module, config, coef: float) -> None:
         check_coef(coef)
         layout = moe_of(config)
-        self.capture = RouterCapture(model, layout).capture
+        routers = RouterCapture(model, layout)
+        self.capture = routers.capture
+        self.layers, self.experts = len(routers.routers), int(getattr(config, layout.num_experts))
         self.top_k = int(getattr(config, layout.top_k))
         self.coef = float(coef)
 
-    def new_call(self) -> RoutingStats:
-        return RoutingStats(self.top_k, aux_loss=0.0 if self.coef else None)
+    def new_call(self, device: torch.device) -> RoutingStats:
+        counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=device)
+        return RoutingStats(self.top_k, counts, aux_loss=0.0 if self.coef else None)
 
     def micro_batch(self, stats: RoutingStats, logits: list[torch.Tensor], valid_index: torch.Tensor,
                     segment_ids: torch.Tensor) -> torch.Tensor | None:

@@ -382,7 +382,7 @@ class TorchEngine(TrainingEngine):
         for _ in range(passes - len(plan)):
             self._padding_pass(backward)
         rope_index = self._rope_index()
-        routing = self._routing.new_call() if self._routing is not None else None
+        routing = self._routing.new_call(self.device) if self._routing is not None else None
         for group in plan:
             mb = build_micro_batch(
                 [prepared[i] for i in group], self.config.packing, self._pad_id, single_row=self._varlen_attention,
@@ -403,6 +403,8 @@ class TorchEngine(TrainingEngine):
                 self._acc.accumulated_tokens += mb.num_tokens
         if saved is not None:
             self._sum_head_grads_over_dp(saved)
+        if routing is not None and self.distributed:
+            routing.sum_over_ranks(self.parallel.sum_over_dp_)
         metrics = {"loss:sum": total} | (routing.metrics() if routing is not None else {})
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
 
