@@ -9,7 +9,8 @@ padding is never counted; routing is dropless (every token goes to its top-k exp
 no capacity), which transformers' expert modules already do.
 
 * `RoutingStats`: expert counts per layer and the router entropy summed over real tokens,
-  accumulated over a call's micro-batches (sums: independent of the micro-batching), then
+  accumulated over a call's micro-batches (sums: independent of the micro-batching) and,
+  under data parallelism, over the ranks (`sum_over_ranks`), then
   `metrics()`: `moe_load_imbalance:max` (the largest, over layers, of the busiest
   expert's assignments over the mean per expert: 1 is balanced, E / k is k experts taking
   every token) and `moe_router_entropy:mean` (nats, of the softmax over all E, per real
