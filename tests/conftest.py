@@ -210,6 +210,22 @@ def tiny_vllm_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-hd32"), family="qwen3", seed=0, head_dim=32)
 
 
+# gpt-oss's cases are `slow`: `make test-fast` keeps Qwen3-MoE's, and gpt-oss's own
+# behaviour (packed masks, harmony tokenizer) in tests that build their own model
+MOE_FAMILIES = ("qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow))
+
+
+@pytest.fixture(scope="session", params=MOE_FAMILIES)
+def tiny_moe_dir(request, tmp_path_factory):
+    """A tiny mixture-of-experts model of each family (hidden 64, 2 layers, 2 heads of 32,
+    4 experts, 2 per token) with the char tokenizer; the hub's per-expert layout for
+    Qwen3-MoE (transformers' `save_pretrained` writes it), fused for gpt-oss."""
+    from ember.models.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), family=request.param, seed=0,
+                            num_heads=2, num_kv_heads=2, head_dim=32)
+
+
 # ---------------------------------------------------------------- databases
 # One PostgreSQL server per test session (started on first use), one fresh database per
 # test in it; SQLite is a fresh file. Tests that take `database_url` run on both.

@@ -275,3 +275,66 @@ def test_ember_estimate_qwen3_5_9b_from_config_json_only(qwen3_5_9b_dir):
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu < 30, f"ember estimate took {cpu:.1f} s of CPU"
     assert "state (linear-attn layers)" in r.stdout and "KV cache (attention layers)" in r.stdout
+
+
+# Published config.json values of the two Qwen3-MoE checkpoints (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B)
+QWEN3_MOE_COMMON = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+    "head_dim": 128, "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 40960,
+    "mlp_only_layers": [], "norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN3_30B_A3B = {**QWEN3_MOE_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "max_window_layers": 48,
+                 "moe_intermediate_size": 768, "num_attention_heads": 32, "num_hidden_layers": 48}
+QWEN3_235B_A22B = {**QWEN3_MOE_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 94,
+                   "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_hidden_layers": 94}
+
+
+def _moe_params(c: dict) -> tuple[int, int]:
+    """(total, active) by hand: per layer attention (q/k/v/o, q/k norms), router, E experts of
+    3 H x I matrices (k active), two norms; embeddings, lm_head and the final norm."""
+    h, i, e, k, layers, v = (c["hidden_size"], c["moe_intermediate_size"], c["num_experts"],
+                             c["num_experts_per_tok"], c["num_hidden_layers"], c["vocab_size"])
+    q, kv, d = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"], c["head_dim"]
+    shared = 2 * h * q + 2 * h * kv + 2 * d + e * h + 2 * h
+    expert = 3 * h * i
+    root = 2 * v * h + h
+    return root + layers * (shared + e * expert), root + layers * (shared + k * expert)
+
+
+@pytest.mark.slow  # a fresh process each: imports torch, transformers and ember
+@pytest.mark.parametrize("config", [QWEN3_30B_A3B, QWEN3_235B_A22B], ids=["Qwen3-30B-A3B", "Qwen3-235B-A22B"])
+def test_ember_estimate_counts_total_and_active_parameters_of_qwen3_moe(tmp_path, config):
+    """From config.json alone, in under 30 s of CPU: 30.5 B total / 3.3 B active, and
+    235 B / 22 B, as the names say; bf16 parameters are the total's bytes."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = ember("estimate", "--model", str(tmp_path), "--tokens", "32768", "--engine.dtype", "bfloat16", "--json")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert r.returncode == 0, r.stderr
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 30, f"ember estimate took {cpu:.1f} s of CPU"
+    est = json.loads(r.stdout)
+    total, active = _moe_params(config)
+    assert (est["total_parameters"], est["active_parameters"]) == (total, active)
+    assert est["parameters"] == 2 * total
+    name_total, name_active = (30.5e9, 3.3e9) if config is QWEN3_30B_A3B else (235e9, 22e9)
+    assert abs(total / name_total - 1) < 0.02 and abs(active / name_active - 1) < 0.03
+
+
+def test_expert_lora_counts_rank_times_in_plus_out_for_every_expert(tmp_path):
+    """A small Qwen3-MoE shape, in process: the adapter is attention's and every expert's."""
+    config = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "num_experts": 8, "hidden_size": 256,
+              "moe_intermediate_size": 64, "num_attention_heads": 4, "head_dim": 64, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run_cli("estimate", "--model", str(tmp_path), "--tokens", "64", "--lora-rank", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    est = json.loads(r.stdout)
+    h, i, q, kv, e, v = 256, 64, 256, 4 * 64, 8, 1000
+    attention = 4 * ((h + q) + 2 * (h + kv) + (q + h))
+    experts = e * 4 * ((h + 2 * i) + (i + h))  # gate_up (2I x H) and down (H x I), rank 4 per expert
+    assert est["gradients"] == 4 * (2 * (attention + experts) + 4 * (h + v))
+    assert est["total_parameters"] == _moe_params(config)[0]

@@ -59,8 +59,10 @@ def test_each_family_file_builds_its_tiny_model_and_names_real_classes(name, tmp
     assert uses_sliding_window(config) is bool(non_full_attention_layers(config))  # Qwen3.5's linear layers
     model = AutoModelForCausalLM.from_config(config)
     suffixes = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    assert set(family.lora.attn + family.lora.mlp + family.lora.unembed) <= suffixes
+    dense_mlp = family.lora.mlp if family.moe is None else ()  # a MoE layer's MLP is its experts
+    assert set(family.lora.attn + dense_mlp + family.lora.unembed) <= suffixes
     layer = model.model.layers[0]
+    assert all(layer.get_parameter(path).dim() == 3 for path in family.lora.experts)
     for path in (family.tp_plan.colwise + family.tp_plan.rowwise) if family.tp_plan else ():
         layer.get_submodule(path)
     if family.value_head_class is not None:
@@ -71,6 +73,7 @@ def test_each_family_file_builds_its_tiny_model_and_names_real_classes(name, tmp
 def test_unknown_tiny_model_family_is_refused_naming_the_known_ones():
     from ember.models.testing import tiny_config
 
-    with pytest.raises(ValueError, match=r"unknown tiny model family 'gpt2'; expected one of \['llama', 'mistral', "
-                                         r"'olmo2', 'qwen2', 'qwen2_5_vl', 'qwen3', 'qwen3_5', 'qwen3_vl'\]"):
+    with pytest.raises(ValueError, match=r"unknown tiny model family 'gpt2'; expected one of \['gpt_oss', 'llama', "
+                                         r"'mistral', 'olmo2', 'qwen2', 'qwen2_5_vl', 'qwen3', 'qwen3_5', 'qwen3_moe', "
+                                         r"'qwen3_vl'\]"):
         tiny_config("gpt2", vocab_size=50)

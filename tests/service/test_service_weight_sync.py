@@ -6,6 +6,7 @@ server's `ember_weight_sync_seconds{mode}`)."""
 
 from __future__ import annotations
 
+import pytest
 from tinker import types
 
 import ember
@@ -94,5 +95,37 @@ def test_memory_mode_releases_a_saved_paths_tensors_with_its_checkpoint_or_sessi
         sc.service.finish_session(sc.owner, sc.context.session_id(), "success")
         gc.collect()
         assert samplers.synced_paths() == [] and sampler.live_versions() == 0  # the session's clients went too
+    finally:
+        sc.close("success")
+
+
+def _moe_case(lora: bool, sync: str):
+    return pytest.param(lora, sync, marks=[] if (lora, sync) == (True, "memory") else [pytest.mark.slow],
+                        id=f"{'lora' if lora else 'full'}-{sync}")
+
+
+@pytest.mark.parametrize("lora,sync", [_moe_case(lora, sync) for lora in (True, False) for sync in ("memory", "files")])
+def test_a_mixture_of_experts_run_s_expert_weights_reach_the_sampler(tmp_path, tiny_moe_dir, lora, sync):
+    """A LoRA run adapts every expert, a full run changes the expert weights themselves: a
+    snapshot (tensors handed over) and a saved path (`weight_sync` memory: tensors; files:
+    the export read back, per-expert names for Qwen3-MoE) both sample with the trainer's
+    own logprobs (contract 5)."""
+    sc = ember.ServiceClient(config=ServiceConfig(data_dir=tmp_path / "data", models={"moe": str(tiny_moe_dir)},
+                                                  sampler=SamplerConfig(weight_sync=sync)))
+    try:
+        tc = (sc.create_lora_training_client(base_model="moe", rank=4, seed=0) if lora else
+              sc.create_full_training_client(base_model="moe")).result()
+        for step in range(2):
+            tc.forward_backward([sft_datum([5, 9, 14, 22, 31, 40 + step])], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        snapshot = tc.save_weights_and_get_sampling_client().result()
+        path = tc.save_weights_for_sampler("step-2").result().path
+        from_path = sc.create_sampling_client(model_path=path).result()
+        for client in (snapshot, from_path):
+            seq = client.sample(PROMPT, 1, types.SamplingParams(max_tokens=6, seed=3, stop=[])).result().sequences[0]
+            tokens = PROMPT.to_ints() + seq.tokens
+            out = tc.forward([sft_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]
+            trained = out["logprobs"].to_numpy()[PROMPT.length - 1:]
+            assert abs(trained - seq.logprobs).max() < 1e-4
     finally:
         sc.close("success")

@@ -291,3 +291,39 @@ def build_micro_batch(
         segment_ids=segment_ids,
         model_kwargs=model_kwargs,
     )
+
+
+def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """The additive (rows, 1, width, width) mask of packed rows: a token attends to the
+    tokens before it in its own sequence (a new one starts where position_ids restart at 0),
+    what transformers derives from position_ids for the families that do
+    (`ModelFamily.packs_by_position`); with `window`, only to the last `window` of them
+    (a sliding-window layer: q - k < window, transformers' rule). 0 where attended,
+    dtype's minimum elsewhere."""
+    segment = (position_ids == 0).cumsum(dim=-1)
+    width = position_ids.shape[-1]
+    index = torch.arange(width, device=position_ids.device)
+    distance = index[:, None] - index[None, :]
+    allowed = (segment[:, :, None] == segment[:, None, :]) & (distance >= 0)
+    if window is not None:
+        allowed &= distance < window
+    zero = torch.zeros((), dtype=dtype, device=position_ids.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+def packed_masks(position_ids: torch.Tensor, dtype: torch.dtype, config) -> torch.Tensor | dict[str, torch.Tensor]:
+    """`block_causal_mask` for a model's layers: one tensor when every layer attends fully,
+    else one per layer type (`config.layer_types`), the form transformers' models take
+    prepared masks in (a sliding-window layer gets `config.sliding_window`)."""
+    full = block_causal_mask(position_ids, dtype)
+    types_ = set(getattr(config, "layer_types", None) or ())
+    if types_ <= {"full_attention"}:
+        return full
+    masks = {"full_attention": full}
+    if "sliding_attention" in types_:
+        masks["sliding_attention"] = block_causal_mask(position_ids, dtype, int(config.sliding_window))
+    unknown = types_ - set(masks)
+    if unknown:
+        raise ValueError(f"packed micro-batches: no mask for layer types {sorted(unknown)}; "
+                         "set EngineConfig.packing=False for this model")
+    return masks

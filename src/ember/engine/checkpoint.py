@@ -169,4 +169,5 @@ def export_hf(engine: "TorchEngine", path: Path) -> None:
     peft_cfg = engine.model.peft_config[engine.adapter_name]
     hf_export.write_lora_adapter(path, adapter, rank=peft_cfg.r, alpha=peft_cfg.lora_alpha,
                                  base_model=peft_cfg.base_model_name_or_path or engine.model_name, head=head or None,
-                                 exclude_modules=peft_cfg.exclude_modules)
+                                 exclude_modules=peft_cfg.exclude_modules,
+                                 target_parameters=sorted(peft_cfg.target_parameters or ()) or None)

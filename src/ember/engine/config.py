@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ember.models.dtypes import dtype_name
+
+
+def check_moe_aux_loss_coef(coef: object) -> None:
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+        raise ValueError(f"EngineConfig.moe_aux_loss_coef must be a finite number >= 0 (0 = off), got {coef!r}")
 
 
 @dataclass
@@ -43,6 +49,11 @@ class EngineConfig:
         weights) in a full fine-tuning run; off, the tower is frozen and only the language
         model learns. LoRA adapters never go on the tower, and a LoRA run with it on is
         refused (the tower's weights are the shared base model's).
+    moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss, added (times this
+        coefficient) to every forward_backward's loss: per sequence and layer, E/(kT) x
+        sum over experts of (tokens routed there) x (mean router probability), summed
+        (`ember.engine.moe`); 0 (the default) = off. Reported as `moe_aux_loss:sum`, apart
+        from `loss:sum`.
     """
 
     micro_batch_tokens: int = 8192
@@ -58,10 +69,12 @@ class EngineConfig:
     activation_offload: bool = False
     optimizer_offload: bool = False
     train_vision: bool = False
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         from ember.engine.registry import ENGINE_BACKENDS
 
+        check_moe_aux_loss_coef(self.moe_aux_loss_coef)
         if self.backend not in ENGINE_BACKENDS:
             raise ValueError(f"EngineConfig.backend {self.backend!r} is unknown; known: {', '.join(ENGINE_BACKENDS)}")
         if self.micro_batch_tokens < 1:

@@ -33,6 +33,11 @@ activations of one micro-batch of N tokens:
   packed (`TorchEngine`), so it gets no (T, T) packing mask; its linear layers' saved
   activations are counted with the attention layers' fit (not measured for them).
 
+A mixture-of-experts model (docs/architecture.md#mixture-of-experts) also reports its total
+and active parameters (`parameter_counts`: k of E experts per token); its adapter counts
+rank x (in + out) per expert of each adapted expert weight, and its activations take the
+k routed experts' width for the MLP's.
+
 The model on the meta device is built by transformers (`AutoModelForCausalLM.from_config`),
 the LoRA adapter's size by arithmetic on the target Linear shapes (`lora_target_modules`).
 The CPU figures are checked against measured peaks in tests/engine/test_engine_estimate.py.
@@ -72,6 +77,8 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     sampler_kv: int = 0  # one sequence of `tokens` in the sampler: full-attention layers' keys and values
     sampler_state: int = 0  # ... and linear-attention layers' recurrent state (no KV)
+    total_parameters: int = 0  # the model's parameter count (elements)
+    active_parameters: int = 0  # of them, those one token computes with (k of E experts; all for a dense model)
 
     @property
     def peak(self) -> int:
@@ -91,6 +98,9 @@ class MemoryEstimate:
             rows.append(("host memory (offloaded)", self.host_offloaded))
         out = [f"per rank (world size {self.world_size}), one micro-batch of {self.tokens} tokens:"]
         out += [f"  {name:<30} {_gib(n)}" for name, n in rows]
+        if self.active_parameters != self.total_parameters:
+            out.append(f"  {'model parameters':<30} {self.total_parameters / 1e9:10.3f} B total, "
+                       f"{self.active_parameters / 1e9:.3f} B active per token")
         out += [f"sampler slot cache, one sequence of {self.tokens} tokens (not in the peak):",
                 f"  {'KV cache (attention layers)':<30} {_gib(self.sampler_kv)}"]
         if self.sampler_state:
@@ -160,6 +170,40 @@ def _count(model: torch.nn.Module, tp: int, lora_rank: int | None, lora: types.L
     return _Counts(layer, root, max(per_layer.values(), default=0), trained)
 
 
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(total, active) parameters: a mixture-of-experts model's expert weights count
+    k / E of their elements as active (each token computes with k of the E experts); every
+    other parameter, and every parameter of a dense model, is active."""
+    from ember.models.families import moe_of
+
+    layout = moe_of(model.config)
+    total = active = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if layout is not None and p.dim() == 3 and f".{layout.experts}." in f".{name}":
+            cfg = model.config
+            active += p.numel() * int(getattr(cfg, layout.top_k)) // int(getattr(cfg, layout.num_experts))
+        else:
+            active += p.numel()
+    return total, active
+
+
+def _expert_lora_elements(model: torch.nn.Module, lora: types.LoraConfig) -> int:
+    """A mixture-of-experts adapter's factors: rank x (in + out) for every expert of every
+    adapted fused weight (`ember.models.experts.factor_shapes`)."""
+    from ember.models.experts import factor_shapes
+    from ember.models.families import moe_of
+    from ember.models.lora import lora_target_parameters
+
+    layout, wanted = moe_of(model.config), lora_target_parameters(model, lora)
+    total = 0
+    for name, p in model.named_parameters():
+        if layout is not None and p.dim() == 3 and any(name.endswith("." + w) for w in wanted):
+            a, b = factor_shapes(tuple(p.shape), lora.rank, layout.transposed)
+            total += a[0] * a[1] + b[0] * b[1]
+    return total
+
+
 def _lora_elements(model: torch.nn.Module, lora: types.LoraConfig, tp: int, vocab_split: bool = False) -> int:
     from ember.models.lora import lora_target_modules
 
@@ -177,7 +221,7 @@ def _lora_elements(model: torch.nn.Module, lora: types.LoraConfig, tp: int, voca
                 total += lora.rank * (module.in_features // tp + module.out_features)
             else:  # column split: A whole, B split by its output rows
                 total += lora.rank * (module.in_features + module.out_features // tp)
-    return total
+    return total + _expert_lora_elements(model, lora)
 
 
 def _rowwise_paths(model: torch.nn.Module) -> tuple[str, ...]:
@@ -189,15 +233,29 @@ def _rowwise_paths(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(family.tp_plan.rowwise) if family is not None and family.tp_plan is not None else ()
 
 
+def _mlp_width(text) -> int:
+    """The MLP columns one token goes through: the dense MLP's, or k experts' (a
+    mixture-of-experts layer; its router's E logits and softmax are counted with them)."""
+    from ember.models.families import moe_of
+
+    layout = moe_of(text)
+    if layout is None:
+        return int(text.intermediate_size)
+    width = int(getattr(text, "moe_intermediate_size", None) or text.intermediate_size)
+    return int(getattr(text, layout.top_k)) * width + int(getattr(text, layout.num_experts)) // 2
+
+
 def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
     """Bytes autograd keeps per token for one decoder layer (transformers' Llama/Qwen3, sdpa).
 
     Fitted on saved-tensor hooks over fp32 Llama and Qwen3 layers of several shapes (exact
     to ±0.3% there): 7·H (two RMSNorms: input, normalised, product, residual) + 4·I (gate,
     SiLU, up, product) + 2·q + 2·kv (rotary, attention output) elements, Qwen3's per-head
-    q/k norms another 2·q + 2·kv; heads and MLP columns divided by `tp`."""
+    q/k norms another 2·q + 2·kv; heads and MLP columns divided by `tp`. A
+    mixture-of-experts layer's I is the k routed experts' columns (`_mlp_width`: an
+    arithmetic extension of the fit, not measured)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    h, i = int(text.hidden_size), int(text.intermediate_size) // tp
+    h, i = int(text.hidden_size), _mlp_width(text) // tp
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or h // heads)
     q = heads * head_dim // tp
@@ -310,12 +368,14 @@ def estimate_memory(
         notes.append(f"context parallelism: each rank holds {-(-tokens // parallel.cp)} of the {tokens} tokens")
     host = host_acts + (moments if engine.optimizer_offload else 0)
     sampler_kv, sampler_state = sampler_cache_bytes(hf_config, tokens, param_bytes)
+    total, active = parameter_counts(model)
     return MemoryEstimate(
         tokens=tokens, world_size=parallel.world_size, parameters=params, gradients=trained,
         optimizer=0 if engine.optimizer_offload else moments, activations=acts,
         output_head=_output_head(hf_config, engine, -(-tokens // parallel.cp), compute_bytes, parallel.tp, split),
         fsdp_working_set=working,
         host_offloaded=host, notes=notes, sampler_kv=sampler_kv, sampler_state=sampler_state,
+        total_parameters=total, active_parameters=active,
     )
 
 

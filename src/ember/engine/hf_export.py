@@ -3,8 +3,9 @@
     write_lora_adapter(out, adapter, rank=..., alpha=..., base_model=..., base_dir=...)
         adapter_config.json + adapter_model.safetensors (+ the base model's tokenizer files):
         `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)`.
-    write_full_model(out, merge_lora(read_base_weights(base_dir), adapter, scale=...), base_dir)
-        the same, with a LoRA adapter merged into the base weights (W + scale * B @ A).
+    write_full_model(out, merge_lora(read_base_weights(base_dir), adapter, scale=..., config=...), base_dir)
+        the same, with a LoRA adapter merged into the base weights (W + scale * B @ A; a
+        mixture-of-experts model's expert adapters into its expert weights, either layout).
     write_full_model(out, weights, base_dir)
         config.json + model.safetensors (or shards + model.safetensors.index.json when larger
         than `max_shard_bytes`) + generation_config.json + tokenizer files:
@@ -41,6 +42,7 @@ import torch
 from ember.errors import UserError
 from ember.models.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from ember.models.adapter import adapter_target_modules as lora_target_modules
+from ember.models.experts import expert_delta, expert_weight_name, num_experts, part_rows, per_expert_slot
 from ember.models.families import FAMILIES
 
 MODEL_WEIGHTS = "model.safetensors"
@@ -82,23 +84,27 @@ def _check_head(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def write_lora_adapter(out: Path, adapter: dict[str, torch.Tensor], *, rank: int, alpha: int, base_model: str,
                        base_dir: Path | None = None, head: dict[str, torch.Tensor] | None = None,
-                       exclude_modules: str | None = None) -> None:
+                       exclude_modules: str | None = None, target_parameters: list[str] | None = None) -> None:
     """A peft adapter directory for `adapter` (`ember.models.adapter.write_peft_adapter`),
     with the tokenizer files of `base_dir` when given. `exclude_modules` (peft's): the
     modules the adapter's suffixes must not match (a vision tower, `ember.models.lora.
     lora_exclude_modules`); read from `base_dir`'s config when not given.
 
     With `head` (a value head's `score.weight` / `score.bias`): a `TOKEN_CLS` adapter that
-    saves the head beside it (`modules_to_save=["score"]`, tensors `base_model.model.score.*`)."""
+    saves the head beside it (`modules_to_save=["score"]`, tensors `base_model.model.score.*`).
+    `target_parameters` (peft's: a mixture-of-experts model's adapted expert weights) is
+    read from `base_dir`'s config when not given and the adapter holds expert factors."""
     if exclude_modules is None and base_dir is not None:
         exclude_modules = _exclude_modules(Path(base_dir))
+    if target_parameters is None and base_dir is not None:
+        target_parameters = _target_parameters(Path(base_dir), adapter)
     if head is None:
         write_peft_adapter(out, adapter, rank=rank, alpha=alpha, base_model=base_model,
-                           exclude_modules=exclude_modules)
+                           exclude_modules=exclude_modules, target_parameters=target_parameters)
     else:
         tensors = dict(adapter) | {"base_model.model." + n: t for n, t in _check_head(head).items()}
         write_peft_adapter(out, tensors, rank=rank, alpha=alpha, base_model=base_model, task_type="TOKEN_CLS",
-                           modules_to_save=["score"])
+                           modules_to_save=["score"], target_parameters=target_parameters)
     if base_dir is not None:
         copy_model_files(base_dir, out, TOKENIZER_FILES)
 
@@ -108,6 +114,17 @@ def _exclude_modules(base_dir: Path) -> str | None:
 
     config = json.loads((base_dir / "config.json").read_text()) if (base_dir / "config.json").is_file() else {}
     return lora_exclude_modules(SimpleNamespace(model_type=config.get("model_type")))
+
+
+def _target_parameters(base_dir: Path, adapter: dict[str, torch.Tensor]) -> list[str] | None:
+    """The family's expert weights when `adapter` adapts any (`ember.models.experts`), else None."""
+    config = json.loads((base_dir / "config.json").read_text()) if (base_dir / "config.json").is_file() else {}
+    family = FAMILIES.get(str(config.get("model_type", "")))
+    if family is None or family.moe is None:
+        return None
+    if any(expert_weight_name(module, family.moe) for module in _lora_pairs(adapter)):
+        return list(family.lora.experts)
+    return None
 
 
 def write_full_model(out: Path, weights: Iterable[tuple[str, torch.Tensor]], base_dir: Path, *,
@@ -273,20 +290,64 @@ def _lora_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
 
 
 def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    delta = b.detach().to("cpu", torch.float32) @ a.detach().to("cpu", torch.float32)
+    return _added(w, scale * (b.detach().to("cpu", torch.float32) @ a.detach().to("cpu", torch.float32)))
+
+
+class _ExpertMerge:
+    """The expert part of a merge: each adapted fused expert weight's update
+    (`ember.models.experts.expert_delta`), added to the fused weight or, for a hub
+    checkpoint's per-expert tensors, to each expert's rows of it (one weight's update is
+    kept while its experts stream by)."""
+
+    def __init__(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], config: dict | None, scale: float):
+        family = FAMILIES.get(str((config or {}).get("model_type", "")))
+        self.layout = family.moe if family is not None else None
+        self.pairs: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        if self.layout is not None:
+            self.num_experts = num_experts(config, self.layout)
+            for module, (a, b) in pairs.items():
+                weight = expert_weight_name(module, self.layout)
+                if weight is not None:
+                    self.pairs[weight] = (module, a, b)
+        self.scale, self.cached = scale, ("", None)
+
+    def delta(self, weight: str) -> torch.Tensor:
+        if self.cached[0] != weight:
+            _, a, b = self.pairs[weight]
+            a, b = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
+            self.cached = (weight, expert_delta(a, b, self.num_experts, self.layout.transposed, self.scale))
+        return self.cached[1]
+
+    def merged(self, name: str, w: torch.Tensor) -> tuple[str | None, torch.Tensor]:
+        """(the adapter module merged, the weight): (None, w) when no expert update applies."""
+        if name in self.pairs:
+            return self.pairs[name][0], _added(w, self.delta(name))
+        slot = per_expert_slot(name, self.layout) if self.layout is not None else None
+        if slot is None or slot[0] not in self.pairs:
+            return None, w
+        weight, e, part, parts = slot
+        return self.pairs[weight][0], _added(w, part_rows(self.delta(weight)[e], part, parts))
+
+
+def _added(w: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """w + delta computed in fp32, in w's dtype."""
     if delta.shape != w.shape:
         raise ValueError(f"LoRA update of shape {tuple(delta.shape)} does not fit a weight of shape {tuple(w.shape)}")
-    return (w.to(torch.float32) + scale * delta).to(w.dtype)
+    return (w.to(torch.float32) + delta).to(w.dtype)
 
 
 def merge_lora(base: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor], *, scale: float,
-               tied_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+               tied_head: bool = False, config: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The base weights with `scale * B @ A` added to every weight the adapter targets.
 
     With `tied_head` and a checkpoint that stores no `lm_head.weight`, an adapter on
-    `lm_head` is merged into a copy of the input embedding (then written untied). Every
-    adapter module must be found in `base` (else ValueError naming them)."""
+    `lm_head` is merged into a copy of the input embedding (then written untied). `config`
+    (the base model's config.json) names a mixture-of-experts family: its expert adapters
+    merge into the fused expert weights, or into a hub checkpoint's per-expert tensors
+    (`ember.models.experts`). Every adapter module must be found in `base` (else
+    ValueError naming them)."""
     pairs, used, embedding = _lora_pairs(adapter), set(), None
+    experts = _ExpertMerge(pairs, config, scale)
     for name, w in base:
         module = name.removesuffix(".weight")
         if tied_head and embedding is None and name.endswith("embed_tokens.weight"):
@@ -294,6 +355,10 @@ def merge_lora(base: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, torc
         if name.endswith(".weight") and module in pairs:
             used.add(module)
             w = _merged(w, *pairs[module], scale)
+        else:
+            merged_module, w = experts.merged(name, w)
+            if merged_module is not None:
+                used.add(merged_module)
         yield name, w
     if tied_head and "lm_head" in pairs and "lm_head" not in used and embedding is not None:
         used.add("lm_head")

@@ -31,15 +31,23 @@ from transformers import PreTrainedModel
 
 from ember.engine import checkpoint
 from ember.engine.base import EngineInfo, EngineStatus, LossConfig, NonFiniteGradientError, TrainingEngine
-from ember.engine.batching import MicroBatch, build_micro_batch, head_mismatch, plan_micro_batches, prepare_datums
+from ember.engine.batching import (
+    MicroBatch,
+    build_micro_batch,
+    head_mismatch,
+    packed_masks,
+    plan_micro_batches,
+    prepare_datums,
+)
 from ember.engine.config import EngineConfig
 from ember.engine.heads import OutputHead, build_head, head_output
+from ember.engine.moe import RoutingStats, moe_routing
 from ember.engine.optimizers import Optimizer, build_optimizer
 from ember.engine.parallel import ParallelismConfig, apply_activation_checkpointing, hf_model
 from ember.errors import UserError
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
-from ember.models.families import linear_attention_layers, vision_of
+from ember.models.families import family_of, linear_attention_layers, vision_of
 from ember.models.vision import VisionSpec, load_vision_spec
 
 if TYPE_CHECKING:
@@ -100,6 +108,8 @@ class TorchEngine(TrainingEngine):
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)  # idempotent: a shared base or a mesh may have it
         self._params = self._trainable_parameters()
+        # a mixture-of-experts model's routing metrics and auxiliary loss (ember.engine.moe)
+        self._routing = moe_routing(self.model, self.hf_config, self.config.moe_aux_loss_coef)
         self.optimizer_config = optimizer_config
         self.optimizer = self._new_optimizer()
         self._step = 0
@@ -217,6 +227,11 @@ class TorchEngine(TrainingEngine):
         return self.config.attn_implementation.startswith("flash_attention")
 
     @property
+    def _packs_by_position(self) -> bool:
+        family = family_of(self.hf_config)
+        return family is None or family.packs_by_position
+
+    @property
     def _pad_id(self) -> int:
         pad = getattr(self.hf_config.get_text_config(), "pad_token_id", None)
         return int(pad) if isinstance(pad, int) else 0
@@ -271,6 +286,9 @@ class TorchEngine(TrainingEngine):
         if self.distributed and self.parallel.cp > 1:
             return self._cp_head_outputs(mb)
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
+        if mask is None and not self._packs_by_position:  # packed rows: their block-diagonal mask(s)
+            mask = packed_masks(mb.position_ids.to(dev), resolve_dtype(self._autocast or self.config.dtype),
+                                self.hf_config.get_text_config())
         out = self._model_forward(mb.input_ids.to(dev), mb.position_ids.to(dev), mask, mb.model_kwargs)
         return self.head.outputs(out, mb, dev)
 
@@ -379,18 +397,19 @@ class TorchEngine(TrainingEngine):
         for _ in range(passes - len(plan)):
             self._padding_pass(backward)
         rope_index = self._rope_index()
+        routing = self._routing.new_call(self.device) if self._routing is not None else None
         for group in plan:
             mb = build_micro_batch(
                 [prepared[i] for i in group], self._packing, self._pad_id, single_row=self._varlen_attention,
                 rope_index=rope_index,
             )
             with torch.set_grad_enabled(backward):
-                logp = self._head_outputs(mb)  # log-probs, or values for a value head
+                logp, aux = self._outputs_and_aux(mb, routing)  # log-probs (or values), the MoE aux loss
                 inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}
                 elementwise = spec.fn(logp, inputs, cfg, mb.segment_ids.to(logp.device))
                 loss = elementwise.sum()
                 if backward:
-                    loss.backward()
+                    (loss if aux is None else loss + aux).backward()
             total += float(loss.detach())
             self._scatter_outputs(mb, logp.detach(), elementwise.detach(), outputs)
             if backward:
@@ -399,9 +418,20 @@ class TorchEngine(TrainingEngine):
                 self._acc.accumulated_tokens += mb.num_tokens
         if saved is not None:
             self._sum_head_grads_over_dp(saved)
-        return types.ForwardBackwardOutput(
-            loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics={"loss:sum": total}
-        )
+        if routing is not None and self.distributed:
+            routing.sum_over_ranks(self.parallel.sum_over_dp_)
+        metrics = {"loss:sum": total} | (routing.metrics() if routing is not None else {})
+        return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
+
+    def _outputs_and_aux(self, mb: MicroBatch,
+                         routing: RoutingStats | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's outputs for `mb`; for a mixture-of-experts model, its routing recorded
+        in `routing` and the auxiliary load-balancing loss (None when off or dense)."""
+        if routing is None or (self.distributed and self.parallel.cp > 1):
+            return self._head_outputs(mb), None
+        with self._routing.capture() as logits:
+            out = self._head_outputs(mb)
+        return out, self._routing.micro_batch(routing, logits, mb.valid_index, mb.segment_ids)
 
     def _stash_head_grads(self) -> list[torch.Tensor | None]:
         """Set the head's accumulated gradient aside, so only this call's part is reduced."""

@@ -9,9 +9,11 @@ The defaults are what a first user needs: a byte-level tokenizer (any text round
 with the chat markers tinker-cookbook's renderers expect as single tokens (`<|im_start|>`,
 `<|im_end|>`, `<|endoftext|>`, Llama 3's `<|eot_id|>`, ...), 4096 positions, and
 head_dim 32, which every sampler backend serves (vLLM's CPU attention needs >= 32).
-`--family qwen3_vl` / `qwen2_5_vl` write a vision-language model: a 2-block vision tower in
-front of the decoder, the image placeholder tokens in the tokenizer (and a chat template
-that renders image parts as them) and `preprocessor_config.json` (the PIL image processor).
+`--family` takes any family of `ember.models.families`: `qwen3_vl` / `qwen2_5_vl` write a
+vision-language model (a 2-block vision tower in front of the decoder, the image
+placeholder tokens in the tokenizer, a chat template that renders image parts as them and
+`preprocessor_config.json`, the PIL image processor); `qwen3_moe` / `gpt_oss` a
+mixture-of-experts model (4 experts, 2 per token), gpt-oss with a harmony tokenizer.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-FAMILY_CHOICES = ("qwen3", "llama", "qwen3_vl", "qwen2_5_vl", "qwen3_5")
 
 # (flag, attribute, lowest, highest): a value outside is refused before anything is built
 SIZES = (
@@ -31,11 +31,19 @@ SIZES = (
 )
 
 
+def family_choices() -> tuple[str, ...]:
+    """Every model family ember has a file for (`ember.models.families`), qwen3 first."""
+    from ember.models.families import FAMILIES
+
+    return ("qwen3", *sorted(n for n in FAMILIES if n != "qwen3"))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="directory to write (must not exist, or be empty)")
-    parser.add_argument("--family", choices=FAMILY_CHOICES, default="qwen3",
+    parser.add_argument("--family", choices=family_choices(), default="qwen3",
                         help="architecture (default qwen3; qwen3_vl and qwen2_5_vl add a tiny vision tower, "
-                             "the image placeholder tokens and a PIL image processor config)")
+                             "the image placeholder tokens and a PIL image processor config; qwen3_moe and "
+                             "gpt_oss are mixture-of-experts models, 4 experts, 2 per token)")
     parser.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--heads", type=int, default=None,
@@ -64,6 +72,20 @@ def _heads(args: argparse.Namespace) -> int:
     return args.heads or args.hidden_size // 32
 
 
+def _extra(family: str) -> str:
+    from ember.models.families import FAMILIES
+
+    f = FAMILIES[family]
+    return " (with a vision tower)" if f.vision is not None else " (4 experts, 2 per token)" if f.moe else ""
+
+
+def _chat(family: str) -> str:
+    from ember.models.families import FAMILIES
+
+    chat = FAMILIES[family].tiny_chat
+    return chat.name if chat is not None else "ChatML"
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -79,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     build_tiny_model(out, family=args.family, seed=args.seed, tokenizer="bytes", hidden_size=args.hidden_size,
                      num_layers=args.layers, num_heads=heads, num_kv_heads=heads,
                      head_dim=args.hidden_size // heads, max_position_embeddings=args.max_positions)
-    print(f"ember tiny-model: wrote a random-weight {args.family}{' (with a vision tower)' if 'vl' in args.family else ''} (hidden {args.hidden_size}, {args.layers} "
-          f"layers, {heads} heads of {args.hidden_size // heads}, {args.max_positions} positions) and a "
-          f"byte-level tokenizer with a ChatML template to {out}")
+    print(f"ember tiny-model: wrote a random-weight {args.family}{_extra(args.family)} (hidden {args.hidden_size}, "
+          f"{args.layers} layers, {heads} heads of {args.hidden_size // heads}, {args.max_positions} positions) and a "
+          f"byte-level tokenizer with a {_chat(args.family)} template to {out}")
     return 0

@@ -14,7 +14,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.models.dtypes import dtype_name
-from ember.models.families import vision_of
+from ember.models.families import family_of, vision_of
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -42,6 +42,17 @@ def model_class(config) -> type:
     return AutoModelForCausalLM if vision is None else getattr(transformers, vision.model_class)
 
 
+def effective_attention(config, requested: str) -> str:
+    """The attention implementation a model of `config` runs with when `requested` is
+    asked for: the family's own (`ModelFamily.attention`, gpt-oss's "eager": transformers
+    has no SDPA kernel with attention sinks) in place of the default "sdpa"; anything
+    else as asked."""
+    family = family_of(config)
+    if requested == "sdpa" and family is not None and family.attention is not None:
+        return family.attention
+    return requested
+
+
 def load_model(
     path: str | os.PathLike,
     dtype: str | torch.dtype = "float32",
@@ -52,8 +63,9 @@ def load_model(
 
     `sdpa` attention is the default: with `position_ids` restarting per sequence and no
     attention mask, transformers builds a block-diagonal causal mask, which is what
-    ember's sequence packing relies on (see `ember.engine.batching`). A vision-language
-    model loads through its family's class (`model_class`), vision tower included.
+    ember's sequence packing relies on (see `ember.engine.batching`); a family without an
+    SDPA kernel loads with its own (`effective_attention`). A vision-language model loads
+    through its family's class (`model_class`), vision tower included.
     """
     p = _check_dir(path)
     config = AutoConfig.from_pretrained(p, local_files_only=True)
@@ -61,7 +73,7 @@ def load_model(
         p,
         config=config,  # read once: from the path, transformers would parse config.json again
         dtype=resolve_dtype(dtype),
-        attn_implementation=attn_implementation,
+        attn_implementation=effective_attention(config, attn_implementation),
         local_files_only=True,
     )
     return model.to(device)

@@ -9,6 +9,9 @@ ember maps it onto `peft.LoraConfig` with:
   stay interchangeable with Tinker's.
 * no dropout, no bias; A initialised from `seed` (Kaiming-uniform, peft's default) and
   B = 0, so a fresh adapter leaves the model's outputs unchanged.
+* a mixture-of-experts model's fused expert weights (3-D: `mlp.experts.gate_up_proj`,
+  `mlp.experts.down_proj`) are peft `target_parameters` when `train_mlp` is on: per-expert
+  A/B matrices (`ember.models.experts`); the router is never adapted (it is frozen under LoRA).
 """
 
 from __future__ import annotations
@@ -41,13 +44,19 @@ def lora_target_modules(model: PreTrainedModel, config: types.LoraConfig, unembe
     # Suffixes of every module: after peft wrapping, `q_proj` is a LoRA layer, no longer a Linear.
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [w for w in wanted if w in present]
-    if not targets:
+    if not targets and not (config.train_mlp and family.experts):  # experts alone are targets too
         raise ValueError(
             f"LoraConfig selects no module of this model (train_attn={config.train_attn}, "
             f"train_mlp={config.train_mlp}, train_unembed={config.train_unembed}); "
             f"projection modules present: {sorted(present & set(family.attn + family.mlp + family.unembed))}"
         )
     return targets
+
+
+def lora_target_parameters(model: PreTrainedModel, config: types.LoraConfig) -> list[str]:
+    """peft's `target_parameters`: the family's 3-D expert weights (`LoraTargets.experts`)
+    when `train_mlp` selects the MLP, [] for a dense model."""
+    return list(lora_targets(model.config).experts) if config.train_mlp else []
 
 
 def lora_exclude_modules(config) -> str | None:
@@ -62,6 +71,9 @@ def peft_config(model: PreTrainedModel, config: types.LoraConfig, unembed: bool 
         raise ValueError(f"LoraConfig.rank must be >= 1, got {config.rank}")
     exclude = lora_exclude_modules(model.config)
     extra = {"exclude_modules": exclude} if exclude is not None else {}
+    experts = lora_target_parameters(model, config)
+    if experts:
+        extra["target_parameters"] = experts
     return PeftLoraConfig(
         r=config.rank,
         lora_alpha=LORA_ALPHA,

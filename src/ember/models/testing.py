@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from ember.models.families import FAMILIES, VisionFamily
+from ember.models.families import FAMILIES, TinyChat, VisionFamily
 from ember.models.loading import model_class
 
 EOS = "<|eos|>"
@@ -108,30 +108,48 @@ def vision_chat_template(open_turn: str, close_turn: str, generation_prompt: str
 
 def build_byte_tokenizer(
     out_dir: str | os.PathLike, corpus: list[str] | None = None, merges: int = 0,
-    extra_special: Sequence[str] = (),
+    extra_special: Sequence[str] = (), chat: TinyChat | None = None,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer in code and save it (ChatML template, EOS `<|im_end|>`).
 
     The 256 byte symbols are the initial alphabet, so every byte sequence encodes and
     decodes back exactly; with `merges=0` (the default) no merges are learned (one token
     per byte). `BYTE_SPECIAL_TOKENS` are single tokens; there is no BOS (as in Qwen3).
-    `extra_special` as in `build_tokenizer` (a vision model's placeholder tokens).
+    `extra_special` as in `build_tokenizer` (a vision model's placeholder tokens). `chat`
+    (a family's `TinyChat`, e.g. gpt-oss's harmony) replaces ChatML: its special tokens,
+    EOS and template.
     """
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if chat is not None:
+        return _save_chat_tokenizer(out_dir, corpus, merges, chat)
     special = BYTE_SPECIAL_TOKENS + list(extra_special)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(special) + len(alphabet) + merges, special_tokens=special,
-        initial_alphabet=alphabet, show_progress=False,
-    )
-    tok.train_from_iterator(corpus or [], trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=special[1:])
+    fast = PreTrainedTokenizerFast(tokenizer_object=_byte_bpe(corpus, merges, special), eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=special[1:])
     fast.add_tokens(BYTE_ADDED_TOKENS)
     fast.chat_template = vision_chat_template("<|im_start|>' + message['role'] + '\\n", "<|im_end|>\\n",
                                               "<|im_start|>assistant\\n") if extra_special else CHATML_TEMPLATE
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _byte_bpe(corpus: list[str] | None, merges: int, special: list[str]) -> Tokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=len(special) + len(alphabet) + merges, special_tokens=special,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(corpus or [], trainer=trainer)
+    return tok
+
+
+def _save_chat_tokenizer(out_dir: str | os.PathLike, corpus: list[str] | None, merges: int,
+                         chat: TinyChat) -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with a family's own chat markers (`TinyChat`): the first is the pad."""
+    special = list(chat.special)
+    fast = PreTrainedTokenizerFast(tokenizer_object=_byte_bpe(corpus, merges, special), eos_token=chat.eos,
+                                   pad_token=special[0], additional_special_tokens=special[1:])
+    fast.chat_template = chat.template
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
     return fast
@@ -219,7 +237,8 @@ def build_tiny_model(
     calibrated on it) uses `tokenizer_alphabet`; "bytes" is `ember tiny-model`'s.
     A vision-language family (`qwen3_vl`, `qwen2_5_vl`) adds its placeholder tokens to the
     tokenizer, a tiny vision tower to the model and a PIL image processor config
-    (`build_image_processor`).
+    (`build_image_processor`); a family with its own chat markers (`ModelFamily.tiny_chat`:
+    gpt-oss's harmony) gets them in the "bytes" tokenizer.
     Load it back with `ember.models.load_model(out_dir)` / `load_tokenizer(out_dir)`.
     """
     out = Path(out_dir)
@@ -229,7 +248,8 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {sorted(FAMILIES)}")
     vision = FAMILIES[family].vision
     extra = vision.special_tokens if vision is not None else ()
-    tok = build_byte_tokenizer(out, extra_special=extra) if tokenizer == "bytes" else \
+    chat = FAMILIES[family].tiny_chat
+    tok = build_byte_tokenizer(out, extra_special=extra, chat=chat) if tokenizer == "bytes" else \
         build_tokenizer(out, alphabet=tokenizer_alphabet, extra_special=extra)
     if vision is not None:
         config_kwargs["vision_token_ids"] = _vision_token_ids(tok, vision)

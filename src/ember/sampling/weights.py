@@ -7,7 +7,9 @@ One base `nn.Module` serves every version:
 * a LoRA version is only its adapter matrices; `LoraHooks` adds
   `scale * B(A(x))` to the output of each adapted Linear through a forward hook (a
   documented PyTorch extension point), for the batch rows that sample from that
-  version. Rows of different adapters (and base rows) share one forward.
+  version. Rows of different adapters (and base rows) share one forward. A
+  mixture-of-experts adapter's factors on fused expert weights are applied by
+  `ember.sampling.experts.ExpertHooks` on the experts modules.
 
 Versions are immutable: tensors are copied in at `load_weights` and never written to.
 The sampler keeps no strong reference to a version, so dropping the last handle frees
@@ -27,7 +29,10 @@ from torch import nn
 
 from ember.errors import UserError
 from ember.models import LORA_ALPHA
+from ember.models.experts import expert_weight_name, factor_shapes, fused_expert_weights
+from ember.models.families import moe_of
 from ember.sampling.base import WeightVersion
+from ember.sampling.experts import ExpertDelta
 
 _LORA_NAME = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight")
 
@@ -48,14 +53,16 @@ class TorchWeightVersion(WeightVersion):
         params: dict[str, torch.Tensor] | None = None,
         lora: dict[str, LoraDelta] | None = None,
         lora_rank: int | None = None,
+        experts: dict[str, ExpertDelta] | None = None,
     ) -> None:
         super().__init__(sampler_id, is_lora=lora is not None, lora_rank=lora_rank)
         self.params = params
         self.lora = lora
+        self.experts = experts  # fused expert weight name -> its adapter (a MoE LoRA version)
 
     def nbytes(self) -> int:
         tensors = list(self.params.values()) if self.params else []
-        for d in (self.lora or {}).values():
+        for d in [*(self.lora or {}).values(), *(self.experts or {}).values()]:
             tensors += [d.a, d.b]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -86,6 +93,15 @@ def parameter_aliases(model: nn.Module) -> tuple[dict[str, str], dict[str, torch
     return alias, shapes, required
 
 
+def _fused(named_weights: Iterable[tuple[str, torch.Tensor]], config) -> Iterable[tuple[str, torch.Tensor]]:
+    """A mixture-of-experts checkpoint's per-expert tensors (a full export in the hub's
+    layout) as the model's fused expert weights (`ember.models.experts`)."""
+    layout = moe_of(config) if config is not None else None
+    if layout is None or not layout.per_expert:
+        return named_weights
+    return fused_expert_weights(named_weights, layout, int(getattr(config, layout.num_experts)))
+
+
 def build_full_version(
     sampler_id: int,
     named_weights: Iterable[tuple[str, torch.Tensor]],
@@ -93,10 +109,13 @@ def build_full_version(
     device: torch.device,
     dtype: torch.dtype,
     copy: bool,
+    model_config=None,
 ) -> TorchWeightVersion:
+    """A full fine-tuning version from `named_weights` (every parameter); `model_config`
+    (the base model's) lets a mixture-of-experts export in per-expert layout load."""
     aliases, shapes, required = names
     params: dict[str, torch.Tensor] = {}
-    for name, t in named_weights:
+    for name, t in _fused(named_weights, model_config):
         key = aliases.get(name)
         if key is None:
             hint = " (this looks like a LoRA adapter weight: pass lora_config)" if ".lora_" in name else ""
@@ -140,27 +159,50 @@ def build_lora_version(
     if rank < 1:
         raise UserError(f"load_weights: LoraConfig.rank must be >= 1, got {rank}")
     deltas: dict[str, LoraDelta] = {}
+    experts: dict[str, ExpertDelta] = {}
+    layout = moe_of(model.config)
     for module_name, ab in _lora_pairs(named_weights).items():
         if set(ab) != {"A", "B"}:
             raise UserError(f"load_weights: adapter of {module_name!r} has lora_{''.join(ab)} but not both A and B")
-        try:
-            module = model.get_submodule(module_name)
-        except AttributeError:
-            raise UserError(f"load_weights: the base model has no module {module_name!r}") from None
-        if not isinstance(module, nn.Linear):
-            raise UserError(f"load_weights: {module_name!r} is a {type(module).__name__}, LoRA needs an nn.Linear")
-        a, b = ab["A"], ab["B"]
-        want_a, want_b = (rank, module.in_features), (module.out_features, rank)
-        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise UserError(
-                f"load_weights: adapter of {module_name!r}: expected lora_A {want_a} and lora_B {want_b} "
-                f"(rank {rank}), got {tuple(a.shape)} and {tuple(b.shape)}"
-            )
-        a, b = _place(a, device, dtype, copy), _place(b, device, dtype, copy)
-        deltas[module_name] = LoraDelta(a, b, LORA_ALPHA / rank)
-    if not deltas:
+        a, b = _place(ab["A"], device, dtype, copy), _place(ab["B"], device, dtype, copy)
+        weight_name = expert_weight_name(module_name, layout) if layout is not None else None
+        if weight_name is not None:
+            experts[weight_name] = _expert_delta(model, weight_name, a, b, rank, layout)
+        else:
+            deltas[module_name] = _linear_delta(model, module_name, a, b, rank)
+    if not deltas and not experts:
         raise UserError("load_weights: a LoRA version needs at least one adapter weight, got none")
-    return TorchWeightVersion(sampler_id, lora=deltas, lora_rank=rank)
+    return TorchWeightVersion(sampler_id, lora=deltas, lora_rank=rank, experts=experts or None)
+
+
+def _check_factors(where: str, a: torch.Tensor, b: torch.Tensor, want_a: tuple, want_b: tuple, rank: int) -> None:
+    if tuple(a.shape) != tuple(want_a) or tuple(b.shape) != tuple(want_b):
+        raise UserError(
+            f"load_weights: adapter of {where!r}: expected lora_A {tuple(want_a)} and lora_B {tuple(want_b)} "
+            f"(rank {rank}), got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+
+
+def _linear_delta(model: nn.Module, module_name: str, a: torch.Tensor, b: torch.Tensor, rank: int) -> LoraDelta:
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise UserError(f"load_weights: the base model has no module {module_name!r}") from None
+    if not isinstance(module, nn.Linear):
+        raise UserError(f"load_weights: {module_name!r} is a {type(module).__name__}, LoRA needs an nn.Linear")
+    _check_factors(module_name, a, b, (rank, module.in_features), (module.out_features, rank), rank)
+    return LoraDelta(a, b, LORA_ALPHA / rank)
+
+
+def _expert_delta(model: nn.Module, weight_name: str, a: torch.Tensor, b: torch.Tensor, rank: int,
+                  layout) -> ExpertDelta:
+    try:
+        weight = model.get_parameter(weight_name)
+    except AttributeError:
+        raise UserError(f"load_weights: the base model has no expert weight {weight_name!r}") from None
+    want_a, want_b = factor_shapes(tuple(weight.shape), rank, layout.transposed)
+    _check_factors(weight_name, a, b, want_a, want_b, rank)
+    return ExpertDelta(a, b, LORA_ALPHA / rank, int(weight.shape[0]), layout.transposed)
 
 
 class LoraHooks:

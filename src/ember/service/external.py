@@ -57,9 +57,9 @@ def write_export(engine: TrainingEngine, spec: RunSpec, name: str, out: Path) ->
         return
     adapter = dict(engine.named_weights())
     if name.endswith(MERGED_SUFFIX):
-        tied = bool(json.loads((base_dir / "config.json").read_text()).get("tie_word_embeddings", False))
+        config = json.loads((base_dir / "config.json").read_text())
         merged = hf_export.merge_lora(hf_export.read_base_weights(base_dir), adapter, scale=LORA_ALPHA / lora.rank,
-                                      tied_head=tied)
+                                      tied_head=bool(config.get("tie_word_embeddings", False)), config=config)
         _write_model(out, merged, head, base_dir)
     else:
         hf_export.write_lora_adapter(out, adapter, rank=lora.rank, alpha=LORA_ALPHA, base_model=spec.base.name,

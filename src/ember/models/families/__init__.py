@@ -1,12 +1,14 @@
 """Model-family knowledge, one file per family (as torchtitan keeps `models/<family>/`).
 
 Each family file (`llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `olmo2.py`, the hybrid
-linear-attention `qwen3_5.py`, and the vision-language `qwen2_5_vl.py`, `qwen3_vl.py`) builds one `ModelFamily` (`base.py`): its
+linear-attention `qwen3_5.py`, the vision-language `qwen2_5_vl.py`, `qwen3_vl.py` and the
+mixture-of-experts `qwen3_moe.py`, `gpt_oss.py`) builds one `ModelFamily` (`base.py`): its
 tensor-parallel plan, LoRA target modules, direct-decode layer, sliding-window rule,
 value-head export class, tiny-model config and, for a vision-language model, its
-`VisionFamily` (placeholder tokens, the tower, the transformers class). `FAMILIES` maps
-the family's name (a `config.model_type`) to it; `family_of` also knows each family's
-other model types (`ModelFamily.config_types`).
+`VisionFamily` (placeholder tokens, the tower, the transformers class), for a
+mixture-of-experts model its `MoeLayout` (experts, router). `FAMILIES` maps the family's
+name (a `config.model_type`) to it; `family_of` also knows each family's other model types
+(`ModelFamily.config_types`).
 
 Adding a family is one new file here plus its line in `_MODULES` (and its tests).
 """
@@ -15,14 +17,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.models.families import llama, mistral, olmo2, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_vl
+from ember.models.families import (
+    gpt_oss,
+    llama,
+    mistral,
+    olmo2,
+    qwen2,
+    qwen2_5_vl,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_vl,
+)
 from ember.models.families.base import (
     LLAMA_TP_PLAN,
     DecodeOps,
     DirectDecode,
     LoraTargets,
     ModelFamily,
+    MoeLayout,
     TensorParallelPlan,
+    TinyChat,
     VisionFamily,
 )
 
@@ -33,12 +48,16 @@ __all__ = [
     "DirectDecode",
     "LoraTargets",
     "ModelFamily",
+    "MoeLayout",
     "TensorParallelPlan",
+    "TinyChat",
     "VisionFamily",
     "direct_decode_families",
     "family_of",
     "lora_targets",
     "linear_attention_layers",
+    "moe_families",
+    "moe_of",
     "non_full_attention_layers",
     "tp_families",
     "uses_sliding_window",
@@ -46,7 +65,7 @@ __all__ = [
     "vision_of",
 ]
 
-_MODULES = (llama, mistral, qwen2, qwen3, olmo2, qwen2_5_vl, qwen3_vl, qwen3_5)
+_MODULES = (llama, mistral, qwen2, qwen3, olmo2, qwen2_5_vl, qwen3_vl, qwen3_moe, gpt_oss, qwen3_5)
 
 FAMILIES: dict[str, ModelFamily] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 _BY_CONFIG_TYPE: dict[str, ModelFamily] = {t: m.FAMILY for m in _MODULES for t in m.FAMILY.config_types}
@@ -62,6 +81,16 @@ def vision_of(config: Any) -> VisionFamily | None:
     """The vision side of a config's family; None for a text-only model."""
     family = family_of(config)
     return family.vision if family is not None else None
+
+
+def moe_of(config: Any) -> MoeLayout | None:
+    """The expert layout of a config's family; None for a dense model."""
+    family = family_of(config)
+    return family.moe if family is not None else None
+
+
+def moe_families() -> tuple[str, ...]:
+    return tuple(name for name, f in FAMILIES.items() if f.moe is not None)
 
 
 def vision_families() -> tuple[str, ...]:

@@ -10,7 +10,13 @@ collects them into `FAMILIES`. The fields are read by exactly one place each:
 * `value_head_class` by the value-head export (`ember.engine.hf_export`);
 * `tiny_config` by the tiny test models (`ember.models.testing`, `ember tiny-model`);
 * `vision` (vision-language families only) by image inputs (`ember.models.vision`), model
-  loading (`ember.models.loading`), LoRA target selection and the engine's tower freezing.
+  loading (`ember.models.loading`), LoRA target selection and the engine's tower freezing;
+* `moe` (mixture-of-experts families only) by expert LoRA (`ember.models.experts`: the
+  adapter's per-expert A/B, merging, the sampler's expert versions) and the routing
+  metrics and auxiliary loss (`ember.engine.moe`);
+* `attention` by model loading (`ember.models.loading`: a family without an SDPA kernel);
+* `packs_by_position` by the engine's packed micro-batches (`ember.engine.torch_engine`);
+* `tiny_chat` by the tiny test models' tokenizer (`ember.models.testing`).
 
 This module imports nothing from ember: the layer functions get the direct decoder's
 operations as an argument (`DecodeOps`), so models/ stays below sampling/.
@@ -47,6 +53,50 @@ class LoraTargets:
     attn: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     unembed: tuple[str, ...] = ("lm_head",)
+    # 3-D expert parameters (peft's `target_parameters`), also selected by `train_mlp`
+    experts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Where a mixture-of-experts layer keeps its experts and router (docs/architecture.md#mixture-of-experts).
+
+    `experts`: the experts module's path in a decoder layer; `params`: its fused 3-D
+    weights in registration order (peft wraps the first innermost, so an adapter's
+    `experts.base_layer.lora_A` is `params[-2]`'s and `experts.lora_A` is `params[-1]`'s);
+    `transposed`: the weights are (E, in, out), as gpt-oss stores them, else (E, out, in)
+    (`F.linear` per expert, Qwen3-MoE); `router`: the router module's path, whose first
+    output is the (tokens, E) router logits; `num_experts` / `top_k`: the config's
+    attribute names; `per_expert`: the hub's per-expert tensor names, each
+    (module, fused weight, part, parts): `experts.N.<module>.weight` is part `part` of
+    `parts` equal slices of expert N's `<fused weight>` along its output rows (Qwen3-MoE:
+    gate_proj and up_proj are the two halves of gate_up_proj); () when the hub publishes
+    the fused layout only (gpt-oss)."""
+
+    router: str
+    num_experts: str
+    experts: str = "mlp.experts"
+    params: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    transposed: bool = False
+    top_k: str = "num_experts_per_tok"
+    per_expert: tuple[tuple[str, str, int, int], ...] = ()
+
+    @property
+    def param_paths(self) -> tuple[str, ...]:
+        """The expert weights' paths in a decoder layer (LoRA's `target_parameters`)."""
+        return tuple(f"{self.experts}.{p}" for p in self.params)
+
+
+@dataclass(frozen=True)
+class TinyChat:
+    """The special tokens and chat template of a family's tiny byte-level tokenizer:
+    `special` are single tokens (the first is the pad), `eos` ends an assistant turn,
+    `template` is the Jinja chat template, `name` what it is called."""
+
+    name: str
+    special: tuple[str, ...]
+    eos: str
+    template: str
 
 
 class DecodeOps(Protocol):
@@ -160,8 +210,8 @@ class ModelFamily:
     so a value-head run exports only as a training checkpoint or a peft adapter;
     `tiny_config(**kwargs)` builds the family's transformers config from ember's tiny-model
     arguments (`ember.models.testing.tiny_config`); `vision` None: a text-only model;
-    `config_types`: more model types that are this family (Qwen3.5's checkpoints say
-    `qwen3_5`, the text model they load as says `qwen3_5_text`)."""
+    `moe` None: a dense model; `config_types`: more model types that are this family
+    (Qwen3.5's checkpoints say `qwen3_5`, the text model they load as says `qwen3_5_text`)."""
 
     model_type: str
     tiny_config: Callable[..., Any]
@@ -171,6 +221,12 @@ class ModelFamily:
     window_when_set: bool = False
     value_head_class: str | None = None
     vision: VisionFamily | None = None
+    moe: MoeLayout | None = None
+    attention: str | None = None  # the attention kernel when the family has no SDPA one (gpt-oss: "eager")
+    # transformers' forward finds packed sequences from restarting position_ids; False: the
+    # engine passes the block-diagonal mask itself (gpt-oss's model builds its masks without them)
+    packs_by_position: bool = True
+    tiny_chat: TinyChat | None = None  # None: ChatML (`ember.models.testing`)
     config_types: tuple[str, ...] = ()  # other `config.model_type`s of the family (a checkpoint's text config)
 
     @property
