@@ -79,7 +79,8 @@ def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
 
     A vision-language model (a `vision_config` in config.json) is refused on every device
     (`VISION_REFUSAL`), and so is a model with linear-attention layers
-    (`LINEAR_ATTENTION_REFUSAL`) and a mixture-of-experts model on CPU (`MOE_CPU_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
+    (`LINEAR_ATTENTION_REFUSAL`); a mixture-of-experts model is refused on CPU
+    (`MOE_CPU_REFUSAL`). On CUDA vLLM chooses among several attention backends by itself;
     only the CPU backend's fixed head sizes are checked here."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -89,15 +90,16 @@ def check_vllm_model(model_dir: str | os.PathLike, device: str) -> None:
         raise UnsupportedModelError(VISION_REFUSAL)
     if not isinstance(config, dict):
         return
+    text = config.get("text_config", config)
+    if "linear_attention" in (text.get("layer_types") or []) or "linear_num_value_heads" in text:
+        raise UnsupportedModelError(LINEAR_ATTENTION_REFUSAL)
+    if device != "cpu":
+        return
     from ember.models.families import moe_families
 
     if config.get("model_type") in moe_families():
         raise UnsupportedModelError(MOE_CPU_REFUSAL.format(model_type=config["model_type"]))
-    config = config.get("text_config", config)
-    if "linear_attention" in (config.get("layer_types") or []) or "linear_num_value_heads" in config:
-        raise UnsupportedModelError(LINEAR_ATTENTION_REFUSAL)
-    if device != "cpu":
-        return
+    config = text
     head_dim, field = head_dim_of(config)
     supported = cpu_head_sizes()
     if head_dim is not None and head_dim not in supported:
