@@ -73,7 +73,8 @@ def test_max_len_lets_a_long_prompt_through(tmp_path):
     try:
         sampler = sc.create_sampling_client(base_model="long")
         ok = sampler.sample(types.ModelInput.from_ints([5] * 3000), 1, types.SamplingParams(max_tokens=2)).result()
-        assert len(ok.sequences[0].tokens) == 2
+        seq = ok.sequences[0]  # accepted and sampled; a random model may draw EOS first (CI did, once)
+        assert (seq.stop_reason, len(seq.tokens)) in (("length", 2), ("stop", 1), ("stop", 2))
         with pytest.raises(Exception, match=r"fewer than 4096 tokens"):
             sampler.sample(types.ModelInput.from_ints([5] * 4100), 1, types.SamplingParams(max_tokens=2)).result()
     finally:
