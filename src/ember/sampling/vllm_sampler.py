@@ -80,6 +80,7 @@ from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
 from ember.sampling.jobs import sampled_sequence
 from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
+from ember.sampling.scoped_env import scoped_env
 from ember.sampling.vllm_support import check_vllm_model, engine_fault_message, engine_kwargs  # noqa: F401 - re-exported
 from ember.sampling.vllm_versions import (
     BASE_KEY, VLLMWeightVersion, keep_full_version, lora_refused_modules, meta_model, remove_version_files,
@@ -459,17 +460,8 @@ def _multiprocessing_env(config: SamplerConfig):
     if config.resolved_device != "cpu":
         yield
         return
-    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    with _ENV_LOCK:
-        before = os.environ.get(name)
-        os.environ[name] = "0" if config.cpu_worker == "inline" else "1"
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = before
+    with scoped_env(_ENV_LOCK, "VLLM_ENABLE_V1_MULTIPROCESSING", "0" if config.cpu_worker == "inline" else "1"):
+        yield
 
 
 @contextlib.contextmanager
@@ -483,19 +475,10 @@ def _device_env(config: SamplerConfig):
         return
     from ember.sampling.vllm_support import visible_devices
 
-    name = "CUDA_VISIBLE_DEVICES"
-    with _ENV_LOCK:
-        before = os.environ.get(name)
-        value = visible_devices(config.resolved_device, config.tensor_parallel_size, before)
-        torch.cuda.init()
-        os.environ[name] = value
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = before
+    torch.cuda.init()
+    with scoped_env(_ENV_LOCK, "CUDA_VISIBLE_DEVICES",
+                    lambda before: visible_devices(config.resolved_device, config.tensor_parallel_size, before)):
+        yield
 
 
 def _release(sampler_ref, path: Path, lora_id: int | None) -> None:

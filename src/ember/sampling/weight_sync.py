@@ -71,7 +71,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -81,6 +80,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ember.sampling.scoped_env import scoped_env
 from ember.sampling.config import WEIGHT_SYNC_MODES  # noqa: F401 - re-exported; its home is the config
 
 log = logging.getLogger(__name__)
@@ -250,16 +250,8 @@ def nccl_error_handling():
     """`NCCL_ERROR_HANDLING` set while a weight-sync group is built (the caller's value back
     after; one at a time): only these standalone groups get it, not the trainer's own."""
     name, value = NCCL_ERROR_HANDLING
-    with _ENV_LOCK:
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = before
+    with scoped_env(_ENV_LOCK, name, value):
+        yield
 
 
 def channel_device(backend: str, device: torch.device | str | None) -> torch.device:
