@@ -258,4 +258,5 @@ def test_runs_left_loaded_by_an_earlier_process_are_no_warning(make_service, tmp
     with caplog.at_level("DEBUG", logger="ember.service"):
         make_service(data_dir=tmp_path / "reused")
     assert "1 training run(s) of an earlier process" in caplog.text
-    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    # ember's own records: an SDK client another test left in this worker may warn meanwhile (CI saw it)
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("ember")], caplog.text
