@@ -20,7 +20,6 @@ first recipes read; the slow one every other row (streamed, image folders includ
 from __future__ import annotations
 
 import ast
-import importlib.util
 import itertools
 import json
 import os
@@ -39,9 +38,8 @@ FAST = ("HuggingFaceH4/no_robots", "openai/gsm8k", "Anthropic/hh-rlhf", "Hugging
 CLASSES = ("red_panda", "sea_lion")  # what `CLASS` stands for in an image folder
 ROWS = 2  # rows per JSON Lines file
 
-if importlib.util.find_spec("datasets") is None:
-    pytest.skip("the `datasets` package is not importable: the cookbook's data layouts cannot be loaded",
-                allow_module_level=True)
+pytest.importorskip("datasets", reason="the `datasets` package is not importable: the cookbook's data layouts "
+                                       "cannot be loaded (`make test` installs it)")
 
 
 @dataclass
@@ -273,10 +271,8 @@ def test_the_documented_readme_configs_are_the_ones_checked():
 
 
 def cookbook_package() -> Path:
-    spec = importlib.util.find_spec("tinker_cookbook")
-    if spec is None or not spec.origin:
-        pytest.skip("tinker-cookbook is not installed (`make test` installs it)")
-    return Path(spec.origin).parent
+    cookbook = pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (`make test` installs it)")
+    return Path(cookbook.__file__).parent
 
 
 def test_each_documented_data_set_is_one_the_cookbook_reads():
