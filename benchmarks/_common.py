@@ -37,3 +37,17 @@ def time_interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: i
             fn()
             times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def left_padded(prompts: list[list[int]], pad_id: int):
+    """(input_ids, attention_mask), each (B, longest prompt): prompts left-padded with
+    `pad_id`, as HF `generate` wants a batch of different lengths."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 import torch
-from _common import time_interleaved  # noqa: F401  (sets the offline environment, tests/ on sys.path)
+from _common import left_padded  # (also sets the offline environment, tests/ on sys.path)
 from tinker import types
 
 from ember.models import load_model
@@ -42,17 +42,12 @@ def _model_dir() -> str:
 
 
 def _generate(model, prompts: list[list[int]], pad_id: int) -> int:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts, pad_id)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=pad_id)
-        new = out.sequences[:, width:]
+        new = out.sequences[:, ids.shape[1]:]
         logprobs = torch.log_softmax(torch.stack(out.logits, dim=1).float(), -1).gather(2, new[..., None])
     assert logprobs.shape[:2] == new.shape == (len(prompts), NEW_TOKENS)
     return new.numel()

@@ -53,7 +53,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from _common import build_model
+from _common import build_model, left_padded
 from tinker import types
 
 from ember.models import load_model
@@ -113,12 +113,7 @@ def _check(results) -> int:
 
 
 def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> int:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts, pad_id)
     ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(
@@ -126,7 +121,7 @@ def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> int:
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
             return_dict_in_generate=True, pad_token_id=pad_id,
         )
-        new = out.sequences[:, width:]
+        new = out.sequences[:, ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1).float()
         logprobs = torch.log_softmax(logits, dim=-1).gather(2, new[..., None]).squeeze(-1)
     assert logprobs.shape == new.shape == (len(prompts), new_tokens)
