@@ -33,9 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tinker import types
 from torch import nn
 
 from ember.engine.config import check_moe_aux_loss_coef as check_coef
+from ember.errors import UserError
 from ember.models.families import MoeLayout, moe_of
 
 
@@ -132,6 +134,12 @@ class MoeRouting:
         self.layers, self.experts = len(routers.routers), int(getattr(config, layout.num_experts))
         self.top_k = int(getattr(config, layout.top_k))
         self.coef = float(coef)
+        self.replay = RouteReplay(routers.routers, layout, config).replay
+
+    def checked_routes(self, routes: list[torch.Tensor | None], lengths: list[int]) -> list[torch.Tensor | None]:
+        """Each datum's routes checked against this model (`check_routes`), in request order."""
+        return [None if r is None else check_routes(i, r, n, self.layers, self.top_k, self.experts)
+                for i, (r, n) in enumerate(zip(routes, lengths))]
 
     def new_call(self, device: torch.device) -> RoutingStats:
         counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=device)
@@ -154,3 +162,112 @@ def moe_routing(model: nn.Module, config, coef: float) -> MoeRouting | None:
         check_coef(coef)
         return None
     return MoeRouting(model, config, coef)
+
+
+# ---------------------------------------------------------------- routing replay
+# A datum's recorded routes travel in its loss inputs under this key: (N, layers, top_k)
+# expert indices per input position, -1 where a position has no record (routed by the
+# current router). The service fills it from the sampler's records (docs/architecture.md
+# #mixture-of-experts); the engine takes it out before the loss sees the inputs.
+ROUTES_KEY = "routed_experts"
+
+
+def replay_weights(logits: torch.Tensor, indices: torch.Tensor, softmax: str, norm_topk: bool) -> torch.Tensor:
+    """The weights the router gives `indices` (T, k) from its `logits` (T, E), computed as
+    transformers' router computes them for its own choice (`MoeLayout.router_softmax`), so
+    replaying the router's own choice reproduces its output exactly."""
+    if softmax == "top_k":  # gpt-oss: softmax over the chosen experts' logits
+        chosen = logits.gather(-1, indices)
+        return torch.softmax(chosen, dim=-1, dtype=chosen.dtype)
+    chosen = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)  # Qwen3-MoE
+    if norm_topk:
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return chosen.to(logits.dtype)
+
+
+class RouteReplay:
+    """Routes tokens through given experts: a forward hook on each router (a documented
+    PyTorch extension point: a hook's return value replaces the module's output) swaps the
+    router's (logits, weights, indices) for (logits, `replay_weights` of the given
+    indices, the given indices) on the tokens that have a route (>= 0), and leaves the
+    others as the router chose. The logits are untouched, so the weights keep their
+    gradient to the router and the routing metrics and auxiliary loss still read the
+    router's own distribution."""
+
+    def __init__(self, routers: list[nn.Module], layout: MoeLayout, config) -> None:
+        self.routers = routers
+        self.softmax = layout.router_softmax
+        self.norm_topk = bool(getattr(config, "norm_topk_prob", False))
+
+    @contextlib.contextmanager
+    def replay(self, routes: torch.Tensor | None):
+        """Within the context (forward and backward: activation checkpointing re-runs the
+        routers in backward), layer l routes flat token t to `routes[l, t]` (layers, T_flat, k)
+        where `routes[l, t, 0] >= 0`. None: nothing is replayed."""
+        if routes is None:
+            yield
+            return
+        hooks = [r.register_forward_hook(self._hook(routes[layer])) for layer, r in enumerate(self.routers)]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _hook(self, layer_routes: torch.Tensor):
+        def hook(_module, _args, out):
+            logits, weights, indices = out
+            given = layer_routes.to(indices.device)
+            has = (given[:, :1] >= 0)
+            chosen = torch.where(has, given, indices)
+            replayed = replay_weights(logits, chosen, self.softmax, self.norm_topk)
+            return logits, torch.where(has, replayed, weights), chosen
+
+        return hook
+
+
+def split_routes(datums) -> tuple[list, list[torch.Tensor | None]]:
+    """(the datums without their `ROUTES_KEY` input, each one's routes or None)."""
+    plain, routes = [], []
+    for d in datums:
+        td = d.loss_fn_inputs.get(ROUTES_KEY)
+        routes.append(None if td is None else td.to_torch())
+        if td is None:
+            plain.append(d)
+            continue
+        rest = {k: v for k, v in d.loss_fn_inputs.items() if k != ROUTES_KEY}
+        plain.append(types.Datum(model_input=d.model_input, loss_fn_inputs=rest))
+    return plain, routes
+
+
+def check_routes(index: int, routes: torch.Tensor, tokens: int, layers: int, top_k: int, experts: int) -> torch.Tensor:
+    """`routes` as int64 (tokens, layers, top_k) with values in [-1, experts); UserError
+    naming the datum and the field otherwise."""
+    where = f"datum {index}: loss_fn_inputs[{ROUTES_KEY!r}]"
+    want = (tokens, layers, top_k)
+    if tuple(routes.shape) != want:
+        raise UserError(f"{where} has shape {tuple(routes.shape)}; this model needs (input positions, MoE layers, "
+                        f"experts per token) = {want}")
+    if routes.dtype.is_floating_point or routes.dtype == torch.bool:
+        raise UserError(f"{where} must hold integer expert indices, got dtype {routes.dtype}")
+    routes = routes.to(torch.int64)
+    bad = (routes < -1) | (routes >= experts) | ((routes[..., :1] < 0) != (routes < 0)).any(-1, keepdim=True)
+    if bad.any():
+        pos = int(bad.nonzero()[0, 0])
+        raise UserError(f"{where}: position {pos} holds {routes[pos].tolist()}; each entry is an expert index in "
+                        f"[0, {experts}) or, for a position routed by the current router, all -1")
+    return routes
+
+
+def flat_routes(routes: list[torch.Tensor | None], lengths: list[int], valid_index: torch.Tensor, flat_size: int,
+                layers: int, top_k: int) -> torch.Tensor | None:
+    """A micro-batch's routes in its flat token layout (layers, flat_size, k): each datum's
+    routes at its real tokens (`valid_index`), -1 (the router's own choice) at padding and
+    for datums without routes. None when no datum of it has routes."""
+    if all(r is None for r in routes):
+        return None
+    per_token = torch.cat([r if r is not None else torch.full((n, layers, top_k), -1, dtype=torch.int64)
+                           for r, n in zip(routes, lengths)])
+    out = torch.full((flat_size, layers, top_k), -1, dtype=torch.int64)
+    out[valid_index.cpu()] = per_token
+    return out.transpose(0, 1).contiguous()

@@ -41,7 +41,7 @@ from ember.engine.batching import (
 )
 from ember.engine.config import EngineConfig
 from ember.engine.heads import OutputHead, build_head, head_output
-from ember.engine.moe import RoutingStats, moe_routing
+from ember.engine.moe import ROUTES_KEY, RoutingStats, flat_routes, moe_routing, split_routes
 from ember.engine.optimizers import Optimizer, build_optimizer
 from ember.engine.parallel import ParallelismConfig, apply_activation_checkpointing, hf_model
 from ember.errors import UserError
@@ -389,7 +389,9 @@ class TorchEngine(TrainingEngine):
     def _run(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: LossConfig | None, backward: bool):
         spec = get_loss(loss_fn)
         cfg = resolve_config(loss_fn, loss_fn_config)
+        datums, routes = split_routes(datums)
         prepared, plan, passes = self._prepare(datums, spec)
+        routes = self._checked_routes(routes, prepared)
         self._activate()
         saved = self._stash_head_grads() if backward and self.distributed else None
         outputs: list[dict[str, types.TensorData]] = [None] * len(prepared)  # type: ignore[list-item]
@@ -403,7 +405,7 @@ class TorchEngine(TrainingEngine):
                 [prepared[i] for i in group], self._packing, self._pad_id, single_row=self._varlen_attention,
                 rope_index=rope_index,
             )
-            with torch.set_grad_enabled(backward):
+            with torch.set_grad_enabled(backward), self._replay(mb, [routes[i] for i in group]):
                 logp, aux = self._outputs_and_aux(mb, routing)  # log-probs (or values), the MoE aux loss
                 inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}
                 elementwise = spec.fn(logp, inputs, cfg, mb.segment_ids.to(logp.device))
@@ -422,6 +424,28 @@ class TorchEngine(TrainingEngine):
             routing.sum_over_ranks(self.parallel.sum_over_dp_)
         metrics = {"loss:sum": total} | (routing.metrics() if routing is not None else {})
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=metrics)
+
+    def _checked_routes(self, routes: list, prepared: list) -> list:
+        """Routing replay's per-datum routes (`ember.engine.moe`), checked against the model;
+        refused on a dense model and under context parallelism (whose ranks see no
+        routers' flat token layout of the whole micro-batch)."""
+        given = [i for i, r in enumerate(routes) if r is not None]
+        if not given:
+            return routes
+        where = f"datum {given[0]}: loss_fn_inputs[{ROUTES_KEY!r}]"
+        if self._routing is None:
+            raise UserError(f"{where}: routing replay needs a mixture-of-experts model; this one is dense")
+        if self.distributed and self.parallel.cp > 1:
+            raise UserError(f"{where}: routing replay is not supported under context parallelism (cp > 1)")
+        return self._routing.checked_routes(routes, [p.num_tokens for p in prepared])
+
+    def _replay(self, mb: MicroBatch, routes: list):
+        """The context that routes `mb`'s tokens through their recorded experts (a no-op without any)."""
+        if self._routing is None:
+            return contextlib.nullcontext()
+        flat = flat_routes(routes, mb.lengths, mb.valid_index, mb.input_ids.numel(), self._routing.layers,
+                           self._routing.top_k)
+        return self._routing.replay(flat)
 
     def _outputs_and_aux(self, mb: MicroBatch,
                          routing: RoutingStats | None) -> tuple[torch.Tensor, torch.Tensor | None]:

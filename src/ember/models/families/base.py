@@ -71,7 +71,11 @@ class MoeLayout:
     (module, fused weight, part, parts): `experts.N.<module>.weight` is part `part` of
     `parts` equal slices of expert N's `<fused weight>` along its output rows (Qwen3-MoE:
     gate_proj and up_proj are the two halves of gate_up_proj); () when the hub publishes
-    the fused layout only (gpt-oss)."""
+    the fused layout only (gpt-oss). `router_softmax`: how the router turns its logits
+    into the chosen experts' weights, which routing replay recomputes for recorded
+    experts (`ember.engine.moe.replay_weights`): "all" (softmax over every expert, the
+    chosen ones' probabilities, renormalised when the config's `norm_topk_prob` says so;
+    Qwen3-MoE) or "top_k" (softmax over the chosen experts' logits; gpt-oss)."""
 
     router: str
     num_experts: str
@@ -80,6 +84,7 @@ class MoeLayout:
     transposed: bool = False
     top_k: str = "num_experts_per_tok"
     per_expert: tuple[tuple[str, str, int, int], ...] = ()
+    router_softmax: str = "all"
 
     @property
     def param_paths(self) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from transformers import GptOssConfig
 
 from ember.models.families.base import LoraTargets, ModelFamily, MoeLayout, TinyChat
 
-MOE = MoeLayout(router="mlp.router", num_experts="num_local_experts", transposed=True)
+MOE = MoeLayout(router="mlp.router", num_experts="num_local_experts", transposed=True, router_softmax="top_k")
 
 HARMONY_TOKENS = ("<|endoftext|>", "<|startoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
                   "<|return|>", "<|call|>", "<|constrain|>")
