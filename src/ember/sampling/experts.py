@@ -15,9 +15,12 @@ weights exist during that module's call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from tinker import types
 from torch import nn
 
 from ember.models.experts import adapted_weight
@@ -106,3 +109,62 @@ def expert_plan(row_versions) -> ExpertPlan:
             entry = plan.setdefault(module, {}).setdefault(i, (rows, {}))
             entry[1][param] = delta
     return {module: list(by_version.values()) for module, by_version in plan.items()}
+
+
+# ---------------------------------------------------------------- routing records
+# For routing replay (docs/architecture.md#mixture-of-experts) the sampler keeps, per
+# sequence, the experts every MoE layer chose for each token it ran: the prompt's tokens
+# (prefill) and each sampled token fed back (decode). The last sampled token is never run,
+# so a sequence of n tokens has n - 1 routes, the routes of exactly the positions a
+# training datum `prompt + sampled[:-1]` feeds the model.
+
+
+@dataclass(frozen=True)
+class RoutedSequence(types.SampledSequence):
+    """A `SampledSequence` with the routes of its tokens, (P, layers, k) for the prompt
+    (-1 rows: a prompt prefix whose KV came from the prefix cache, not run) and
+    (n - 1, layers, k) for the sampled tokens fed back; int16. The wire and the SDK see a
+    `SampledSequence` (the service keeps the routes in its stability records)."""
+
+    prompt_routes_np: np.ndarray | None = field(default=None, repr=False)
+    routes_np: np.ndarray | None = field(default=None, repr=False)
+
+
+def with_routes(seq: types.SampledSequence, prompt_routes: np.ndarray | None,
+                routes: list[np.ndarray]) -> RoutedSequence:
+    layers_k = prompt_routes.shape[1:] if prompt_routes is not None else (routes[0].shape if routes else (0, 0))
+    sampled = np.stack(routes) if routes else np.zeros((0, *layers_k), np.int16)
+    return RoutedSequence(stop_reason=seq.stop_reason, sequence_id=seq.sequence_id, tokens_np=seq.tokens_np,
+                          logprobs_np=seq.logprobs_np, topk_logprobs_np=seq.topk_logprobs_np,
+                          prompt_routes_np=prompt_routes, routes_np=sampled)
+
+
+class RouteRecorder:
+    """The experts each router of a mixture-of-experts model chose during one forward: a
+    forward hook on every router (as `ember.engine.moe.RouterCapture` for the trainer)
+    reads its third output, the (tokens, k) top-k indices transformers' routers return."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from ember.engine.moe import RouterCapture
+        from ember.models.families import moe_of
+
+        layout = moe_of(model.config)
+        self.routers = RouterCapture(model, layout).routers if layout is not None else []
+
+    @contextlib.contextmanager
+    def capture(self, batch_rows: int, out: list):
+        """Within the context, each forward's routes are appended to `out` as one
+        (rows, T, layers, k) int16 CPU tensor; nothing for a dense model."""
+        if not self.routers:
+            yield
+            return
+        layers: list[torch.Tensor] = []
+        hooks = [r.register_forward_hook(lambda _m, _a, o: layers.append(o[2])) for r in self.routers]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+        if len(layers) == len(self.routers):
+            flat = torch.stack(layers, dim=1).to("cpu", torch.int16)  # (rows * T, layers, k)
+            out.append(flat.view(batch_rows, -1, *flat.shape[1:]))

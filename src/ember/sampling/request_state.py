@@ -45,6 +45,7 @@ class RequestState:
     prompt_kv: Snapshot | None = None  # the prompt's KV, for samples placed in a later step
     prompt_scores: PromptScores = field(default_factory=PromptScores)
     cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_routes: np.ndarray | None = None  # MoE: the prompt's (P, layers, k) experts, -1 where not run
     sequences: list[types.SampledSequence | None] = field(init=False)
 
     def __post_init__(self) -> None:

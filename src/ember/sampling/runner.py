@@ -27,7 +27,7 @@ from torch import nn
 from ember.models.families import family_of
 from ember.sampling.decoder import DirectDecoder, additive_mask, unsupported_reason
 from ember.sampling.kv_cache import SlotCache
-from ember.sampling.experts import ExpertHooks, expert_plan
+from ember.sampling.experts import ExpertHooks, RouteRecorder, expert_plan
 from ember.sampling.weights import LoraHooks, TorchWeightVersion, add_lora, lora_plan
 
 
@@ -77,6 +77,8 @@ class ModelRunner:
         self.cache = cache
         self.hooks = LoraHooks(model)
         self.expert_hooks = ExpertHooks(model)  # a mixture-of-experts version's expert LoRA
+        self.route_recorder = RouteRecorder(model)  # a mixture-of-experts model's routes, for replay
+        self.routes: torch.Tensor | None = None  # the last forward's (rows, T, layers, k) routes (MoE only)
         self.additive_mask = attn_implementation == "eager"
         self.direct = _direct_decoder(model, forward)
         self.lm_head = lm_head_of(model)  # None: prompt scoring keeps the forward's logits
@@ -134,10 +136,13 @@ class ModelRunner:
         )
         kwargs.update(vision or {})
         captured: list[torch.Tensor] = []
+        routes: list[torch.Tensor] = []
+        self.routes = None
         try:
             self.hooks.set_plan(lora_plan(list(lora)))
             self.expert_hooks.set_plan(expert_plan(list(lora)), int(input_ids.shape[0]))
-            with self._capture_last_hidden(captured, hidden):
+            with self._capture_last_hidden(captured, hidden), \
+                    self.route_recorder.capture(int(input_ids.shape[0]), routes):
                 if full is not None:
                     out = torch.func.functional_call(self.model, full.params, args=(), kwargs=kwargs, strict=False)
                 else:
@@ -146,6 +151,7 @@ class ModelRunner:
             self.hooks.clear()
             self.expert_hooks.clear()
             self.cache.clear_plan()
+        self.routes = routes[0] if routes else None
         return captured[0] if hidden else out.logits
 
     @contextlib.contextmanager

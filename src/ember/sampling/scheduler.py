@@ -60,6 +60,7 @@ import torch
 
 from ember import failpoints
 from ember.sampling import jobs, rng
+from ember.sampling.experts import with_routes
 from ember.sampling.fair_queue import OwnerQueues
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
 from ember.sampling.prefix_cache import PrefixCache, Snapshot
@@ -241,9 +242,22 @@ class Scheduler:
                                       vision=self._vision(first, 0), hidden=hidden)  # an image prompt alone
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_prompts"] += len(batch)
+        self._keep_prompt_routes(requests, 0)
         for row, (request, slot) in enumerate(batch):
             self._prefilled(request, self._prompt_logits(request, out_B_T[row], hidden))
             self._remember_prefix(request, slot)
+
+    def _keep_prompt_routes(self, requests: list[RequestState], start: int) -> None:
+        """A mixture-of-experts model's routes of the prompts just run (left-padded rows;
+        the first `start` tokens came from the prefix cache: -1, not run), for replay."""
+        routes = self.runner.routes
+        if routes is None:
+            return
+        for row, request in enumerate(requests):
+            n = len(request.spec.prompt)
+            kept = np.full((n, *routes.shape[2:]), -1, np.int16)
+            kept[start:] = routes[row, routes.shape[1] - (n - start):].numpy()
+            request.prompt_routes = kept
 
     def _prompt_logits(self, request: RequestState, out_T: torch.Tensor, hidden: bool) -> PromptLogits:
         """One prompt's prefill output as logits: held ([T, V]), or its hidden states [T, H]
@@ -357,6 +371,7 @@ class Scheduler:
         self.stats["prefill_prompts"] += 1
         self.stats["prefix_cache_hit_tokens"] += hit
         request.cache_hit_tokens = hit
+        self._keep_prompt_routes([request], hit)
         if keep_all:  # rows before the hit are never read (hit <= spec.first_scored_row)
             prompt_logits_P_V = logits_T_V.new_full((len(prompt), logits_T_V.shape[-1]), float("nan"))
             prompt_logits_P_V[hit:] = logits_T_V
@@ -432,6 +447,10 @@ class Scheduler:
             vision = {"position_ids": torch.stack([positions_B, mrope_B, mrope_B, mrope_B])[:, :, None]}
         logits_B_1_V = self.runner.forward(ids_B_1, positions_B[:, None], decode_mask(positions_B, kv_len), 1,
                                            full=full, lora=lora, vision=vision)
+        if self.runner.routes is not None:  # a mixture-of-experts model: each row's fed-back token's experts
+            routes = self.runner.routes[:, 0].numpy()
+            for row in np.flatnonzero(active).tolist():
+                slots.out_routes[int(rows[row])].append(routes[row])
         return logits_B_1_V[:, -1]
 
     def _decode_lora_rows(self, rows: np.ndarray, active: np.ndarray) -> LoraRows:
@@ -567,6 +586,8 @@ class Scheduler:
             slots.out_tokens[slot, :length], slots.out_logprobs[slot, :length], slots.out_top_logprobs[slot],
             spec.topk_sample_logprobs, stop, spec.sequence_ids[sample],
         )
+        if request.prompt_routes is not None:
+            sequence = with_routes(sequence, request.prompt_routes, slots.out_routes[slot])
         slots.release(slot)
         self.stats["sequences"] += 1
         if request.finish_sample(sample, sequence):

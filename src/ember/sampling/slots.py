@@ -57,6 +57,7 @@ class SlotTable:
         self.out_tokens = np.zeros((size, self.max_len), np.int32)
         self.out_logprobs = np.zeros((size, self.max_len), np.float32)
         self.out_top_logprobs: list[list] = [[] for _ in range(size)]  # per token: (ids [k], logprobs [k])
+        self.out_routes: list[list] = [[] for _ in range(size)]  # MoE: per token fed back, its (layers, k) experts
 
     # ---------------------------------------------------------------- occupancy
     def free_slots(self) -> np.ndarray:
@@ -73,6 +74,7 @@ class SlotTable:
         for slot in slots.tolist():
             self.request[slot] = request
             self.out_top_logprobs[slot] = []
+            self.out_routes[slot] = []
         self.sample[slots], self.active[slots] = samples, True
         self.position[slots], self.num_generated[slots], self.max_tokens[slots] = len(spec.prompt), 0, spec.max_tokens
         self.rope_delta[slots] = job.images.delta if job.images is not None else 0
@@ -103,6 +105,7 @@ class SlotTable:
                 value[dst] = value[src]
         for source, target in zip(src.tolist(), dst.tolist()):
             self.request[target], self.out_top_logprobs[target] = self.request[source], self.out_top_logprobs[source]
+            self.out_routes[target] = self.out_routes[source]
             self.release(source)
 
     def release(self, slot: int) -> None:
@@ -111,6 +114,7 @@ class SlotTable:
         self.greedy[slot] = True  # idle rows take the cheap greedy path
         self.position[slot] = 0
         self.out_top_logprobs[slot] = []
+        self.out_routes[slot] = []
 
     # ---------------------------------------------------------------- recording
     def record(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
