@@ -94,12 +94,17 @@ class StabilityConfig:
         ~700 bytes per record plus 8 bytes per sampled token and the record's share of its
         prompt's 4 bytes per token); over it, the key's least recently used go first.
     max_bytes_total: the same bound for all keys together. The defaults (256 MiB per key,
-        1 GiB in all) fit a default machine.
+        1 GiB in all) fit a default machine. A mixture-of-experts sample's record also
+        holds its routes (2 bytes per token, layer and expert per token).
+    routing_replay: the default of `loss_fn_config["routing_replay"]`: route the tokens of
+        datums whose provenance names recorded samples of a mixture-of-experts model
+        through the experts the sampler chose (`ember.service.routing_records`).
     """
 
     ttl_s: float = DAY_S
     max_bytes_per_owner: int = 256 * MIB
     max_bytes_total: int = 1024 * MIB
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if not self.ttl_s > 0:

@@ -53,6 +53,7 @@ from ember.service.run_validation import check_samplable
 from ember.service.runs import SESSION_END_CHECKPOINT, LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager, session_of
+from ember.service.routing_records import OPTION, replay_option, with_routes
 from ember.service.stability import StabilityRecords
 from ember.service.store import CheckpointRow, FutureRow, SessionRow, Store
 
@@ -265,9 +266,11 @@ class Service(ServiceAPI):
     def forward_backward(self, owner, model_id, seq_id, data, loss_fn, loss_fn_config=None, *,
                          forward_only=False) -> Submission:
         data = list(data)
-        cfg = dict(loss_fn_config) if loss_fn_config else None
         rtype = "Forward" if forward_only else "ForwardBackward"
         try:
+            cfg, replay = replay_option(loss_fn_config, self.config.stability.routing_replay)
+            if replay and loss_fn_config and OPTION in loss_fn_config:
+                self._check_replay_sampler()
             self.config.limits.check_datums(data, self._positions(owner, model_id))
             data = self.datums_with_images(data, owner, model_id)
         except UserError as exc:
@@ -277,6 +280,8 @@ class Service(ServiceAPI):
             engine = run.require_engine()
             # resolved on the lane, in seq_id order: a sample finished before this op ran
             batch = self.records.resolve(run.owner, run.session_id, data) if loss_fn == "stable_reinforce" else data
+            if replay:  # the routes the sampler recorded (ember.service.routing_records)
+                batch = with_routes(self.records, run.owner, run.session_id, data, batch)
             out = engine.forward(batch, loss_fn, cfg) if forward_only else engine.forward_backward(batch, loss_fn, cfg)
             out.metrics.update(logprob_gap_metrics(batch, out.loss_fn_outputs))
             self.metric_history.record(run.run_id, run.steps, "forward" if forward_only else "forward_backward",
@@ -284,6 +289,14 @@ class Service(ServiceAPI):
             return out
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
+
+    def _check_replay_sampler(self) -> None:
+        """Routing replay reads routes only TorchSampler records: asked for explicitly with
+        another sampler backend, it is refused rather than silently routing normally."""
+        backend = self.config.sampler.backend
+        if backend != "torch":
+            raise UserError(f"loss_fn_config[{OPTION!r}]: routing replay replays the routes TorchSampler records; "
+                            f"this server samples with the {backend!r} backend, which records none")
 
     def _check_images(self, inputs, owner: str, model_dir: str | None = None):
         """`check_request_images` with this service's limits, image roots, data directory

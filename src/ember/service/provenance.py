@@ -101,6 +101,16 @@ def _walk(records, owner, session_id, index: int, field: str, spans: list, token
         pos = end
 
 
+def check_model_input(records: "StabilityRecords", owner: str, session_id: str, index: int,
+                      datum: types.Datum) -> list:
+    """The datum's ``model_input_spans``, checked: they tile its input and every token
+    equals the record it names (as for `resolve_datum`); routing replay's matching."""
+    spans, inputs = list(datum.model_input_spans), _input_ids(index, datum)
+    _check_tiling(index, "model_input_spans", spans, inputs.size, "model_input")
+    _walk(records, owner, session_id, index, "model_input_spans", spans, inputs, None, None)
+    return spans
+
+
 def resolve_datum(records: "StabilityRecords", owner: str, session_id: str, index: int,
                   datum: types.Datum) -> types.Datum:
     """`datum` with loss inputs ``logprobs`` (recorded q) and ``sampled_mask`` from its provenance."""

@@ -69,6 +69,9 @@ class SequenceRecord:
     logprobs: np.ndarray  # float32 sampler log-probs of `tokens`
     last_used: float = 0.0
     nbytes: int = 0  # what it costs in memory (see `record_bytes`)
+    # a mixture-of-experts sample's routes (`ember.sampling.experts.RoutedSequence`), else None
+    prompt_routes: np.ndarray | None = None  # (P, layers, k), shared by the sample's sequences
+    routes: np.ndarray | None = None  # (len(tokens) - 1, layers, k)
 
 
 def record_bytes(tokens: np.ndarray, logprobs: np.ndarray, prompt_share: int) -> int:
@@ -129,8 +132,13 @@ class StabilityRecords:
         ids = prompt_ids(prompt)
         kept = [seq for seq in response.sequences if seq.sequence_id]
         share = 0 if ids is None or not kept else -(-(ids.nbytes + sys.getsizeof(ids)) // len(kept))
+        prompt_routes = getattr(kept[0], "prompt_routes_np", None) if kept else None
+        if prompt_routes is not None:  # one copy for the sample's sequences, shared like the prompt
+            prompt_routes = np.array(prompt_routes, dtype=np.int16)
+            share += -(-prompt_routes.nbytes // len(kept))
         now = self._clock()
-        new = [(seq.sequence_id, self._new_record(owner, session_id, ids, seq, share, now)) for seq in kept]
+        new = [(seq.sequence_id, self._new_record(owner, session_id, ids, seq, share, now, prompt_routes))
+               for seq in kept]
         with self._lock:
             for sequence_id, rec in new:
                 self._drop(sequence_id)
@@ -138,11 +146,15 @@ class StabilityRecords:
             self._evict(owner)
 
     @staticmethod
-    def _new_record(owner, session_id, ids, seq, share: int, now: float) -> SequenceRecord:
+    def _new_record(owner, session_id, ids, seq, share: int, now: float,
+                    prompt_routes: np.ndarray | None = None) -> SequenceRecord:
         tokens, logprobs = _arrays(seq)
         if logprobs is None or logprobs.shape != tokens.shape:
             raise RuntimeError(f"sequence {seq.sequence_id}: the sampler returned no logprob per token")
-        return SequenceRecord(owner, session_id, ids, tokens, logprobs, now, record_bytes(tokens, logprobs, share))
+        routes = getattr(seq, "routes_np", None)
+        routes = None if routes is None else np.array(routes, dtype=np.int16)
+        nbytes = record_bytes(tokens, logprobs, share) + (0 if routes is None else routes.nbytes)
+        return SequenceRecord(owner, session_id, ids, tokens, logprobs, now, nbytes, prompt_routes, routes)
 
     def _add(self, sequence_id: str, rec: SequenceRecord) -> None:
         self._lru[sequence_id] = rec
