@@ -7,8 +7,8 @@
   (transformers' per-expert Python loop, ember's default). Below 1: grouped is faster.
   The two steps' losses are checked equal first.
 * `ep2_vs_ep1`: step time at expert parallelism 2 over 1 on gloo, from
-  `benchmarks/moe_ep.py`'s `ep2_vs_ep1()` when that file exists (nan and a warning on
-  stderr otherwise).
+  `ep2_vs_ep1()` of `moe_ep.py` beside this file when it exists (the expert-parallel
+  benchmark; nan and a warning on stderr otherwise).
 * `replay_gap_ratio`: after full fine-tuning steps moved the router (and everything else),
   mean |trainer logprob - sampler logprob| over the sampled tokens with routing replay
   over the same without (`ember.engine.moe.RouteReplay`, routes from TorchSampler's
@@ -72,13 +72,13 @@ def grouped_vs_loop(model_dir: str, tokens: int, repeats: int) -> float:
 def ep_ratio() -> float:
     path = Path(__file__).with_name("moe_ep.py")
     if not path.exists():
-        print("warning: benchmarks/moe_ep.py is absent: ep2_vs_ep1=nan", file=sys.stderr)
+        print(f"warning: {path} is absent: ep2_vs_ep1=nan", file=sys.stderr)
         return float("nan")
     spec = importlib.util.spec_from_file_location("moe_ep", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "ep2_vs_ep1"):
-        print("warning: benchmarks/moe_ep.py has no ep2_vs_ep1(): ep2_vs_ep1=nan", file=sys.stderr)
+        print(f"warning: {path} has no ep2_vs_ep1(): ep2_vs_ep1=nan", file=sys.stderr)
         return float("nan")
     return float(module.ep2_vs_ep1())
 
