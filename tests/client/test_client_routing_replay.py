@@ -15,6 +15,7 @@ from tinker import types
 
 import ember
 from ember.models.families import moe_of
+from ember.sampling import SamplerConfig
 from ember.sampling.experts import RoutedSequence
 from ember.service import Service
 from ember.service.config import ServiceConfig
@@ -76,3 +77,24 @@ def test_replay_routes_recorded_samples_through_the_recorded_experts(client):
         tc.forward([datum], "stable_reinforce", {"routing_replay": 2}).result()
     assert "loss_fn_config['routing_replay'] must be 0" in str(info.value)
     assert info.value.category == types.RequestErrorCategory.User
+
+
+@pytest.mark.slow  # the service checks the model against vLLM's support at start
+def test_replay_is_refused_with_a_sampler_that_records_no_routes(tmp_path, tiny_vllm_model_dir):
+    """Only TorchSampler records routes: asked for with the vLLM backend, replay is the
+    caller's error naming the key and the backend (no vLLM engine starts for it)."""
+    config = ServiceConfig(data_dir=tmp_path / "data", models={MODEL: str(tiny_vllm_model_dir)},
+                           sampler=SamplerConfig(backend="vllm"))
+    service = Service(config)
+    sc = ember.ServiceClient(service=service)
+    try:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+        datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT), loss_fn_inputs={"target_tokens": PROMPT})
+        with pytest.raises(tinker.RequestFailedError) as info:
+            tc.forward([datum], "cross_entropy", {"routing_replay": 1}).result()
+        assert info.value.category == types.RequestErrorCategory.User
+        assert "routing replay replays the routes TorchSampler records" in str(info.value) and "'vllm'" in str(info.value)
+        tc.forward([datum], "cross_entropy", {"routing_replay": 0}).result()  # off: fine
+    finally:
+        sc.close("success")
+        service.close()
