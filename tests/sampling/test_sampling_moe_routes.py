@@ -84,3 +84,19 @@ def test_sampled_routes_are_the_trainers_routes_and_replay_closes_the_gap(tiny_m
                 p.add_(torch.randn(p.shape, generator=g) * 0.5)
     without, with_replay = gap(False), gap(True)
     assert with_replay < without, (with_replay, without)
+
+
+def test_a_prompt_prefix_from_the_prefix_cache_has_no_routes(tiny_moe_dir):
+    """The cached prefix's tokens are not run: -1 (the trainer's router chooses there);
+    the rest of the prompt has the routes a full prefill gave it."""
+    prompt = list(range(3, 14))
+    request = SamplingRequest(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                              sampling_params=types.SamplingParams(max_tokens=3, seed=1, stop=[]))
+    with TorchSampler.from_pretrained(tiny_moe_dir, SamplerConfig(max_slots=4, prefix_cache_block=4)) as sampler:
+        first = sampler.sample_many([request], timeout=120)[0]
+        second = sampler.sample_many([request], timeout=120)[0]
+    hit = second.prompt_cache_hit_tokens
+    assert first.prompt_cache_hit_tokens == 0 and 0 < hit < len(prompt)
+    full, partial = first.sequences[0].prompt_routes_np, second.sequences[0].prompt_routes_np
+    assert (partial[:hit] == -1).all() and (full >= 0).all()
+    np.testing.assert_array_equal(partial[hit:], full[hit:])
