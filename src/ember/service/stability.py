@@ -16,6 +16,8 @@ What is ember's choice (the docs do not say):
 * **What is recorded**, per sequence: its prompt token ids, its sampled token ids and the
   sampler's log-probabilities of those tokens (``SampledSequence.logprobs``), with the
   owner and session id. That is all `ember.losses.functions.stable_reinforce` needs.
+  A mixture-of-experts sample from TorchSampler also leaves its routes (the experts each
+  layer chose per token), for routing replay (`ember.service.routing_records`).
 * **Where**: in memory (`StabilityRecords`), bounded in real bytes per owner and in total
   (least recently used records are evicted first, O(1) each), with the sliding one-day
   expiry.
