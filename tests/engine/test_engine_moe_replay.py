@@ -113,3 +113,12 @@ def test_bad_routes_are_refused_naming_datum_and_field(tiny_moe_dir, datums):
     bad[2, 0, 0] = 99
     with pytest.raises(UserError, match=r"datum 0: .*position 2 holds"):
         engine.forward([_with_routes(datums[1], bad)], "cross_entropy")
+
+
+def test_routes_on_a_dense_model_are_refused(tiny_model_dir):
+    engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), lora_config=LORA)
+    datum = random_sft_datums(1, vocab=80, min_len=4, max_len=4, seed=1)[0]
+    routes = torch.zeros((4, 2, 2), dtype=torch.int64)
+    with pytest.raises(UserError, match=rf"datum 0: loss_fn_inputs\['{ROUTES_KEY}'\]: routing replay needs a "
+                                        "mixture-of-experts model"):
+        engine.forward([_with_routes(datum, routes)], "cross_entropy")
