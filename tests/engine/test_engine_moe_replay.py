@@ -21,9 +21,9 @@ RTOL = 1e-5
 LORA = types.LoraConfig(rank=4, seed=1)
 
 
-def _engine(model_dir, budget=10_000, packing=True) -> TorchEngine:
+def _engine(model_dir, budget=10_000, packing=True, lora=LORA) -> TorchEngine:
     return TorchEngine.from_pretrained(model_dir, EngineConfig(micro_batch_tokens=budget, packing=packing),
-                                       lora_config=LORA)
+                                       lora_config=lora)
 
 
 def _experts_modules(engine: TorchEngine) -> list[torch.nn.Module]:
@@ -85,19 +85,24 @@ def test_replay_follows_the_record_after_the_router_moved(tiny_moe_dir, datums):
         assert torch.equal(_routes_of(engine, _with_routes(d, r)), r)
 
 
-def test_replay_keeps_the_gradient_invariant_to_micro_batching(tiny_moe_dir, datums):
-    engine = _engine(tiny_moe_dir)
+@pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
+def test_replay_keeps_the_gradient_invariant_to_micro_batching(tiny_moe_dir, datums, lora):
+    """Half the datums replayed, half routed by the (moved) router; under full fine-tuning
+    the router's gradient flows through the replayed experts' weights."""
+    engine = _engine(tiny_moe_dir, lora=lora)
     recorded = [_routes_of(engine, d) for d in datums]
     partial = [_with_routes(d, r) if i % 2 == 0 else d for i, (d, r) in enumerate(zip(datums, recorded))]
 
     def grads(budget: int, packing: bool, splits: list[slice]) -> dict[str, torch.Tensor]:
-        e = _engine(tiny_moe_dir, budget=budget, packing=packing)
+        e = _engine(tiny_moe_dir, budget=budget, packing=packing, lora=lora)
         _perturb_router(e)
         for part in splits:
             e.forward_backward(partial[part], "cross_entropy")
         return {n: p.grad.detach().clone() for n, p in e.state_tensors().items() if p.grad is not None}
 
     expected = grads(10_000, True, [slice(None)])
+    router = [n for n in expected if f".{moe_of(engine.hf_config).router}." in n]
+    assert bool(router) == (lora is None) and all(expected[n].abs().sum() > 0 for n in router)
     assert_tensors_close(grads(1, True, [slice(0, 2), slice(2, None)]), expected, rtol=RTOL)
     assert_tensors_close(grads(25, False, [slice(None)]), expected, rtol=RTOL)
 
