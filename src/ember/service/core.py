@@ -612,6 +612,53 @@ class Service(ServiceAPI):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ operator (no owner check)
+    def operator_view(self, owners: Sequence[str] = ()) -> dict[str, Any]:
+        """Every active session and loaded run, and per owner (`owners` and every owner of
+        one): runs, checkpoints, checkpoint bytes (`ember admin`, the console's operator page)."""
+        now, live = self._clock(), self.runs.all_live_runs()
+        sessions = self.store.active_sessions()
+        everyone = sorted({*owners, *(s.owner for s in sessions), *(r.owner for r in live.values())})
+        out: dict[str, Any] = {"sessions": [operator_session(s, now, live) for s in sessions],
+                               "runs": [], "checkpoints": [], "owners": {}}
+        for owner in everyone:
+            runs = self.list_training_runs(owner, 100, 0)
+            ckpts = self.list_user_checkpoints(owner, 100, 0)
+            out["runs"] += [operator_run(r, live.get(r.training_run_id)) for r in runs.training_runs]
+            out["checkpoints"] += [{"owner": owner, **c.model_dump(mode="json")} for c in ckpts.checkpoints]
+            out["owners"][owner] = {"runs": runs.cursor.total_count, "sessions_active": sum(
+                s.owner == owner for s in sessions), "runs_loaded": sum(r.owner == owner for r in live.values()),
+                "checkpoints": ckpts.cursor.total_count, "checkpoint_bytes": self.checkpoints.bytes_used(owner)}
+        return out
+
+    def operator_end_session(self, session_id: str) -> None:
+        """End any key's active session as a lost client's is ended: its runs saved, then unloaded."""
+        row = self.store.get(SessionRow, session_id)
+        if row is None:
+            raise NotFoundError(f"unknown session {session_id!r}")
+        if not self.sessions.finish(row.owner, session_id, "interrupted", "ended by the operator"):
+            raise UserError(f"session {session_id} is already {row.status}")
+        self._on_session_expired(session_id)
+
+    def operator_unload_run(self, run_id: str) -> str:
+        """Unload any key's loaded run, saved first; the checkpoint its owner resumes from."""
+        if not self.runs.unload_run(run_id, save_as=SESSION_END_CHECKPOINT):
+            raise UserError(f"training run {run_id!r} is not loaded")
+        return f"tinker://{run_id}/weights/{SESSION_END_CHECKPOINT}"
+
+
+def operator_session(row: SessionRow, now: float, live: Mapping[str, LiveRun]) -> dict[str, Any]:
+    return {"session_id": row.id, "owner": row.owner, "display_name": row.display_name,
+            "created_at": row.created_at, "heartbeat_age_s": round(now - row.last_heartbeat, 1),
+            "runs_loaded": sum(r.session_id == row.id for r in live.values())}
+
+
+def operator_run(run: types.TrainingRun, live: LiveRun | None) -> dict[str, Any]:
+    return {"run_id": run.training_run_id, "owner": run.model_owner, "base_model": run.base_model,
+            "loaded": live is not None, "steps": live.steps if live is not None else None,
+            "failed": run.corrupted, "last_request_time": run.last_request_time.isoformat()
+            if run.last_request_time else None}
+
 
 def build_service(config: ServiceConfig, workers: WorkersConfig | None = None) -> Service:
     """The service `config` describes, its engines on the worker group `workers` asks for
