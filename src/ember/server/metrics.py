@@ -72,6 +72,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ember.server.config import ADMIN_OWNER, ServerConfig, presented_key, short_key_id
 from ember.server.errors import AuthError
 from ember.service.api import FutureState
+from ember.service.metric_history import target_tokens
 
 METRICS_PATH = "/metrics"
 UNMATCHED = "unmatched"
@@ -130,7 +131,7 @@ class EmberMetrics:
         elif state.request_type == "CreateModel" and key is not None:
             self.key_runs.labels(key).inc()
         elif state.request_type == "ForwardBackward":
-            n = trained_tokens(state.result)
+            n = target_tokens(state.result)
             self.trained_tokens.inc(n)
             if key is not None:
                 self.key_trained.labels(key).inc(n)
@@ -173,16 +174,6 @@ class EmberMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def trained_tokens(output: Any) -> int:
-    """Target tokens of a ForwardBackwardOutput: the length of each datum's `logprobs`."""
-    total = 0
-    for out in getattr(output, "loss_fn_outputs", None) or []:
-        logprobs = out.get("logprobs") if isinstance(out, dict) else None
-        shape = getattr(logprobs, "shape", None)
-        total += int(shape[0]) if shape else len(getattr(logprobs, "data", None) or [])
-    return total
 
 
 class ServiceCollector(Collector):

@@ -528,3 +528,9 @@ class ServiceAPI(abc.ABC):
     def operator_unload_run(self, run_id: str) -> str:
         """Unload any owner's loaded run after saving it; the saved checkpoint's tinker path
         (UserError when it is not loaded). Only for the operator."""
+
+    @abc.abstractmethod
+    def export_weights(self, owner: str, run_id: str, name: str = "console-export") -> Submission:
+        """Export the owner's loaded run's current weights in Hugging Face format (as
+        `save_weights_external`, outside the run's seq_id order: the console's button).
+        Future → SaveWeightsExternalResponseInternal; a run not loaded → UserError."""
