@@ -250,8 +250,9 @@ def curves_of(runs: list[tuple[str, list[dict[str, Any]]]], view: View) -> list[
     for name in order:
         lines = [(label, s.get(name, [])) for label, s in per_run]
         drawn = not view.metric or name in view.metric
-        out.append({"name": name, "points": lines[0][1], "lines": lines,
-                    "chart": _chart(lines, view) if drawn else None})
+        table_of, points = next(((label, pts) for label, pts in lines if pts), lines[0])
+        out.append({"name": name, "points": points, "table_of": table_of, "lines": lines,
+                    "count": sum(len(pts) for _, pts in lines), "chart": _chart(lines, view) if drawn else None})
     return out
 
 

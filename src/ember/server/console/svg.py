@@ -104,6 +104,8 @@ def chart_lines(series: Sequence[tuple[str, Points]], *, log: bool = False) -> C
     values = [y for _, pts in series for _, v in pts if (y := y_of(v)) is not None]
     x0, x1 = (min(steps), max(steps)) if steps else (0, 1)
     y0, y1 = (min(values), max(values)) if values else (0.0, 1.0)
+    if y1 - y0 <= 1e-9 * max(abs(y0), abs(y1)):
+        y1 = y0  # equal but for rounding (a smoothed constant): one value, not a zoom into the noise
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
     pad = (y1 - y0) * 0.06 or abs(y0) * 0.05 or 1.0  # points clear of the axes
