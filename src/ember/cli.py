@@ -21,6 +21,8 @@ SUBCOMMANDS = {
     "hub-link": ("ember.models.hub_link", "make a local model directory answer to a hub id (ember hub-link ORG/NAME DIR)"),
     "estimate": ("ember.engine.estimate_cli", "per-rank memory of training a model: ember estimate --model DIR --tokens N"),
     "doctor": ("ember.doctor", "check this machine for ember: devices, versions, collectives, logprobs (--json)"),
+    "admin": ("ember.admin_cli", "the operator's view of a running server: ember admin sessions|runs|checkpoints|"
+              "usage|end-session ID|unload-run ID (with its --admin-api-key)"),
     "db": ("ember.service.db_cli", "the service database: ember db upgrade|current --data-dir DIR | --database-url URL"),
 }
 

@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from ember.service.metric_history import MetricHistory, clean_metrics, series, thin_plan
+from ember.service.metric_history import (
+    COMPLETION, SAMPLED, SEQUENCES, TOKENS, MetricHistory, clean_metrics, derived, series, thin_plan,
+)
 from ember.service.store import Store
 
 
@@ -72,3 +74,60 @@ def test_history_survives_reopen_and_zero_turns_it_off(tmp_path):
 def test_bad_bound_is_refused(store, bad):
     with pytest.raises(ValueError, match="metric_history_rows"):
         MetricHistory(store, bad)
+
+
+def test_rows_are_at_the_sdks_step_after_a_resume(store):
+    """A run loaded from a checkpoint with its optimizer starts this lifetime at step 0, but
+    its optim_step says `step:max` 8: rows are at the SDK's step from then on."""
+    history = MetricHistory(store, 64)
+    history.record("run-a", 0, "forward_backward", {"loss:sum": 1.0}, tokens=5)
+    history.record("run-a", 0, "optim_step", {"step:max": 8.0})
+    history.record("run-a", 1, "forward_backward", {"loss:sum": 0.5}, tokens=6)
+    history.record("run-a", 1, "optim_step", {"step:max": 9.0})
+    rows = history.history("run-a")["rows"]
+    assert [(r["kind"], r["step"]) for r in rows] == [("forward_backward", 0), ("optim_step", 7),
+                                                      ("forward_backward", 8), ("optim_step", 8)]
+    assert rows[2]["metrics"][TOKENS] == 6.0
+    history.close()
+
+
+class _Seq:
+    def __init__(self, n: int):
+        self.tokens = list(range(n))
+
+
+class _Sample:
+    def __init__(self, *lengths: int):
+        self.sequences = [_Seq(n) for n in lengths]
+
+
+def test_samples_count_into_the_next_step_and_derived_series():
+    history = MetricHistory(_NullStore(), 64)  # the rows it writes, without a database
+    history.add_samples("run-a", _Sample(3, 5))
+    history.add_samples("run-a", _Sample(4))
+    history.record("run-a", 0, "optim_step", {})
+    history.record("run-a", 1, "optim_step", {})  # nothing sampled in between: no sample figures
+    first, second = history.store.rows
+    assert first["metrics"] == {SAMPLED: 12.0, SEQUENCES: 3.0, COMPLETION: 4.0}
+    assert second["metrics"] == {}
+    history.close()
+    rows = [{"step": 0, "kind": "forward_backward", "metrics": {TOKENS: 10.0}, "time": 99.0},
+            {"step": 0, "kind": "optim_step", "metrics": {SAMPLED: 12.0, COMPLETION: 4.0}, "time": 100.0},
+            {"step": 1, "kind": "forward_backward", "metrics": {TOKENS: 30.0}, "time": 101.0},
+            {"step": 1, "kind": "forward_backward", "metrics": {TOKENS: 10.0}, "time": 101.5},
+            {"step": 1, "kind": "optim_step", "metrics": {}, "time": 102.0}]
+    assert derived(rows) == {"tokens trained": [(0, 10.0), (1, 40.0)], "trained tokens/s": [(1, 20.0)],
+                             "tokens sampled": [(0, 12.0)], "mean completion length": [(0, 4.0)]}
+
+
+class _NullStore:
+    """Keeps inserted rows in a list (what `record` writes)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def insert_metrics(self, values):
+        self.rows.append(values)
+
+    def metric_row_steps(self, run_id):
+        return [(i, r["step"]) for i, r in enumerate(self.rows)]

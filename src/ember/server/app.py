@@ -15,7 +15,7 @@ import gc
 from fastapi import FastAPI
 
 from ember.server import (
-    routes_external, routes_openai, routes_rest, routes_sampling, routes_session, routes_training,
+    routes_admin, routes_external, routes_openai, routes_rest, routes_sampling, routes_session, routes_training,
     routes_unsupported,
 )
 from ember.server.request_guards import BodyTimeoutMiddleware, PerKeyLimitMiddleware
@@ -46,7 +46,7 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
     app.state.config = config
     install_error_handlers(app)
     for module in (routes_unsupported, routes_session, routes_training, routes_external, routes_sampling,
-                   routes_rest):
+                   routes_rest, routes_admin):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(routes_openai.router, prefix="/v1")  # OpenAI-compatible completions
     if config.console:

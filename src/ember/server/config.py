@@ -52,6 +52,16 @@ def key_identity(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def short_key_id(key: str) -> str:
+    """The label of a key's usage counters in /metrics and `ember admin usage`: the first
+    8 hex digits of the key's sha256 (never the key; the owner id `key_identity` starts so too)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+# The owner identity of `--admin-api-key` (its own tenant when it calls the ordinary API).
+ADMIN_OWNER = "ember-admin"
+
+
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The API key a request presents: `X-API-Key` (the tinker SDK) or `Authorization:
     Bearer` (the `openai` client and most HTTP tools). `headers` is case-insensitive
@@ -119,6 +129,9 @@ class ServerConfig:
     console_session_ttl_s: how long a console sign-in lasts (its signed, HttpOnly cookie
         expires then). The cookie's signing key is generated once per data directory
         (`<data_dir>/console-secret`, mode 0600).
+    admin_api_key: the operator's key ('tml-...'): the only key the admin routes
+        (`/api/v1/admin/...`, `ember admin`) and the console's operator page accept. It
+        sees and ends every key's sessions and runs; never logged. Unset = no operator.
     max_requests_per_key: in-flight HTTP requests of one API key (owner) beyond this get
         429 with Retry-After. Above the SDK's own ceiling (a SamplingClient keeps up to
         2000 sample requests in flight, each one HTTP request at a time), so a normal
@@ -145,6 +158,7 @@ class ServerConfig:
     max_requests_per_key: int = field(default=4096, metadata=meta(limit=True))
     console: bool = True
     console_session_ttl_s: float = 12 * 3600.0
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.long_poll_s <= SDK_RETRIEVE_TIMEOUT_S - 10:
@@ -167,6 +181,7 @@ class ServerConfig:
         for key in self.api_keys:
             if not key.startswith("tml-"):
                 raise ValueError(f"API key {key[:6]}...: the tinker SDK only sends keys starting with 'tml-'")
+        self._check_admin_key()
         if not self.api_keys and not is_loopback(self.host):
             raise ValueError(f"refusing to serve on {self.host!r} without --api-key/--api-keys-file")
         prefix = self.path_prefix.strip("/")
@@ -181,6 +196,19 @@ class ServerConfig:
                     raise ValueError(f"{table}.{flag}: ember does not serve {route}, which the SDK calls when it is "
                                      "on; leave it false")
 
+    def _check_admin_key(self) -> None:
+        key = self.admin_api_key
+        if key is None:
+            return
+        if not key.startswith("tml-") or len(key) < 12:
+            raise ValueError("admin_api_key: expected a key starting with 'tml-' and at least 12 characters long")
+        if key in self.api_keys:
+            raise ValueError("admin_api_key: the operator's key must not also be an ordinary API key")
+
+    def is_admin_key(self, key: str | None) -> bool:
+        """Whether a presented key is `admin_api_key` (compared in constant time)."""
+        return bool(key and self.admin_api_key) and hmac.compare_digest(key.encode(), self.admin_api_key.encode())
+
     @property
     def inline_result_bytes(self) -> int:
         return int(self.inline_result_mb * 1024 * 1024)
@@ -193,6 +221,8 @@ class ServerConfig:
         """Owner identity for a presented key, or None if the key is not accepted."""
         if not key:
             return None
+        if self.is_admin_key(key):
+            return ADMIN_OWNER
         if self.api_keys:
             # compare every key in constant time rather than a dict lookup (no timing oracle)
             found = None

@@ -14,6 +14,12 @@ Exported (names as scraped):
 * `ember_samples_total`, `ember_sampled_tokens_total`: sequences and tokens returned by
   completed `sample` requests; `ember_optim_steps_total`: completed optimizer steps;
   `ember_trained_tokens_total`: target tokens of completed `forward_backward` requests.
+* Per API key, labelled `key` = the first 8 hex digits of the key's sha256 (never the key;
+  `ember.server.config.short_key_id`): `ember_key_trained_tokens_total{key}`,
+  `ember_key_sampled_tokens_total{key}`, `ember_key_runs_created_total{key}` (completed
+  `create_model`s) since start-up, and `ember_key_checkpoint_bytes{key}` (gauge, at scrape
+  time: bytes of the key's stored checkpoints, for the keys seen since start-up and the
+  configured ones).
 * `ember_weight_sync_seconds{mode}` (histogram): how long each new weight version took to
   reach its sampler: `memory` = a run's tensors handed over (ephemeral snapshots; with
   `--sampler.weight_sync memory` also `save_weights_for_sampler`), `files` = a checkpoint
@@ -42,6 +48,8 @@ accident either way.
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,9 +69,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.server.config import presented_key
+from ember.server.config import ADMIN_OWNER, ServerConfig, presented_key, short_key_id
 from ember.server.errors import AuthError
 from ember.service.api import FutureState
+from ember.service.metric_history import target_tokens
 
 METRICS_PATH = "/metrics"
 UNMATCHED = "unmatched"
@@ -76,9 +85,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class EmberMetrics:
     """The registry of one app and the instruments the server updates."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: Any, config: ServerConfig | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.key_id = KeyIds(config)
+        self.owners_seen: set[str] = set(self.key_id.known)  # whose checkpoint bytes a scrape reports
+        self._owners_lock = threading.Lock()
+        self.key_trained = Counter("ember_key_trained_tokens", "Target tokens of completed forward_backward "
+                                   "requests, per API key", ("key",), registry=r)
+        self.key_sampled = Counter("ember_key_sampled_tokens", "Tokens returned by completed sample requests, "
+                                   "per API key", ("key",), registry=r)
+        self.key_runs = Counter("ember_key_runs_created", "Training runs created (completed create_model), per "
+                                "API key", ("key",), registry=r)
         self.requests = Counter("ember_http_requests", "HTTP requests by route template, method and status",
                                 ("route", "method", "status"), registry=r)
         self.latency = Histogram("ember_http_request_duration_seconds", "HTTP request latency (to the last "
@@ -96,6 +114,7 @@ class EmberMetrics:
         samplers = getattr(service, "samplers", None)
         if hasattr(samplers, "add_sync_listener"):
             samplers.add_sync_listener(lambda mode, seconds: self.weight_sync.labels(mode).observe(seconds))
+        self._service = service
         r.register(ServiceCollector(service, self))
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux /proc)
         GCCollector(registry=r)
@@ -105,14 +124,43 @@ class EmberMetrics:
         self.finished.labels(state.request_type, state.status).inc()
         if state.status != "complete":
             return
+        owner = self._owner_of(state.request_id)
+        key = self.key_id(owner) if owner is not None else None
         if state.request_type == "OptimStep":
             self.optim_steps.inc()
+        elif state.request_type == "CreateModel" and key is not None:
+            self.key_runs.labels(key).inc()
         elif state.request_type == "ForwardBackward":
-            self.trained_tokens.inc(trained_tokens(state.result))
+            n = target_tokens(state.result)
+            self.trained_tokens.inc(n)
+            if key is not None:
+                self.key_trained.labels(key).inc(n)
         elif state.request_type == "Sample":
             sequences = getattr(state.result, "sequences", None) or []
+            n = sum(len(s.tokens) for s in sequences)
             self.samples.inc(len(sequences))
-            self.sampled_tokens.inc(sum(len(s.tokens) for s in sequences))
+            self.sampled_tokens.inc(n)
+            if key is not None:
+                self.key_sampled.labels(key).inc(n)
+
+    def _owner_of(self, request_id: str) -> str | None:
+        table = getattr(self._service, "futures", None)
+        owner = table.owner_of(request_id) if hasattr(table, "owner_of") else None
+        if owner is not None and owner not in self.owners_seen:
+            with self._owners_lock:
+                self.owners_seen.add(owner)
+        return owner
+
+    def key_usage(self) -> dict[str, dict[str, float]]:
+        """key id -> {trained_tokens, sampled_tokens, runs_created} since start-up (`ember admin usage`)."""
+        out: dict[str, dict[str, float]] = {}
+        for name, counter in (("trained_tokens", self.key_trained), ("sampled_tokens", self.key_sampled),
+                              ("runs_created", self.key_runs)):
+            for m in counter.collect():
+                for s in m.samples:
+                    if s.name.endswith("_total"):
+                        out.setdefault(s.labels["key"], {})[name] = s.value
+        return out
 
     def finished_count(self, status: str) -> float:
         """Futures finished with `status` since start-up (sum over request types)."""
@@ -128,18 +176,9 @@ class EmberMetrics:
         return generate_latest(self.registry)
 
 
-def trained_tokens(output: Any) -> int:
-    """Target tokens of a ForwardBackwardOutput: the length of each datum's `logprobs`."""
-    total = 0
-    for out in getattr(output, "loss_fn_outputs", None) or []:
-        logprobs = out.get("logprobs") if isinstance(out, dict) else None
-        shape = getattr(logprobs, "shape", None)
-        total += int(shape[0]) if shape else len(getattr(logprobs, "data", None) or [])
-    return total
-
-
 class ServiceCollector(Collector):
-    """Gauges read from the service at scrape time: O(live runs), no database query."""
+    """Gauges read from the service at scrape time: O(live runs), and one checkpoint-bytes
+    query per key seen (`ember_key_checkpoint_bytes`)."""
 
     def __init__(self, service: Any, metrics: EmberMetrics) -> None:
         self.service, self.metrics = service, metrics
@@ -157,6 +196,38 @@ class ServiceCollector(Collector):
             depth.add_metric([run_id], queued)
         yield depth
         yield from _replica_families(self.service)
+        yield self._checkpoint_bytes()
+
+    def _checkpoint_bytes(self) -> GaugeMetricFamily:
+        family = GaugeMetricFamily("ember_key_checkpoint_bytes", "Bytes of an API key's stored checkpoints",
+                                   labels=["key"])
+        checkpoints = getattr(self.service, "checkpoints", None)
+        if checkpoints is None:
+            return family
+        with self.metrics._owners_lock:
+            owners = sorted(self.metrics.owners_seen)
+        for owner in owners:
+            family.add_metric([self.metrics.key_id(owner)], checkpoints.bytes_used(owner))
+        return family
+
+
+class KeyIds:
+    """owner -> the short id of its API key (`short_key_id`): the label of per-key usage."""
+
+    def __init__(self, config: ServerConfig | None) -> None:
+        self.by_owner: dict[str, str] = {}
+        for key, owner in (config.api_keys if config is not None else {}).items():
+            self.by_owner.setdefault(owner, short_key_id(key))
+        if config is not None and config.admin_api_key:
+            self.by_owner[ADMIN_OWNER] = short_key_id(config.admin_api_key)
+        self.known = list(self.by_owner)
+
+    def __call__(self, owner: str) -> str:
+        if owner in self.by_owner:
+            return self.by_owner[owner]
+        if owner.startswith("key-"):  # any-`tml-`-key mode: `key_identity` = "key-" + the key's sha256
+            return owner[4:12]
+        return hashlib.sha256(owner.encode()).hexdigest()[:8]  # an owner without a key (in process)
 
 
 def _replica_families(service: Any):
@@ -242,7 +313,7 @@ def install_metrics(app: FastAPI, service: Any, *, require_key: bool) -> EmberMe
 
     Call it before the outer middlewares (path prefix, request log) are added, so the
     metrics middleware sits inside them."""
-    metrics = EmberMetrics(service)
+    metrics = EmberMetrics(service, getattr(app.state, "config", None))
     table = getattr(service, "futures", None)
     if table is not None:
         table.add_listener(metrics.observe_future)

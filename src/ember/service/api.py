@@ -512,3 +512,25 @@ class ServiceAPI(abc.ABC):
     def close(self) -> None:
         """Stop executor threads (in-flight work is abandoned; after a restart those
         futures answer category server) and close the database. Idempotent."""
+
+    # ---------------------------------------------------------------- operator (no owner check)
+    @abc.abstractmethod
+    def operator_view(self, owners: Sequence[str] = ()) -> dict[str, Any]:
+        """Every owner's active sessions, runs (loaded or not), checkpoints and per-owner
+        totals, JSON-safe. Only for the server's `--admin-api-key`: no owner check."""
+
+    @abc.abstractmethod
+    def operator_end_session(self, session_id: str) -> None:
+        """End any owner's active session (its runs saved, then unloaded; NotFoundError,
+        UserError when it already ended). Only for the operator."""
+
+    @abc.abstractmethod
+    def operator_unload_run(self, run_id: str) -> str:
+        """Unload any owner's loaded run after saving it; the saved checkpoint's tinker path
+        (UserError when it is not loaded). Only for the operator."""
+
+    @abc.abstractmethod
+    def export_weights(self, owner: str, run_id: str, name: str = "console-export") -> Submission:
+        """Export the owner's loaded run's current weights in Hugging Face format (as
+        `save_weights_external`, outside the run's seq_id order: the console's button).
+        Future → SaveWeightsExternalResponseInternal; a run not loaded → UserError."""

@@ -48,14 +48,14 @@ from ember.service.model_registry import ModelRegistry
 from ember.service.futures import FutureTable
 from ember.service.image_admission import ImageAdmission
 from ember.service.images import check_request_images, count_images, vision_spec_of
-from ember.service.metric_history import MetricHistory
+from ember.service.metric_history import MetricHistory, target_tokens
 from ember.service.run_validation import check_samplable
 from ember.service.runs import SESSION_END_CHECKPOINT, LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
 from ember.service.sessions import SessionManager, session_of
 from ember.service.routing_records import OPTION, replay_option, with_routes
 from ember.service.stability import StabilityRecords
-from ember.service.store import CheckpointRow, FutureRow, SessionRow, Store
+from ember.service.store import CheckpointRow, FutureRow, SamplerRow, SessionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class Service(ServiceAPI):
         )
         self.records = StabilityRecords(config.stability, clock=clock)
         self.metric_history = MetricHistory(self.store, config.metric_history_rows, clock=clock)
+        self._sampler_runs: dict[str, str | None] = {}  # sampling session -> the run it samples (`_count_samples`)
         self.samplers = SamplerManager(
             self.store, self.futures, self.registry,
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
@@ -285,7 +286,7 @@ class Service(ServiceAPI):
             out = engine.forward(batch, loss_fn, cfg) if forward_only else engine.forward_backward(batch, loss_fn, cfg)
             out.metrics.update(logprob_gap_metrics(batch, out.loss_fn_outputs))
             self.metric_history.record(run.run_id, run.steps, "forward" if forward_only else "forward_backward",
-                                       out.metrics)
+                                       out.metrics, tokens=target_tokens(out))
             return out
 
         return self.runs.submit_op(owner, model_id, seq_id, rtype, op)
@@ -469,6 +470,7 @@ class Service(ServiceAPI):
             target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         sub = self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
+        self._count_samples(owner, sampling_session_id, sub.request_id)
         self.futures.tag_session(sub.request_id, session_of(sampling_session_id))  # busy until it finishes
         self.sessions.touch(session_of(sampling_session_id))
         return sub
@@ -624,6 +626,96 @@ class Service(ServiceAPI):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def export_weights(self, owner: str, run_id: str, name: str = "console-export") -> Submission:
+        """The loaded run's current weights in Hugging Face format, as the checkpoint
+        tinker://<run>/external_weights/<name> (replaced if present). Outside the run's seq_id
+        order (the console's button must not take a number its client will send): queued on
+        the run's lane, it runs between two of the client's ops."""
+        try:
+            run = self.runs.live(owner, run_id)
+        except RunNotLoadedError as exc:
+            raise UserError(str(exc)) from None
+        sub, _ = self.futures.create(owner, "SaveWeightsExternal", model_id=run_id)
+
+        def op() -> types.SaveWeightsExternalResponseInternal:
+            row = self.runs.save_checkpoint(run, name, "external", True, None, None)
+            return types.SaveWeightsExternalResponseInternal(path=row.tinker_path, size_bytes=row.size_bytes)
+
+        try:
+            with self.futures.accepting(sub.request_id):  # a closed lane fails the future too
+                run.lane.submit(lambda: self.runs.execute(sub.request_id, op), owner)
+        except RuntimeError as exc:
+            raise UserError(f"training run {run_id} cannot export now: {exc}") from None
+        return sub
+
+    def _count_samples(self, owner: str, sampling_session_id: str, request_id: str) -> None:
+        """A sample of a sampler made from a run of its own session counts into that run's
+        metric history when it completes (tokens sampled, completion length per step)."""
+        if sampling_session_id not in self._sampler_runs:
+            row = self.store.get(SamplerRow, sampling_session_id)
+            source = None if row is None else row.source_run_id or (
+                (row.model_path or "").removeprefix("tinker://").split("/")[0] or None)
+            same = row is not None and row.owner == owner and source and source.split(":")[0] == row.session_id
+            if len(self._sampler_runs) >= 4096:
+                self._sampler_runs.clear()  # a bound, not a cache policy: rebuilt one lookup at a time
+            self._sampler_runs[sampling_session_id] = source if same else None
+        run_id = self._sampler_runs[sampling_session_id]
+        if run_id is None or not self.config.metric_history_rows:
+            return
+
+        def done(fut: concurrent.futures.Future) -> None:
+            if fut.exception() is None and fut.result().status == "complete":
+                self.metric_history.add_samples(run_id, fut.result().result)
+
+        self.futures.watch(owner, request_id).add_done_callback(done)
+
+    # ------------------------------------------------------------------ operator (no owner check)
+    def operator_view(self, owners: Sequence[str] = ()) -> dict[str, Any]:
+        """Every active session and loaded run, and per owner (`owners` and every owner of
+        one): runs, checkpoints, checkpoint bytes (`ember admin`, the console's operator page)."""
+        now, live = self._clock(), self.runs.all_live_runs()
+        sessions = self.store.active_sessions()
+        everyone = sorted({*owners, *(s.owner for s in sessions), *(r.owner for r in live.values())})
+        out: dict[str, Any] = {"sessions": [operator_session(s, now, live) for s in sessions],
+                               "runs": [], "checkpoints": [], "owners": {}}
+        for owner in everyone:
+            runs = self.list_training_runs(owner, 100, 0)
+            ckpts = self.list_user_checkpoints(owner, 100, 0)
+            out["runs"] += [operator_run(r, live.get(r.training_run_id)) for r in runs.training_runs]
+            out["checkpoints"] += [{"owner": owner, **c.model_dump(mode="json")} for c in ckpts.checkpoints]
+            out["owners"][owner] = {"runs": runs.cursor.total_count, "sessions_active": sum(
+                s.owner == owner for s in sessions), "runs_loaded": sum(r.owner == owner for r in live.values()),
+                "checkpoints": ckpts.cursor.total_count, "checkpoint_bytes": self.checkpoints.bytes_used(owner)}
+        return out
+
+    def operator_end_session(self, session_id: str) -> None:
+        """End any key's active session as a lost client's is ended: its runs saved, then unloaded."""
+        row = self.store.get(SessionRow, session_id)
+        if row is None:
+            raise NotFoundError(f"unknown session {session_id!r}")
+        if not self.sessions.finish(row.owner, session_id, "interrupted", "ended by the operator"):
+            raise UserError(f"session {session_id} is already {row.status}")
+        self._on_session_expired(session_id)
+
+    def operator_unload_run(self, run_id: str) -> str:
+        """Unload any key's loaded run, saved first; the checkpoint its owner resumes from."""
+        if not self.runs.unload_run(run_id, save_as=SESSION_END_CHECKPOINT):
+            raise UserError(f"training run {run_id!r} is not loaded")
+        return f"tinker://{run_id}/weights/{SESSION_END_CHECKPOINT}"
+
+
+def operator_session(row: SessionRow, now: float, live: Mapping[str, LiveRun]) -> dict[str, Any]:
+    return {"session_id": row.id, "owner": row.owner, "display_name": row.display_name,
+            "created_at": row.created_at, "heartbeat_age_s": round(now - row.last_heartbeat, 1),
+            "runs_loaded": sum(r.session_id == row.id for r in live.values())}
+
+
+def operator_run(run: types.TrainingRun, live: LiveRun | None) -> dict[str, Any]:
+    return {"run_id": run.training_run_id, "owner": run.model_owner, "base_model": run.base_model,
+            "loaded": live is not None, "steps": live.steps if live is not None else None,
+            "failed": run.corrupted, "last_request_time": run.last_request_time.isoformat()
+            if run.last_request_time else None}
 
 
 def build_service(config: ServiceConfig, workers: WorkersConfig | None = None) -> Service:

@@ -356,6 +356,12 @@ class FutureTable:
         with self._lock:
             return sum(1 for e in self._live.values() if e.owner == owner)
 
+    def owner_of(self, request_id: str) -> str | None:
+        """The owner of a future of this lifetime (a completion listener's per-key usage)."""
+        with self._lock:
+            entry = self._live.get(request_id) or self._done.get(request_id)
+        return None if entry is None else entry.owner
+
     def pending_ids(self) -> list[str]:
         with self._lock:
             return list(self._live)

@@ -427,6 +427,22 @@ class RunManager:
         return {f"lane {name} ({', '.join(sorted({r.spec.base.name for r in on}))})":
                 (len(on), sum(r.seq.queued for r in on)) for name, on in sorted(lanes.items())}
 
+    def all_live_runs(self) -> dict[str, LiveRun]:
+        """run_id -> live run, every owner's (the operator's view)."""
+        with self._lock:
+            return dict(self._runs)
+
+    def unload_run(self, run_id: str, save_as: str | None = None) -> bool:
+        """The operator unloads one run, as `unload_session` does a session's (saved as
+        `save_as` first, so that its owner can resume); False if it was not loaded."""
+        with self._lock:
+            run = self._runs.pop(run_id, None)
+        if run is None:
+            return False
+        self.store.update(RunRow, run.run_id, status="unloaded")
+        run.seq.drain(lambda: self._save_then_release(run, save_as))
+        return True
+
     def close(self) -> None:
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}

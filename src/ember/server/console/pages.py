@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader
 from starlette.concurrency import run_in_threadpool
 
+from ember.server.config import ADMIN_OWNER
 from ember.server.console import auth
 from ember.service.api import NotFoundError, SessionGoneError, UserError
 
@@ -128,8 +129,22 @@ def render(request: Request, template: str, status: int = 200, **context: Any) -
     signin = getattr(request.state, "console_signin", None) or signin_of(request)
     csrf = auth.csrf_token(state(request).secret, signin) if signin else ""
     html = environment().get_template(template).render(root=root(request), signin=signin, csrf=csrf,
-                                                       path=request.url.path, **context)
+                                                       path=request.url.path, operator=is_operator(signin),
+                                                       **context)
     return secure(HTMLResponse(html, status_code=status))
+
+
+def is_operator(signin: auth.Signin | None) -> bool:
+    """Signed in with the server's `--admin-api-key`: the operator's page and buttons."""
+    return signin is not None and signin.owner == ADMIN_OWNER
+
+
+def operator_of(request: Request) -> str:
+    """A FastAPI dependency: the signed-in operator; the 403 page for any other sign-in."""
+    owner = owner_of(request)
+    if not is_operator(request.state.console_signin):
+        raise PageError("the operator's page takes the server's --admin-api-key; sign in with it", 403)
+    return owner
 
 
 def redirect(request: Request, path: str) -> Response:

@@ -2,8 +2,11 @@
 
     GET  /login, POST /login, GET|POST /logout      sign-in with an API key (a signed cookie)
     GET  /                                          overview: this key's server state, recent runs
-    GET  /sessions, /sessions/{id}                  sessions: runs, samplers, heartbeat, state
-    GET  /training_runs, /training_runs/{id}        runs; a run's curves and checkpoints
+    GET  /sessions, /sessions/{id}                  sessions: runs, samplers, liveness; POST: end it
+    GET  /training_runs, /training_runs/{id}        runs; a run's curves and checkpoints; POST: export
+    GET  /training_runs/compare?run=A&run=B         runs' curves overlaid (smoothing, log scale)
+    GET|POST /admin                                 the operator (--admin-api-key): every key's
+                                                    sessions and runs; end one, unload one
     GET  /checkpoints/{run_id}/{checkpoint_id}      a checkpoint; POST: publish, TTL, delete
     GET|POST /playground                            sample a base model or sampler checkpoint
 
@@ -24,13 +27,15 @@ from starlette.concurrency import run_in_threadpool
 
 from ember.server.console import auth, playground
 from ember.server.console.pages import (
-    PageError, PageNotFound, call, owner_of, read_form, redirect, render, secure, signed_form, signin_of, state, local_path,
+    PageError, PageNotFound, call, operator_of, owner_of, read_form, redirect, render, secure, signed_form, signin_of, state, local_path,
 )
-from ember.server.console.svg import chart
-from ember.service.metric_history import series
+from ember.server.routes_admin import usage
+from ember.server.console.svg import chart_lines, smooth
+from ember.service.metric_history import COMPLETION, SAMPLED, SEQUENCES, TOKENS, derived, series
 
 router = APIRouter(include_in_schema=False)
 Owner = Depends(owner_of)
+Operator = Depends(operator_of)
 STATIC = __file__.rsplit("/", 1)[0] + "/static"
 
 
@@ -80,7 +85,7 @@ async def overview(request: Request, owner: str = Owner):
     service = request.app.state.service
     st = await call(service.owner_state, owner)
     runs = (await call(service.list_training_runs, owner, 10, 0))
-    facts = await call(service.run_facts, owner, [r.training_run_id for r in runs.training_runs])
+    facts = await _facts(service, owner, runs.training_runs)
     return render(request, "overview.html", state=st, runs=runs.training_runs, total=runs.cursor.total_count,
                   facts=facts)
 
@@ -99,7 +104,42 @@ async def session_page(session_id: str, request: Request, owner: str = Owner):
     row = await call(service.session_row, owner, session_id)
     detail = await call(service.get_session, owner, session_id)
     samplers = [await call(service.get_sampler, owner, sid) for sid in detail.sampler_ids]
-    return render(request, "session.html", session=row, runs=detail.training_run_ids, samplers=samplers, now=_now())
+    return render(request, "session.html", session=row, runs=detail.training_run_ids, samplers=samplers, now=_now(),
+                  refresh=row.status == "active")
+
+
+@router.post("/sessions/{session_id}")
+async def session_action(session_id: str, request: Request):
+    owner, form = await signed_form(request)
+    if form.get("action") != "end":
+        raise PageError(f"action: expected 'end', got {form.get('action')!r}")
+    await call(request.app.state.service.finish_session, owner, session_id, "interrupted", "ended from the console")
+    return redirect(request, f"/sessions/{quote(session_id, safe='')}")
+
+
+# ------------------------------------------------------------------ the operator (--admin-api-key)
+@router.get("/admin")
+async def operator_page(request: Request, _: str = Operator):
+    service, config = request.app.state.service, request.app.state.config
+    view = await call(service.operator_view, sorted(set(config.api_keys.values())))
+    return render(request, "admin.html", view=view, usage=usage(request, view), now=_now())
+
+
+OPERATOR_ACTIONS = ("end_session", "unload_run")
+
+
+@router.post("/admin")
+async def operator_action(request: Request):
+    _, form = await signed_form(request)
+    operator_of(request)
+    service, action, target = request.app.state.service, form.get("action"), form.get("id", "")
+    if action not in OPERATOR_ACTIONS or not target:
+        raise PageError(f"action: expected one of {', '.join(OPERATOR_ACTIONS)} and an id, got {action!r}")
+    if action == "end_session":
+        await call(service.operator_end_session, target)
+    else:
+        await call(service.operator_unload_run, target)
+    return redirect(request, "/admin")
 
 
 # ------------------------------------------------------------------ training runs
@@ -107,21 +147,81 @@ async def session_page(session_id: str, request: Request, owner: str = Owner):
 async def training_runs(request: Request, owner: str = Owner, offset: int = Query(0, ge=0, le=1 << 30)):
     service = request.app.state.service
     runs = await call(service.list_training_runs, owner, 50, offset)
-    facts = await call(service.run_facts, owner, [r.training_run_id for r in runs.training_runs])
+    facts = await _facts(service, owner, runs.training_runs)
     return render(request, "training_runs.html", runs=runs.training_runs, total=runs.cursor.total_count,
                   offset=offset, facts=facts)
 
 
+async def _facts(service, owner: str, runs: list) -> dict[str, dict[str, Any]]:
+    """`run_facts` plus each run's display name: its user_metadata's `name`, else its session's name."""
+    facts = await call(service.run_facts, owner, [r.training_run_id for r in runs])
+    sessions: dict[str, str | None] = {}
+    for r in runs:
+        sid = r.training_run_id.split(":")[0]
+        if sid not in sessions:
+            try:
+                sessions[sid] = (await call(service.session_row, owner, sid)).display_name
+            except PageNotFound:
+                sessions[sid] = None
+        facts[r.training_run_id]["name"] = (r.user_metadata or {}).get("name") or sessions[sid] or ""
+    return facts
+
+
+class View:
+    """How curves are drawn: chosen series, smoothing weight, log scale (query parameters)."""
+
+    def __init__(self, metric: list[str], smooth: float, log: bool):
+        self.metric, self.smooth, self.log = metric, smooth, log
+
+    def query(self) -> str:
+        return "&".join([*(f"metric={quote(m, safe='')}" for m in self.metric),
+                         *([f"smooth={self.smooth:g}"] if self.smooth else []), *(["log=1"] if self.log else [])])
+
+
+def view_of(metric: list[str] = Query(default=[]), smooth: float = Query(0.0, ge=0.0, le=0.99),
+            log: bool = False) -> View:
+    return View(metric, smooth, log)
+
+
+Curves = Depends(view_of)
+
+
+@router.get("/training_runs/compare")
+async def compare_runs(request: Request, owner: str = Owner, run: list[str] = Query(default=[], max_length=8),
+                       view: View = Curves):
+    if not run:
+        raise PageError("choose the runs to compare on the Training runs page")
+    service = request.app.state.service
+    runs = [await call(service.get_training_run, owner, rid) for rid in dict.fromkeys(run)]
+    histories = [(r.training_run_id, (await call(service.metric_history_of, owner, r.training_run_id))["rows"])
+                 for r in runs]
+    facts = await _facts(service, owner, runs)
+    labels = [facts[rid]["name"] or rid for rid, _ in histories]
+    curves = await run_in_threadpool(curves_of, [(lab, rows) for lab, (_, rows) in zip(labels, histories)], view)
+    return render(request, "compare.html", runs=runs, facts=facts, curves=curves, view=view, labels=labels,
+                  refresh=any(f["loaded"] for f in facts.values()))
+
+
 @router.get("/training_runs/{run_id}")
-async def training_run(run_id: str, request: Request, owner: str = Owner, metric: list[str] = Query(default=[])):
+async def training_run(run_id: str, request: Request, owner: str = Owner, view: View = Curves):
     service = request.app.state.service
     run = await call(service.get_training_run, owner, run_id)
     history = await call(service.metric_history_of, owner, run_id)
     checkpoints = (await call(service.list_checkpoints, owner, run_id)).checkpoints
-    facts = (await call(service.run_facts, owner, [run_id]))[run_id]
-    curves = await run_in_threadpool(_curves, history["rows"], metric)
+    facts = (await _facts(service, owner, [run]))[run_id]
+    curves = await run_in_threadpool(curves_of, [(facts["name"] or run_id, history["rows"])], view)
     return render(request, "training_run.html", run=run, facts=facts, history=history, curves=curves,
-                  checkpoints=checkpoints, selected=set(metric), head=_head(run, facts))
+                  checkpoints=checkpoints, selected=set(view.metric), view=view, head=_head(run, facts),
+                  refresh=facts["loaded"])
+
+
+@router.post("/training_runs/{run_id}")
+async def training_run_action(run_id: str, request: Request):
+    owner, form = await signed_form(request)
+    if form.get("action") != "export":
+        raise PageError(f"action: expected 'export', got {form.get('action')!r}")
+    await call(request.app.state.service.export_weights, owner, run_id)
+    return redirect(request, f"/training_runs/{quote(run_id, safe='')}")
 
 
 class _Row:
@@ -131,13 +231,35 @@ class _Row:
         self.step, self.kind, self.metrics = d["step"], d["kind"], d["metrics"]
 
 
-def _curves(rows: list[dict[str, Any]], selected: list[str]) -> list[dict[str, Any]]:
-    """One chart per series (all when none is selected), with every (step, value) for the table."""
+# the series worth seeing first, in this order; the rest follow by name
+FIRST = ("forward_backward/loss:sum", "tokens trained", "trained tokens/s", "tokens sampled", "mean completion length",
+         "forward_backward/sampler_logprob_diff:mean",
+         "forward_backward/sampler_logprob_diff:max", "forward_backward/sampler_mismatch_kl:mean")
+# the server's own counts, drawn per step under their plain names (`derived`)
+HIDDEN = {f"{kind}/{TOKENS}" for kind in ("forward_backward", "forward")} | {
+    f"optim_step/{name}" for name in (SAMPLED, SEQUENCES, COMPLETION)}
+
+
+def curves_of(runs: list[tuple[str, list[dict[str, Any]]]], view: View) -> list[dict[str, Any]]:
+    """One chart per series (all when none is chosen), each run one line (smoothed when asked),
+    with every (step, value) of the first run for the table."""
+    per_run = [(label, {**series([_Row(r) for r in rows]), **derived(rows)}) for label, rows in runs]
+    names = {n for _, s in per_run for n in s} - HIDDEN
+    order = [n for n in FIRST if n in names] + sorted(names - set(FIRST))
     out = []
-    for name, points in sorted(series([_Row(r) for r in rows]).items()):
-        out.append({"name": name, "points": points, "chart": chart(points) if not selected or name in selected
-                    else None})
+    for name in order:
+        lines = [(label, s.get(name, [])) for label, s in per_run]
+        drawn = not view.metric or name in view.metric
+        table_of, points = next(((label, pts) for label, pts in lines if pts), lines[0])
+        out.append({"name": name, "points": points, "table_of": table_of, "lines": lines,
+                    "count": sum(len(pts) for _, pts in lines), "chart": _chart(lines, view) if drawn else None})
     return out
+
+
+def _chart(lines: list[tuple[str, list]], view: View):
+    if view.smooth:
+        lines = [*lines, *((f"{label} (smoothed)", smooth(points, view.smooth)) for label, points in lines)]
+    return chart_lines(lines, log=view.log)
 
 
 def _head(run, facts: dict[str, Any]) -> str:
