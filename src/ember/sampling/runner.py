@@ -135,7 +135,7 @@ class ModelRunner:
         kwargs.update(vision or {})
         captured: list[torch.Tensor] = []
         try:
-            self.hooks.set_plan(lora_plan(list(lora)))
+            self.hooks.set_plan(lora_plan(list(lora)), int(input_ids.shape[0]))
             self.expert_hooks.set_plan(expert_plan(list(lora)), int(input_ids.shape[0]))
             with self._capture_last_hidden(captured, hidden):
                 if full is not None:
