@@ -6,8 +6,8 @@ tests/recipes/test_recipes_cookbook.py (its module and CLI, forked from the zygo
 `env=arithmetic` generates its problems, so no data set is read), two steps of LoRA RL with
 the torch sampler (vLLM refuses MoE on CPU: tests/sampling/test_sampling_moe.py). The test
 asserts that it ran both steps to completion with finite metrics and sampled tokens, not that
-it learned. Measured on a loaded 2-core host: ~30 s (gpt_oss) to ~140 s (qwen3_moe, the
-first, paying the zygote's start) each."""
+it learned. Measured on a loaded 2-core host (another benchmark running): 139 s (qwen3_moe)
+and 30 s (gpt_oss)."""
 
 from __future__ import annotations
 
