@@ -205,3 +205,18 @@ def test_the_vllm_backend_is_refused_naming_the_linear_attention_layers(moe_dir)
     for device in ("cpu", "cuda"):
         with pytest.raises(UnsupportedModelError, match=r"layer_types: linear_attention: the vLLM sampler backend"):
             check_vllm_model(moe_dir, device)
+
+
+def test_estimate_counts_qwen3_5_35b_a3b_experts_k_of_e_active_and_the_shared_expert_always(tmp_path):
+    """transformers' Qwen3_5MoeTextConfig defaults are Qwen3.5-35B-A3B's decoder (40 layers,
+    256 experts of width 512, 8 per token, a shared expert of 512): from config.json alone,
+    what is not active is exactly the 248 unchosen experts' three matrices per layer (the
+    shared expert, the linear-attention layers and the rest are active), 34.7 B in all."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    from ember.engine.estimate import estimate_memory
+
+    Qwen3_5MoeTextConfig().save_pretrained(tmp_path)
+    est = estimate_memory(tmp_path, tokens=4096)
+    assert est.total_parameters - est.active_parameters == 40 * (256 - 8) * 3 * 2048 * 512
+    assert abs(est.total_parameters / 35e9 - 1) < 0.02 and 3e9 < est.active_parameters < 3.6e9
