@@ -74,6 +74,6 @@ def test_unknown_tiny_model_family_is_refused_naming_the_known_ones():
     from ember.models.testing import tiny_config
 
     with pytest.raises(ValueError, match=r"unknown tiny model family 'gpt2'; expected one of \['gpt_oss', 'llama', "
-                                         r"'mistral', 'olmo2', 'qwen2', 'qwen2_5_vl', 'qwen3', 'qwen3_5', 'qwen3_moe', "
+                                         r"'mistral', 'olmo2', 'qwen2', 'qwen2_5_vl', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_moe', "
                                          r"'qwen3_vl'\]"):
         tiny_config("gpt2", vocab_size=50)

@@ -39,7 +39,7 @@ def _random_lora(model, seed: int = 1) -> None:
 def test_moe_families_are_registered_with_their_expert_layouts(tiny_moe_dir):
     model = load_model(tiny_moe_dir)
     layout = moe_of(model.config)
-    assert set(moe_families()) == {"qwen3_moe", "gpt_oss"} and layout is not None
+    assert set(moe_families()) == {"qwen3_moe", "gpt_oss", "qwen3_5_moe"} and layout is not None
     layer = model.model.layers[0]
     weights = [layer.get_parameter(p) for p in layout.param_paths]
     assert [w.dim() for w in weights] == [3, 3] and weights[0].shape[0] == getattr(model.config, layout.num_experts)

@@ -12,8 +12,10 @@ head_dim 32, which every sampler backend serves (vLLM's CPU attention needs >= 3
 `--family` takes any family of `ember.models.families`: `qwen3_vl` / `qwen2_5_vl` write a
 vision-language model (a 2-block vision tower in front of the decoder, the image
 placeholder tokens in the tokenizer, a chat template that renders image parts as them and
-`preprocessor_config.json`, the PIL image processor); `qwen3_moe` / `gpt_oss` a
-mixture-of-experts model (4 experts, 2 per token), gpt-oss with a harmony tokenizer.
+`preprocessor_config.json`, the PIL image processor); `qwen3_moe` / `gpt_oss` /
+`qwen3_5_moe` a mixture-of-experts model (4 experts, 2 per token), gpt-oss with a harmony
+tokenizer, Qwen3.5-MoE with Qwen3.5's linear-attention layers (`--layers 4` gives its
+pattern: three linear, one full) and a shared expert.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="directory to write (must not exist, or be empty)")
     parser.add_argument("--family", choices=family_choices(), default="qwen3",
                         help="architecture (default qwen3; qwen3_vl and qwen2_5_vl add a tiny vision tower, "
-                             "the image placeholder tokens and a PIL image processor config; qwen3_moe and "
-                             "gpt_oss are mixture-of-experts models, 4 experts, 2 per token)")
+                             "the image placeholder tokens and a PIL image processor config; qwen3_moe, "
+                             "gpt_oss and qwen3_5_moe are mixture-of-experts models, 4 experts, 2 per token)")
     parser.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--heads", type=int, default=None,

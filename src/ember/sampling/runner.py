@@ -139,7 +139,7 @@ class ModelRunner:
         routes: list[torch.Tensor] = []
         self.routes = None
         try:
-            self.hooks.set_plan(lora_plan(list(lora)))
+            self.hooks.set_plan(lora_plan(list(lora)), int(input_ids.shape[0]))
             self.expert_hooks.set_plan(expert_plan(list(lora)), int(input_ids.shape[0]))
             with self._capture_last_hidden(captured, hidden), \
                     self.route_recorder.capture(int(input_ids.shape[0]), routes):

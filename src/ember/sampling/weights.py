@@ -210,21 +210,24 @@ class LoraHooks:
 
     `plan` maps a module name to [(rows, delta)], rows being a LongTensor of batch rows
     or None for every row. Hooks are registered lazily, on the thread that runs the
-    forwards, and stay (they do nothing without a plan).
+    forwards, and stay (they do nothing without a plan). A Linear called on the batch's
+    tokens flattened to 2-D (Qwen3.5-MoE's shared expert sees (rows x T, hidden)) has its
+    rows' tokens adapted: `batch_rows` says how many rows the flat tokens hold.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.plan: dict[str, list[tuple[torch.Tensor | None, LoraDelta]]] = {}
+        self.batch_rows = 1
         self._hooked: set[str] = set()
 
-    def set_plan(self, plan: dict[str, list[tuple[torch.Tensor | None, LoraDelta]]]) -> None:
+    def set_plan(self, plan: dict[str, list[tuple[torch.Tensor | None, LoraDelta]]], batch_rows: int = 1) -> None:
         for name in plan:
             if name not in self._hooked:
                 module = self.model.get_submodule(name)
                 module.register_forward_hook(self._make_hook(name))
                 self._hooked.add(name)
-        self.plan = plan
+        self.plan, self.batch_rows = plan, batch_rows
 
     def clear(self) -> None:
         self.plan = {}
@@ -234,9 +237,18 @@ class LoraHooks:
             entries = self.plan.get(name)
             if not entries:
                 return None
+            if args[0].dim() == 2:  # flat tokens: each row's tokens are adapted
+                entries = [(flat_rows(rows, args[0].shape[0] // self.batch_rows), d) for rows, d in entries]
             return add_lora(output, args[0], entries)
 
         return hook
+
+
+def flat_rows(rows: torch.Tensor | None, per_row: int) -> torch.Tensor | None:
+    """Batch rows as indices of their tokens in the (rows x per_row) flattened batch."""
+    if rows is None:
+        return None
+    return (rows[:, None] * per_row + torch.arange(per_row, device=rows.device)).flatten()
 
 
 def add_lora(output: torch.Tensor, x: torch.Tensor, entries: list[tuple[torch.Tensor | None, LoraDelta]]):

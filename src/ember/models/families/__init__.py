@@ -2,7 +2,8 @@
 
 Each family file (`llama.py`, `mistral.py`, `qwen2.py`, `qwen3.py`, `olmo2.py`, the hybrid
 linear-attention `qwen3_5.py`, the vision-language `qwen2_5_vl.py`, `qwen3_vl.py` and the
-mixture-of-experts `qwen3_moe.py`, `gpt_oss.py`) builds one `ModelFamily` (`base.py`): its
+mixture-of-experts `qwen3_moe.py`, `gpt_oss.py` and the hybrid
+mixture-of-experts `qwen3_5_moe.py`) builds one `ModelFamily` (`base.py`): its
 tensor-parallel plan, LoRA target modules, direct-decode layer, sliding-window rule,
 value-head export class, tiny-model config and, for a vision-language model, its
 `VisionFamily` (placeholder tokens, the tower, the transformers class), for a
@@ -26,6 +27,7 @@ from ember.models.families import (
     qwen2_5_vl,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
     qwen3_vl,
 )
@@ -65,7 +67,7 @@ __all__ = [
     "vision_of",
 ]
 
-_MODULES = (llama, mistral, qwen2, qwen3, olmo2, qwen2_5_vl, qwen3_vl, qwen3_moe, gpt_oss, qwen3_5)
+_MODULES = (llama, mistral, qwen2, qwen3, olmo2, qwen2_5_vl, qwen3_vl, qwen3_moe, gpt_oss, qwen3_5, qwen3_5_moe)
 
 FAMILIES: dict[str, ModelFamily] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 _BY_CONFIG_TYPE: dict[str, ModelFamily] = {t: m.FAMILY for m in _MODULES for t in m.FAMILY.config_types}
