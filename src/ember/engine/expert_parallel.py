@@ -10,11 +10,11 @@ replicas. The mesh of the expert weights is (`ep_replicate`, `ep`) = (world / ep
   biases) becomes a DTensor `(Replicate(), Shard(0))`: this rank's E/ep experts, and a
   full tensor wherever ember gathers one (`full_tensor`: checkpoints through DCP, which
   reshards on load, so a checkpoint is layout-free; `named_weights`, HF export, weight
-  sync). An expert LoRA's factors become replicated DTensors on the same mesh (peft
-  interleaves the experts in B's columns, so B has no expert-contiguous shard); peft's
-  fold `W + s * B @ A` then runs as a DTensor op that keeps W's sharding: each rank
-  forms only its experts' update, and the backward all-gathers the factors' gradients
-  over the ep group. FSDP2 leaves all of these out (`ignored_params`): they are not
+  sync). An expert LoRA's A (E * r, in), expert-major, is split the same way; its B
+  (out, r * E) stays replicated on the mesh (peft interleaves the experts in B's
+  columns, so B has no expert-contiguous shard). peft's fold `W + s * B @ A` then runs
+  as a DTensor op that keeps W's sharding: each rank forms only its experts' update,
+  and the backward all-gathers B's gradient over the ep group. FSDP2 leaves all of these out (`ignored_params`): they are not
   sharded over `dp_shard` a second time.
 * **Dispatch** (`ep_experts_forward`, installed through transformers' `ExpertsInterface`,
   its documented registry of expert kernels, so the model's code is unchanged): each
@@ -214,10 +214,11 @@ def shard_experts(model: nn.Module, experts_path: str, mesh) -> set[nn.Parameter
         for name in EXPERT_PARAMS:
             if isinstance(getattr(experts, name, None), nn.Parameter):
                 params.add(_shard_param(experts, name, mesh, (Replicate(), Shard(0))))
-        for wrapper in wrappers:
-            for factors in (wrapper.lora_A, wrapper.lora_B):
-                for linear in factors.values():
-                    params.add(_shard_param(linear, "weight", mesh, (Replicate(), Replicate())))
+        for wrapper in wrappers:  # A (E * r, in) is expert-major: split like the weights; B stays whole
+            for linear in wrapper.lora_A.values():
+                params.add(_shard_param(linear, "weight", mesh, (Replicate(), Shard(0))))
+            for linear in wrapper.lora_B.values():
+                params.add(_shard_param(linear, "weight", mesh, (Replicate(), Replicate())))
     if not params:
         raise ValueError(f"expert parallelism found no experts module {experts_path!r} in the model")
     return params
