@@ -161,7 +161,7 @@ def ep_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_ind
                        top_k_weights: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
     """The experts of one MoE layer over the ep group (see the module docstring): hidden
     (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
-    tokens, k = top_k_index.shape
+    k = top_k_index.shape[1]
     local = shard.local_experts
     order, counts = dispatch_order(top_k_index, shard.num_experts)
     recv_counts = torch.empty_like(counts)
@@ -173,8 +173,15 @@ def ep_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_ind
     w = local_weights(module, shard, hidden_states.dtype)
     out = run_local_experts(module, w, received[by_expert], recv_counts.view(shard.ep, local).sum(0).tolist())
     returned = _exchange(out[inverse(by_expert)], recv, send, shard.group)
-    rows = returned[inverse(order)] * top_k_weights.reshape(-1, 1).to(returned.dtype)
-    return rows.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    return combine(returned, order, top_k_weights).to(hidden_states.dtype)
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """(T, H): each token's expert outputs (`rows`, in `dispatch_order`'s order) weighted by
+    the router's top-k weights and summed in choice order, as transformers' experts sum them."""
+    tokens, k = top_k_weights.shape
+    weighted = rows[inverse(order)] * top_k_weights.reshape(-1, 1).to(rows.dtype)
+    return weighted.view(tokens, k, -1).sum(dim=1)
 
 
 # ---------------------------------------------------------------------- laying a model out

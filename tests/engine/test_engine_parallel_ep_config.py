@@ -1,0 +1,74 @@
+"""Expert parallelism without a process group: the layout's refusals (E not divisible by ep,
+a dense model, ep not dividing dp_shard), `--parallel.ep`, and the dispatch's local
+arithmetic (sort by expert, each expert on its block, weighted combine) equal to the
+transformers experts module it replaces, within fp32 rtol 1e-5. The all-to-all runs in
+tests/engine/test_engine_parallel_ep.py (slow: process groups)."""
+
+import pytest
+import torch
+
+from ember.engine import EngineConfig, TorchEngine
+from ember.engine.expert_parallel import (combine, dispatch_order, expert_modules, inverse, received_expert_ids,
+                                          run_local_experts)
+from ember.engine.parallel import ParallelismConfig
+from ember.models.families import moe_of
+from ember.service.config import WorkersConfig
+
+
+def test_experts_not_divisible_by_ep_are_refused_at_start_naming_both(tiny_moe_dir):
+    with pytest.raises(ValueError, match=r"ep=3 must divide the model's 4 experts"):
+        TorchEngine.from_pretrained(tiny_moe_dir, EngineConfig(), parallelism=ParallelismConfig(dp_shard=3, ep=3))
+
+
+def test_ep_on_a_dense_model_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"ep=2 splits the experts.*\('qwen3'\) has none"):
+        TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), parallelism=ParallelismConfig(dp_shard=2, ep=2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dp_shard": 3, "ep": 2}, r"ep=2 must divide dp_shard=3"),
+    ({"dp_shard": 2, "tp": 2, "ep": 2}, r"ep=2 needs tp=1 and cp=1"),
+    ({"dp_shard": 2, "ep": 0}, r"ep must be an integer >= 1"),
+])
+def test_layout_refusals(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelismConfig(**kwargs)
+
+
+def test_ep_takes_its_ranks_from_dp_shard():
+    layout = ParallelismConfig(dp_shard=4, ep=2)
+    assert layout.world_size == 4 and layout.as_dict()["ep"] == 2
+    assert "ep" not in ParallelismConfig(dp_shard=2).as_dict()  # layouts without ep read as before
+    workers = WorkersConfig(runtime="process", world_size=4, ep=2)
+    assert workers.parallel_dims() == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 2}
+    with pytest.raises(ValueError, match=r"parallel.ep=3 must divide parallel.dp_shard=4"):
+        WorkersConfig(runtime="process", world_size=4, ep=3)
+
+
+def test_dispatch_order_and_received_ids():
+    top_k = torch.tensor([[2, 0], [1, 2], [0, 3]])
+    order, counts = dispatch_order(top_k, 4)
+    assert counts.tolist() == [2, 1, 2, 1]
+    assert top_k.reshape(-1)[order].tolist() == [0, 0, 1, 2, 2, 3]
+    assert torch.equal(order[inverse(order)], torch.arange(6))
+    # two source ranks, two local experts each: (2 rows of expert 0, 1 of 1), then (0, 3)
+    assert received_expert_ids(torch.tensor([2, 1, 0, 3]), 2).tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_local_arithmetic_equals_the_transformers_experts(tiny_moe_dir):
+    """ep=1's dispatch without the all-to-all: the family's weight layout (gpt-oss's
+    transposed, biased experts and its gate) and the combine match the module's forward."""
+    engine = TorchEngine.from_pretrained(tiny_moe_dir, EngineConfig())
+    layout = moe_of(engine.hf_config)
+    experts = expert_modules(engine.model, layout.experts)[0][0]
+    num = int(getattr(engine.hf_config, layout.num_experts))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, int(engine.hf_config.hidden_size), generator=g)
+    top_k = torch.stack([torch.randperm(num, generator=g)[:2] for _ in range(7)])
+    weights = torch.softmax(torch.randn(7, 2, generator=g), dim=-1)
+    order, counts = dispatch_order(top_k, num)
+    w = {n: p.detach() for n, p in experts.named_parameters()}
+    rows = run_local_experts(experts, w, hidden[order // 2], counts.tolist())
+    with torch.no_grad():
+        want = experts(hidden, top_k, weights)
+    torch.testing.assert_close(combine(rows, order, weights), want, rtol=1e-5, atol=1e-6)
