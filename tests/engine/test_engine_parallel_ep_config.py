@@ -72,3 +72,36 @@ def test_local_arithmetic_equals_the_transformers_experts(tiny_moe_dir):
     with torch.no_grad():
         want = experts(hidden, top_k, weights)
     torch.testing.assert_close(combine(rows, order, weights), want, rtol=1e-5, atol=1e-6)
+
+
+def test_estimate_splits_experts_over_ep_and_counts_the_dispatch_buffers():
+    """A small Qwen3-MoE config (8 experts, 2 per token), full fine-tuning and LoRA, at
+    dp_shard=4 with ep=1 and ep=2: the experts' bytes move from /4 (FSDP2) to /2 (ep), the
+    rest stays /4; FSDP2's unsharded layers lose their experts; the all-to-all buffers are
+    4 (T k, H) fp32 tensors."""
+    from transformers import Qwen3MoeConfig
+
+    from ember.engine.estimate import estimate_memory, meta_model
+
+    h, i, e, k, layers, t = 256, 64, 8, 2, 2, 64
+    config = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                            vocab_size=1000, intermediate_size=128)
+    model = meta_model(config)
+    expert_params = layers * e * 3 * h * i  # gate_up (2I x H) + down (H x I) per expert
+    a_factors = layers * e * 4 * (h + i)  # rank 4: A of gate_up (r x H) and of down (r x I) per expert
+
+    def est(ep: int, lora_rank=None):
+        return estimate_memory(hf_config=config, meta=model, tokens=t, lora_rank=lora_rank,
+                               parallel=ParallelismConfig(dp_shard=4, ep=ep))
+
+    fsdp, ep2 = est(1), est(2)
+    assert (fsdp.experts_per_rank, ep2.experts_per_rank) == (8, 4)
+    assert ep2.parameters - fsdp.parameters == pytest.approx(4 * expert_params * (1 / 2 - 1 / 4), abs=16)
+    assert ep2.gradients - fsdp.gradients == pytest.approx(4 * expert_params * (1 / 2 - 1 / 4), abs=16)
+    assert (fsdp.dispatch_buffers, ep2.dispatch_buffers) == (0, 4 * t * k * h * 4)
+    # FSDP2 gathers two layers at a time, no longer with their experts
+    assert fsdp.fsdp_working_set - ep2.fsdp_working_set == 2 * (expert_params // layers) * 4
+    lora1, lora2 = est(1, 4), est(2, 4)
+    assert lora2.gradients - lora1.gradients == pytest.approx(4 * a_factors * (1 / 2 - 1 / 4), abs=16)
+    assert lora2.parameters == ep2.parameters
