@@ -46,6 +46,12 @@ checkpointing → FSDP2.
   torch 2.13, `_fsdp_collectives._get_gradient_divide_factors` then picks
   `ReduceOp.SUM` for both the reduce-scatter and the HSDP all-reduce and a post-divide
   factor of 1, i.e. none; gloo has no PREMUL_SUM, so the force-sum flag is needed on CPU).
+* **EP** (`ep > 1`, mixture-of-experts models, `ember.engine.expert_parallel`): taken from
+  the ranks of dp_shard (torchtitan's layout; needs tp == cp == 1). Applied before FSDP2:
+  each experts module's tensors become DTensors split by expert over runs of `ep`
+  consecutive ranks (mesh `(ep_replicate, ep)`), with their forward (all-to-all dispatch)
+  registered in transformers' `ExpertsInterface`; FSDP2 then leaves them out
+  (`ignored_params`) and shards the rest over dp_shard as usual.
 * **Mixed precision**: with a bf16 compute dtype on GPU, `MixedPrecisionPolicy(param_dtype=
   bf16, reduce_dtype=fp32)`; the sharded parameters (and AdamW state) stay in the dtype the
   model was loaded in. On CPU/fp32 no policy (exactness tests run there).
