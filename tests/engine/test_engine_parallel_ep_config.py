@@ -10,7 +10,7 @@ import torch
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.expert_parallel import (combine, dispatch_order, expert_modules, inverse, received_expert_ids,
                                           run_local_experts)
-from ember.engine.parallel import ParallelismConfig
+from ember.engine.parallel import ParallelismConfig, check_ep_model
 from ember.models.families import moe_of
 from ember.service.config import WorkersConfig
 
@@ -20,9 +20,22 @@ def test_experts_not_divisible_by_ep_are_refused_at_start_naming_both(tiny_moe_d
         TorchEngine.from_pretrained(tiny_moe_dir, EngineConfig(), parallelism=ParallelismConfig(dp_shard=3, ep=3))
 
 
-def test_ep_on_a_dense_model_is_refused(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"ep=2 splits the experts.*\('qwen3'\) has none"):
-        TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), parallelism=ParallelismConfig(dp_shard=2, ep=2))
+def test_a_dense_model_ignores_ep_and_a_moe_model_takes_it(tiny_model_dir, tiny_moe_dir):
+    """One `--parallel.ep` serves dense and MoE models: a dense model's ep ranks are dp_shard ranks."""
+    from ember.engine.estimate import load_config
+
+    assert check_ep_model(load_config(tiny_model_dir), 2) is False
+    assert check_ep_model(load_config(tiny_moe_dir), 2) is True
+    assert check_ep_model(load_config(tiny_moe_dir), 1) is False
+
+
+def test_ember_serve_refuses_ep_not_dividing_the_experts_before_the_ranks_start(tiny_moe_dir, tiny_model_dir,
+                                                                                  tmp_path):
+    import ember
+
+    with pytest.raises(ValueError, match=r"model 'moe': ParallelismConfig.ep=3 must divide the model's 4 experts"):
+        ember.ServiceClient(models={"dense": str(tiny_model_dir), "moe": str(tiny_moe_dir)}, data_dir=tmp_path,
+                            workers={"runtime": "process", "world_size": 3, "ep": 3})
 
 
 @pytest.mark.parametrize("kwargs, message", [

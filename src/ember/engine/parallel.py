@@ -98,7 +98,8 @@ class ParallelismConfig:
     ep: expert-parallel degree of a mixture-of-experts model, taken from the ranks of
         dp_shard (torchtitan's layout; it adds no ranks): each MoE layer's experts are split
         over `ep` consecutive ranks, which exchange tokens with all-to-all
-        (`ember.engine.expert_parallel`). Must divide dp_shard; needs tp == cp == 1.
+        (`ember.engine.expert_parallel`). Must divide dp_shard; needs tp == cp == 1. A
+        dense model ignores it (its ep ranks are plain dp_shard ranks).
     """
 
     dp_replicate: int = 1
@@ -359,7 +360,8 @@ def parallelize_model(
         apply_tp(model, mesh["tp"])
     if pconfig.cp > 1:
         apply_cp(model, mesh["cp"], pconfig.tp)
-    ignored = apply_ep(model, pconfig, mesh.device_type) if pconfig.ep > 1 else None
+    ignored = apply_ep(model, pconfig, mesh.device_type) if check_ep_model(hf_model(model).config, pconfig.ep) \
+        else None
     if pconfig.activation_checkpointing:
         apply_activation_checkpointing(model)
     if pconfig.fsdp:
@@ -367,16 +369,18 @@ def parallelize_model(
     return model
 
 
-def check_ep_model(config, ep: int) -> None:
-    """Refuse (ValueError) expert parallelism for a dense model, or with `ep` not dividing
-    the experts per layer (the message names both numbers)."""
+def check_ep_model(config, ep: int) -> bool:
+    """Whether `ep` splits the experts of the model of transformers `config`: False for a
+    dense model (its ep ranks are plain dp_shard ranks, so one `--parallel.ep` serves dense
+    and MoE models alike); ValueError naming both numbers when `ep` does not divide the
+    experts per layer."""
     from ember.engine.expert_parallel import check_ep
 
     layout = moe_of(config)
-    if layout is None:
-        raise ValueError(f"ParallelismConfig.ep={ep} splits the experts of a mixture-of-experts model; "
-                         f"this model ({getattr(config, 'model_type', '?')!r}) has none")
+    if layout is None or ep == 1:
+        return False
     check_ep(int(getattr(config, layout.num_experts)), ep)
+    return True
 
 
 def ep_mesh(pconfig: ParallelismConfig, device_type: str) -> DeviceMesh:
@@ -393,7 +397,6 @@ def apply_ep(model: nn.Module, pconfig: ParallelismConfig, device_type: str) -> 
     from ember.engine.expert_parallel import ExpertShard, install_experts, shard_experts
 
     hf = hf_model(model)
-    check_ep_model(hf.config, pconfig.ep)
     layout = moe_of(hf.config)
     mesh = ep_mesh(pconfig, device_type)
     replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
