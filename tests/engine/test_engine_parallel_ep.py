@@ -88,16 +88,23 @@ def test_ep2_world2_matches_world1(group2, qwen3_moe_dir, lora):
 
 
 def test_each_rank_holds_its_share_of_the_experts_and_lora(group2, qwen3_moe_dir):
+    """Rank 0 holds half of each expert adapter's A; `named_weights` (what weight sync and
+    exports read) gathers the whole adapter, equal to world 1's (same seed)."""
     layout = ParallelismConfig(dp_shard=2, ep=2)
     eng = GroupEngine.create(group2, "ep-shapes", EngineSpec(str(qwen3_moe_dir), CONFIG, layout, lora_config=LORA))
     try:
         local, full = group2.run("ep-shapes", wt.local_shapes), group2.run("ep-shapes", wt.full_params)
+        named = dict(eng.named_weights())
     finally:
         eng.close()
     experts = [n for n in full if ".mlp.experts." in n and ".lora_A." in n]
     assert experts
     for name in experts:  # A (E * r, in): this rank's E/2 experts' rows
         assert local[name] == (full[name].shape[0] // 2, full[name].shape[1]), name
+    want = dict(TorchEngine.from_pretrained(qwen3_moe_dir, CONFIG, lora_config=LORA).named_weights())
+    assert set(named) == set(want) and any(".mlp.experts." in n for n in want)
+    for name, t in want.items():
+        assert torch.equal(named[name], t), name
 
 
 def test_gpt_oss_ep2_matches_world1(group2, tmp_path_factory):
