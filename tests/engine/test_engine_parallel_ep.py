@@ -3,7 +3,7 @@ ep=2 at world 2 (dp_shard=2: every rank holds half of each layer's experts) and 
 dp_shard=4 at world 4 (two ep groups, each expert on two replicas) equal world 1 — losses,
 logprobs, routing metrics, gradients, parameters after SGD steps and a forward after them —
 for full fine-tuning and expert LoRA (gpt-oss's biased experts too); checkpoints saved at
-ep=2 load at world 1 and back; one case on the Ray runtime; last, a rank killed while the
+ep=2 load at world 1 and back, and its adapter export equals world 1's; one case on the Ray runtime; last, a rank killed while the
 other waits in the dispatch's all-to-all surfaces within seconds.
 
 Tolerances as tests/engine/test_engine_parallel.py (helpers/layouts.py): rtol 1e-5, with
@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
@@ -125,6 +126,7 @@ def test_checkpoint_saved_at_ep2_loads_at_world1_and_back(group2, qwen3_moe_dir,
         eng.forward_backward(first, "cross_entropy")
         eng.optim_step(adam)
         eng.save_state(tmp_path / "ep2")
+        eng.export_hf(tmp_path / "hf-ep2")  # rank 0 writes the gathered adapter
         saved = group2.run("ep-save", wt.full_params)
         out2 = eng.forward_backward(nxt, "cross_entropy")
     finally:
@@ -134,6 +136,10 @@ def test_checkpoint_saved_at_ep2_loads_at_world1_and_back(group2, qwen3_moe_dir,
     assert w1.step == 1
     for n, p in wt.full_params(w1).items():
         assert torch.equal(p, saved[n]), n  # loading reshards exactly
+    w1.export_hf(tmp_path / "hf-w1")
+    exported = [load_file(tmp_path / d / "adapter_model.safetensors") for d in ("hf-ep2", "hf-w1")]
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][n], exported[1][n]) for n in exported[1])
     close_outputs(w1.forward_backward(nxt, "cross_entropy"), out2)
     w1.optim_step(adam)  # Adam moments of the ep=2 run, loaded at world 1
     w1.save_state(tmp_path / "w1")
