@@ -58,6 +58,19 @@ def test_ep_takes_its_ranks_from_dp_shard():
         WorkersConfig(runtime="process", world_size=4, ep=3)
 
 
+def test_ember_serve_takes_parallel_ep():
+    import argparse
+
+    from ember.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--workers.runtime", "process", "--workers.world_size", "2", "--parallel.ep", "2"])
+    workers = cli.load_serve_config(args).workers
+    assert ParallelismConfig(**workers.parallel_dims()).as_dict() == \
+        {"world_size": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2}
+
+
 def test_dispatch_order_and_received_ids():
     top_k = torch.tensor([[2, 0], [1, 2], [0, 3]])
     order, counts = dispatch_order(top_k, 4)
