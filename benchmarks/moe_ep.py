@@ -11,7 +11,8 @@ steps interleaved (`time_interleaved`, median).
 On a 2-core machine both ranks share the cores with the caller, so the ratio compares
 the dispatch's cost (two all-to-alls of token rows per layer, forward and backward) with
 FSDP2's all-gather and reduce-scatter of the expert weights, not a parallel speed-up
-(one run on the 2-core CI host: 562 ms ep=1, 338 ms ep=2, ratio 0.60). The MoE benchmark
+(two runs on the shared 2-core development host, 5 steps each: 562 / 338 ms, ratio 0.60,
+and 412 / 398 ms, ratio 0.97: the machine's load moves it more than the layout). The MoE benchmark
 (moe.py beside this file) imports it.
 Last line: `ep2_vs_ep1=<ratio>`.
 """
