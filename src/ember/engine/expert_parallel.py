@@ -9,13 +9,13 @@ replicas. The mesh of the expert weights is (`ep_replicate`, `ep`) = (world / ep
 * **Weights.** Each fused expert weight (`gate_up_proj`, `down_proj`, and gpt-oss's
   biases) becomes a DTensor `(Replicate(), Shard(0))`: this rank's E/ep experts, and a
   full tensor wherever ember gathers one (`full_tensor`: checkpoints through DCP, which
-  reshards on load, so a checkpoint is layout-free; `named_weights`, HF export, weight
-  sync). An expert LoRA's A (E * r, in), expert-major, is split the same way; its B
-  (out, r * E) stays replicated on the mesh (peft interleaves the experts in B's
+  reshards on load, so a checkpoint is layout-free; `named_weights`, HF export, gathered
+  weight sync). An expert LoRA's A (E * r, in), expert-major, is split the same way; its
+  B (out, r * E) stays replicated on the mesh (peft interleaves the experts in B's
   columns, so B has no expert-contiguous shard). peft's fold `W + s * B @ A` then runs
   as a DTensor op that keeps W's sharding: each rank forms only its experts' update,
-  and the backward all-gathers B's gradient over the ep group. FSDP2 leaves all of these out (`ignored_params`): they are not
-  sharded over `dp_shard` a second time.
+  and the backward all-gathers B's gradient over the ep group. FSDP2 leaves all of
+  these out (`ignored_params`): they are not sharded over `dp_shard` a second time.
 * **Dispatch** (`ep_experts_forward`, installed through transformers' `ExpertsInterface`,
   its documented registry of expert kernels, so the model's code is unchanged): each
   rank routes its own tokens (the router is replicated), sorts the (token, choice) rows
@@ -27,6 +27,8 @@ replicas. The mesh of the expert weights is (`ep_replicate`, `ep`) = (world / ep
   backward is the reverse all-to-all), so an expert's gradient sums the rows of every
   rank of its ep group. Every rank enters both all-to-alls on every MoE layer even
   with no rows to send (the engine's padding passes keep the micro-batch counts equal).
+  Pad rows are dispatched as world 1 computes them (the experts module does not see
+  which rows are padding); they reach no real token, loss or metric.
 * **Replicas** (`world / ep > 1`): a replica's local gradient covers its own ep group's
   tokens; `_SumOverReplicas` (identity forward) all-reduces it over the replicas in
   backward, so every replica holds the summed gradient (contract 2: gradients are sums)
