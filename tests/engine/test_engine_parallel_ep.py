@@ -3,8 +3,9 @@ ep=2 at world 2 (dp_shard=2: every rank holds half of each layer's experts) and 
 dp_shard=4 at world 4 (two ep groups, each expert on two replicas) equal world 1 — losses,
 logprobs, routing metrics, gradients, parameters after SGD steps and a forward after them —
 for full fine-tuning and expert LoRA (gpt-oss's biased experts too); checkpoints saved at
-ep=2 load at world 1 and back, and its adapter export equals world 1's; one case on the Ray runtime; last, a rank killed while the
-other waits in the dispatch's all-to-all surfaces within seconds.
+ep=2 load at world 1 and back, and its adapter export equals world 1's; one case on the
+Ray runtime; last, a rank killed while the other waits in the dispatch's all-to-all
+surfaces within seconds.
 
 Tolerances as tests/engine/test_engine_parallel.py (helpers/layouts.py): rtol 1e-5, with
 atol 1e-5 · the largest reference magnitude; a sum over the ranks' tokens changes fp32
