@@ -197,3 +197,24 @@ def lm_head_output_shapes(engine: Any, datums: list, loss_fn: str) -> list[tuple
         handle.remove()
     engine.clear_gradients()
     return shapes
+
+
+def local_shapes(engine: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of this rank's part of each trainable tensor (a DTensor's local shard)."""
+    return {name: tuple(_local(p).shape) for name, p in engine.state_tensors().items()}
+
+
+def expert_dispatch_after_sleep(engine: Any, sleeper: int, seconds: float) -> int:
+    """Every rank but `sleeper` enters the first MoE layer's expert-parallel dispatch (its
+    all-to-all), where it waits for `sleeper`, which sleeps first (kill it meanwhile)."""
+    import torch.distributed as dist
+
+    from ember.engine.expert_parallel import expert_modules
+
+    if dist.get_rank() == sleeper:
+        time.sleep(seconds)
+    experts = expert_modules(engine.model, "mlp.experts")[0][0]
+    hidden = torch.randn(3, int(engine.hf_config.hidden_size))
+    with torch.no_grad():
+        experts(hidden, torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1))
+    return dist.get_rank()

@@ -43,6 +43,7 @@ UNITS: dict[str, tuple[str, ...]] = {
     "a local Ray cluster (ray_cluster)": (
         "tests/engine/test_engine_parallel.py",
         "tests/engine/test_engine_parallel_cp.py",
+        "tests/engine/test_engine_parallel_ep.py",
         "tests/sampling/test_sampling_pool_colocate.py",
         "tests/sampling/test_sampling_ray_replica.py",
     ),

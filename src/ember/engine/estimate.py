@@ -36,7 +36,13 @@ activations of one micro-batch of N tokens:
 A mixture-of-experts model (docs/architecture.md#mixture-of-experts) also reports its total
 and active parameters (`parameter_counts`: k of E experts per token); its adapter counts
 rank x (in + out) per expert of each adapted expert weight, and its activations take the
-k routed experts' width for the MLP's.
+k routed experts' width for the MLP's. Under expert parallelism (`ep`) each rank holds
+E/ep experts per layer (`experts_per_rank`): the experts modules' tensors, their
+gradients and moments, and an expert adapter's A factors (expert-major) are divided by
+`ep` instead of `dp_shard`, and left out of FSDP2's unsharded working set; an expert
+adapter's B factors stay whole on every rank (ember.engine.expert_parallel). The
+all-to-all dispatch holds, for the layer computing, four (T x k, hidden) buffers in the
+compute dtype (rows sent, received, the experts' outputs, rows returned): `dispatch_buffers`.
 
 The model on the meta device is built by transformers (`AutoModelForCausalLM.from_config`),
 the LoRA adapter's size by arithmetic on the target Linear shapes (`lora_target_modules`).
@@ -79,11 +85,13 @@ class MemoryEstimate:
     sampler_state: int = 0  # ... and linear-attention layers' recurrent state (no KV)
     total_parameters: int = 0  # the model's parameter count (elements)
     active_parameters: int = 0  # of them, those one token computes with (k of E experts; all for a dense model)
+    experts_per_rank: int = 0  # a mixture-of-experts model's experts per layer on each rank (E / ep); 0 if dense
+    dispatch_buffers: int = 0  # expert parallelism's all-to-all buffers of one layer
 
     @property
     def peak(self) -> int:
         return (self.parameters + self.gradients + self.optimizer + self.activations + self.output_head
-                + self.fsdp_working_set)
+                + self.fsdp_working_set + self.dispatch_buffers)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "peak": self.peak}
@@ -93,6 +101,8 @@ class MemoryEstimate:
                 ("activations", self.activations), ("output head (logits)", self.output_head)]
         if self.fsdp_working_set:
             rows.append(("FSDP2 unsharded working set", self.fsdp_working_set))
+        if self.dispatch_buffers:
+            rows.append(("expert all-to-all buffers", self.dispatch_buffers))
         rows.append(("peak", self.peak))
         if self.host_offloaded:
             rows.append(("host memory (offloaded)", self.host_offloaded))
@@ -100,7 +110,8 @@ class MemoryEstimate:
         out += [f"  {name:<30} {_gib(n)}" for name, n in rows]
         if self.active_parameters != self.total_parameters:
             out.append(f"  {'model parameters':<30} {self.total_parameters / 1e9:10.3f} B total, "
-                       f"{self.active_parameters / 1e9:.3f} B active per token")
+                       f"{self.active_parameters / 1e9:.3f} B active per token, "
+                       f"{self.experts_per_rank} experts per layer on each rank")
         out += [f"sampler slot cache, one sequence of {self.tokens} tokens (not in the peak):",
                 f"  {'KV cache (attention layers)':<30} {_gib(self.sampler_kv)}"]
         if self.sampler_state:
@@ -191,17 +202,63 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 def _expert_lora_elements(model: torch.nn.Module, lora: types.LoraConfig) -> int:
     """A mixture-of-experts adapter's factors: rank x (in + out) for every expert of every
     adapted fused weight (`ember.models.experts.factor_shapes`)."""
+    return sum(_expert_lora_factors(model, lora))
+
+
+def _expert_lora_factors(model: torch.nn.Module, lora: types.LoraConfig) -> tuple[int, int]:
+    """(A, B) elements of a mixture-of-experts adapter's expert factors."""
     from ember.models.experts import factor_shapes
     from ember.models.families import moe_of
     from ember.models.lora import lora_target_parameters
 
     layout, wanted = moe_of(model.config), lora_target_parameters(model, lora)
-    total = 0
+    a_total = b_total = 0
     for name, p in model.named_parameters():
         if layout is not None and p.dim() == 3 and any(name.endswith("." + w) for w in wanted):
             a, b = factor_shapes(tuple(p.shape), lora.rank, layout.transposed)
-            total += a[0] * a[1] + b[0] * b[1]
-    return total
+            a_total, b_total = a_total + a[0] * a[1], b_total + b[0] * b[1]
+    return a_total, b_total
+
+
+@dataclass
+class _ExpertSplit:
+    """Elements that expert parallelism divides by ep (instead of dp_shard)."""
+
+    params: int = 0  # the experts modules' tensors
+    largest_layer: int = 0  # of them, one layer's (the most of any layer)
+    trained: int = 0  # what trains of them: the tensors (full) or the adapters' A factors (LoRA)
+    experts_per_rank: int = 0
+
+
+def expert_split(model: torch.nn.Module, lora: types.LoraConfig | None, ep: int) -> _ExpertSplit:
+    """What `ep` ranks split of a mixture-of-experts `model` (nothing for a dense model)."""
+    from ember.models.families import moe_of
+
+    layout = moe_of(model.config)
+    if layout is None:
+        return _ExpertSplit()
+    experts = int(getattr(model.config, layout.num_experts))
+    if ep == 1:
+        return _ExpertSplit(experts_per_rank=experts)
+    per_layer: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        if f".{layout.experts}." in f".{name}" and ".layers." in name:
+            key = name.split(".layers.")[1].split(".")[0]
+            per_layer[key] = per_layer.get(key, 0) + p.numel()
+    total = sum(per_layer.values())
+    trained = total if lora is None else _expert_lora_factors(model, lora)[0]
+    return _ExpertSplit(total, max(per_layer.values(), default=0), trained, experts // ep)
+
+
+def dispatch_bytes(hf_config, tokens: int, compute_bytes: int, ep: int) -> int:
+    """Expert parallelism's all-to-all buffers for one layer: rows sent, received, the
+    experts' outputs and the rows returned, each (tokens x k, hidden) (balanced routing)."""
+    from ember.models.families import moe_of
+
+    layout = moe_of(hf_config)
+    if layout is None or ep == 1:
+        return 0
+    return 4 * tokens * int(getattr(hf_config, layout.top_k)) * int(hf_config.hidden_size) * compute_bytes
 
 
 def _lora_elements(model: torch.nn.Module, lora: types.LoraConfig, tp: int, vocab_split: bool = False) -> int:
@@ -376,12 +433,17 @@ def estimate_memory(
     counts = _count(model, parallel.tp, lora_rank, lora, split)
     param_bytes = resolve_dtype(engine.dtype).itemsize
     compute_bytes = resolve_dtype(engine.autocast_dtype or engine.dtype).itemsize
-    shard = parallel.dp_shard * parallel.cp
-    params = (counts.layer + counts.root) * param_bytes // shard
-    trained = counts.trained * param_bytes // shard  # FSDP2 shards the adapter too
+    shard, ep = parallel.dp_shard * parallel.cp, parallel.ep
+    experts = expert_split(model, lora, ep)
+    params = (counts.layer + counts.root - experts.params) * param_bytes // shard + experts.params * param_bytes // ep
+    # FSDP2 shards the adapter too; the experts' part is split over ep instead
+    trained = (counts.trained - experts.trained) * param_bytes // shard + experts.trained * param_bytes // ep
     moments = {"adamw": 2, "dimuon": 1}[optimizer] * trained
-    working = (counts.root + 2 * counts.largest_layer) * param_bytes if shard > 1 else 0
+    working = (counts.root + 2 * (counts.largest_layer - experts.largest_layer)) * param_bytes if shard > 1 else 0
     acts, host_acts, notes = _activations(hf_config, engine, parallel.tp, tokens, compute_bytes, parallel.cp)
+    if ep > 1:
+        notes.append(f"expert parallelism: each rank holds {experts.experts_per_rank} experts per layer "
+                     f"(ep={ep}); tokens reach them by all-to-all")
     if parallel.cp > 1:
         notes.append(f"context parallelism: each rank holds {-(-tokens // parallel.cp)} of the {tokens} tokens")
     host = host_acts + (moments if engine.optimizer_offload else 0)
@@ -393,7 +455,8 @@ def estimate_memory(
         output_head=_output_head(hf_config, engine, -(-tokens // parallel.cp), compute_bytes, parallel.tp, split),
         fsdp_working_set=working,
         host_offloaded=host, notes=notes, sampler_kv=sampler_kv, sampler_state=sampler_state,
-        total_parameters=total, active_parameters=active,
+        total_parameters=total, active_parameters=active, experts_per_rank=experts.experts_per_rank,
+        dispatch_buffers=dispatch_bytes(hf_config, tokens, compute_bytes, ep),
     )
 
 

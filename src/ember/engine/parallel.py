@@ -46,6 +46,12 @@ checkpointing → FSDP2.
   torch 2.13, `_fsdp_collectives._get_gradient_divide_factors` then picks
   `ReduceOp.SUM` for both the reduce-scatter and the HSDP all-reduce and a post-divide
   factor of 1, i.e. none; gloo has no PREMUL_SUM, so the force-sum flag is needed on CPU).
+* **EP** (`ep > 1`, mixture-of-experts models, `ember.engine.expert_parallel`): taken from
+  the ranks of dp_shard (torchtitan's layout; needs tp == cp == 1). Applied before FSDP2:
+  each experts module's tensors become DTensors split by expert over runs of `ep`
+  consecutive ranks (mesh `(ep_replicate, ep)`), with their forward (all-to-all dispatch)
+  registered in transformers' `ExpertsInterface`; FSDP2 then leaves them out
+  (`ignored_params`) and shards the rest over dp_shard as usual.
 * **Mixed precision**: with a bf16 compute dtype on GPU, `MixedPrecisionPolicy(param_dtype=
   bf16, reduce_dtype=fp32)`; the sharded parameters (and AdamW state) stay in the dtype the
   model was loaded in. On CPU/fp32 no policy (exactness tests run there).
@@ -67,7 +73,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ember.models.families import LLAMA_TP_PLAN, TensorParallelPlan, family_of, tp_families
+from ember.models.families import LLAMA_TP_PLAN, TensorParallelPlan, family_of, moe_of, tp_families
 
 if TYPE_CHECKING:
     from ember.engine.vocab_parallel import VocabShard
@@ -89,6 +95,11 @@ class ParallelismConfig:
         Activations per rank shrink `cp` times; parameters are sharded over dp_shard * cp.
     activation_checkpointing: recompute each decoder layer's activations in backward.
     cpu_offload: FSDP2 CPUOffloadPolicy (sharded params/grads/optimizer on CPU; GPU only).
+    ep: expert-parallel degree of a mixture-of-experts model, taken from the ranks of
+        dp_shard (torchtitan's layout; it adds no ranks): each MoE layer's experts are split
+        over `ep` consecutive ranks, which exchange tokens with all-to-all
+        (`ember.engine.expert_parallel`). Must divide dp_shard; needs tp == cp == 1. A
+        dense model ignores it (its ep ranks are plain dp_shard ranks).
     """
 
     dp_replicate: int = 1
@@ -97,14 +108,20 @@ class ParallelismConfig:
     activation_checkpointing: bool = False
     cp: int = 1
     cpu_offload: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "cp"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig.{name} must be an integer >= 1, got {value!r}")
         if self.cpu_offload and not self.fsdp:
             raise ValueError("ParallelismConfig.cpu_offload needs FSDP2 (dp_shard or dp_replicate > 1)")
+        if self.ep > 1 and self.dp_shard % self.ep:
+            raise ValueError(f"ParallelismConfig.ep={self.ep} must divide dp_shard={self.dp_shard} "
+                             "(expert parallelism takes its ranks from dp_shard)")
+        if self.ep > 1 and (self.tp > 1 or self.cp > 1):
+            raise ValueError(f"ParallelismConfig.ep={self.ep} needs tp=1 and cp=1, got tp={self.tp}, cp={self.cp}")
 
     @property
     def world_size(self) -> int:
@@ -131,6 +148,8 @@ class ParallelismConfig:
                "dp_shard": self.dp_shard, "tp": self.tp}
         if self.cp > 1:  # listed only when used: layouts without CP read as before
             out["cp"] = self.cp
+        if self.ep > 1:
+            out["ep"] = self.ep
         return out
 
     @classmethod
@@ -294,7 +313,8 @@ def set_sum_reduction(modules: Iterable[nn.Module]) -> None:
         m.set_force_sum_reduction_for_comms(True)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype, cpu_offload: bool) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype, cpu_offload: bool,
+               ignored: set[nn.Parameter] | None = None) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     device_type = dp_mesh.device_type
@@ -304,6 +324,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dtype: torch.dtype, cpu_of
         "mesh": dp_mesh,
         "mp_policy": mixed_precision_policy(device_type, dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "ignored_params": ignored or None,  # expert-parallel weights: already split over ep
     }
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
@@ -339,11 +360,50 @@ def parallelize_model(
         apply_tp(model, mesh["tp"])
     if pconfig.cp > 1:
         apply_cp(model, mesh["cp"], pconfig.tp)
+    ignored = apply_ep(model, pconfig, mesh.device_type) if check_ep_model(hf_model(model).config, pconfig.ep) \
+        else None
     if pconfig.activation_checkpointing:
         apply_activation_checkpointing(model)
     if pconfig.fsdp:
-        apply_fsdp(model, fsdp_mesh(mesh, pconfig), dtype, pconfig.cpu_offload)
+        apply_fsdp(model, fsdp_mesh(mesh, pconfig), dtype, pconfig.cpu_offload, ignored)
     return model
+
+
+def check_ep_model(config, ep: int) -> bool:
+    """Whether `ep` splits the experts of the model of transformers `config`: False for a
+    dense model (its ep ranks are plain dp_shard ranks, so one `--parallel.ep` serves dense
+    and MoE models alike); ValueError naming both numbers when `ep` does not divide the
+    experts per layer."""
+    from ember.engine.expert_parallel import check_ep
+
+    layout = moe_of(config)
+    if layout is None or ep == 1:
+        return False
+    check_ep(int(getattr(config, layout.num_experts)), ep)
+    return True
+
+
+def ep_mesh(pconfig: ParallelismConfig, device_type: str) -> DeviceMesh:
+    """The expert weights' (ep_replicate, ep) mesh: ep groups are consecutive ranks (with
+    tp == cp == 1, rank = replica * dp_shard + shard index, and ep divides dp_shard)."""
+    from ember.engine.expert_parallel import EP_MESH_DIMS
+
+    return init_device_mesh(device_type, (pconfig.world_size // pconfig.ep, pconfig.ep), mesh_dim_names=EP_MESH_DIMS)
+
+
+def apply_ep(model: nn.Module, pconfig: ParallelismConfig, device_type: str) -> set[nn.Parameter]:
+    """Split the experts over `pconfig.ep` ranks and install the all-to-all dispatch
+    (`ember.engine.expert_parallel`); returns the expert parameters, which FSDP2 leaves out."""
+    from ember.engine.expert_parallel import ExpertShard, install_experts, shard_experts
+
+    hf = hf_model(model)
+    layout = moe_of(hf.config)
+    mesh = ep_mesh(pconfig, device_type)
+    replicas = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
+    shard = ExpertShard(mesh["ep"].get_group(), pconfig.ep, int(getattr(hf.config, layout.num_experts)), replicas)
+    params = shard_experts(model, layout.experts, mesh)
+    install_experts(hf, shard)
+    return params
 
 
 def fsdp_mesh(mesh: DeviceMesh, pconfig: ParallelismConfig) -> DeviceMesh:

@@ -154,6 +154,10 @@ class TorchEngine(TrainingEngine):
             # FSDP2 gathers the tower's shards in its forward, which only ranks with images run
             raise UserError(f"{model.config.model_type} is a vision-language model; ember trains it on one rank "
                              f"(world_size 1), got a layout of {parallelism.world_size} ranks")
+        if parallelism is not None and parallelism.ep > 1:  # before any rank builds a mesh
+            from ember.engine.parallel import check_ep_model
+
+            check_ep_model(model.config, parallelism.ep)
         if parallelism is not None and parallelism.world_size > 1:
             from ember.engine.parallel import ParallelContext, build_mesh, parallelize_model
 

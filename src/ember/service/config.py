@@ -308,6 +308,8 @@ class WorkersConfig:
         parallelism, Ulysses attention, `ember.engine.context_parallel`) splits each
         sequence over cp ranks; cp x tp must divide every served model's attention
         heads (cp splits the heads each TP rank holds).
+    ep: expert parallelism for mixture-of-experts models, taken from dp_shard's ranks
+        (adds none; must divide dp_shard; `ember.engine.expert_parallel`).
     call_timeout_s: a group call that takes longer breaks the group (a hung rank).
 
     Samplers stay in the service's process and receive the engines' weights (gathered
@@ -321,6 +323,7 @@ class WorkersConfig:
     dp_shard: int | None = field(default=None, metadata=meta(section="parallel"))
     tp: int | None = field(default=None, metadata=meta(section="parallel"))
     cp: int | None = field(default=None, metadata=meta(section="parallel"))
+    ep: int | None = field(default=None, metadata=meta(section="parallel"))
     call_timeout_s: float = field(default=600.0, metadata=meta(section="workers"))
 
     def __post_init__(self) -> None:
@@ -342,13 +345,13 @@ class WorkersConfig:
 
     @property
     def parallel_dims_given(self) -> bool:
-        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.cp, self.tp))
+        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep))
 
     def parallel_dims(self) -> dict[str, int]:
         """{dp_replicate, dp_shard, tp} (and cp when > 1, as `ParallelismConfig.as_dict`
         lists it) with the defaults filled in, the keyword arguments of every engine's
         `ParallelismConfig`; ValueError naming the key if they do not multiply to world_size."""
-        for name in ("dp_replicate", "dp_shard", "cp", "tp"):
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {value!r}")
@@ -363,4 +366,9 @@ class WorkersConfig:
             raise ValueError(f"parallel.dp_replicate={rep} x parallel.dp_shard={shard} x parallel.cp={cp} x "
                              f"parallel.tp={tp} = {rep * shard * cp * tp} ranks, but workers.world_size="
                              f"{self.world_size}")
-        return {"dp_replicate": rep, "dp_shard": shard, "tp": tp} | ({"cp": cp} if cp > 1 else {})
+        ep = self.ep or 1
+        if shard % ep:
+            raise ValueError(f"parallel.ep={ep} must divide parallel.dp_shard={shard} (expert parallelism takes "
+                             "its ranks from dp_shard)")
+        return ({"dp_replicate": rep, "dp_shard": shard, "tp": tp} | ({"cp": cp} if cp > 1 else {})
+                | ({"ep": ep} if ep > 1 else {}))

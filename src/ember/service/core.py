@@ -730,12 +730,30 @@ def build_service(config: ServiceConfig, workers: WorkersConfig | None = None) -
 
         use_cluster(workers.ray_address)
     check_cp_layout(config.models, workers)  # before a worker group starts
+    check_ep_layout(config.models, workers)
     factory = engine_factory_for(workers, config.engine)
     try:
         return Service(config, engine_factory=factory)
     except BaseException:
         factory.close()
         raise
+
+
+def check_ep_layout(models: dict[str, str], workers: WorkersConfig) -> None:
+    """ValueError naming the model, `parallel.ep` and its experts per layer when `workers`'
+    ep does not divide a registered mixture-of-experts model's experts
+    (`ember.engine.parallel.check_ep_model`; dense models ignore ep)."""
+    ep = workers.parallel_dims().get("ep", 1)
+    if ep == 1:
+        return
+    from ember.engine.estimate import load_config
+    from ember.engine.parallel import check_ep_model
+
+    for name, directory in models.items():
+        try:
+            check_ep_model(load_config(directory), ep)
+        except ValueError as exc:
+            raise ValueError(f"model {name!r}: {exc}") from None
 
 
 def check_cp_layout(models: dict[str, str], workers: WorkersConfig) -> None:
