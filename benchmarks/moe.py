@@ -6,15 +6,14 @@
   fallback where torch has no kernel for the device) over the same step with "eager"
   (transformers' per-expert Python loop, ember's default). Below 1: grouped is faster.
   The two steps' losses are checked equal first.
-* `ep2_vs_ep1`: step time at expert parallelism 2 over 1 on gloo, from
-  `ep2_vs_ep1()` of `moe_ep.py` beside this file when it exists (the expert-parallel
-  benchmark; nan and a warning on stderr otherwise).
+* `ep2_vs_ep1`: step time at expert parallelism 2 over 1, both at 2 ranks on gloo
+  (`moe_ep.py`'s `ep2_vs_ep1`, which also runs alone).
 * `replay_gap_ratio`: after full fine-tuning steps moved the router (and everything else),
   mean |trainer logprob - sampler logprob| over the sampled tokens with routing replay
   over the same without (`ember.engine.moe.RouteReplay`, routes from TorchSampler's
   records). Below 1: replay brings the trainer closer to what the sampler computed.
 
-    python benchmarks/moe.py [--hidden 128] [--layers 2] [--tokens 512] [--repeats 3] [--steps 2]
+    python benchmarks/moe.py [--hidden 128] [--layers 2] [--tokens 512] [--repeats 3] [--steps 2] [--ep-steps 3]
 
 Last line: `grouped_vs_loop=<r> ep2_vs_ep1=<r> replay_gap_ratio=<r>`.
 """
@@ -22,7 +21,6 @@ Last line: `grouped_vs_loop=<r> ep2_vs_ep1=<r> replay_gap_ratio=<r>`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 import tempfile
@@ -31,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import time_interleaved
+from moe_ep import ep2_vs_ep1
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
@@ -67,20 +66,6 @@ def grouped_vs_loop(model_dir: str, tokens: int, repeats: int) -> float:
     print(f"training step of {tokens} tokens: grouped_mm {times['grouped_mm'] * 1e3:.1f} ms, "
           f"loop {times['eager'] * 1e3:.1f} ms", file=sys.stderr)
     return times["grouped_mm"] / times["eager"]
-
-
-def ep_ratio() -> float:
-    path = Path(__file__).with_name("moe_ep.py")
-    if not path.exists():
-        print(f"warning: {path} is absent: ep2_vs_ep1=nan", file=sys.stderr)
-        return float("nan")
-    spec = importlib.util.spec_from_file_location("moe_ep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "ep2_vs_ep1"):
-        print(f"warning: {path} has no ep2_vs_ep1(): ep2_vs_ep1=nan", file=sys.stderr)
-        return float("nan")
-    return float(module.ep2_vs_ep1())
 
 
 def _datum(prompt: list[int], seq, replay: bool) -> types.Datum:
@@ -122,11 +107,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512, help="tokens per training step (grouped vs loop)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2, help="full fine-tuning steps between sampling and replay")
+    ap.add_argument("--ep-steps", type=int, default=3, help="timed training steps at each expert-parallel layout")
     args = ap.parse_args()
     torch.manual_seed(0)
     model_dir = build(args.hidden, args.layers)
     grouped = grouped_vs_loop(model_dir, args.tokens, args.repeats)
-    ep = ep_ratio()
+    ep = ep2_vs_ep1(steps=args.ep_steps)
     ratio = replay_gap_ratio(model_dir, args.steps)
     print(f"grouped_vs_loop={grouped:.3f} ep2_vs_ep1={ep:.3f} replay_gap_ratio={ratio:.3f}")
 
