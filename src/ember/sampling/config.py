@@ -17,7 +17,7 @@ DEFAULT_MAX_TOKENS = 128
 MAX_LORA_RANK = 64
 LOGPROBS_MODES = ("raw", "processed")
 FORWARDS = ("auto", "direct", "transformers")
-WEIGHT_SYNC_MODES = ("files", "memory")  # ember.sampling.weight_sync (kept here: config must stay light)
+WEIGHT_SYNC_MODES = ("files", "memory")  # ember.sampling.transport (kept here: config must stay light)
 PLACEMENTS = ("local", "ray")
 CPU_WORKERS = ("inline", "process")
 
@@ -114,7 +114,7 @@ class SamplerConfig:
         then it goes to the least busy (sessions already placed stay where they are).
     replica_timeout_s: a replica that does not answer a ping for this long is taken out
         of the pool (its in-flight requests fail with category server) and replaced.
-    weight_sync: how a training run's new weights reach the sampler (`ember.sampling.weight_sync`).
+    weight_sync: how a training run's new weights reach the sampler (`ember.sampling.transport`).
         "files" (default): as today. "memory": nothing is written for an ephemeral
         snapshot (`save_weights_and_get_sampling_client`), and `save_weights_for_sampler`
         also hands its tensors to the sampler so that sampling from the saved path reads

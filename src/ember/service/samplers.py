@@ -65,6 +65,12 @@ class SamplerFactory(abc.ABC):
         """Raise `UnsupportedModelError` when `create(base)` would get a backend that cannot
         serve `base` (called at start-up for registered models). Default: no check."""
 
+    def syncs_saved(self) -> bool:
+        """Whether a named `save_weights_for_sampler` also hands the run's tensors to the
+        sampler, so that sampling from the saved path reads no file back (the memory
+        transport, `SamplerConfig.weight_sync="memory"`). Default: no."""
+        return False
+
 
 class LocalSamplerFactory(SamplerFactory):
     """Samplers in this process, of the backend `SamplerConfig.backend` names (registry).
@@ -98,6 +104,11 @@ class LocalSamplerFactory(SamplerFactory):
         from ember.sampling.registry import check_model
 
         check_model(base.directory, self.resolved_config(base))
+
+    def syncs_saved(self) -> bool:
+        from ember.sampling.transport.pool import MemoryTransport
+
+        return self.config is not None and self.config.weight_sync == MemoryTransport.mode
 
     def create(self, base: BaseModel) -> Any:
         from ember.sampling import create_sampler
@@ -277,9 +288,10 @@ class SamplerManager:
                 raise ValueError(f"model {name!r}: the sampler backend cannot serve it: {exc}") from exc
 
     @property
-    def weight_sync(self) -> str:
-        """`SamplerConfig.weight_sync` of this service's samplers ("files" or "memory")."""
-        return getattr(getattr(self.factory, "config", None), "weight_sync", None) or "files"
+    def syncs_saved(self) -> bool:
+        """Whether `save_weights_for_sampler(path)` also hands the tensors over (`sync_saved`;
+        `SamplerFactory.syncs_saved`)."""
+        return self.factory.syncs_saved()
 
     def add_sync_listener(self, listener: Callable[[str, float], None]) -> None:
         """Call `listener(mode, seconds)` after every new version reaches a sampler: mode
