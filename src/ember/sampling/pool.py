@@ -150,6 +150,10 @@ class SamplerPool(Sampler):
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._info.eos_token_ids
 
+    @property
+    def default_max_tokens(self) -> int:
+        return self._info.default_max_tokens
+
     def live_versions(self) -> int:
         """Versions of this pool still referenced somewhere."""
         self._drain_released()
@@ -231,7 +235,7 @@ class SamplerPool(Sampler):
 
     def replica_pids(self) -> list[int | None]:
         with self._lock:
-            return [getattr(s.replica, "pid", None) if s.up else None for s in self._slots]
+            return [s.replica.pid if s.up else None for s in self._slots]
 
     def replica_infos(self, timeout: float = 60.0) -> list[ReplicaInfo]:
         """What each replica reports of itself now (pid, backend, device), asked of each in

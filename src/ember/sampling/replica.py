@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from ember.sampling.base import Sampler
 from ember.sampling.config import SamplerConfig
 
 # Placement name (`SamplerConfig.placement`) -> "module:Class" of its `Replica`, imported on use.
@@ -106,6 +107,11 @@ class Replica(abc.ABC):
     def alive(self) -> bool:
         """False once the replica is known dead (its process/actor gone or killed)."""
 
+    @property
+    def pid(self) -> int | None:
+        """The replica's process id on this machine; None where it is not a local process."""
+        return None
+
     @abc.abstractmethod
     def kill(self) -> None:
         """Stop it now; every pending `call` Future fails with `ReplicaFailed`. Idempotent."""
@@ -151,14 +157,14 @@ class ReplicaHost:
         from ember.sampling.registry import create_sampler
 
         self.config = config
-        self.sampler = create_sampler(model_dir, config, scratch_dir=scratch_dir)
+        self.sampler: Sampler = create_sampler(model_dir, config, scratch_dir=scratch_dir)
         self._versions: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def info(self) -> ReplicaInfo:
-        return ReplicaInfo(self.sampler.vocab_size, self.config.default_max_tokens, self.config.backend,
-                           self.config.resolved_device, os.getpid(),
-                           tuple(getattr(self.sampler, "eos_token_ids", ())), getattr(self.sampler, "max_len", None))
+        return ReplicaInfo(self.sampler.vocab_size, self.sampler.default_max_tokens, self.config.backend,
+                           self.config.resolved_device, os.getpid(), tuple(self.sampler.eos_token_ids),
+                           self.sampler.max_len)
 
     def sample(self, request, version_key: int | None) -> Future:
         if version_key is not None:
@@ -208,12 +214,10 @@ class ReplicaHost:
             return sorted(self._versions)
 
     def sleep(self) -> None:
-        sleep = getattr(self.sampler, "sleep", None)  # backends without a sleep mode ignore it
-        if sleep is not None:
-            sleep()
+        self.sampler.sleep()  # backends without a sleep mode ignore it
 
     def sleep_stats(self) -> dict | None:
-        return getattr(self.sampler, "sleep_stats", None)
+        return self.sampler.sleep_stats
 
     def ping(self) -> int:
         return os.getpid()

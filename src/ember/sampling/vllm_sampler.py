@@ -185,6 +185,10 @@ class VLLMSampler(Sampler):
         return len(self._versions)
 
     @property
+    def default_max_tokens(self) -> int:
+        return self.config.default_max_tokens
+
+    @property
     def pushes_in_memory(self) -> bool:
         """Read-only: whether full versions enter the engine through vLLM's weight-transfer API
         (weight_sync="memory") rather than from files. For inspection."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.sampling.base import Sampler, WeightVersion
 from ember.sampling.transport.channel import (Channel, ChannelAddress, channel_device, join_channel,
                                               open_channel, receive_version, send_version)
 from ember.sampling.transport.protocol import BUCKET_BYTES, DTYPES, SyncHeader, WeightSyncRefused
@@ -178,7 +179,7 @@ class WeightReceiver:
     def receive(self, check: Callable[[SyncHeader], None] | None = None):
         return receive_version(self.channel, check)
 
-    def receive_into(self, sampler):
+    def receive_into(self, sampler: Sampler) -> tuple[str, WeightVersion]:
         """Receive one version and load it into `sampler` (checked against its model before
         any data moves); returns (the sender's version id, the sampler's WeightVersion)."""
         from tinker import types
@@ -189,13 +190,13 @@ class WeightReceiver:
         return header.version, sampler.load_weights(named, lora, copy=False)
 
 
-def sampler_check(sampler) -> Callable[[SyncHeader], None] | None:
+def sampler_check(sampler: Sampler) -> Callable[[SyncHeader], None] | None:
     """The header check of a sampler that holds an `nn.Module` (TorchSampler): its own
     `load_weights` rules applied to meta tensors of the header's shapes, so a refusal has
     the same message (naming the tensor) as a direct load would. Other backends check the
     tensors when they load them (after the transfer, still before anything is served)."""
-    model = getattr(sampler, "model", None)
-    if not isinstance(model, torch.nn.Module):
+    model = sampler.model
+    if model is None:
         return None
     from tinker import types
 
