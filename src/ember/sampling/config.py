@@ -114,7 +114,7 @@ class SamplerConfig:
     Scaling out (`ember.sampling.pool`; README "Scaling out"):
     replicas: copies of the backend serving this base model, behind one `Sampler` (a
         `SamplerPool`) that routes each sampling session to one replica. 1 (default): no
-        pool, the backend runs in the server's process as before.
+        pool, the backend runs in the server's process.
     placement: where replicas run: "local" (a process each on this machine) or "ray"
         (a Ray actor each on the cluster the server joined).
     devices: the devices of the replicas, e.g. ["cuda:1", "cuda:2"] (replica i takes
@@ -125,7 +125,7 @@ class SamplerConfig:
     replica_timeout_s: a replica that does not answer a ping for this long is taken out
         of the pool (its in-flight requests fail with category server) and replaced.
     weight_sync: how a training run's new weights reach the sampler (`ember.sampling.transport`).
-        "files" (default): as today. "memory": nothing is written for an ephemeral
+        "files" (default): versions written as files and read back. "memory": nothing is written for an ephemeral
         snapshot (`save_weights_and_get_sampling_client`), and `save_weights_for_sampler`
         also hands its tensors to the sampler so that sampling from the saved path reads
         no file back; replicas in other processes receive the tensors over a standalone
