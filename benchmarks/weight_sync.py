@@ -6,7 +6,7 @@ random weights from a transformers config; `--layers` shrinks it for a quick loo
 replica is a `TorchSampler` over the same config in a spawned process.
 
 * memory: `WeightSender.send` over a standalone gloo group on 127.0.0.1 (256 MiB buckets)
-  into `WeightReceiver.receive_into(sampler)` (ember.sampling.weight_sync);
+  into `WeightReceiver.receive_into(sampler)` (ember.sampling.transport);
 * files: today's path: the trainer writes the weights as `save_weights_for_sampler` does
   (`save_pretrained` safetensors, then fsync as the checkpoint store does), the replica
   reads them (`read_sampler_weights`) and `load_weights` them.
@@ -55,7 +55,7 @@ def empty_model(config):
 
 def replica(conn, address, layers: int) -> None:
     from ember.sampling import SamplerConfig, TorchSampler
-    from ember.sampling.weight_sync import WeightReceiver
+    from ember.sampling.transport import WeightReceiver
     from ember.service.checkpoint_files import read_sampler_weights
 
     torch.set_num_threads(1)
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=QWEN3_06B["num_hidden_layers"])
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    from ember.sampling.weight_sync import WeightSender, distinct_tensors
+    from ember.sampling.transport import WeightSender, distinct_tensors
 
     torch.manual_seed(0)
     model = empty_model(qwen3_config(args.layers))

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from ember.config import ConfigError, load_config, parse_overrides, to_dict
+from ember.config import ConfigError, flag_names, load_config, meta, parse_overrides, settings, to_dict
 from ember.engine.config import EngineConfig
 
 
@@ -61,6 +61,27 @@ micro_batch_tokens = 4096
                       engine=EngineConfig(micro_batch_tokens=4096))
     assert isinstance(cfg.lr, float)
     assert to_dict(cfg)["out"] == "/tmp/x"
+
+
+@dataclass
+class Moved:
+    """A setting that moved into a table (`meta(moved=True)`)."""
+
+    keep: int = 1
+    depth: int = field(default=2, metadata=meta(section="tree", moved=True))
+
+
+def test_a_moved_key_reads_from_its_table_and_from_its_older_place(tmp_path):
+    assert load_config(Moved, write(tmp_path, "[tree]\ndepth = 5\n")).depth == 5
+    assert load_config(Moved, write(tmp_path, "depth = 6\n")).depth == 6  # where it was before
+    assert load_config(Moved, write(tmp_path, "[tree]\ndepth = 5\n"), ["--depth", "7"]).depth == 7  # CLI wins
+    assert load_config(Moved, write(tmp_path, "depth = 6\n"), ["--tree.depth", "8"]).depth == 8
+    with pytest.raises(ConfigError, match="'depth' and 'tree.depth' name one setting"):
+        load_config(Moved, write(tmp_path, "depth = 6\n[tree]\ndepth = 5\n"))
+    [setting] = [s for s in settings(Moved) if s.key == "tree.depth"]
+    assert flag_names(setting) == ["--depth", "--tree.depth"]  # both flags, one destination
+    with pytest.raises(ValueError, match="moved=True"):
+        meta(moved=True)  # only a field in a section has an older place
 
 
 def test_cli_overrides_win_and_are_parsed_by_field_type(tmp_path):

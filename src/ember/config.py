@@ -20,8 +20,11 @@ type on the way in:
   the command line adds goes on top of the file's list or table.
 * Field metadata (`meta(...)`) shapes where a field's key lives, nothing else: `flat`
   (a nested dataclass whose keys sit at its parent's level), `section` (the field's key
-  is in that table of its parent's level: `[parallel] tp`), `aliases` (older key names)
-  and `hidden` (not a setting: derived by the code).
+  is in that table of its parent's level: `[parallel] tp`), `aliases` (older key names),
+  `moved` (a `section` field whose key also reads at its parent's level, where it was
+  before the section: `[sampler] max_loras` for `[sampler.vllm] max_loras`; on the
+  command line both flags work, the one given there winning over the file) and `hidden`
+  (not a setting: derived by the code).
 * `settings(cls)` lists every key with its type, default and doc (the `name: text`
   entries of each class docstring); `add_arguments` turns them into argparse flags, so a
   field added to a dataclass is a TOML key, a flag and a `--help` line at once.
@@ -66,10 +69,11 @@ class _OnTop:
 
 
 FLAT, SECTION, ALIASES, HIDDEN, LIMIT = "ember.flat", "ember.section", "ember.aliases", "ember.hidden", "ember.limit"
+MOVED = "ember.moved"
 
 
 def meta(*, flat: bool = False, section: str | None = None, aliases: Sequence[str] = (),
-         hidden: bool = False, limit: bool = False) -> dict[str, Any]:
+         hidden: bool = False, limit: bool = False, moved: bool = False) -> dict[str, Any]:
     """Field metadata for `dataclasses.field(metadata=meta(...))`: see the module docstring.
     `limit` marks a bound on what a request may ask for, outside `Limits` (the server's
     limits table lists it)."""
@@ -80,6 +84,10 @@ def meta(*, flat: bool = False, section: str | None = None, aliases: Sequence[st
         out[FLAT] = True
     if section:
         out[SECTION] = section
+    if moved:
+        if not section:
+            raise ValueError("meta(moved=True) is for a field in a section (its old key is at the parent's level)")
+        out[MOVED] = True
     if aliases:
         out[ALIASES] = tuple(aliases)
     if hidden:
@@ -199,6 +207,8 @@ def _level_keys(cls: type) -> dict[str, dict[str, None] | None]:
                 out[key] = {**(out.get(key) or {}), **inner} if inner is not None else None
         elif f.metadata.get(SECTION):
             out[f.metadata[SECTION]] = {**(out.get(f.metadata[SECTION]) or {}), **names}
+            if f.metadata.get(MOVED):
+                out[f.name] = None
         else:
             out.update(dict.fromkeys(names))
     return out
@@ -235,6 +245,9 @@ def _unalias(cls: type, data: Mapping[str, Any], deep: bool = True) -> dict[str,
             out = _unalias(hints[f.name], out, deep)
             continue
         section = f.metadata.get(SECTION)
+        if f.metadata.get(MOVED) and f.name in out and isinstance(out.get(section, {}), Mapping):
+            out[section] = dict(out.get(section, {}))
+            _move_in(out, out[section], f.name, section)
         table = dict(out.get(section, {})) if section and isinstance(out.get(section), Mapping) else out
         for alias in f.metadata.get(ALIASES, ()):
             if alias in table:
@@ -246,6 +259,18 @@ def _unalias(cls: type, data: Mapping[str, Any], deep: bool = True) -> dict[str,
         if section and section in out:
             out[section] = table
     return out
+
+
+def _move_in(out: dict[str, Any], table: dict[str, Any], name: str, section: str) -> None:
+    """A moved key given at its old level too: into its section's table (what the command
+    line gave wins over the file; the same key twice in files is an error)."""
+    old = out.pop(name)
+    if name in table and not _is_cli(old):
+        if _is_cli(table[name]):
+            return
+        raise ConfigError(f"config keys {name!r} and '{section}.{name}' name one setting ({name!r} is its older "
+                          "place); give one")
+    table[name] = old
 
 
 def _no_default(f: dataclasses.Field) -> bool:
@@ -485,8 +510,9 @@ def settings(cls: type, prefix: str = "") -> list[Setting]:
         section = f"{prefix}{f.metadata[SECTION]}." if f.metadata.get(SECTION) else prefix
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        old = (prefix + f.name,) if f.metadata.get(MOVED) else ()
         out.append(Setting(section + f.name, annotation, default, docs.get(f.name, ""),
-                           tuple(section + a for a in f.metadata.get(ALIASES, ())), cls,
+                           old + tuple(section + a for a in f.metadata.get(ALIASES, ())), cls,
                            bool(f.metadata.get(LIMIT))))
     return out
 

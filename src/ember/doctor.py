@@ -8,7 +8,7 @@ Run it on your own machine before training, and attach `--json` to a bug report.
 * `versions`: Python, torch, transformers, vLLM (read from its package metadata, not
   imported), NCCL;
 * `collective`: a world-2 all-reduce between two ranks built as ember's standalone weight-sync
-  groups are (`ember.sampling.weight_sync`): NCCL with a GPU per rank when there are two,
+  groups are (`ember.sampling.transport`): NCCL with a GPU per rank when there are two,
   else gloo;
 * `logprobs`: a tiny model (built in code) trained one step, sampled by the chosen sampler
   backend and scored by the trainer, both in `--dtype` on `--device`: the largest per-token
@@ -181,7 +181,7 @@ def check_collective(setup: Setup) -> tuple[str, str, dict]:
     on the device it was given (as weight-sync channels run)."""
     import torch
 
-    from ember.sampling.weight_sync import join_channel, open_channel
+    from ember.sampling.transport import join_channel, open_channel
 
     backend, devices = collective_devices(setup)
     address, connect = open_channel(backend=backend, timeout_s=60.0, device=devices[0])
@@ -282,7 +282,7 @@ def check_weight_sync(setup: Setup) -> tuple[str, str, dict]:
     a receiver on a thread of its own, loaded by a sampler; timed, compared bit for bit."""
     import torch
 
-    from ember.sampling.weight_sync import WeightReceiver, WeightSender, sync_backend
+    from ember.sampling.transport import WeightReceiver, WeightSender, sync_backend
 
     from ember.engine import EngineConfig, TorchEngine
 

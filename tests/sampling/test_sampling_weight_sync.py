@@ -1,4 +1,4 @@
-"""Weights in memory (ember.sampling.weight_sync): a trainer in this process, a sampler
+"""Weights in memory (ember.sampling.transport): a trainer in this process, a sampler
 replica in a spawned process, joined by a standalone gloo group.
 
 Tensors arrive bitwise equal; a header that does not fit the replica's model is refused
@@ -20,7 +20,7 @@ import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
-from ember.sampling import weight_sync as ws
+from ember.sampling import transport as ws
 from helpers.datums import random_sft_datums, sft_datum
 
 PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14]]
@@ -414,27 +414,6 @@ def test_vllm_cpu_receives_weights_in_memory_through_its_weight_transfer_engine(
 
 
 # ---------------------------------------------------------------------- CUDA (GPU-marked)
-def _open_ipc(conn) -> None:
-    handles = conn.recv()
-    named = ws.open_cuda_ipc_handles(handles)
-    conn.send([(n, t.cpu()) for n, t in named])
-
-
-@pytest.mark.gpu
-def test_cuda_ipc_handles_give_the_tensors_to_a_colocated_process():
-    named = [("a", torch.randn(64, 32, device="cuda")), ("b", torch.arange(10, device="cuda"))]
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_open_ipc, args=(child,), daemon=True)
-    proc.start()
-    parent.send(ws.cuda_ipc_handles(named))
-    assert parent.poll(TIMEOUT_S)
-    got = dict(parent.recv())
-    proc.join(30)
-    for name, t in named:
-        assert torch.equal(got[name], t.cpu()), name
-
-
 def _nccl_receiver(address, conn) -> None:
     """The replica's way: the channel joined and used on a thread (current device 0), on cuda:1."""
     from concurrent.futures import ThreadPoolExecutor
@@ -556,7 +535,5 @@ def test_a_replica_joins_its_channel_on_its_own_device(tiny_model_dir):
     try:
         with pytest.raises(ValueError, match="NCCL needs this end's CUDA device .*got 'cpu'"):
             host.join_weight_sync(ws.ChannelAddress("127.0.0.1", 1, "nccl", 1.0))
-        with pytest.raises(ValueError, match="got 'cpu'"):
-            host.join_shard_sync([ws.ChannelAddress("127.0.0.1", 1, "nccl", 1.0)])
     finally:
         host.close()

@@ -79,6 +79,27 @@ def test_repeated_flags_add_to_the_file_and_aliases_name_one_setting(tmp_path):
         _load(["--config", str(cfg)])
 
 
+def test_sampler_tables_per_backend_and_the_older_flat_keys(tmp_path):
+    """`[sampler.torch]`, `[sampler.vllm]`, `[sampler.pool]` hold each backend's settings;
+    the flat keys and flags they had before (`[sampler] max_loras`, `--sampler.replicas`)
+    still name the same settings, the command line winning over the file either way."""
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('[sampler]\nbackend = "torch"\nmax_loras = 3\nplacement = "local"\n'
+                   '[sampler.torch]\nprefix_cache_tokens = 0\n[sampler.vllm]\nkv_cache_gb = 2.0\n'
+                   '[sampler.pool]\nmax_imbalance = 2\n')
+    sampler = _load(["--config", str(cfg)]).service.sampler
+    assert (sampler.max_loras, sampler.prefix_cache_tokens, sampler.kv_cache_gb, sampler.max_imbalance) == (3, 0, 2.0, 2)
+    sampler = _load(["--config", str(cfg), "--sampler.replicas", "2", "--sampler.pool.max_imbalance", "5",
+                     "--sampler.vllm.max_loras", "6", "--sampler.prefix_cache_tokens", "64"]).service.sampler
+    assert (sampler.replicas, sampler.max_imbalance, sampler.max_loras, sampler.prefix_cache_tokens) == (2, 5, 6, 64)
+    cfg.write_text('[sampler]\nmax_loras = 3\n[sampler.vllm]\nmax_loras = 4\n')
+    with pytest.raises(ValueError, match="'max_loras' and 'vllm.max_loras' name one setting"):
+        _load(["--config", str(cfg)])
+    cfg.write_text('[sampler.vllm]\nreplicas = 2\n')  # a setting in another backend's table is refused
+    with pytest.raises(ValueError, match="sampler.vllm.replicas"):
+        _load(["--config", str(cfg)])
+
+
 def _model_dir(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")

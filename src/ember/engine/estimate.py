@@ -316,9 +316,6 @@ def _routed_copies(text) -> int:
 
 
 # families whose attention normalises each query and key head (Qwen3's q_norm / k_norm)
-_HEAD_QK_NORM = ("qwen3", "qwen3_moe")
-
-
 def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
     """Bytes autograd keeps per token for one decoder layer (transformers' Llama/Qwen3, sdpa).
 
@@ -336,10 +333,22 @@ def saved_bytes_per_token(hf_config, compute_bytes: int, tp: int = 1) -> int:
     q = heads * head_dim // tp
     kv = int(getattr(text, "num_key_value_heads", None) or heads) * head_dim // tp
     per_elem = 7 * h + 4 * i + 2 * q + 2 * kv + 2 * heads // tp + _routed_copies(text)
-    if str(getattr(text, "model_type", "")) in _HEAD_QK_NORM:
+    if _per_head_qk_norm(text):
         per_elem += 2 * q + 2 * kv
     norm_extra = 4 * h * max(_NORM_FP32 - compute_bytes, 0)  # fp32 copies inside the norms of a bf16 model
     return per_elem * compute_bytes + norm_extra
+
+
+def _per_head_qk_norm(text_config) -> bool:
+    """Whether the family normalises each query and key head (Qwen3's `q_norm` / `k_norm`),
+    as its file declares it (`DirectDecode.qk_norm`, or `ModelFamily.head_qk_norm` for a
+    family without direct decode)."""
+    from ember.models.families import family_of
+
+    family = family_of(text_config)
+    if family is None:
+        return False
+    return family.head_qk_norm or (family.decode is not None and family.decode.qk_norm == "head")
 
 
 def sampler_cache_bytes(hf_config, tokens: int, dtype_bytes: int) -> tuple[int, int]:

@@ -554,8 +554,8 @@ class TorchEngine(TrainingEngine):
 
     def named_weight_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`named_weights` as this rank holds them, nothing gathered: DTensors under
-        FSDP2/TP (plain tensors otherwise), the parameters themselves (not copies): for
-        a sender of each rank's own shard (`ember.sampling.weight_sync.rank_part`)."""
+        FSDP2/TP (plain tensors otherwise), the parameters themselves (not copies), which
+        `named_weights` gathers."""
         if self.is_lora:
             items = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name, save_embedding_layers=False).items()
         else:

@@ -66,7 +66,10 @@ Backends (chosen by name: `ember.sampling.registry.SAMPLER_BACKENDS`, `SamplerCo
 * An SGLang backend would be one more file and one registry line.
 
 The conformance tests of tests/sampling (contract 5, seeds, stops, versions, bad input)
-are written against this interface and are what a new backend must pass.
+are written against this interface and are what a new backend must pass. Besides the
+abstract methods, `Sampler` declares every capability its callers use (the service, a
+pool's replicas, weight sync, the metrics), each with the default of a backend without
+it, so nobody probes a sampler for an attribute.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ from typing import Literal
 
 import torch
 from tinker import types
+
+from ember.sampling.config import DEFAULT_MAX_TOKENS
 
 LogprobsMode = Literal["raw", "processed"]
 
@@ -194,6 +199,37 @@ class Sampler(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop serving: pending requests fail with RuntimeError; resources are released."""
+
+    # ------------------------------------------------------------------ capabilities callers use
+    # Every sampler answers these (callers never probe with getattr/hasattr); the defaults
+    # are the answers of a backend without the capability.
+    model: torch.nn.Module | None = None
+    """The module the sampler runs, when it holds one in this process (TorchSampler): a
+    weight-sync receiver checks a header against it before any data moves. None otherwise."""
+    max_len: int | None = None
+    """Longest prompt + completion a request may reach (None: no limit of the sampler's own)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The token ids that end a sequence when a request's `stop` is None."""
+
+    @property
+    def default_max_tokens(self) -> int:
+        """`max_tokens` of a request that leaves it unset (`SamplerConfig.default_max_tokens`)."""
+        return DEFAULT_MAX_TOKENS
+
+    def sleep(self) -> None:
+        """Colocation (`SamplerConfig.colocate`): release memory to the trainer once the
+        requests in progress are done; the next request wakes the sampler. Default: a
+        backend without a sleep mode has nothing to release."""
+
+    @property
+    def sleep_stats(self) -> dict | None:
+        """The sleep mode's `asleep`, `sleeps`, `wakes`; None for a backend without one."""
+        return None
+
+    def replica_stats(self) -> list[dict] | None:
+        """Per replica: `replica`, `up`, `requests_total`, `in_flight`, `restarts`; None for
+        a sampler that is not a pool of replicas."""
+        return None
 
     # ------------------------------------------------------------------ conveniences
     def submit_many(self, requests: Sequence[SamplingRequest]) -> list[Future]:

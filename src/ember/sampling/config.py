@@ -17,7 +17,7 @@ DEFAULT_MAX_TOKENS = 128
 MAX_LORA_RANK = 64
 LOGPROBS_MODES = ("raw", "processed")
 FORWARDS = ("auto", "direct", "transformers")
-WEIGHT_SYNC_MODES = ("files", "memory")  # ember.sampling.weight_sync (kept here: config must stay light)
+WEIGHT_SYNC_MODES = ("files", "memory")  # ember.sampling.transport (kept here: config must stay light)
 PLACEMENTS = ("local", "ray")
 CPU_WORKERS = ("inline", "process")
 
@@ -25,6 +25,16 @@ CPU_WORKERS = ("inline", "process")
 @dataclass
 class SamplerConfig:
     """Configuration of one sampler (one base model; any number of weight versions).
+
+    In a TOML file and on the command line, each backend's own settings are in a table of
+    their own: `[sampler.torch]` (TorchSampler), `[sampler.vllm]` (VLLMSampler) and
+    `[sampler.pool]` (replicas behind one router); the rest are `[sampler]` keys. The
+    older flat keys (`[sampler] max_loras`, `--sampler.max_loras`) are still read
+    (`ember.config.meta(moved=True)`). In Python the fields are flat: `SamplerConfig(max_loras=2)`.
+    Each backend has one prefix-cache knob: `torch.prefix_cache_tokens` (0 = off; its
+    block size beside it) and `vllm.enable_prefix_caching`. A pool is chosen by
+    `pool.replicas` alone: 1 serves the backend in the server's process, more put that many
+    copies behind a `SamplerPool` (a pool of one would only add a process hop).
 
     backend: which `Sampler` implementation serves the model, by name from
         `ember.sampling.SAMPLER_BACKENDS`: "torch" (TorchSampler, default) or "vllm"
@@ -104,7 +114,7 @@ class SamplerConfig:
     Scaling out (`ember.sampling.pool`; README "Scaling out"):
     replicas: copies of the backend serving this base model, behind one `Sampler` (a
         `SamplerPool`) that routes each sampling session to one replica. 1 (default): no
-        pool, the backend runs in the server's process as before.
+        pool, the backend runs in the server's process.
     placement: where replicas run: "local" (a process each on this machine) or "ray"
         (a Ray actor each on the cluster the server joined).
     devices: the devices of the replicas, e.g. ["cuda:1", "cuda:2"] (replica i takes
@@ -114,8 +124,8 @@ class SamplerConfig:
         then it goes to the least busy (sessions already placed stay where they are).
     replica_timeout_s: a replica that does not answer a ping for this long is taken out
         of the pool (its in-flight requests fail with category server) and replaced.
-    weight_sync: how a training run's new weights reach the sampler (`ember.sampling.weight_sync`).
-        "files" (default): as today. "memory": nothing is written for an ephemeral
+    weight_sync: how a training run's new weights reach the sampler (`ember.sampling.transport`).
+        "files" (default): versions written as files and read back. "memory": nothing is written for an ephemeral
         snapshot (`save_weights_and_get_sampling_client`), and `save_weights_for_sampler`
         also hands its tensors to the sampler so that sampling from the saved path reads
         no file back; replicas in other processes receive the tensors over a standalone
@@ -132,29 +142,29 @@ class SamplerConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_prefill_tokens: int = 8192
     logprobs_mode: str = "raw"
-    attn_implementation: str = "sdpa"
-    forward: str = "auto"
-    prefix_cache_tokens: int = 4096
-    prefix_cache_block: int = 16
+    attn_implementation: str = field(default="sdpa", metadata=meta(section="torch", moved=True))
+    forward: str = field(default="auto", metadata=meta(section="torch", moved=True))
+    prefix_cache_tokens: int = field(default=4096, metadata=meta(section="torch", moved=True))
+    prefix_cache_block: int = field(default=16, metadata=meta(section="torch", moved=True))
     logprob_chunk_tokens: int | None = field(default=None, metadata=meta(hidden=True))
-    max_loras: int = 4
+    max_loras: int = field(default=4, metadata=meta(section="vllm", moved=True))
     max_lora_rank: int = field(default=MAX_LORA_RANK, metadata=meta(hidden=True))
-    max_cpu_loras: int | None = None
-    max_logprobs: int = field(default=20, metadata=meta(limit=True))
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    enable_lora: bool = True
-    kv_cache_gb: float = 1.0
-    cpu_worker: str = "inline"
-    enforce_eager: bool = True
+    max_cpu_loras: int | None = field(default=None, metadata=meta(section="vllm", moved=True))
+    max_logprobs: int = field(default=20, metadata=meta(section="vllm", moved=True, limit=True))
+    enable_prefix_caching: bool = field(default=True, metadata=meta(section="vllm", moved=True))
+    gpu_memory_utilization: float | None = field(default=None, metadata=meta(section="vllm", moved=True))
+    tensor_parallel_size: int = field(default=1, metadata=meta(section="vllm", moved=True))
+    enable_lora: bool = field(default=True, metadata=meta(section="vllm", moved=True))
+    kv_cache_gb: float = field(default=1.0, metadata=meta(section="vllm", moved=True))
+    cpu_worker: str = field(default="inline", metadata=meta(section="vllm", moved=True))
+    enforce_eager: bool = field(default=True, metadata=meta(section="vllm", moved=True))
     colocate: bool = False
-    engine_start_timeout_s: float = 600.0
-    replicas: int = 1
-    placement: str = "local"
-    devices: list[str] | None = None
-    max_imbalance: int = 8
-    replica_timeout_s: float = 60.0
+    engine_start_timeout_s: float = field(default=600.0, metadata=meta(section="vllm", moved=True))
+    replicas: int = field(default=1, metadata=meta(section="pool", moved=True))
+    placement: str = field(default="local", metadata=meta(section="pool", moved=True))
+    devices: list[str] | None = field(default=None, metadata=meta(section="pool", moved=True))
+    max_imbalance: int = field(default=8, metadata=meta(section="pool", moved=True))
+    replica_timeout_s: float = field(default=60.0, metadata=meta(section="pool", moved=True))
     weight_sync: str = "files"
 
     def __post_init__(self) -> None:

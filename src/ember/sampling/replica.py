@@ -14,22 +14,15 @@ through `Replica.call(op, *args)`, which runs `ReplicaHost.<op>(*args)` there:
     sample(request, version_key)  a Future of `types.SampleResponse`; `request.version`
                                   is None on the wire, `version_key` names the version
                                   (None = base weights)
-    load_file(key, path, lora)    make version `key` from a safetensors file (the
-                                  files path of today: `SamplerConfig.weight_sync`
-                                  "files")
-    load_tensors(key, named, lora)  make version `key` from (name, tensor) pairs: the
-                                  seam where an in-memory receiver hands over what it
-                                  received (docs/architecture.md contract 4 holds: a key
-                                  is immutable and loaded once)
+    load_file(key, path, lora)    make version `key` from a safetensors file
+                                  (`FileTransport`: `SamplerConfig.weight_sync` "files")
+    load_tensors(key, named, lora)  make version `key` from (name, tensor) pairs
+                                  already in the replica's process (docs/architecture.md
+                                  contract 4 holds: a key is immutable and loaded once)
     join_weight_sync(address)     join the pool's in-memory weight channel
-                                  (`ember.sampling.weight_sync`; weight_sync "memory")
+                                  (`MemoryTransport`: weight_sync "memory")
     receive_weights()             receive one version over that channel and load it
                                   under the key its header names; returns the key
-    join_shard_sync(addresses)    join one channel per trainer rank, in rank order
-                                  (`GroupEngine.open_shard_sync`: each FSDP rank sends
-                                  its own shard)
-    receive_shards()              receive one version from every rank, assemble and
-                                  load it under the key its header names; returns the key
     drop(keys)                    forget versions (their memory is freed)
     sleep()                       colocation (`SamplerConfig.colocate`): the backend
                                   releases its memory to the trainer once its requests
@@ -63,6 +56,7 @@ from typing import Any
 
 import torch
 
+from ember.sampling.base import Sampler
 from ember.sampling.config import SamplerConfig
 
 # Placement name (`SamplerConfig.placement`) -> "module:Class" of its `Replica`, imported on use.
@@ -113,6 +107,11 @@ class Replica(abc.ABC):
     def alive(self) -> bool:
         """False once the replica is known dead (its process/actor gone or killed)."""
 
+    @property
+    def pid(self) -> int | None:
+        """The replica's process id on this machine; None where it is not a local process."""
+        return None
+
     @abc.abstractmethod
     def kill(self) -> None:
         """Stop it now; every pending `call` Future fails with `ReplicaFailed`. Idempotent."""
@@ -158,14 +157,14 @@ class ReplicaHost:
         from ember.sampling.registry import create_sampler
 
         self.config = config
-        self.sampler = create_sampler(model_dir, config, scratch_dir=scratch_dir)
+        self.sampler: Sampler = create_sampler(model_dir, config, scratch_dir=scratch_dir)
         self._versions: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def info(self) -> ReplicaInfo:
-        return ReplicaInfo(self.sampler.vocab_size, self.config.default_max_tokens, self.config.backend,
-                           self.config.resolved_device, os.getpid(),
-                           tuple(getattr(self.sampler, "eos_token_ids", ())), getattr(self.sampler, "max_len", None))
+        return ReplicaInfo(self.sampler.vocab_size, self.sampler.default_max_tokens, self.config.backend,
+                           self.config.resolved_device, os.getpid(), tuple(self.sampler.eos_token_ids),
+                           self.sampler.max_len)
 
     def sample(self, request, version_key: int | None) -> Future:
         if version_key is not None:
@@ -193,36 +192,17 @@ class ReplicaHost:
             self._versions[key] = version
 
     def join_weight_sync(self, address) -> None:
-        from ember.sampling.weight_sync import WeightReceiver
+        from ember.sampling.transport import WeightReceiver
 
         self._receiver = WeightReceiver(address, self.config.resolved_device)  # NCCL: this replica's GPU
 
     def receive_weights(self) -> int:
         """One version from the pool's channel, checked against the model before any data
         moves (a mismatch is refused naming the tensor; nothing is loaded)."""
-        from tinker import types
-
-        from ember.sampling.weight_sync import sampler_check
-
-        header, named = self._receiver.receive(sampler_check(self.sampler))
-        lora = types.LoraConfig(rank=header.lora_rank) if header.lora_rank is not None else None
-        self.load_tensors(int(header.version), named, lora, copy=False)  # views of buckets nobody else holds
-        return int(header.version)
-
-    def join_shard_sync(self, addresses) -> None:
-        from ember.sampling.weight_sync import ShardReceiver
-
-        self._shard_receiver = ShardReceiver(addresses, self.config.resolved_device)
-
-    def receive_shards(self) -> int:
-        """One version from every trainer rank's shard; checked against the model when
-        loaded (a misfit is a ValueError naming the tensor; nothing is loaded)."""
-        from tinker import types
-
-        header, named = self._shard_receiver.receive()
-        lora = types.LoraConfig(rank=header.lora_rank) if header.lora_rank is not None else None
-        self.load_tensors(int(header.version), named, lora, copy=False)  # nobody else holds them
-        return int(header.version)
+        version_id, version = self._receiver.receive_into(self.sampler)
+        with self._lock:  # the pool pushes a key to a replica once (contract 4: loaded once)
+            self._versions.setdefault(int(version_id), version)
+        return int(version_id)
 
     def drop(self, keys: Iterable[int]) -> None:
         with self._lock:
@@ -234,12 +214,10 @@ class ReplicaHost:
             return sorted(self._versions)
 
     def sleep(self) -> None:
-        sleep = getattr(self.sampler, "sleep", None)  # backends without a sleep mode ignore it
-        if sleep is not None:
-            sleep()
+        self.sampler.sleep()  # backends without a sleep mode ignore it
 
     def sleep_stats(self) -> dict | None:
-        return getattr(self.sampler, "sleep_stats", None)
+        return self.sampler.sleep_stats
 
     def ping(self) -> int:
         return os.getpid()

@@ -156,6 +156,10 @@ class TorchSampler(Sampler):
         return self._vocab
 
     @property
+    def default_max_tokens(self) -> int:
+        return self.config.default_max_tokens
+
+    @property
     def stats(self) -> dict[str, int]:
         """Counters since construction: prefill forwards and prompts, decode steps and rows, sequences,
         and sequences moved to a lower slot as the batch drained (compaction)."""

@@ -40,14 +40,16 @@ different sets take turns (`WeightGate`: drain the running set, load the next wi
 vLLM's in-place `reload_weights` in the engine process, reset the prefix cache, resume). A swap
 costs one read of the version's file plus the drain; benchmarks/sampling.py measures it.
 
-`SamplerConfig.weight_sync="memory"`: a full version is kept as tensors in this process
-(`keep_full_version`) and a swap pushes them through vLLM's weight-transfer API
+How a full version enters the engine is the sampler's `EngineTransport`
+(`ember.sampling.transport.engine`, chosen once from `SamplerConfig.weight_sync`): files
+as above, or with "memory" a full version kept as tensors in this process
+(`keep_full_version`) that a swap pushes through vLLM's weight-transfer API
 (`init_weight_transfer_engine` once per engine, then `start_weight_update` /
 `update_weights` / `finish_weight_update`; `vllm_weight_engine.WeightPusher`: the
 `ember_gloo` engine on CPU, vLLM's `ipc` on CUDA): no file is written. LoRA versions stay
 adapter directories on disk: vLLM 0.32 loads an adapter only from a path
 (`LoRARequest.lora_path`; benchmarks/vllm_lora_files.py measures what the files cost).
-Swapping back to the base weights reads the base model's own files, as before.
+Swapping back to the base weights reads the base model's own files.
 """
 
 from __future__ import annotations
@@ -82,9 +84,9 @@ from ember.sampling.jobs import sampled_sequence
 from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
 from ember.sampling.scoped_env import scoped_env
 from ember.sampling.vllm_support import check_vllm_model, engine_fault_message, engine_kwargs  # noqa: F401 - re-exported
+from ember.sampling.transport.engine import MemoryEngineTransport, engine_transport, reload_from_files
 from ember.sampling.vllm_versions import (
-    BASE_KEY, VLLMWeightVersion, keep_full_version, lora_refused_modules, meta_model, remove_version_files,
-    write_full_version, write_lora_version,
+    BASE_KEY, VLLMWeightVersion, lora_refused_modules, meta_model, remove_version_files, write_lora_version,
 )
 from ember.sampling.weight_gate import WeightGate
 
@@ -155,11 +157,7 @@ class VLLMSampler(Sampler):
         self._backlog = OwnerBacklog()
         self._asleep = False  # colocate: the engine released the GPU for the trainer
         self._sleeps = self._wakes = 0
-        self._pusher = None  # weight_sync "memory": full versions enter the engine in memory
-        if self.config.weight_sync == "memory":
-            from ember.sampling.vllm_weight_engine import WeightPusher
-
-            self._pusher = WeightPusher(self.config.resolved_device, self.config.replica_timeout_s)
+        self._transport = engine_transport(self.config)  # how full versions enter the engine
         self.engine_starts = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"ember-vllm-{self._id}", daemon=True)
@@ -187,10 +185,14 @@ class VLLMSampler(Sampler):
         return len(self._versions)
 
     @property
+    def default_max_tokens(self) -> int:
+        return self.config.default_max_tokens
+
+    @property
     def pushes_in_memory(self) -> bool:
         """Read-only: whether full versions enter the engine through vLLM's weight-transfer API
         (weight_sync="memory") rather than from files. For inspection."""
-        return self._pusher is not None
+        return isinstance(self._transport, MemoryEngineTransport)
 
     @property
     def weight_swaps(self) -> int:
@@ -201,10 +203,8 @@ class VLLMSampler(Sampler):
     def load_weights(self, named_weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                      lora_config: types.LoraConfig | None = None, *, copy: bool = True) -> VLLMWeightVersion:
         items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
-        if lora_config is None and self._pusher is not None:
-            version = keep_full_version(self._id, self._meta, items, self.dtype, self.config.resolved_device, copy)
-        elif lora_config is None:
-            version = write_full_version(self._id, self._meta, items, self.dtype, self._scratch)
+        if lora_config is None:
+            version = self._transport.full_version(self._id, self._meta, items, self.dtype, self._scratch, copy)
         elif not self.config.enable_lora:
             raise ValueError("this vLLM sampler serves no LoRA versions (SamplerConfig.enable_lora is off); "
                              "turn it on to sample from a LoRA run")
@@ -241,8 +241,7 @@ class VLLMSampler(Sampler):
         gc.collect()  # collect the engine client now, not at interpreter exit (its __del__ then fails)
         if self._scorer is not None:
             self._scorer.close()
-        if self._pusher is not None:
-            self._pusher.close()
+        self._transport.close()
         remove_version_files(self._scratch)
 
     # ------------------------------------------------------------------ requests
@@ -348,8 +347,7 @@ class VLLMSampler(Sampler):
                 self._llm = None
             start = asyncio.get_running_loop().run_in_executor(None, self._start_engine)
             self._llm = await asyncio.wait_for(start, self.config.engine_start_timeout_s)
-            if self._pusher is not None:
-                await self._pusher.init(self._llm)
+            await self._transport.init(self._llm)
             self.engine_starts += 1
             self._asleep = False
             self._gate.reset(BASE_KEY)
@@ -362,10 +360,7 @@ class VLLMSampler(Sampler):
         if self.config.resolved_device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gb))))
         kwargs = engine_kwargs(self.model_dir, self.config, self.max_len)
-        if self._pusher is not None:
-            from ember.sampling.vllm_weight_engine import engine_options
-
-            kwargs.update(engine_options(self.config.resolved_device))
+        kwargs.update(self._transport.engine_options())
         args = AsyncEngineArgs(**kwargs)
         with _device_env(self.config):  # the engine core starts on the sampler's GPU(s)
             with _multiprocessing_env(self.config):
@@ -374,12 +369,10 @@ class VLLMSampler(Sampler):
                                              disable_log_stats=args.disable_log_stats)
 
     async def _swap(self, llm, key: str, version: VLLMWeightVersion | None) -> None:
-        if key != BASE_KEY and version.tensors is not None:  # weight_sync "memory": no file
-            await self._pusher.push(llm, version.tensors, key)
+        if key == BASE_KEY:
+            await reload_from_files(llm, self.model_dir)
         else:
-            path = self.model_dir if key == BASE_KEY else version.path
-            # vLLM's in-place reload (the model's own load_weights, LoRA wrappers and fused layouts included)
-            await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            await self._transport.load_full(llm, version, key)
         await llm.reset_prefix_cache()  # cached KV was computed with the previous weights
 
     async def _remove_lora(self, lora_id: int) -> None:

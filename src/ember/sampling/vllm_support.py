@@ -125,7 +125,7 @@ def engine_kwargs(model_dir, config, max_len: int) -> dict:
     (`resolved_gpu_memory_utilization`), `tensor_parallel_size`, and chunked prefill with
     `max_num_batched_tokens` = max_prefill_tokens, so the engine's start-up profile runs a
     batch of that size and not one of the model's whole context (131072 tokens for some).
-    vLLM's CPU build keeps the batch at least max_len, as before."""
+    vLLM's CPU build keeps the batch at least max_len."""
     on_cpu = config.resolved_device == "cpu"
     batched = max(config.max_prefill_tokens, max_len) if on_cpu else max(config.max_prefill_tokens, config.max_slots)
     kwargs = dict(

@@ -7,17 +7,17 @@ vLLM 0.32 builds a `WeightTransferEngine` in each worker when the engine is star
 `update_weights(update_info)` / `finish_weight_update`. Its own backends are CUDA-only
 (`nccl`, `ipc`, ...), and the base class's `update_weights` ends with
 `torch.accelerator.synchronize()`, which raises "Cannot access accelerator device when
-none is available" on a CPU build. This engine joins an `ember.sampling.weight_sync`
+none is available" on a CPU build. This engine joins an `ember.sampling.transport`
 channel (a standalone gloo group) and loads what it receives with the model's own
 `load_weights`, without that synchronize.
 
-`VLLMSampler` uses it with `SamplerConfig.weight_sync="memory"` (`engine_options`,
-`WeightPusher`): a full version kept in the sampler's process is pushed into its engine
+`VLLMSampler` uses it with `SamplerConfig.weight_sync="memory"` (its `MemoryEngineTransport`:
+`engine_options`, `WeightPusher`): a full version kept in the sampler's process is pushed into its engine
 when requests pinned to it run (`WeightGate`), with no file. On CUDA the engine shares the
 sampler's GPU, so the push is vLLM's own `ipc` engine (CUDA IPC handles of the kept
 tensors, no copy through the host); vLLM's `nccl` engine would need the sender on another
 GPU (NCCL refuses two ranks on one device), which is the trainer-to-replica hop
-(`ember.sampling.weight_sync`), not this one. The CUDA push is written and GPU-marked only.
+(`ember.sampling.transport.pool`), not this one. The CUDA push is written and GPU-marked only.
 
 `register()` adds the gloo engine to vLLM's factory under `ENGINE_NAME`. It must run in the process
 that builds the worker (vLLM's engine core, which vLLM starts with `spawn`, so nothing
@@ -64,7 +64,7 @@ class EmberGlooEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        from ember.sampling.weight_sync import ChannelAddress, WeightReceiver
+        from ember.sampling.transport import ChannelAddress, WeightReceiver
 
         self.receiver = WeightReceiver(ChannelAddress(init_info.host, init_info.port, "gloo", init_info.timeout_s))
         self.received: list[str] = []
@@ -121,7 +121,7 @@ class WeightPusher:
         if self.device != "cpu":  # pragma: no cover - CUDA only (GPU-marked test)
             await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))
             return
-        from ember.sampling.weight_sync import WeightSender
+        from ember.sampling.transport import WeightSender
 
         if self._sender is not None:
             self._sender.close()

@@ -87,12 +87,13 @@ def sampler_reserved_bytes(service, gpu_total_bytes: int | None = None) -> int:
     from ember.engine.config import cuda_index
 
     engine = service.config.engine
-    resolve = getattr(service.samplers.factory, "resolved_config", None)
-    if resolve is None or cuda_index(engine.device) is None:
+    if cuda_index(engine.device) is None:
         return 0
     most = 0
     for name in service.registry.names():
-        cfg = resolve(service.registry.resolve(name), gpu_total_bytes)
+        cfg = service.samplers.factory.resolved_config(service.registry.resolve(name), gpu_total_bytes)
+        if cfg is None:  # a factory without a local config (remote samplers): nothing beside the trainer
+            continue
         beside = any(cuda_index(d) == cuda_index(engine.device) for d in (cfg.devices or [cfg.device]))
         if cfg.backend == "vllm" and beside and not cfg.colocate:
             if gpu_total_bytes is None:

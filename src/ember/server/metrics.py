@@ -232,7 +232,7 @@ class KeyIds:
 
 def _replica_families(service: Any):
     samplers = getattr(service, "samplers", None)
-    stats = samplers.replica_stats() if hasattr(samplers, "replica_stats") else {}
+    stats = samplers.replica_stats() if samplers is not None else {}
     up = GaugeMetricFamily("ember_sampler_replica_up", "1 while a sampler replica serves requests, 0 while it "
                            "is out of its pool or being replaced", labels=["model", "replica"])
     total = CounterMetricFamily("ember_sampler_replica_requests", "Sample requests routed to a sampler replica",

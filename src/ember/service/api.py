@@ -17,7 +17,8 @@ Construction (implementation in `ember.service.core`)::
 `ember.service.engines.EngineFactory` (default `LocalEngineFactory`: in-process
 TorchEngines, LoRA adapters sharing one base model; `WorkerGroupEngineFactory` runs
 engines on an `ember.workers.WorkerGroup`) and `ember.service.samplers.SamplerFactory`
-(default: one `TorchSampler` per base model).
+(default: `LocalSamplerFactory`: one sampler per base model, of the backend
+`SamplerConfig.backend` names, or a `SamplerPool` of them with `[sampler.pool] replicas` > 1).
 
 Conventions
 -----------

@@ -386,7 +386,7 @@ class Service(ServiceAPI):
             def op(run: LiveRun):
                 check_samplable(run.spec)
                 row = self.runs.save_checkpoint(run, path, "sampler", True, ttl_seconds, user_metadata)
-                if self.samplers.weight_sync == "memory":  # the file is for restarts; samplers get tensors
+                if self.samplers.syncs_saved:  # the file is for restarts; samplers get tensors
                     self.samplers.sync_saved(run.run_id, row.tinker_path, run.spec.base,
                                              run.require_engine().named_weights(), run.spec.lora_config,
                                              run.session_id)

@@ -39,7 +39,8 @@ import torch
 from tinker import types
 
 from ember import failpoints
-from ember.sampling.base import UnsupportedModelError
+from ember.sampling.base import Sampler, UnsupportedModelError
+from ember.sampling.config import SamplerConfig
 from ember.service import checkpoint_files as ckpt
 from ember.service.checkpoint_store import readable
 from ember.service.api import NotFoundError, Submission, UserError
@@ -58,12 +59,23 @@ class SamplerFactory(abc.ABC):
     """Builds the sampling backend of one base model (seam for remote/vLLM samplers)."""
 
     @abc.abstractmethod
-    def create(self, base: BaseModel) -> Any:
+    def create(self, base: BaseModel) -> Sampler:
         """A `ember.sampling.Sampler` serving `base`."""
+
+    def resolved_config(self, base: BaseModel, gpu_total_bytes: int | None = None) -> SamplerConfig | None:
+        """The `SamplerConfig` `create(base)` would use, when this factory has one (a local
+        sampler's, for the server's memory planning); None otherwise (the default)."""
+        return None
 
     def check(self, base: BaseModel) -> None:
         """Raise `UnsupportedModelError` when `create(base)` would get a backend that cannot
         serve `base` (called at start-up for registered models). Default: no check."""
+
+    def syncs_saved(self) -> bool:
+        """Whether a named `save_weights_for_sampler` also hands the run's tensors to the
+        sampler, so that sampling from the saved path reads no file back (the memory
+        transport, `SamplerConfig.weight_sync="memory"`). Default: no."""
+        return False
 
 
 class LocalSamplerFactory(SamplerFactory):
@@ -80,7 +92,7 @@ class LocalSamplerFactory(SamplerFactory):
         self.engine_config = engine_config
         self.scratch_dir = scratch_dir
 
-    def resolved_config(self, base: BaseModel, gpu_total_bytes: int | None = None):
+    def resolved_config(self, base: BaseModel, gpu_total_bytes: int | None = None) -> SamplerConfig:
         """The sampler's config for `base`; `gpu_total_bytes`: the GPU's size for a derived
         vLLM memory share (default: asked of the device, only when one is derived)."""
         from ember.engine.config import EngineConfig
@@ -99,7 +111,12 @@ class LocalSamplerFactory(SamplerFactory):
 
         check_model(base.directory, self.resolved_config(base))
 
-    def create(self, base: BaseModel) -> Any:
+    def syncs_saved(self) -> bool:
+        from ember.sampling.transport.pool import MemoryTransport
+
+        return self.config is not None and self.config.weight_sync == MemoryTransport.mode
+
+    def create(self, base: BaseModel) -> Sampler:
         from ember.sampling import create_sampler
 
         return create_sampler(base.directory, self.resolved_config(base), scratch_dir=self.scratch_dir)
@@ -245,7 +262,7 @@ class SamplerManager:
         self._inflight: dict[str, InflightTarget] = {}  # run_id -> its in-flight target
 
     # ------------------------------------------------------------------ backends and versions
-    def backend(self, base: BaseModel) -> Any:
+    def backend(self, base: BaseModel) -> Sampler:
         with self._lock:
             sampler = self._samplers.get(base.directory)
             if sampler is None:
@@ -264,7 +281,8 @@ class SamplerManager:
         `requests_total` (`SamplerPool.replica_stats`); models with one sampler are absent."""
         # No lock: creating a sampler holds it for minutes, and a scrape must not wait for that.
         samplers = dict(self._samplers).items()  # a dict copy is atomic under the GIL
-        return {self._names.get(d, str(d)): s.replica_stats() for d, s in samplers if hasattr(s, "replica_stats")}
+        stats = {self._names.get(d, str(d)): s.replica_stats() for d, s in samplers}
+        return {name: per_replica for name, per_replica in stats.items() if per_replica is not None}
 
     def check_registered(self) -> None:
         """Refuse to start (ValueError naming model, field and what is supported) when a
@@ -277,9 +295,10 @@ class SamplerManager:
                 raise ValueError(f"model {name!r}: the sampler backend cannot serve it: {exc}") from exc
 
     @property
-    def weight_sync(self) -> str:
-        """`SamplerConfig.weight_sync` of this service's samplers ("files" or "memory")."""
-        return getattr(getattr(self.factory, "config", None), "weight_sync", None) or "files"
+    def syncs_saved(self) -> bool:
+        """Whether `save_weights_for_sampler(path)` also hands the tensors over (`sync_saved`;
+        `SamplerFactory.syncs_saved`)."""
+        return self.factory.syncs_saved()
 
     def add_sync_listener(self, listener: Callable[[str, float], None]) -> None:
         """Call `listener(mode, seconds)` after every new version reaches a sampler: mode
@@ -547,7 +566,7 @@ class SamplerManager:
         reserved = None
         try:
             backend = self.backend(live.base)
-            work = request_work(kwargs, getattr(getattr(backend, "config", None), "default_max_tokens", 128))
+            work = request_work(kwargs, backend.default_max_tokens)
             self.queued.reserve(live.owner, *work)
             reserved = work
             request = SamplingRequest(version=self._version_for(live), sequence_ids=sub.sample_sequence_ids,
@@ -600,9 +619,7 @@ class SamplerManager:
         with self._lock:
             samplers = list(self._samplers.values())
         for sampler in samplers:
-            sleep = getattr(sampler, "sleep", None)
-            if sleep is not None:
-                sleep()
+            sampler.sleep()
 
     def drop_session(self, session_id: str) -> None:
         with self._lock:

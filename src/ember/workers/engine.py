@@ -17,7 +17,6 @@ the caller's batch (not its index within one rank's share).
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -96,40 +95,6 @@ def gather_head_weights(engine: Any) -> dict[str, torch.Tensor]:
     return engine.head_weights() if keep else {}
 
 
-# This rank's weight senders, per engine (a rank may hold several runs' engines; an
-# engine's go with it), one per (host, backend, timeout), each holding that engine's
-# channels to its receivers.
-_shard_senders: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
-
-
-def open_shard_channel(engine: Any, receiver_id: str, host: str, backend: str, timeout_s: float):
-    """This rank listens for `receiver_id` on `host`; the address it must join."""
-    from ember.sampling.weight_sync import WeightSender
-
-    senders = _shard_senders.setdefault(engine, {})
-    key = (host, backend, timeout_s)
-    if key not in senders:
-        senders[key] = WeightSender(host, backend, timeout_s, device=engine.device)  # not the thread's device
-    return senders[key].open(receiver_id)
-
-
-def send_weight_shards(engine: Any, version: str, lora_rank: int | None) -> dict[str, Any]:
-    """This rank's part of every weight (`rank_part`) to each receiver it has a channel to;
-    what it delivered, dropped, and the elements it sent (no collective: ranks send at once)."""
-    import torch.distributed as dist
-
-    from ember.sampling.weight_sync import distinct_tensors, rank_part
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    parts = distinct_tensors((n, p) for n, t in engine.named_weight_shards() if (p := rank_part(t, rank)) is not None)
-    delivered, dropped = [], {}
-    for sender in _shard_senders.get(engine, {}).values():
-        report = sender.send(parts, version, lora_rank)
-        delivered += report.delivered
-        dropped.update(report.dropped)
-    return {"rank": rank, "delivered": delivered, "dropped": dropped, "numel": sum(t.numel() for _, t in parts)}
-
-
 def vocab_size(engine: Any) -> int:
     return int(engine.hf_config.vocab_size)
 
@@ -185,18 +150,6 @@ class GroupEngine(TrainingEngine):
 
     def head_weights(self) -> dict[str, torch.Tensor]:
         return self.group.run(self.name, gather_head_weights)
-
-    def open_shard_sync(self, receiver_id: str, host: str = "127.0.0.1", backend: str = "gloo",
-                        timeout_s: float = 60.0) -> list:
-        """Every rank listens for `receiver_id` (a sampler replica) on `host` (an address of
-        this machine's, or of every rank's when they span nodes); the `ChannelAddress`es, in
-        rank order, that its `ember.sampling.weight_sync.ShardReceiver` joins."""
-        return self.group.run_per_rank(self.name, open_shard_channel, receiver_id, host, backend, timeout_s)
-
-    def send_weight_shards(self, version: str, lora_rank: int | None = None) -> list[dict[str, Any]]:
-        """Each rank sends its own shard of the current weights to every receiver it has a
-        channel to (nothing is gathered); per rank: delivered, dropped, elements sent."""
-        return self.group.run_per_rank(self.name, send_weight_shards, version, lora_rank)
 
     def save_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
         self._call("save_state", str(path), optimizer)

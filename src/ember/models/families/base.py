@@ -233,6 +233,7 @@ class ModelFamily:
     packs_by_position: bool = True
     tiny_chat: TinyChat | None = None  # None: ChatML (`ember.models.testing`)
     config_types: tuple[str, ...] = ()  # other `config.model_type`s of the family (a checkpoint's text config)
+    head_qk_norm: bool = False  # RMSNorm per query/key head without direct decode (Qwen3-MoE; the estimate counts it)
 
     @property
     def direct_decode(self) -> bool:

@@ -32,4 +32,4 @@ def tiny_config(**kwargs) -> Qwen3MoeConfig:
 
 FAMILY = ModelFamily("qwen3_moe", tiny_config=tiny_config, tp_plan=None, decode=None, moe=MOE,
                      lora=LoraTargets(experts=MOE.param_paths),
-                     value_head_class="Qwen3MoeForTokenClassification")
+                     value_head_class="Qwen3MoeForTokenClassification", head_qk_norm=True)
