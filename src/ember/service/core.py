@@ -113,6 +113,7 @@ class Service(ServiceAPI):
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
             self.checkpoints, config.seq_gap_timeout_s, config.limits, clock=clock,
         )
+        self.runs.autosave_every_steps = config.runs.autosave_every_steps
         self.records = StabilityRecords(config.stability, clock=clock)
         self.metric_history = MetricHistory(self.store, config.metric_history_rows, clock=clock)
         self.samplers = SamplerManager(
@@ -344,7 +345,7 @@ class Service(ServiceAPI):
                                 f"{run.spec.optimizer}, which takes {want.__name__}")
             metrics = run.require_engine().optim_step(adam_params)
             self.metric_history.record(run.run_id, run.steps, "optim_step", metrics)
-            run.steps += 1
+            self.runs.step_taken(run)  # counted; the automatic save when one is due
             return types.OptimStepResponse(metrics=metrics)
 
         return self.runs.submit_op(owner, model_id, seq_id, "OptimStep", op)
@@ -594,10 +595,17 @@ class Service(ServiceAPI):
         return self.futures.unsaved_count()
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, save_runs: bool = False) -> None:
+        """`save_runs`: a clean stop of `ember serve` (`RunManager.shutdown`): accepted
+        requests finish within `runs.shutdown_drain_s`, then every loaded run is saved
+        and comes back on its next request after a restart (README "Restarts")."""
         if self._closed.is_set():
             return
         self._closed.set()
+        if save_runs:
+            saved = self.runs.shutdown(self.config.runs.shutdown_drain_s)
+            if saved:
+                log.info("%d training run(s) saved; they come back when their clients call again", saved)
         self.runs.close()
         self.samplers.close()
         self.image_admission.close()
