@@ -279,6 +279,8 @@ class Service(ServiceAPI):
             # resolved on the lane, in seq_id order: a sample finished before this op ran
             batch = self.records.resolve(run.owner, run.session_id, data) if loss_fn == "stable_reinforce" else data
             out = engine.forward(batch, loss_fn, cfg) if forward_only else engine.forward_backward(batch, loss_fn, cfg)
+            if not forward_only:
+                run.accumulated(batch, loss_fn, cfg)  # until optim_step: an automatic save runs it again
             out.metrics.update(logprob_gap_metrics(batch, out.loss_fn_outputs))
             self.metric_history.record(run.run_id, run.steps, "forward" if forward_only else "forward_backward",
                                        out.metrics)

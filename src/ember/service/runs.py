@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -51,8 +52,10 @@ RESTARTED = (
 # What a run is saved as when its session expires (no heartbeat, or idle) before it unloads.
 SESSION_END_CHECKPOINT = "session-end"
 SAVED_AT_SESSION_END = "; it was saved when its session ended: {path} (its state and optimizer)"
-# Beside an automatic save's state: where the run was (README "Restarts").
+# Beside an automatic save's state: where the run was, and the forward_backwards whose
+# gradient no optim_step applied yet (the state holds no gradient: they run again at reload).
 RESUME_FILE = "ember-resume.json"
+UNAPPLIED_FILE = "ember-unapplied.pickle"
 SHUTDOWN_NOT_RUN = ("the server shut down before this request ran (it was not executed; its run was saved "
                     "and comes back on its next request): submit it again")
 SHUTTING_DOWN = "the server is shutting down: this request was not accepted; submit it again once it is back"
@@ -80,8 +83,14 @@ class LiveRun:
     restore_from: str | None = None  # automatic save to load on the lane before its first op
     resumed_from: int | None = None  # step an unclean restore resumed from, told by its first op
     resync: bool = False  # its first request sets its next seq_id (an unclean restore)
-    seq_running: int = -1  # seq_id of the op executing (an automatic save records the next one)
+    seq_running: int = -1
+    # (datums, loss_fn, loss_fn_config) of each forward_backward since the last optim_step
+    unapplied: list[tuple[list, str, dict | None]] = field(default_factory=list)  # seq_id of the op executing (an automatic save records the next one)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def accumulated(self, datums: list, loss_fn: str, loss_fn_config: dict | None) -> None:
+        """A forward_backward added to the gradient (an automatic save keeps it to run again)."""
+        self.unapplied.append((list(datums), loss_fn, loss_fn_config))
 
     def require_engine(self) -> TrainingEngine:
         if self.engine is None:
@@ -392,6 +401,9 @@ class RunManager:
         self._build_engine(run)
         try:
             run.engine.load_state(directory, optimizer=True)
+            for datums, loss_fn, cfg in read_unapplied(directory):  # the gradient not applied yet, rebuilt
+                run.engine.forward_backward(datums, loss_fn, cfg)
+                run.accumulated(datums, loss_fn, cfg)
         except BaseException as exc:
             run.error = classify(exc)[0]
             self.factory.release(run.spec, run.engine)
@@ -403,6 +415,7 @@ class RunManager:
         """After an optim_step (on the lane): count it; every `autosave_every_steps`, the
         automatic save (a failed one is logged, never fails the step)."""
         run.steps += 1
+        run.unapplied.clear()
         every = self.autosave_every_steps
         if every and run.steps % every == 0:
             try:
@@ -416,10 +429,14 @@ class RunManager:
         where it was (`RESUME_FILE`: step, next seq_id, and whether nothing ran after it)."""
         engine = run.require_engine()
         resume = {"steps": run.steps, "next_seq": next_seq, "clean": clean}
+        unapplied = list(run.unapplied)
 
         def write(tmp: Path) -> None:
             engine.save_state(tmp, optimizer=True)
             (tmp / RESUME_FILE).write_text(json.dumps(resume))
+            # pickled: the SDK's Datum has no other serialization; the file is the server's own
+            # (the data directory is never readable or writable by path through any request)
+            (tmp / UNAPPLIED_FILE).write_bytes(pickle.dumps(unapplied))
 
         return self.checkpoints.save(run.run_id, run.owner, "training", AUTOSAVE_NAME, write, overwrite=True)
 
@@ -458,6 +475,7 @@ class RunManager:
         engine = run.require_engine()
         tpath, crow = self.checkpoints.training_state(run.owner, path, access_token)
         engine.load_state(crow.directory, optimizer=optimizer)
+        run.unapplied.clear()  # load_state dropped the gradient
         return types.LoadWeightsResponse(path=tpath.uri, model_id=run.run_id)
 
     # ------------------------------------------------------------------ info, unload
@@ -587,3 +605,9 @@ def read_resume(directory: str) -> dict[str, Any] | None:
         return {"steps": int(resume["steps"]), "next_seq": int(resume["next_seq"]), "clean": bool(resume["clean"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def read_unapplied(directory: str) -> list[tuple[list, str, dict | None]]:
+    """An automatic save's `UNAPPLIED_FILE`: the forward_backwards to run again (none if absent)."""
+    path = Path(directory) / UNAPPLIED_FILE
+    return pickle.loads(path.read_bytes()) if path.exists() else []  # noqa: S301 - written by this server
