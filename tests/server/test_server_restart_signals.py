@@ -137,7 +137,8 @@ def test_sigkill_comes_back_from_the_last_autosave_and_says_from_which_step(tiny
     servers = [server]
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     try:
-        reference = [step(training_client(sc, server.base_url, "lora"), i) for i in range(3)]
+        reference_tc = training_client(sc, server.base_url, "lora")
+        reference = [step(reference_tc, i) for i in range(3)]
         tc = training_client(sc, server.base_url, "lora")
         for i in range(3):
             step(tc, i)  # saved automatically after step 2; step 3 is lost with the process
