@@ -7,6 +7,7 @@ real `ember serve` processes on one data directory and port:
   next server answers it), and the run equals an uninterrupted one bit for bit (losses,
   logprobs, and every exported parameter by torch.equal). LoRA and full fine-tuning, SQLite
   and PostgreSQL.
+* A sampling session made from a saved checkpoint keeps working across the restarts.
 * SIGKILL with `--runs.autosave_every_steps 2`: the run comes back from its last automatic
   save and the client's next answer says from which step (`ember_resumed_from_step:max`).
 """
@@ -31,6 +32,8 @@ from .test_server_external_weights import _full_training_client
 pytestmark = pytest.mark.slow
 
 ADAM = types.AdamParams(learning_rate=2e-2)
+GREEDY = types.SamplingParams(max_tokens=4, temperature=0.0)
+PROMPT = types.ModelInput.from_ints([3, 1, 4, 1])
 BATCHES = [[sft_datum([3, 1, 4, 1, 5, 9, 2, 6])], [sft_datum([2, 7, 1, 8, 2, 8])],
            [sft_datum([1, 4, 1, 4, 2, 1, 3])], [sft_datum([1, 7, 3, 2, 0, 5])]]
 
@@ -105,6 +108,8 @@ def test_sigterm_between_steps_and_mid_step_loses_nothing(kind, tiny_model_dir, 
 
         tc = training_client(sc, server.base_url, kind)
         got = [step(tc, 0), step(tc, 1)]
+        sampler = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("mid").result(timeout=300).path)
+        sampled = sampler.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens
         sigterm(server)  # between steps: the next step's requests meet a closed port, then a new server
         third = in_background(lambda: step(tc, 2))
         # the third op after the restart sleeps 8 s on the lane: SIGTERM arrives while it executes,
@@ -119,6 +124,7 @@ def test_sigterm_between_steps_and_mid_step_loses_nothing(kind, tiny_model_dir, 
         servers.append(server)
         got.append(fourth.result(timeout=300))  # the SDK polled through the restart
         tc.optim_step(ADAM).result(timeout=300)
+        assert sampler.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens == sampled
 
         for a, b in zip(got, reference, strict=True):
             assert_same_step(a, b)
