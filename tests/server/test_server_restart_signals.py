@@ -95,7 +95,7 @@ def accepted_forward_backwards(server) -> int:
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_sigterm_between_steps_and_mid_step_loses_nothing(kind, tiny_model_dir, tmp_path, database_url):
-    data_dir, flags = tmp_path / "data", ["--database-url", database_url]
+    data_dir, flags = tmp_path / "data", ["--database-url", database_url, "--runs.save_on_shutdown", "true"]
     start = lambda name, env=None, port=0: start_server(  # noqa: E731
         Path(tiny_model_dir), tmp_path / name, data_dir=data_dir, port=port, extra_args=flags, env=env)
     server = start("run1")

@@ -182,12 +182,15 @@ class RunsConfig:
         the checkpoint bytes quota): what a run comes back from after the server was killed
         (SIGKILL, power loss). 0 = off (a clean stop, SIGTERM or Ctrl-C, saves every run anyway);
         cost: `benchmarks/autosave.py`.
+    save_on_shutdown: on SIGTERM/SIGINT, save every loaded run so that it comes back on its
+        next request after a restart (off: a stop unloads them, as a crash would).
     shutdown_drain_s: on SIGTERM/SIGINT, how long requests already accepted may take to
         finish before the rest fail (category server: resubmit them) and every loaded run is
         saved; the saves themselves are waited for as long again.
     """
 
     autosave_every_steps: int = 0
+    save_on_shutdown: bool = True
     shutdown_drain_s: float = 30.0
 
     def __post_init__(self) -> None:

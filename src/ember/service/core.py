@@ -604,7 +604,7 @@ class Service(ServiceAPI):
         if self._closed.is_set():
             return
         self._closed.set()
-        if save_runs:
+        if save_runs and self.config.runs.save_on_shutdown:
             saved = self.runs.shutdown(self.config.runs.shutdown_drain_s)
             if saved:
                 log.info("%d training run(s) saved; they come back when their clients call again", saved)
