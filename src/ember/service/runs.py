@@ -575,7 +575,7 @@ class RunManager:
             return
         try:
             row = self.autosave(run, clean=clean, next_seq=run.seq.next_seq)
-            log.info("run %s saved at step %d for the restart: %s", run.run_id, run.steps, row.tinker_path)
+            log.debug("run %s saved at step %d for the restart: %s", run.run_id, run.steps, row.tinker_path)
         except Exception as exc:  # noqa: BLE001 - the others are still saved; say why this one was not
             log.warning("run %s could not be saved at shutdown: %s", run.run_id, public_message(exc))
         finally:
