@@ -7,6 +7,9 @@ finished future: `UserError` (bad input, raised where it is validated, with the 
 message) and NonFiniteGradientError are `user` failures; anything else, a ValueError
 included, is a `server` failure, logged with its traceback. A failing op never stops the lane or the run. What a run is created
 with is checked in `ember.service.run_validation`; checkpoints are `CheckpointStore`'s.
+Restarts (README "Restarts"): `shutdown` saves every live run as its automatic checkpoint,
+`autosave` does so every `autosave_every_steps` steps, and `live` restores a run that is
+not loaded from it (`_restore`; its engine is loaded on the lane before its first op).
 """
 
 from __future__ import annotations
