@@ -141,6 +141,9 @@ def start_server(
         # Modules that talk raw HTTP hold sessions without heartbeats for longer than the
         # default 300 s (a shared server lives all session): tests of that expiry set their own.
         "--sessions.heartbeat_timeout_s", "86400",
+        # A stop saves no run (README "Restarts"): a shared server holds many, and its stop must
+        # stay quick; the restart tests turn it on.
+        "--runs.save_on_shutdown", "false",
         *extra_args,
     ]
     full_env = {**server_env(), **(env or {})}

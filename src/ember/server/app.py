@@ -27,7 +27,8 @@ from ember.service.api import ServiceAPI
 
 
 def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool = False) -> FastAPI:
-    """The HTTP app over `service`. `close_service=True` closes the service at shutdown."""
+    """The HTTP app over `service`. `close_service=True` closes the service at shutdown,
+    saving its loaded runs first (a restart resumes them: README "Restarts")."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -39,7 +40,7 @@ def create_app(service: ServiceAPI, config: ServerConfig, *, close_service: bool
             yield
         finally:
             if close_service:
-                service.close()
+                service.close(save_runs=True)
 
     app = FastAPI(title="ember", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service

@@ -4,7 +4,7 @@
 
 The components are the ones the code already takes: `ServerConfig` (HTTP), `ServiceConfig`
 (data directory, models, and its sections `[engine]`, `[sampler]`, `[limits]`,
-`[durability]`, `[stability]`, `[checkpoints]`, `[sessions]`), `WorkersConfig` (`[workers]`,
+`[durability]`, `[stability]`, `[checkpoints]`, `[sessions]`, `[runs]`), `WorkersConfig` (`[workers]`,
 `[parallel]`) and `LogConfig` (`[log]`). `ember.config` generates every flag, TOML key and `--help` line from their
 fields and docstrings, and checks every value on the way in (a bad key, type or value is
 one ConfigError naming it); a flag given on the command line wins over the file, a
@@ -36,6 +36,7 @@ TITLES = {
     "stability": "[stability] records of record_stability_info=True samples, for stable_reinforce",
     "checkpoints": "[checkpoints] checkpoint TTL sweep and user_metadata bounds",
     "sessions": "[sessions] when idle client sessions end (their runs unloaded, samplers released)",
+    "runs": "[runs] what survives a restart: automatic saves, the shutdown bound",
     "workers": "[workers] scale-out: run every training engine on a worker group (default: in process)",
     "parallel": "[parallel] layout of every engine on the worker group",
     "log": "[log] what the server logs beyond --log-level",

@@ -510,9 +510,11 @@ class ServiceAPI(abc.ABC):
 
     # ---------------------------------------------------------------- lifecycle
     @abc.abstractmethod
-    def close(self) -> None:
+    def close(self, save_runs: bool = False) -> None:
         """Stop executor threads (in-flight work is abandoned; after a restart those
-        futures answer category server) and close the database. Idempotent."""
+        futures answer category server) and close the database. Idempotent.
+        `save_runs` (a server's clean stop): accepted requests finish first, within a bound,
+        and every loaded run is saved, to come back on its next request after a restart."""
 
     # ---------------------------------------------------------------- operator (no owner check)
     @abc.abstractmethod

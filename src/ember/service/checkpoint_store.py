@@ -57,6 +57,10 @@ QUOTA_FREE = ("free space by deleting checkpoints (RestClient.delete_checkpoint_
               "saving with a ttl_seconds")
 
 Writer = Callable[[Path], None]  # writes a checkpoint's files into a new directory
+# A run's automatic save (`RunsConfig`: every N steps, and at a clean shutdown): one per run,
+# replaced each time, listed like any training checkpoint (loadable by its owner) but outside
+# the checkpoint bytes quota: the server made it, not the user (README "Restarts").
+AUTOSAVE_NAME = "ember-autosave"
 
 
 # ---------------------------------------------------------------------- access (pure over a Store)
@@ -227,7 +231,8 @@ class CheckpointStore:
         existing = self.store.get(CheckpointRow, tpath.uri)
         if existing is not None and not overwrite and not expired(existing, self.clock()):
             raise UserError(f"checkpoint {tpath.uri} already exists; pass overwrite=True to replace it")
-        used = self._check_quota_before(owner)
+        automatic = kind == "training" and tpath.name == AUTOSAVE_NAME
+        used = 0 if automatic else self._check_quota_before(owner)
         final = self._write(tpath, write)
         now = self.clock()
         row = CheckpointRow(
@@ -235,7 +240,8 @@ class CheckpointStore:
             size_bytes=files.dir_size(final), user_metadata=meta, created_at=now,
             expires_at=now + ttl if ttl else None, public=False,
         )
-        self._check_quota_after(used, row, existing, final)
+        if not automatic:
+            self._check_quota_after(used, row, existing, final)
         try:
             self.store.save_checkpoint(row)  # the commit point
         except BaseException:
@@ -271,8 +277,9 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ quota
     def bytes_used(self, owner: str) -> int:
-        """Bytes of `owner`'s checkpoints not past their expiry (what the quota counts)."""
-        return self.store.checkpoint_bytes(owner, self.clock())
+        """Bytes of `owner`'s checkpoints not past their expiry, automatic saves left out (what
+        the quota counts)."""
+        return self.store.checkpoint_bytes(owner, self.clock(), except_name=AUTOSAVE_NAME)
 
     def _check_quota_before(self, owner: str) -> int:
         used = self.bytes_used(owner) if self.quota_bytes is not None else 0

@@ -178,6 +178,35 @@ class SessionsConfig:
 
 
 @dataclass
+class RunsConfig:
+    """What survives a restart of `ember serve` (`[runs]`, `--runs.*`; README "Restarts").
+
+    autosave_every_steps: every this many optim_steps a loaded run's full state (weights,
+        optimizer, step, next seq_id) is saved as its automatic checkpoint
+        (`tinker://<run>/weights/ember-autosave`, one per run, replaced each time, outside
+        the checkpoint bytes quota): what a run comes back from after the server was killed
+        (SIGKILL, power loss). 0 = off (a clean stop, SIGTERM or Ctrl-C, saves every run anyway);
+        cost: `benchmarks/autosave.py`.
+    save_on_shutdown: on SIGTERM/SIGINT, save every loaded run so that it comes back on its
+        next request after a restart (off: a stop unloads them, as a crash would).
+    shutdown_drain_s: on SIGTERM/SIGINT, how long requests already accepted may take to
+        finish before the rest fail (category server: resubmit them) and every loaded run is
+        saved; the saves themselves are waited for as long again.
+    """
+
+    autosave_every_steps: int = 0
+    save_on_shutdown: bool = True
+    shutdown_drain_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.autosave_every_steps, bool) or not isinstance(self.autosave_every_steps, int) \
+                or self.autosave_every_steps < 0:
+            raise ValueError(f"runs.autosave_every_steps must be an integer >= 0, got {self.autosave_every_steps!r}")
+        if isinstance(self.shutdown_drain_s, bool) or not self.shutdown_drain_s >= 0:
+            raise ValueError(f"runs.shutdown_drain_s must be >= 0 seconds, got {self.shutdown_drain_s!r}")
+
+
+@dataclass
 class ServiceConfig:
     """Configuration of one `Service`.
 
@@ -214,6 +243,7 @@ class ServiceConfig:
     checkpoints: checkpoint TTL sweep and bounds of ttl_seconds / user_metadata
         (`CheckpointConfig`).
     sessions: when client sessions end by themselves: no heartbeat, or idle (`SessionsConfig`).
+    runs: automatic saves and the shutdown bound of training runs (`RunsConfig`).
     metric_history_rows: per-step metric rows kept per training run (the console's
         curves; one row per forward_backward / forward / optim_step). Past it the older
         half of the run's steps is thinned to every second step (`ember.service.metric_history`).
@@ -239,6 +269,7 @@ class ServiceConfig:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    runs: RunsConfig = field(default_factory=RunsConfig)
     metric_history_rows: int = 4096
 
     def __post_init__(self) -> None:

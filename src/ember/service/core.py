@@ -114,6 +114,7 @@ class Service(ServiceAPI):
             self.store, self.futures, self.registry, engine_factory or LocalEngineFactory(config.engine),
             self.checkpoints, config.seq_gap_timeout_s, config.limits, clock=clock,
         )
+        self.runs.autosave_every_steps = config.runs.autosave_every_steps
         self.records = StabilityRecords(config.stability, clock=clock)
         self.metric_history = MetricHistory(self.store, config.metric_history_rows, clock=clock)
         self._sampler_runs: dict[str, str | None] = {}  # sampling session -> the run it samples (`_count_samples`)
@@ -284,6 +285,8 @@ class Service(ServiceAPI):
             if replay:  # the routes the sampler recorded (ember.service.routing_records)
                 batch = with_routes(self.records, run.owner, run.session_id, data, batch)
             out = engine.forward(batch, loss_fn, cfg) if forward_only else engine.forward_backward(batch, loss_fn, cfg)
+            if not forward_only:
+                run.accumulated(batch, loss_fn, cfg)  # until optim_step: an automatic save runs it again
             out.metrics.update(logprob_gap_metrics(batch, out.loss_fn_outputs))
             self.metric_history.record(run.run_id, run.steps, "forward" if forward_only else "forward_backward",
                                        out.metrics, tokens=target_tokens(out))
@@ -358,7 +361,7 @@ class Service(ServiceAPI):
                                 f"{run.spec.optimizer}, which takes {want.__name__}")
             metrics = run.require_engine().optim_step(adam_params)
             self.metric_history.record(run.run_id, run.steps, "optim_step", metrics)
-            run.steps += 1
+            self.runs.step_taken(run)  # counted; the automatic save when one is due
             return types.OptimStepResponse(metrics=metrics)
 
         return self.runs.submit_op(owner, model_id, seq_id, "OptimStep", op)
@@ -609,10 +612,17 @@ class Service(ServiceAPI):
         return self.futures.unsaved_count()
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, save_runs: bool = False) -> None:
+        """`save_runs`: a clean stop of `ember serve` (`RunManager.shutdown`): accepted
+        requests finish within `runs.shutdown_drain_s`, then every loaded run is saved
+        and comes back on its next request after a restart (README "Restarts")."""
         if self._closed.is_set():
             return
         self._closed.set()
+        if save_runs and self.config.runs.save_on_shutdown:
+            saved = self.runs.shutdown(self.config.runs.shutdown_drain_s)
+            if saved:
+                log.info("%d training run(s) saved; they come back when their clients call again", saved)
         self.runs.close()
         self.samplers.close()
         self.image_admission.close()

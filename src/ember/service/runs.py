@@ -7,12 +7,18 @@ finished future: `UserError` (bad input, raised where it is validated, with the 
 message) and NonFiniteGradientError are `user` failures; anything else, a ValueError
 included, is a `server` failure, logged with its traceback. A failing op never stops the lane or the run. What a run is created
 with is checked in `ember.service.run_validation`; checkpoints are `CheckpointStore`'s.
+Restarts (README "Restarts"): `shutdown` saves every live run as its automatic checkpoint,
+`autosave` does so every `autosave_every_steps` steps, and `live` restores a run that is
+not loaded from it (`_restore`; its engine is loaded on the lane before its first op).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import pickle
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +30,7 @@ from ember import failpoints
 from ember.engine.base import NonFiniteGradientError, TrainingEngine
 from ember.service import external
 from ember.service.api import NotFoundError, RequestType, Submission, UserError
-from ember.service.checkpoint_store import CheckpointStore
+from ember.service.checkpoint_store import AUTOSAVE_NAME, CheckpointStore
 from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.engines import EngineFactory, RunSpec
 from ember.service.faults import public_message
@@ -38,7 +44,7 @@ from ember.service.run_validation import (
 )
 from ember.service.sequencer import Lane, RunSequencer
 from ember.service.sessions import session_of
-from ember.service.store import CheckpointRow, RunRow, Store
+from ember.service.store import CheckpointRow, RunRow, SessionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,16 @@ RESTARTED = (
 # What a run is saved as when its session expires (no heartbeat, or idle) before it unloads.
 SESSION_END_CHECKPOINT = "session-end"
 SAVED_AT_SESSION_END = "; it was saved when its session ended: {path} (its state and optimizer)"
+# Beside an automatic save's state: where the run was, and the forward_backwards whose
+# gradient no optim_step applied yet (the state holds no gradient: they run again at reload).
+RESUME_FILE = "ember-resume.json"
+UNAPPLIED_FILE = "ember-unapplied.pickle"
+SHUTDOWN_NOT_RUN = ("the server shut down before this request ran (it was not executed; its run was saved "
+                    "and comes back on its next request): submit it again")
+SHUTTING_DOWN = "the server is shutting down: this request was not accepted; submit it again once it is back"
+# The first op after a run came back from an automatic save made while it ran (the server
+# was killed): its result's metrics carry the step it resumed from (steps after it are lost).
+RESUMED_METRIC = "ember_resumed_from_step:max"
 
 
 class RunNotLoadedError(Exception):
@@ -66,8 +82,18 @@ class LiveRun:
     engine: TrainingEngine | None = None
     error: str | None = None  # why creation failed
     touched: float = 0.0  # last time last_request_time was written
-    steps: int = 0  # optim_steps taken in this lifetime (the metric history's step)
+    steps: int = 0  # optim_steps taken (the metric history's step; kept across restarts)
+    restore_from: str | None = None  # automatic save to load on the lane before its first op
+    resumed_from: int | None = None  # step an unclean restore resumed from, told by its first op
+    resync: bool = False  # its first request sets its next seq_id (an unclean restore)
+    seq_running: int = -1
+    # (datums, loss_fn, loss_fn_config) of each forward_backward since the last optim_step
+    unapplied: list[tuple[list, str, dict | None]] = field(default_factory=list)  # seq_id of the op executing (an automatic save records the next one)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def accumulated(self, datums: list, loss_fn: str, loss_fn_config: dict | None) -> None:
+        """A forward_backward added to the gradient (an automatic save keeps it to run again)."""
+        self.unapplied.append((list(datums), loss_fn, loss_fn_config))
 
     def require_engine(self) -> TrainingEngine:
         if self.engine is None:
@@ -118,6 +144,8 @@ class RunManager:
         self._runs: dict[str, LiveRun] = {}
         self._lanes = LanePool()
         self._lock = threading.Lock()
+        self.autosave_every_steps = 0  # RunsConfig.autosave_every_steps (set by the Service)
+        self._shutting_down = False
         # Colocation (SamplerConfig.colocate): called on the run's lane around every op, so
         # the samplers sleep and the engine is on its device while it trains, offloaded after.
         self.before_op: Callable[[LiveRun], None] | None = None
@@ -149,9 +177,49 @@ class RunManager:
         row = self.store.get(RunRow, model_id)
         if row is None or row.owner != owner:
             raise NotFoundError(f"unknown model_id {model_id!r}")
+        if self._shutting_down:
+            raise RunNotLoadedError(SHUTTING_DOWN)
+        restored = self._restore(row)
+        if restored is not None:
+            return restored
         saved = self.checkpoints.row(f"tinker://{model_id}/weights/{SESSION_END_CHECKPOINT}")
         hint = SAVED_AT_SESSION_END.format(path=saved.tinker_path) if saved is not None else ""
         raise RunNotLoadedError(RESTARTED.format(run=model_id) + hint)
+
+    def _restore(self, row: RunRow) -> LiveRun | None:
+        """`row`'s run back from its automatic save (a restart: README "Restarts"), while its
+        session is active; None when there is nothing to restore. Cheap: its engine is built
+        and loaded on its lane before its first op (`_reload`)."""
+        session = self.store.get(SessionRow, row.session_id)
+        if row.status == "failed" or session is None or session.status != "active":
+            return None
+        saved = self.checkpoints.row(f"tinker://{row.id}/weights/{AUTOSAVE_NAME}")
+        resume = read_resume(saved.directory) if saved is not None else None
+        if resume is None:
+            return None
+        lora = types.LoraConfig(**row.lora_config) if row.is_lora and row.lora_config else None
+        spec = RunSpec(row.id, self.registry.resolve(row.base_model), lora,
+                       (row.optimizer_config or {}).get("type", "adamw"), saved_head(saved.directory, None))
+        with self._lock:
+            if row.id in self._runs:
+                return self._runs[row.id]
+            self._check_quota_locked(row.owner)
+            lane = self._lanes.acquire(self.factory.lane_key(spec))
+            run = LiveRun(row.id, row.owner, row.session_id, spec, lane,
+                          RunSequencer(row.id, lane, self.gap_timeout_s, next_seq=resume["next_seq"], owner=row.owner),
+                          steps=resume["steps"], restore_from=saved.directory,
+                          resumed_from=None if resume["clean"] else resume["steps"], resync=not resume["clean"])
+            self._runs[row.id] = run
+        self.store.update(RunRow, row.id, status="active")
+        how = "a clean shutdown" if resume["clean"] else "an automatic save (later steps were lost)"
+        log.log(logging.INFO if resume["clean"] else logging.WARNING, "run %s comes back at step %d from %s",
+                row.id, resume["steps"], how)
+        return run
+
+    def _check_quota_locked(self, owner: str) -> None:
+        n = sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
+        if n >= self.limits.max_runs_per_key:
+            raise UserError(RUNS_QUOTA.format(n=n, quota=self.limits.max_runs_per_key))
 
     def loaded_runs(self, owner: str) -> int:
         """Runs of `owner` loaded now (created, or being created; not failed)."""
@@ -223,9 +291,7 @@ class RunManager:
         """The run's live state (counted against `limits.max_runs_per_key`), then its row."""
         spec = plan.spec
         with self._lock:
-            n = sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
-            if n >= self.limits.max_runs_per_key:
-                raise UserError(RUNS_QUOTA.format(n=n, quota=self.limits.max_runs_per_key))
+            self._check_quota_locked(owner)
             lane = self._lanes.acquire(self.factory.lane_key(spec))
             run = LiveRun(spec.run_id, owner, session_id, spec, lane,
                           RunSequencer(spec.run_id, lane, self.gap_timeout_s, next_seq=0, owner=owner))
@@ -300,7 +366,7 @@ class RunManager:
             self.futures.fail(rid, str(exc), Server)
             return
         self._touch(run)
-        run.seq.offer(seq_id, lambda: self.execute(rid, lambda: self._run_op(run, fn)),
+        run.seq.offer(seq_id, lambda: self.execute(rid, lambda: self._run_op(run, fn, seq_id)),
                       lambda r: self.futures.fail(rid, r, Server))
 
     def _run_for_turn(self, owner: str, model_id: str, seq_id: int) -> LiveRun:
@@ -308,18 +374,74 @@ class RunManager:
         checked before the sequencer holds anything (a far-ahead seq_id would wait, then skip
         the gap)."""
         run = self.live(owner, model_id)
+        if run.resync:  # back from a save made while it ran: its client numbers on from here
+            run.resync = False
+            run.seq.start_at(seq_id)
         self.limits.check_seq_ahead(seq_id, run.seq.next_seq, model_id)
         return run
 
-    def _run_op(self, run: LiveRun, fn: Callable[[LiveRun], Any]) -> Any:
+    def _run_op(self, run: LiveRun, fn: Callable[[LiveRun], Any], seq_id: int = -1) -> Any:
         failpoints.hit("run.op")
+        if run.restore_from is not None:
+            self._reload(run)
         if self.before_op is not None:
             self.before_op(run)
+        run.seq_running = seq_id
         try:
-            return fn(run)
+            result = fn(run)
         finally:
             if self.after_op is not None:
                 self.after_op(run)
+        if run.resumed_from is not None and isinstance(getattr(result, "metrics", None), dict):
+            result.metrics[RESUMED_METRIC] = float(run.resumed_from)  # the client's next call says so
+            run.resumed_from = None
+        return result
+
+    def _reload(self, run: LiveRun) -> None:
+        """On the run's lane, before its first op after a restart: its engine, loaded from its
+        automatic save (weights, optimizer, engine step and RNG)."""
+        directory, run.restore_from = run.restore_from, None
+        self._build_engine(run)
+        try:
+            run.engine.load_state(directory, optimizer=True)
+            for datums, loss_fn, cfg in read_unapplied(directory):  # the gradient not applied yet, rebuilt
+                run.engine.forward_backward(datums, loss_fn, cfg)
+                run.accumulated(datums, loss_fn, cfg)
+        except BaseException as exc:
+            run.error = classify(exc)[0]
+            self.factory.release(run.spec, run.engine)
+            run.engine = None
+            self.store.update(RunRow, run.run_id, status="failed")
+            raise
+
+    def step_taken(self, run: LiveRun) -> None:
+        """After an optim_step (on the lane): count it; every `autosave_every_steps`, the
+        automatic save (a failed one is logged, never fails the step)."""
+        run.steps += 1
+        run.unapplied.clear()
+        every = self.autosave_every_steps
+        if every and run.steps % every == 0:
+            try:
+                self.autosave(run, clean=False, next_seq=run.seq_running + 1)
+            except Exception as exc:  # noqa: BLE001 - the step itself succeeded
+                log.warning("run %s: automatic save at step %d failed: %s", run.run_id, run.steps,
+                            public_message(exc))
+
+    def autosave(self, run: LiveRun, clean: bool, next_seq: int) -> CheckpointRow:
+        """The run's automatic save (on its lane): training state with the optimizer, plus
+        where it was (`RESUME_FILE`: step, next seq_id, and whether nothing ran after it)."""
+        engine = run.require_engine()
+        resume = {"steps": run.steps, "next_seq": next_seq, "clean": clean}
+        unapplied = list(run.unapplied)
+
+        def write(tmp: Path) -> None:
+            engine.save_state(tmp, optimizer=True)
+            (tmp / RESUME_FILE).write_text(json.dumps(resume))
+            # pickled: the SDK's Datum has no other serialization; the file is the server's own
+            # (the data directory is never readable or writable by path through any request)
+            (tmp / UNAPPLIED_FILE).write_bytes(pickle.dumps(unapplied))
+
+        return self.checkpoints.save(run.run_id, run.owner, "training", AUTOSAVE_NAME, write, overwrite=True)
 
     def _touch(self, run: LiveRun) -> None:
         """Record the run's last request time (at most once a second: it is only for listings)."""
@@ -337,6 +459,8 @@ class RunManager:
         """Save the run's current state (`kind`: training | sampler | external) as checkpoint
         `name` through the `CheckpointStore`; its committed row."""
         engine = run.require_engine()
+        if name == AUTOSAVE_NAME:
+            raise UserError(f"checkpoint name {AUTOSAVE_NAME!r} is the server's automatic save; choose another")
 
         def write(tmp: Path) -> None:
             if kind == "training":
@@ -354,6 +478,7 @@ class RunManager:
         engine = run.require_engine()
         tpath, crow = self.checkpoints.training_state(run.owner, path, access_token)
         engine.load_state(crow.directory, optimizer=optimizer)
+        run.unapplied.clear()  # load_state dropped the gradient
         return types.LoadWeightsResponse(path=tpath.uri, model_id=run.run_id)
 
     # ------------------------------------------------------------------ info, unload
@@ -443,6 +568,38 @@ class RunManager:
         run.seq.drain(lambda: self._save_then_release(run, save_as))
         return True
 
+    def shutdown(self, drain_s: float) -> int:
+        """A clean stop, before `close`: no new request is taken; what is queued runs for up
+        to `drain_s` (what is left then fails, category server: `SHUTDOWN_NOT_RUN`); then
+        every live run is saved (`autosave`), waited for up to `drain_s` more. How many were."""
+        with self._lock:
+            self._shutting_down = True
+            runs = list(self._runs.values())
+        done = {run.run_id: threading.Event() for run in runs}
+        for run in runs:
+            run.seq.drain(lambda run=run: self._final_save(run, done[run.run_id], clean=True))
+        late = _wait_all(runs, done, drain_s)
+        for run in late:  # its queue did not empty in time: save what ran, after the op running now
+            run.seq.close(SHUTDOWN_NOT_RUN)
+            run.lane.submit(lambda run=run: self._final_save(run, done[run.run_id], clean=False), run.owner)
+        unsaved = _wait_all(late, done, drain_s)
+        for run in unsaved:
+            log.warning("run %s was not saved at shutdown: its last op did not end within runs.shutdown_drain_s=%s",
+                        run.run_id, drain_s)
+        return len(runs) - len(unsaved)
+
+    def _final_save(self, run: LiveRun, done: threading.Event, clean: bool) -> None:
+        if done.is_set() or run.engine is None:
+            done.set()
+            return
+        try:
+            row = self.autosave(run, clean=clean, next_seq=run.seq.next_seq)
+            log.debug("run %s saved at step %d for the restart: %s", run.run_id, run.steps, row.tinker_path)
+        except Exception as exc:  # noqa: BLE001 - the others are still saved; say why this one was not
+            log.warning("run %s could not be saved at shutdown: %s", run.run_id, public_message(exc))
+        finally:
+            done.set()
+
     def close(self) -> None:
         with self._lock:
             runs, self._runs = list(self._runs.values()), {}
@@ -450,3 +607,26 @@ class RunManager:
             run.seq.close("the server is shutting down")
         self._lanes.close()
         self.factory.close()
+
+
+def _wait_all(runs: list[LiveRun], done: dict[str, threading.Event], timeout_s: float) -> list[LiveRun]:
+    """Wait up to `timeout_s` in all for each run's event; the runs whose event is not set."""
+    deadline = time.monotonic() + timeout_s
+    for run in runs:
+        done[run.run_id].wait(max(0.0, deadline - time.monotonic()))
+    return [run for run in runs if not done[run.run_id].is_set()]
+
+
+def read_resume(directory: str) -> dict[str, Any] | None:
+    """An automatic save's `RESUME_FILE` (steps, next_seq, clean), or None if unreadable."""
+    try:
+        resume = json.loads((Path(directory) / RESUME_FILE).read_text())
+        return {"steps": int(resume["steps"]), "next_seq": int(resume["next_seq"]), "clean": bool(resume["clean"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_unapplied(directory: str) -> list[tuple[list, str, dict | None]]:
+    """An automatic save's `UNAPPLIED_FILE`: the forward_backwards to run again (none if absent)."""
+    path = Path(directory) / UNAPPLIED_FILE
+    return pickle.loads(path.read_bytes()) if path.exists() else []  # noqa: S301 - written by this server

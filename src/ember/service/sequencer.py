@@ -168,6 +168,13 @@ class RunSequencer:
             self._timer.cancel()
             self._timer = None
 
+    def start_at(self, seq_id: int) -> None:
+        """Number on from `seq_id` when nothing has run or waits yet: a run back from an
+        automatic save made while it ran, whose client's requests after the save are lost."""
+        with self._lock:
+            if not self._busy and not self._pending and seq_id > self._next:
+                self._next = seq_id
+
     def drain(self, then: Callable[[], None]) -> None:
         """Accept nothing new; run what is queued (gaps still time out), then `then()` on the lane."""
         with self._lock:

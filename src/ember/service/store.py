@@ -263,10 +263,13 @@ class Store(_Db):
         return int(self._all(select(func.count()).select_from(CheckpointRow)
                              .where(CheckpointRow.owner == owner, _unexpired(now)))[0])
 
-    def checkpoint_bytes(self, owner: str, now: float) -> int:
-        """Total `size_bytes` of `owner`'s checkpoints not expired at `now` (the bytes quota)."""
-        return int(self._all(select(func.coalesce(func.sum(CheckpointRow.size_bytes), 0))
-                             .where(CheckpointRow.owner == owner, _unexpired(now)))[0])
+    def checkpoint_bytes(self, owner: str, now: float, except_name: str | None = None) -> int:
+        """Total `size_bytes` of `owner`'s checkpoints not expired at `now` (the bytes quota),
+        leaving out those named `except_name` (the automatic saves)."""
+        where = [CheckpointRow.owner == owner, _unexpired(now)]
+        if except_name is not None:
+            where.append(CheckpointRow.name != except_name)
+        return int(self._all(select(func.coalesce(func.sum(CheckpointRow.size_bytes), 0)).where(*where))[0])
 
     def list_checkpoints(self, owner: str, limit: int, offset: int, now: float) -> list[CheckpointRow]:
         return self._all(

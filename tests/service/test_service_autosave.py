@@ -1,0 +1,107 @@
+"""Runs that survive a restart, in process (README "Restarts"): a clean stop
+(`Service.close(save_runs=True)`) saves every loaded run and a new Service on the same data
+directory resumes it on its next request, bit for bit; `runs.autosave_every_steps` is what
+comes back after an unclean end; the automatic save sits outside the checkpoint quota.
+The same over HTTP with the SDK and real signals: tests/server/test_server_restart_signals.py."""
+
+from __future__ import annotations
+
+import torch
+from tinker import types
+
+from helpers.datums import random_sft_datums
+from ember.service.checkpoint_store import AUTOSAVE_NAME
+from ember.service.config import RunsConfig
+from ember.service.limits import Limits
+from ember.service.runs import RESUMED_METRIC, SHUTDOWN_NOT_RUN
+
+from .conftest import new_run, result, wait
+
+VOCAB = 84
+ADAM = types.AdamParams(learning_rate=2e-2)
+
+
+def _step(svc, model_id, seq, data_seed):
+    """forward_backward (seq) then optim_step (seq+1); the forward_backward's output."""
+    data = random_sft_datums(3, VOCAB, seed=data_seed)
+    fb = svc.forward_backward("alice", model_id, seq, data, "cross_entropy")
+    result(svc, "alice", svc.optim_step("alice", model_id, seq + 1, ADAM))
+    return result(svc, "alice", fb)
+
+
+def _logprobs(out: types.ForwardBackwardOutput) -> list[torch.Tensor]:
+    return [o["logprobs"].to_torch() for o in out.loss_fn_outputs]
+
+
+def _reference(svc, steps: int) -> list[types.ForwardBackwardOutput]:
+    """An uninterrupted run (same seed, same data) of `steps` steps."""
+    _, ref = new_run(svc, seed=5)
+    return [_step(svc, ref, 1 + 2 * i, data_seed=i) for i in range(steps)]
+
+
+def _assert_same(a: types.ForwardBackwardOutput, b: types.ForwardBackwardOutput) -> None:
+    assert a.metrics["loss:sum"] == b.metrics["loss:sum"]
+    for x, y in zip(_logprobs(a), _logprobs(b), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_clean_stop_saves_every_run_and_the_next_request_resumes_it_bit_for_bit(make_service, tmp_path):
+    first = make_service()
+    sid, mid = new_run(first, seed=5)
+    for i in range(2):
+        _step(first, mid, 1 + 2 * i, data_seed=i)
+    # stopped mid-step: a forward_backward ran, its optim_step comes after the restart
+    third = result(first, "alice", first.forward_backward("alice", mid, 5, random_sft_datums(3, VOCAB, seed=2),
+                                                         "cross_entropy"))
+    first.close(save_runs=True)
+
+    second = make_service()
+    saved = [c for c in second.list_checkpoints("alice", mid).checkpoints if c.checkpoint_id.endswith(AUTOSAVE_NAME)]
+    assert [c.tinker_path for c in saved] == [f"tinker://{mid}/weights/{AUTOSAVE_NAME}"]
+    result(second, "alice", second.optim_step("alice", mid, 6, ADAM))  # applies the gradient of seq 5
+    fourth = _step(second, mid, 7, data_seed=3)
+    assert RESUMED_METRIC not in fourth.metrics  # nothing was lost: nothing to say
+    reference = _reference(second, 4)
+    _assert_same(third, reference[2])
+    _assert_same(fourth, reference[3])
+    assert second.run_facts("alice", [mid])[mid]["steps"] == 4  # the step count came back too
+
+
+def test_after_an_unclean_end_the_run_comes_back_from_its_autosave_and_says_from_which_step(make_service):
+    first = make_service(runs=RunsConfig(autosave_every_steps=2))
+    _, mid = new_run(first, seed=5)
+    for i in range(3):
+        _step(first, mid, 1 + 2 * i, data_seed=i)
+    first.close()  # no save: as after SIGKILL, only the automatic save of step 2 is there
+
+    second = make_service()
+    # the client numbers on (seq 7); the run resumes from step 2, and its first answer says so
+    out = _step(second, mid, 7, data_seed=2)
+    assert out.metrics[RESUMED_METRIC] == 2.0
+    _assert_same(out, _reference(second, 3)[2])  # the state after step 2, whatever step 3 did
+    assert RESUMED_METRIC not in _step(second, mid, 9, data_seed=3).metrics  # said once
+
+
+def test_the_automatic_save_is_outside_the_checkpoint_quota_and_its_name_is_reserved(make_service):
+    svc = make_service(runs=RunsConfig(autosave_every_steps=1), limits=Limits(max_checkpoint_bytes_per_key=1))
+    _, mid = new_run(svc)
+    _step(svc, mid, 1, data_seed=0)  # saved automatically, though any checkpoint is over 1 byte
+    assert [c.checkpoint_id for c in svc.list_checkpoints("alice", mid).checkpoints] == [f"weights/{AUTOSAVE_NAME}"]
+    assert svc.checkpoints.bytes_used("alice") == 0
+    own = wait(svc, "alice", svc.save_weights("alice", mid, 3, AUTOSAVE_NAME))
+    assert own.status == "failed" and "automatic save" in own.error
+
+
+def test_a_request_that_cannot_run_within_the_drain_bound_fails_retryably_and_the_run_is_saved(make_service):
+    first = make_service(seq_gap_timeout_s=600, runs=RunsConfig(shutdown_drain_s=0.5))
+    _, mid = new_run(first, seed=5)
+    _step(first, mid, 1, data_seed=0)
+    stuck = first.forward_backward("alice", mid, 4, random_sft_datums(1, VOCAB, seed=9), "cross_entropy")  # 3 missing
+    first.close(save_runs=True)
+    second = make_service()
+    state = second.retrieve("alice", stuck.request_id)
+    assert state.status == "failed" and state.category == types.RequestErrorCategory.Server
+    assert state.error == SHUTDOWN_NOT_RUN
+    out = _step(second, mid, 5, data_seed=1)  # the client numbers on
+    assert out.metrics[RESUMED_METRIC] == 1.0
+    _assert_same(out, _reference(second, 2)[1])
