@@ -48,15 +48,3 @@ def test_offload_hands_cached_cuda_blocks_back_and_does_nothing_on_cpu(monkeypat
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
     assert release_cached_memory(torch.device("cpu")) is False and calls == []
     assert release_cached_memory(torch.device("cuda", 1)) is True and calls == [1]
-
-
-def test_each_ranks_weight_sender_is_on_its_engines_device():
-    """A rank's sender gets its engine's device (`cuda:<local rank>`), not its threads' cuda:0:
-    an engine on the CPU is refused an NCCL channel naming that device."""
-    from ember.workers.engine import open_shard_channel
-
-    class OnCpu:
-        device = torch.device("cpu")
-
-    with pytest.raises(ValueError, match=r"NCCL needs this end's CUDA device .*got device\(type='cpu'\)"):
-        open_shard_channel(OnCpu(), "replica-0", "127.0.0.1", "nccl", 1.0)
