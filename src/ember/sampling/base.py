@@ -50,6 +50,11 @@ from the wire. The semantics are Tinker's (docs/protocol.md §4.6, §4.7):
   its own prefix cache). Logprobs and seeded tokens are the same with or without a hit.
   Only the request's own `owner`'s earlier prompts can hit: a cache entry is keyed by
   owner and weights (vLLM: a per-owner `cache_salt`).
+* Streaming (optional): `SamplingRequest.on_tokens(sample, tokens, logprobs)` receives each
+  sample's tokens as they are drawn, through `submit_streaming` (backends with
+  `Sampler.streams_tokens`: TorchSampler after every decode step, vLLM from its cumulative
+  outputs; any other backend once per sequence at the end). Cancelling the Future gives
+  up on the request: TorchSampler frees its slots at the next step, vLLM aborts it.
 * Fair shares: waiting requests are served by owner, round robin (TorchSampler's
   scheduler; vLLM: priority by the owner's backlog), so one owner's backlog delays
   another's next request by at most the work already running.
