@@ -84,3 +84,11 @@ def test_a_chat_stream_sends_text_before_it_ends(one_slot_server):
     assert active(one_slot_server.base_url) == 1
     stream.close()
     wait_until(lambda: active(one_slot_server.base_url) == 0, timeout=120, message="the slot freed")
+
+
+def test_a_stream_without_tokens_still_ends_with_finish_and_usage(one_slot_server):
+    oai = openai.OpenAI(base_url=one_slot_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    chunks = list(oai.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 0

@@ -200,15 +200,15 @@ async def _stream_events(service: ServiceAPI, owner: str, request_id: str, req: 
         if chunks.chat:
             for index in range(req.n):
                 yield _event(chunks.start(index))
-        pending: list[TokenEvent] = [first]
-        while pending:
+        event = first  # None: the request ended without a token (max_tokens=0)
+        while event is not None:
+            pending = [event]
             ended = _drain(events, pending)  # what is queued already joins this chunk
             for sample, tokens in _merged(pending):
                 text = texts[sample].push(tokens)
                 if text:
                     yield _event(chunks.text(sample, text))
-            next_event = None if ended else await events.get()
-            pending = [next_event] if next_event is not None else []
+            event = None if ended else await events.get()
         finished = True
         state = settled.result()
         if state.status == "failed":
