@@ -39,6 +39,7 @@ UNITS: dict[str, tuple[str, ...]] = {
         "tests/sampling/test_sampling_versions.py",
         "tests/sampling/test_sampling_params.py",
         "tests/sampling/test_sampling_prompt_extras.py",
+        "tests/sampling/test_sampling_streaming.py",
     ),
     "a local Ray cluster (ray_cluster)": (
         "tests/engine/test_engine_parallel.py",

@@ -50,6 +50,11 @@ from the wire. The semantics are Tinker's (docs/protocol.md §4.6, §4.7):
   its own prefix cache). Logprobs and seeded tokens are the same with or without a hit.
   Only the request's own `owner`'s earlier prompts can hit: a cache entry is keyed by
   owner and weights (vLLM: a per-owner `cache_salt`).
+* Streaming (optional): `SamplingRequest.on_tokens(sample, tokens, logprobs)` receives each
+  sample's tokens as they are drawn, through `submit_streaming` (backends with
+  `Sampler.streams_tokens`: TorchSampler after every decode step, vLLM from its cumulative
+  outputs; any other backend once per sequence at the end). Cancelling the Future gives
+  up on the request: TorchSampler frees its slots at the next step, vLLM aborts it.
 * Fair shares: waiting requests are served by owner, round robin (TorchSampler's
   scheduler; vLLM: priority by the owner's backlog), so one owner's backlog delays
   another's next request by at most the work already running.
@@ -75,8 +80,9 @@ it, so nobody probes a sampler for an attribute.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -87,6 +93,10 @@ from tinker import types
 from ember.sampling.config import DEFAULT_MAX_TOKENS
 
 LogprobsMode = Literal["raw", "processed"]
+
+TokenCallback = Callable[[int, Sequence[int], Sequence[float]], None]
+"""`on_tokens(sample, tokens, logprobs)`: sample `sample`'s newly drawn tokens and their
+logprobs, in order, as the backend decodes them (see `Sampler.streams_tokens`)."""
 
 _version_ids = itertools.count(1)
 
@@ -144,6 +154,7 @@ class SamplingRequest:
     prompt_alt_tokens_k: int = 0
     owner: str = ""
     session: str = ""
+    on_tokens: TokenCallback | None = field(default=None, compare=False)  # streaming: `submit_streaming`
 
 
 class UnsupportedModelError(ValueError):
@@ -153,6 +164,12 @@ class UnsupportedModelError(ValueError):
 
 class Sampler(abc.ABC):
     """A sampling backend for one base model (see the module docstring for semantics)."""
+
+    streams_tokens: bool = False
+    """Optional capability: True when `submit` calls a request's `on_tokens` as tokens are
+    decoded (on the backend's thread: keep it short, never block) and a cancelled Future
+    frees the request's slots at the backend's next step. Callers go through
+    `submit_streaming`, which gives every other backend the same contract at the end."""
 
     @classmethod
     def check_model(cls, model_dir, config) -> None:
@@ -306,3 +323,23 @@ class Sampler(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def submit_streaming(sampler: Sampler, request: SamplingRequest) -> Future:
+    """`sampler.submit(request)`, with `request.on_tokens` called for every sampled token:
+    as decoded where the backend `streams_tokens`, else once per sequence when the request
+    completes (a backend that does not stream never sees the callback). Cancel the Future
+    to give up on the request: a streaming backend frees its slots at once."""
+    if request.on_tokens is None or sampler.streams_tokens:
+        return sampler.submit(request)
+    on_tokens = request.on_tokens
+    future = sampler.submit(dataclasses.replace(request, on_tokens=None))
+
+    def replay(done: Future) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        for index, seq in enumerate(done.result().sequences):
+            on_tokens(index, list(seq.tokens), list(seq.logprobs or []))
+
+    future.add_done_callback(replay)
+    return future

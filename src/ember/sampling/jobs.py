@@ -48,6 +48,11 @@ class Job:
         return version.version_id if version is not None and version.is_lora else 0
 
     @property
+    def on_tokens(self):
+        """The request's token callback (`SamplingRequest.on_tokens`; None: not streamed)."""
+        return self.spec.request.on_tokens
+
+    @property
     def owner(self) -> str:
         """The tenant this request is served for (`SamplingRequest.owner`)."""
         return self.spec.request.owner

@@ -90,7 +90,7 @@ class Scheduler:
         self.waiting = OwnerQueues()  # requests with samples still to place, per owner
         self.admitting: list[RequestState] = []  # requests between leaving `waiting` and holding slots
         self.stats = {"prefill_forwards": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0,
-                      "sequences": 0, "moves": 0, "prefix_cache_hit_tokens": 0}
+                      "sequences": 0, "moves": 0, "prefix_cache_hit_tokens": 0, "cancelled": 0}
 
     # ================================================================ the loop
     def enqueue(self, new_jobs: Iterable[jobs.Job]) -> None:
@@ -101,9 +101,33 @@ class Scheduler:
         return bool(self.waiting) or bool(self.slots.active.any())
 
     def step(self) -> None:
+        self.drop_cancelled()
         self.admit()
         if self.slots.active.any():
             self.decode()
+
+    def load(self) -> dict[str, int]:
+        """Read-only, for inspection (tests, metrics): sequences holding a slot now, and
+        requests waiting for one."""
+        return {"active_slots": int(self.slots.active.sum()), "waiting_requests": len(self.waiting)}
+
+    # ================================================================ cancellation
+    def drop_cancelled(self) -> None:
+        """Requests whose caller cancelled their Future (a streaming client that hung up)
+        leave before the step: their slots are freed for the waiting ones. A request not yet
+        placed is skipped when it reaches the head of its queue (`_place_waiting`)."""
+        for request in self.in_flight():
+            if request.job.future.cancelled():
+                self._release_request(request)
+                self.stats["cancelled"] += 1
+
+    def _release_request(self, request: RequestState) -> None:
+        """Free every slot `request` holds and take it out of the queues."""
+        for slot, holder in enumerate(self.slots.request):
+            if holder is request:
+                self.slots.release(slot)
+        self.waiting.remove_if(lambda other: other is request)
+        self.admitting = [other for other in self.admitting if other is not request]
 
     # ================================================================ failures
     def in_flight(self) -> list[RequestState]:
@@ -133,11 +157,7 @@ class Scheduler:
         (with its own error only). Its rows still in this step's arrays are skipped (`_holds`)."""
         log.error("sampling request failed alone: %s: %s", type(exc).__name__, exc, exc_info=exc)
         request.fail()
-        for slot, holder in enumerate(self.slots.request):
-            if holder is request:
-                self.slots.release(slot)
-        self.waiting.remove_if(lambda other: other is request)
-        self.admitting = [other for other in self.admitting if other is not request]
+        self._release_request(request)
         error = RuntimeError(f"sampling failed for this request: {type(exc).__name__}: {exc}")
         jobs.settle(request.job.future, error=error)
 
@@ -181,7 +201,7 @@ class Scheduler:
         blocked = 0  # consecutive turns of owners at their cap
         while self.waiting and free and blocked < len(self.waiting.owners()):
             request = self.waiting.head()
-            if request.job.future.cancelled() and request.samples_placed == 0:
+            if request.job.future.cancelled():  # its slots, if any, were freed by drop_cancelled
                 self.waiting.next_turn(done=True)
                 continue
             if held.get(request.job.owner, 0) >= cap:
@@ -498,10 +518,21 @@ class Scheduler:
         processed_N = torch.as_tensor(slots.processed_logprobs[recorded_N], device=self.device)
         logprobs_N = torch.where(processed_N, draw.processed_logprob[picked_t], raw_logprobs_N)
         tokens_np = tokens_N.cpu().numpy()
-        slots.record(recorded_N, tokens_np, logprobs_N.cpu().numpy())
+        logprobs_np = logprobs_N.cpu().numpy()
+        slots.record(recorded_N, tokens_np, logprobs_np)
         if (slots.num_top_logprobs[recorded_N] > 0).any():
             self._record_top_logprobs(logits_B_V, draw.raw_logprobs, params, recorded_N, picked)
+        self._stream_tokens(recorded_N, tokens_np, logprobs_np)
         self._end_finished(recorded_N, tokens_np)
+
+    def _stream_tokens(self, slots_N: np.ndarray, tokens_N: np.ndarray, logprobs_N: np.ndarray) -> None:
+        """Hand each streaming request (`SamplingRequest.on_tokens`) its samples' new tokens;
+        a callback that raises fails its own request only."""
+        for index, slot in enumerate(slots_N.tolist()):
+            request = self.slots.request[slot]
+            if request is not None and request.job.on_tokens is not None:
+                self._guarded(request, request.job.on_tokens, int(self.slots.sample[slot]),
+                              [int(tokens_N[index])], [float(logprobs_N[index])])
 
     def _record_top_logprobs(self, logits_B_V, raw_logprobs_B_V, params: RowParams, slots_N: np.ndarray,
                              rows_N: np.ndarray) -> None:

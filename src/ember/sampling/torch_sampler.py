@@ -90,6 +90,8 @@ class TorchSampler(Sampler):
     (else the model's generation config) for `stop=None`.
     """
 
+    streams_tokens = True  # `on_tokens` per decode step; a cancelled Future frees its slots at the next step
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -164,6 +166,14 @@ class TorchSampler(Sampler):
         """Counters since construction: prefill forwards and prompts, decode steps and rows, sequences,
         and sequences moved to a lower slot as the batch drained (compaction)."""
         return dict(self._scheduler.stats)
+
+    def load(self) -> dict[str, int]:
+        """Read-only: sequences decoding now (`active_slots`) and requests waiting for a slot
+        (`waiting_requests`, plus those submitted and not yet handed to the scheduler)."""
+        load = self._scheduler.load()  # a snapshot read from another thread: counts, not a consistent view
+        with self._lock:
+            load["waiting_requests"] += len(self._incoming)
+        return load
 
     @property
     def scheduler(self) -> Scheduler:

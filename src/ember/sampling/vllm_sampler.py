@@ -134,6 +134,10 @@ def _close_at_exit(ref: weakref.ref) -> None:
 class VLLMSampler(Sampler):
     """Sampler over vLLM's AsyncLLM (see the module docstring)."""
 
+    # `on_tokens`: vLLM's cumulative outputs, step by step; a cancelled Future cancels the
+    # request's task, and AsyncLLM.generate aborts the request in the engine
+    streams_tokens = True
+
     def __init__(self, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
                  scratch_dir: str | os.PathLike | None = None) -> None:
         self.config = config or SamplerConfig(backend="vllm")
@@ -302,12 +306,18 @@ class VLLMSampler(Sampler):
         final = None
         owner = spec.request.owner
         async with self._backlog.admit(owner, size, owner_sample_cap(self.config.max_slots)):
+            sent: dict[int, int] = {}  # streamed requests: sample -> tokens handed to on_tokens
+            latest: dict[int, object] = {}  # and each sample's newest completion
             async for final in llm.generate(_prompt(spec), _params(spec, start, size), uuid.uuid4().hex,
                                             lora_request=_lora_request(version),
                                             priority=self._backlog.priority(owner)):
-                pass
+                if spec.request.on_tokens is not None:
+                    _stream_part(final, spec, start, sent)
+                    latest.update((c.index, c) for c in final.outputs)
         if final is None:
             raise RuntimeError("the vLLM engine returned no output for the request")
+        if latest:  # a cumulative output holds the completions that changed in its step only
+            final.outputs = [latest[index] for index in sorted(latest)]
         for completion in final.outputs:
             completion.index += start
         return final
@@ -576,8 +586,27 @@ def _params(spec: ResolvedRequest, start: int = 0, size: int | None = None):
         top_k=0 if spec.top_k == -1 else spec.top_k, top_p=spec.top_p, seed=(spec.seed + start) % _SEED_SPAN,
         stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
         ignore_eos=no_stop, include_stop_str_in_output=True, logprobs=spec.topk_sample_logprobs,
-        skip_special_tokens=True, output_kind=RequestOutputKind.FINAL_ONLY,
+        skip_special_tokens=True,
+        # a streamed request sees every step's output (whole so far: the last one is the final)
+        output_kind=RequestOutputKind.CUMULATIVE if spec.request.on_tokens else RequestOutputKind.FINAL_ONLY,
     )
+
+
+def _stream_part(output, spec: ResolvedRequest, start: int, sent: dict[int, int]) -> None:
+    """Hand `on_tokens` what each completion of a cumulative output drew since the last one
+    (greedy: vLLM's one completion is every sample's, see `_response`)."""
+    for completion in output.outputs:
+        index = completion.index + start
+        tokens = [int(t) for t in completion.token_ids]
+        first = sent.get(index, 0)
+        if len(tokens) <= first:
+            continue
+        entries = completion.logprobs or []
+        logprobs = [entries[i][tokens[i]].logprob if i < len(entries) else float("nan")
+                    for i in range(first, len(tokens))]
+        sent[index] = len(tokens)
+        for sample in range(spec.num_samples) if is_greedy(spec) else [index]:
+            spec.request.on_tokens(sample, tokens[first:], logprobs)
 
 
 def _lora_request(version: VLLMWeightVersion | None):

@@ -31,6 +31,10 @@ Exported (names as scraped):
   to it and not answered yet, queued or running: the depth the router compares against
   `max_imbalance`): base models served by `SamplerConfig.replicas > 1` only (bounded:
   models x replicas).
+* `ember_sampler_active_sequences{model}` and `ember_sampler_waiting_requests{model}`
+  (gauges): sequences holding a sampler slot now, and requests waiting for one, per base
+  model whose sampler reports them (`TorchSampler.load`): what a streaming client that
+  hung up must not leave behind.
 * `process_*` (prometheus-client's process collector: `process_resident_memory_bytes`,
   CPU seconds, open fds) and `python_gc_*`.
 
@@ -196,6 +200,7 @@ class ServiceCollector(Collector):
             depth.add_metric([run_id], queued)
         yield depth
         yield from _replica_families(self.service)
+        yield from _load_families(self.service)
         yield self._checkpoint_bytes()
 
     def _checkpoint_bytes(self) -> GaugeMetricFamily:
@@ -247,6 +252,20 @@ def _replica_families(service: Any):
     yield up
     yield total
     yield depth
+
+
+def _load_families(service: Any):
+    samplers = getattr(service, "samplers", None)
+    loads = samplers.sampler_load() if hasattr(samplers, "sampler_load") else {}
+    active = GaugeMetricFamily("ember_sampler_active_sequences", "Sequences holding a sampler slot now",
+                               labels=["model"])
+    waiting = GaugeMetricFamily("ember_sampler_waiting_requests", "Sample requests waiting for a sampler slot",
+                                labels=["model"])
+    for model, load in sorted(loads.items()):
+        active.add_metric([model], load["active_slots"])
+        waiting.add_metric([model], load["waiting_requests"])
+    yield active
+    yield waiting
 
 
 def _pending_futures(service: Any) -> int:

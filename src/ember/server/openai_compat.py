@@ -292,28 +292,86 @@ def envelope(kind: str, model: str, choices: list[dict], usage_: dict[str, int])
             "choices": choices, "usage": usage_}
 
 
-def stream_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """An answer (`envelope`) as OpenAI's stream chunks: per choice one chunk with all its
-    text (chat: a `delta` with the role and content) and its logprobs, then one with its
-    `finish_reason`; with `include_usage` every chunk has `usage: null` and a last one,
-    without choices, the usage. ember samples a request whole, so the chunks come at once."""
-    chat = body["object"] == "chat.completion"
-    base = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"], "model": body["model"]}
-    chunks = []
-    for c in body["choices"]:
-        if chat:
-            first = {"delta": {"role": "assistant", "content": c["message"]["content"]}}
-            last: dict[str, Any] = {"delta": {}}
-        else:
-            first, last = {"text": c["text"]}, {"text": ""}
-        chunks.append({**base, "choices": [{"index": c["index"], **first, "logprobs": c["logprobs"],
-                                            "finish_reason": None}]})
-        chunks.append({**base, "choices": [{"index": c["index"], **last, "logprobs": None,
-                                            "finish_reason": c["finish_reason"]}]})
-    if include_usage:
-        chunks = [{**chunk, "usage": None} for chunk in chunks] + [{**base, "choices": [], "usage": body["usage"]}]
-    return chunks
+class TextStream:
+    """One choice's text as its tokens arrive (pure): `push` returns the text to send now,
+    `finish` the rest once the final text is known.
+
+    Tokens are decoded over a short window, as vLLM's incremental detokenizer does (the
+    text of tokens[prefix:] minus that of tokens[prefix:read]), so a step costs the same
+    however long the completion; text ending in an incomplete UTF-8 character ("\ufffd")
+    waits for the next token. With stop strings, the last len(longest stop) - 1
+    characters are held back, and nothing from a stop string on is sent: the sampler ends a
+    sequence as soon as its text contains one, which the final text leaves out
+    (`completion_text`), so whatever was sent stays a prefix of the final text."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix = self.read = 0  # the decode window: tokens[prefix:read] were decoded last time
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of `text` sent
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def push(self, tokens: Sequence[int]) -> str:
+        self.tokens.extend(tokens)
+        before = self._decode(self.tokens[self.prefix:self.read])
+        now = self._decode(self.tokens[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.tokens)
+        ready = min([len(self.text) - self.holdback, *self._stop_starts()])
+        if ready <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:ready], ready
+        return out
+
+    def _stop_starts(self) -> list[int]:
+        """Where a stop string now in the unsent text starts (the sequence ends with it)."""
+        start = max(self.sent - self.holdback, 0)
+        return [found for s in self.stop if (found := self.text.find(s, start)) >= 0]
+
+    def finish(self, final_text: str) -> str:
+        """What of `final_text` (the whole answer's text) was not sent yet."""
+        sent = self.text[:self.sent]
+        return final_text[len(sent):] if final_text.startswith(sent) else ""
+
+
+class StreamChunks:
+    """OpenAI's stream chunks of one answer (pure): chat ones carry a `delta` (the role in
+    each choice's first), completion ones `text`. Each choice ends with a chunk holding its
+    `finish_reason` and, when asked, its logprobs (all of them: ember streams text, and
+    the logprobs come with the choice's end); with `include_usage` every chunk has
+    `usage: null` and a last one, without choices, the usage."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat, self.include_usage = chat, include_usage
+        self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self.base, "choices": [choice]}
+        return {**chunk, "usage": None} if self.include_usage else chunk
+
+    def start(self, index: int) -> dict[str, Any]:
+        """Chat only: the choice's role."""
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def text(self, index: int, text: str) -> dict[str, Any]:
+        body = {"delta": {"content": text}} if self.chat else {"text": text}
+        return self._chunk({"index": index, **body, "logprobs": None, "finish_reason": None})
+
+    def finish(self, index: int, logprobs: Any, finish_reason: str) -> dict[str, Any]:
+        body = {"delta": {}} if self.chat else {"text": ""}
+        return self._chunk({"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason})
+
+    def usage(self, usage_: dict[str, int]) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": usage_}
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:

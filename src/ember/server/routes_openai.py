@@ -10,23 +10,25 @@ logprobs equal what `SamplingClient.sample` returns for the same prompt and seed
 Sampling sessions: each API key gets one internal client session (tag "openai", kept
 alive by a heartbeat on every request; recreated when it was finished or expired), and
 one sampling session per (key, model) in it, cached so a repeated model does not reload
-weights. `stream=true` answers the same as server-sent events (`oa.stream_chunks`), sent
-once the request is sampled: ember's samplers return a request whole, so the chunks do not
-come as tokens are generated, and a client that hangs up does not stop its sampling.
+weights. `stream=true` answers as server-sent events (`oa.StreamChunks`) while the
+sampler decodes: text as its tokens are drawn, each choice's logprobs with its end, the
+usage last when asked; a client that hangs up cancels its sample and frees its slots
+(`_stream`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pydantic
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from tinker import types
 
@@ -138,20 +140,124 @@ def _json(body: Any) -> bytes:
         return b"".join(json_pieces(json_safe(body)))
 
 
-def _answer(body: dict[str, Any], limits: Limits, req: oa._Common | None = None) -> Response:
-    """The JSON answer, or with `req.stream` the same as server-sent events (one `data:` line
-    per chunk, then `data: [DONE]`); refused (400) when it is over `max_openai_response_bytes`.
-    Runs in the thread pool: an answer of a few hundred thousand logprob entries takes
-    seconds to build."""
-    if req is not None and req.stream:
-        events = [b"data: " + _json(chunk) + b"\n\n" for chunk in oa.stream_chunks(body, req.include_usage())]
-        raw, media_type = b"".join(events) + b"data: [DONE]\n\n", "text/event-stream"
-    else:
-        raw, media_type = _json(body), "application/json"
+def _answer(body: dict[str, Any], limits: Limits) -> Response:
+    """The JSON answer; refused (400) when it is over `max_openai_response_bytes`. Runs in
+    the thread pool: an answer of a few hundred thousand logprob entries takes seconds to
+    build. (`stream=true` answers are sent as they are sampled: `_stream`.)"""
+    raw = _json(body)
     if len(raw) > limits.max_openai_response_bytes:
         raise BadRequest(f"the answer is {len(raw)} bytes; the limit is max_openai_response_bytes="
                          f"{limits.max_openai_response_bytes} (ask for fewer choices, tokens or logprobs)")
-    return Response(raw, media_type=media_type)
+    return Response(raw, media_type="application/json")
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + _json(chunk) + b"\n\n"
+
+
+TokenEvent = tuple[int, list[int]]  # (sample, its new tokens)
+
+
+async def _stream(request: Request, owner: str, service: ServiceAPI, req: oa._Common, prompt: types.ModelInput,
+                  prompt_len: int, params: types.SamplingParams, topk: int, logprobs_of) -> Response:
+    """`stream=true`: server-sent events as the sampler decodes (`Sampler.streams_tokens`;
+    other backends send each choice whole at its end). The request is submitted like a
+    non-streamed one (same limits, queues and fair shares); the answer starts once the
+    first tokens exist, so a request refused at once is an HTTP error, not an event. A
+    client that hangs up cancels the sample: its sampler slots are freed at the next step."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+
+    def on_tokens(sample: int, tokens, _logprobs) -> None:  # on the sampler's thread
+        loop.call_soon_threadsafe(events.put_nowait, (sample, list(tokens)))
+
+    sub, tokenizer = await _submit(request, owner, service, req.model, prompt, req.n, params, topk, on_tokens)
+    settled = asyncio.ensure_future(_settled(service, owner, sub.request_id))
+    settled.add_done_callback(lambda _: events.put_nowait(None))  # after every token event (FIFO)
+    try:
+        first = await events.get()
+    except asyncio.CancelledError:
+        settled.cancel()
+        service.cancel_sample(owner, sub.request_id)
+        raise
+    if first is None:
+        _sequences(settled.result())  # a request refused or failed before its first token: an HTTP error
+    body = _stream_events(service, owner, sub.request_id, req, params, tokenizer, events, first, settled,
+                          (prompt_len, logprobs_of))
+    return StreamingResponse(body, media_type="text/event-stream")
+
+
+async def _stream_events(service: ServiceAPI, owner: str, request_id: str, req: oa._Common,
+                         params: types.SamplingParams, tokenizer: Any, events: asyncio.Queue, first: Any,
+                         settled: asyncio.Future, answer: tuple[int, Any]) -> AsyncIterator[bytes]:
+    """The chunks: text as tokens come, then each choice's end, the usage, `[DONE]`; if the
+    client goes away first (the generator is closed or cancelled), the sample is cancelled."""
+    stop = params.stop or []
+    texts = [oa.TextStream(tokenizer, stop) for _ in range(req.n)]
+    chunks = oa.StreamChunks(isinstance(req, oa.ChatRequest), req.model, req.include_usage())
+    finished = False
+    try:
+        if chunks.chat:
+            for index in range(req.n):
+                yield _event(chunks.start(index))
+        event = first  # None: the request ended without a token (max_tokens=0)
+        while event is not None:
+            pending = [event]
+            ended = _drain(events, pending)  # what is queued already joins this chunk
+            for sample, tokens in _merged(pending):
+                text = texts[sample].push(tokens)
+                if text:
+                    yield _event(chunks.text(sample, text))
+            event = None if ended else await events.get()
+        finished = True
+        state = settled.result()
+        if state.status == "failed":
+            yield _event(oa.error_body(state.error or "sampling failed", 500 if state.category !=
+                                       types.RequestErrorCategory.User else 400))
+            return
+        for chunk in _closing_chunks(chunks, texts, state.result.sequences, tokenizer, stop, answer):
+            yield _event(chunk)
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:  # closed or cancelled mid-stream: the client hung up
+            settled.cancel()
+            service.cancel_sample(owner, request_id)
+
+
+def _drain(events: asyncio.Queue, pending: list[TokenEvent]) -> bool:
+    """Move the queued token events into `pending`; True when the end (None) was among them."""
+    while not events.empty():
+        event = events.get_nowait()
+        if event is None:
+            return True
+        pending.append(event)
+    return False
+
+
+def _merged(pending: list[TokenEvent]) -> list[TokenEvent]:
+    """Consecutive events of one sample as one (fewer, larger chunks when the loop falls behind)."""
+    merged: list[TokenEvent] = []
+    for sample, tokens in pending:
+        if merged and merged[-1][0] == sample:
+            merged[-1][1].extend(tokens)
+        else:
+            merged.append((sample, list(tokens)))
+    return merged
+
+
+def _closing_chunks(chunks: oa.StreamChunks, texts: list[oa.TextStream], seqs, tokenizer: Any, stop,
+                    answer: tuple[int, Any]) -> list[dict[str, Any]]:
+    """Per choice: the text not sent yet, then its finish (with its logprobs); then the usage."""
+    prompt_len, logprobs_of = answer
+    out: list[dict[str, Any]] = []
+    for index, seq in enumerate(seqs):
+        rest = texts[index].finish(oa.completion_text(tokenizer, seq, stop))
+        if rest:
+            out.append(chunks.text(index, rest))
+        out.append(chunks.finish(index, logprobs_of(tokenizer, seq), oa.finish_reason(seq)))
+    if chunks.include_usage:
+        out.append(chunks.usage(oa.usage(prompt_len, seqs)))
+    return out
 
 
 def _dumps(value: Any) -> bytes:
@@ -182,29 +288,45 @@ def json_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
         yield _dumps(value)
 
 
-async def sample_prompt(request: Request, owner: str, service: ServiceAPI, model: str, prompt: types.ModelInput,
-                  n: int, params: types.SamplingParams, topk: int) -> tuple[list[types.SampledSequence], Any]:
-    """Sample on `model` for `owner`; once more on a fresh sampler if the cached one is gone."""
+async def _submit(request: Request, owner: str, service: ServiceAPI, model: str, prompt: types.ModelInput, n: int,
+                  params: types.SamplingParams, topk: int, on_tokens=None) -> tuple[Any, Any]:
+    """(the submission, the model's tokenizer): once more on a fresh sampler if the cached one is gone."""
     cache = sampler_cache(request, service)
     for attempt in range(2):
         sid, tokenizer = await run_in_threadpool(cache.get, owner, model)
         try:
-            sub = await run_in_threadpool(service.sample, owner, sid, None, prompt, n, params,
-                                          topk_sample_logprobs=topk)
+            sub = await run_in_threadpool(functools.partial(service.sample, owner, sid, None, prompt, n, params,
+                                                            topk_sample_logprobs=topk, on_tokens=on_tokens))
         except NotFoundError:
             cache.drop(owner, model)
             if attempt:
                 raise
             continue
-        state = await service.retrieve_async(owner, sub.request_id, timeout_s=POLL_S)
-        while not state.done:
-            state = await service.retrieve_async(owner, sub.request_id, timeout_s=POLL_S)
-        if state.status == "failed":
-            if state.category == types.RequestErrorCategory.User:
-                raise BadRequest(state.error or "sampling failed")
-            raise RuntimeError(state.error or "sampling failed")
-        return list(state.result.sequences), tokenizer
+        return sub, tokenizer
     raise AssertionError("unreachable")
+
+
+async def _settled(service: ServiceAPI, owner: str, request_id: str) -> Any:
+    """The request's final `FutureState`, awaited on the event loop."""
+    state = await service.retrieve_async(owner, request_id, timeout_s=POLL_S)
+    while not state.done:
+        state = await service.retrieve_async(owner, request_id, timeout_s=POLL_S)
+    return state
+
+
+def _sequences(state: Any) -> list[types.SampledSequence]:
+    if state.status == "failed":
+        if state.category == types.RequestErrorCategory.User:
+            raise BadRequest(state.error or "sampling failed")
+        raise RuntimeError(state.error or "sampling failed")
+    return list(state.result.sequences)
+
+
+async def sample_prompt(request: Request, owner: str, service: ServiceAPI, model: str, prompt: types.ModelInput,
+                        n: int, params: types.SamplingParams, topk: int) -> tuple[list[types.SampledSequence], Any]:
+    """Sample on `model` for `owner`: the sequences and the model's tokenizer."""
+    sub, tokenizer = await _submit(request, owner, service, model, prompt, n, params, topk)
+    return _sequences(await _settled(service, owner, sub.request_id)), tokenizer
 
 
 def _not_found(exc: ModelNotFound) -> JSONResponse:
@@ -221,9 +343,15 @@ async def completions(request: Request, owner: str = Owner, service=ServiceDep):
     prompt = req.single_prompt()
     ids = await run_in_threadpool(tokenizer.encode, prompt, add_special_tokens=False) if isinstance(prompt, str) \
         else list(prompt)
+    offset0 = len(prompt) if isinstance(prompt, str) else 0
     try:  # the checkpoint may have gone since the sampler was cached (unpublished, expired, deleted)
-        seqs, tokenizer = await sample_prompt(request, owner, service, req.model, types.ModelInput.from_ints(ids), req.n,
-                                        params, req.logprobs or 0)
+        if req.stream:
+            return await _stream(request, owner, service, req, types.ModelInput.from_ints(ids), len(ids), params,
+                                 req.logprobs or 0,
+                                 lambda tok, s: oa.completion_logprobs(tok, s, offset0) if req.logprobs is not None
+                                 else None)
+        seqs, tokenizer = await sample_prompt(request, owner, service, req.model, types.ModelInput.from_ints(ids),
+                                              req.n, params, req.logprobs or 0)
     except ModelNotFound as exc:
         return _not_found(exc)
     return await run_in_threadpool(_completion_answer, req, params, tokenizer, prompt, ids, seqs, rq.limits_of(request))
@@ -234,7 +362,7 @@ def _completion_answer(req, params, tokenizer, prompt, ids, seqs, limits: Limits
     choices = [{"index": i, "text": oa.completion_text(tokenizer, s, params.stop or []),
                 "logprobs": oa.completion_logprobs(tokenizer, s, offset0) if req.logprobs is not None else None,
                 "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
-    return _answer(oa.envelope("text_completion", req.model, choices, oa.usage(len(ids), seqs)), limits, req)
+    return _answer(oa.envelope("text_completion", req.model, choices, oa.usage(len(ids), seqs)), limits)
 
 
 @router.post("/chat/completions")
@@ -250,6 +378,9 @@ async def chat_completions(request: Request, owner: str = Owner, service=Service
     prompt = await run_in_threadpool(chat_prompt, req.model, tokenizer, messages, images)
     ids = prompt.to_ints() if not images else [t for c in prompt.chunks for t in getattr(c, "tokens", [0])]
     try:
+        if req.stream:
+            return await _stream(request, owner, service, req, prompt, len(ids), params, req.topk(),
+                                 lambda tok, s: oa.chat_logprobs(tok, s) if req.logprobs else None)
         seqs, tokenizer = await sample_prompt(request, owner, service, req.model, prompt, req.n, params, req.topk())
     except ModelNotFound as exc:
         return _not_found(exc)
@@ -292,7 +423,7 @@ def _chat_answer(req, params, tokenizer, ids, seqs, limits: Limits) -> Response:
                 "message": {"role": "assistant", "content": oa.completion_text(tokenizer, s, params.stop or [])},
                 "logprobs": oa.chat_logprobs(tokenizer, s) if req.logprobs else None,
                 "finish_reason": oa.finish_reason(s)} for i, s in enumerate(seqs)]
-    return _answer(oa.envelope("chat.completion", req.model, choices, oa.usage(len(ids), seqs)), limits, req)
+    return _answer(oa.envelope("chat.completion", req.model, choices, oa.usage(len(ids), seqs)), limits)
 
 
 @router.get("/models")

@@ -67,11 +67,14 @@ import concurrent.futures
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tinker import types
 
 from ember.errors import ServerError, ServiceError, UserError  # their home; exported from here too
+
+if TYPE_CHECKING:  # the sampling package imports torch: not at this interface's import
+    from ember.sampling.base import TokenCallback
 
 __all__ = [
     "FutureStatus",
@@ -421,6 +424,7 @@ class ServiceAPI(abc.ABC):
         target_prompt_logprobs: types.TensorData | None = None,
         prompt_alt_tokens_k: int = 0,
         record_stability_info: bool = False,
+        on_tokens: TokenCallback | None = None,
     ) -> Submission:
         """Submit a sample (and `compute_logprobs`, which is a 1-token sample with
         include_prompt_logprobs=True). Returns request_id and `sample_sequence_ids`
@@ -428,7 +432,14 @@ class ServiceAPI(abc.ABC):
         sequences, `sequence_id`s set to them. Bad prompt/params → failed, user.
         `record_stability_info`: each sequence is recorded (owner- and session-scoped,
         expiring) before the future completes, for `stable_reinforce` datums whose
-        provenance names it (`ember.service.stability`)."""
+        provenance names it (`ember.service.stability`).
+        `on_tokens(sample, tokens, logprobs)`: called with each sample's tokens as they are
+        decoded (`ember.sampling.base.submit_streaming`; on the sampler's thread, keep it short)."""
+
+    def cancel_sample(self, owner: str, request_id: str) -> bool:
+        """Give up on a running sample (a streaming client hung up): its sampler slots are
+        freed and its future fails. False when it is not running. This default cancels nothing."""
+        return False
 
     # ------------------------------------------------------------------ futures
     @abc.abstractmethod

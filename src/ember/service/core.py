@@ -457,7 +457,7 @@ class Service(ServiceAPI):
     def sample(self, owner, sampling_session_id, seq_id, prompt, num_samples, sampling_params, *,
                include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
                prompt_logprobs_last_n=None, target_prompt_logprobs=None, prompt_alt_tokens_k=0,
-               record_stability_info=False) -> Submission:
+               record_stability_info=False, on_tokens=None) -> Submission:
         try:  # before the future reserves num_samples sequence ids and a sampler any memory
             self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
                                             topk_sample_logprobs, prompt_alt_tokens_k)
@@ -472,11 +472,16 @@ class Service(ServiceAPI):
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
             target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
+        if on_tokens is not None:
+            kwargs["on_tokens"] = on_tokens
         sub = self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
         self._count_samples(owner, sampling_session_id, sub.request_id)
         self.futures.tag_session(sub.request_id, session_of(sampling_session_id))  # busy until it finishes
         self.sessions.touch(session_of(sampling_session_id))
         return sub
+
+    def cancel_sample(self, owner, request_id) -> bool:
+        return self.samplers.cancel(owner, request_id)
 
     # ------------------------------------------------------------------ futures
     def retrieve(self, owner, request_id, timeout_s=0.0) -> FutureState:

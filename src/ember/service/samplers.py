@@ -260,6 +260,8 @@ class SamplerManager:
         # run_id -> (its session id, tinker path, base, version): `sync_saved`
         self._synced: dict[str, tuple[str, str, BaseModel, Any]] = {}
         self._inflight: dict[str, InflightTarget] = {}  # run_id -> its in-flight target
+        self._running: dict[str, tuple[str, Any]] = {}  # request_id -> (owner, backend Future): `cancel`
+        self._running_lock = threading.Lock()  # not `_lock`: a sampler's creation holds that for minutes
 
     # ------------------------------------------------------------------ backends and versions
     def backend(self, base: BaseModel) -> Sampler:
@@ -283,6 +285,12 @@ class SamplerManager:
         samplers = dict(self._samplers).items()  # a dict copy is atomic under the GIL
         stats = {self._names.get(d, str(d)): s.replica_stats() for d, s in samplers}
         return {name: per_replica for name, per_replica in stats.items() if per_replica is not None}
+
+    def sampler_load(self) -> dict[str, dict[str, int]]:
+        """Per base model whose sampler reports it (`TorchSampler.load`): sequences decoding
+        now and requests waiting for a slot. Read-only, for /metrics and tests."""
+        samplers = dict(self._samplers).items()  # no lock, as replica_stats
+        return {self._names.get(d, str(d)): s.load() for d, s in samplers if callable(getattr(s, "load", None))}
 
     def check_registered(self) -> None:
         """Refuse to start (ValueError naming model, field and what is supported) when a
@@ -560,7 +568,7 @@ class SamplerManager:
         self._dispatch(sub, live, kwargs, record)
 
     def _dispatch(self, sub: Submission, live: LiveSampler, kwargs: dict[str, Any], record: bool = False) -> None:
-        from ember.sampling.base import SamplingRequest
+        from ember.sampling.base import SamplingRequest, submit_streaming
 
         rid = sub.request_id
         reserved = None
@@ -572,7 +580,7 @@ class SamplerManager:
             request = SamplingRequest(version=self._version_for(live), sequence_ids=sub.sample_sequence_ids,
                                       owner=live.owner, session=live.sampler_id, **kwargs)
             failpoints.hit("sampler.submit")
-            fut = backend.submit(request)
+            fut = submit_streaming(backend, request)  # `on_tokens` in kwargs: a streamed request
         except UserError as exc:  # validation refused the request: the caller's to fix
             self._release(live.owner, reserved)
             self.futures.fail(rid, str(exc), User)
@@ -585,10 +593,22 @@ class SamplerManager:
         # Finished on the finisher threads, not the sampler's: a slow database write
         # (retried while locked) must not hold up the decode step of every other request.
         keep = (live.owner, live.session_id, kwargs["prompt"]) if record else None
+        with self._running_lock:
+            self._running[rid] = (live.owner, fut)
         fut.add_done_callback(lambda f: self._done(rid, f, keep, live.owner, work))
+
+    def cancel(self, owner: str, request_id: str) -> bool:
+        """Give up on `owner`'s sample `request_id` (a streaming client hung up): the backend
+        frees its slots at its next step (`Sampler.streams_tokens`) and the future fails.
+        False when it is not running (finished, unknown, or another owner's)."""
+        with self._running_lock:
+            found = self._running.get(request_id)
+        return found is not None and found[0] == owner and found[1].cancel()
 
     def _done(self, rid: str, fut, keep, owner: str, work: tuple[int, int]) -> None:
         """On the backend's thread: the owner's queued work is released at once, the rest is the finisher's."""
+        with self._running_lock:
+            self._running.pop(rid, None)
         self._release(owner, work)
         self._finisher.submit(self._finish, rid, fut, keep)
 
@@ -597,6 +617,9 @@ class SamplerManager:
             self.queued.release(owner, *work)
 
     def _finish(self, rid: str, fut, keep: tuple[str, str, types.ModelInput] | None = None) -> None:
+        if fut.cancelled():
+            self.futures.fail(rid, "the sample was cancelled by its client", User)
+            return
         exc = fut.exception()
         if exc is None and keep is not None:
             try:  # before the future completes: a client holding the sample can train on it at once
