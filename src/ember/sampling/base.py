@@ -248,6 +248,11 @@ class Sampler(abc.ABC):
         a sampler that is not a pool of replicas."""
         return None
 
+    def load(self) -> dict[str, int] | None:
+        """Sequences decoding now (`active_slots`) and requests waiting for a slot
+        (`waiting_requests`); None for a backend that does not count them."""
+        return None
+
     # ------------------------------------------------------------------ conveniences
     def submit_many(self, requests: Sequence[SamplingRequest]) -> list[Future]:
         """`submit` each request; a backend may enqueue them together, so that requests

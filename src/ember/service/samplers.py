@@ -290,7 +290,8 @@ class SamplerManager:
         """Per base model whose sampler reports it (`TorchSampler.load`): sequences decoding
         now and requests waiting for a slot. Read-only, for /metrics and tests."""
         samplers = dict(self._samplers).items()  # no lock, as replica_stats
-        return {self._names.get(d, str(d)): s.load() for d, s in samplers if callable(getattr(s, "load", None))}
+        loads = {self._names.get(d, str(d)): s.load() for d, s in samplers}
+        return {name: load for name, load in loads.items() if load is not None}
 
     def check_registered(self) -> None:
         """Refuse to start (ValueError naming model, field and what is supported) when a
