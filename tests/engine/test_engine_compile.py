@@ -98,3 +98,30 @@ def test_serve_puts_the_compile_cache_under_the_data_dir(tmp_path):
     mine = ServiceConfig(data_dir=tmp_path, engine=EngineConfig(compile=True, compile_cache_dir="/elsewhere"))
     assert mine.engine.compile_cache_dir == "/elsewhere"
     assert ServiceConfig(data_dir=tmp_path).engine.compile_cache_dir == ""
+
+
+@pytest.mark.slow
+def test_compiled_fsdp2_at_world2_equals_eager_world1(one_layer_dir, cache_dir):
+    """Layers compiled after `fully_shard` (torchtitan's order) on 2 gloo ranks: outputs,
+    gradients and parameters after SGD steps as one eager process (the layout tolerances of
+    tests/engine/test_engine_parallel.py: rtol 1e-5, atol 1e-5 of the scale near zero)."""
+    from ember.engine.parallel import ParallelismConfig
+    from ember.workers import EngineSpec, GroupEngine, WorkerGroup
+    from helpers import ranks as wt
+    from helpers.layouts import close_dicts, close_outputs
+
+    config = EngineConfig(micro_batch_tokens=64, compile=True, compile_cache_dir=str(cache_dir))
+    ref = TorchEngine.from_pretrained(one_layer_dir, EngineConfig(micro_batch_tokens=64))
+    group = WorkerGroup.create("process", world_size=2, call_timeout_s=1800)  # compiling on a loaded host
+    try:
+        eng = GroupEngine.create(group, "compiled", EngineSpec(str(one_layer_dir), config, ParallelismConfig(dp_shard=2)))
+        assert eng.info().extra["compile"]["compiled_layers"] == 1
+        for seed in (1, 2):
+            datums = random_sft_datums(5, vocab=84, min_len=3, max_len=30, seed=seed)
+            close_outputs(eng.forward_backward(datums, "cross_entropy"), ref.forward_backward(datums, "cross_entropy"))
+            close_dicts(group.run("compiled", wt.full_grads), wt.full_grads(ref), "grad")
+            group.run("compiled", wt.sgd_step, 1e-3)
+            wt.sgd_step(ref, 1e-3)
+        close_dicts(group.run("compiled", wt.full_params), wt.full_params(ref), "params")
+    finally:
+        group.shutdown()
