@@ -54,6 +54,15 @@ class EngineConfig:
         sum over experts of (tokens routed there) x (mean router probability), summed
         (`ember.engine.moe`); 0 (the default) = off. Reported as `moe_aux_loss:sum`, apart
         from `loss:sum`.
+    compile: regional `torch.compile` (`ember.engine.compile`): each decoder layer once, the
+        policy head's chunks and the losses, with dynamic shapes (no recompilation per
+        sequence length). Values equal eager's to rounding (fp32 CPU: rtol 1e-5). The
+        engine compiles at start (a warm-up forward and backward; its seconds are logged and
+        in the engine info's `extra["compile"]`). Single device and FSDP2; refused with TP,
+        CP and activation checkpointing.
+    compile_cache_dir: inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR), so a restart does
+        not compile again; "" = `<data_dir>/compile-cache` under `ember serve`, else
+        torch's default.
     """
 
     micro_batch_tokens: int = 8192
@@ -70,6 +79,8 @@ class EngineConfig:
     optimizer_offload: bool = False
     train_vision: bool = False
     moe_aux_loss_coef: float = 0.0
+    compile: bool = False
+    compile_cache_dir: str = ""
 
     def __post_init__(self) -> None:
         from ember.engine.registry import ENGINE_BACKENDS
@@ -91,6 +102,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.autocast_dtype must be None, 'bfloat16' or 'float16', got {self.autocast_dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.compile and self.activation_checkpointing:
+            raise ValueError("EngineConfig.compile with activation_checkpointing is not supported (the composable "
+                             "checkpoint's hooks around a compiled layer are not verified): turn one of them off")
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
             raise ValueError(f"EngineConfig.attn_implementation {self.attn_implementation!r} is not supported")
 

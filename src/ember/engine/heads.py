@@ -86,6 +86,12 @@ class PolicyHead(OutputHead):
         self.unembed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.last_hidden: Callable[[Any], torch.Tensor] | None = None
         self.vocab: VocabShard | None = None
+        self.chunk_fn: Callable = unembed_target_logprobs
+
+    def use_chunk_fn(self, fn: Callable) -> None:
+        """Run `fn` (same signature and values as `unembed_target_logprobs`: the engine's
+        compiled version, `ember.engine.compile`) on each chunk instead."""
+        self.chunk_fn = fn
 
     def bind_unembed(self, unembed: Callable[[torch.Tensor], torch.Tensor],
                      last_hidden: Callable[[Any], torch.Tensor], chunk_tokens: int,
@@ -113,7 +119,7 @@ class PolicyHead(OutputHead):
         index = mb.valid_index.to(device)
         if self.chunked:
             hidden = self.last_hidden(model_out).flatten(0, 1).index_select(0, index)  # (T, H)
-            return chunked_target_logprobs(self.unembed, hidden, targets, self.chunk_tokens, self.vocab)
+            return chunked_target_logprobs(self.unembed, hidden, targets, self.chunk_tokens, self.vocab, self.chunk_fn)
         logits = model_out.logits.flatten(0, 1).index_select(0, index)  # (T, V), or (T, V / tp) under TP
         return _target_logprobs(logits, targets, self.vocab)
 
@@ -134,17 +140,19 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: VocabSh
     return logp.gather(1, targets)
 
 
-def _unembed_target_logprobs(unembed: Callable, hidden: torch.Tensor, targets: torch.Tensor,
-                             vocab: VocabShard | None) -> torch.Tensor:
+def unembed_target_logprobs(unembed: Callable, hidden: torch.Tensor, targets: torch.Tensor,
+                            vocab: VocabShard | None) -> torch.Tensor:
+    """One chunk of the policy head: log_softmax(unembed(hidden))[targets] in fp32."""
     return _target_logprobs(unembed(hidden), targets, vocab)
 
 
 def chunked_target_logprobs(
     unembed: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-    vocab: VocabShard | None = None,
+    vocab: VocabShard | None = None, chunk_fn: Callable = unembed_target_logprobs,
 ) -> torch.Tensor:
     """log_softmax(unembed(hidden))[targets] for hidden (T, H), `chunk_tokens` rows at a time
-    (`vocab`: `unembed` gives this TP rank's vocabulary slice; see `_target_logprobs`).
+    (`vocab`: `unembed` gives this TP rank's vocabulary slice; see `_target_logprobs`), each
+    chunk by `chunk_fn` (`unembed_target_logprobs`, or its compiled version).
 
     Under autograd each chunk is a non-reentrant `torch.utils.checkpoint`: forward keeps
     only the chunk's (T_c,) output, backward recomputes that chunk's logits, so the peak is
@@ -154,14 +162,14 @@ def chunked_target_logprobs(
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            parts.append(torch.utils.checkpoint.checkpoint(_unembed_target_logprobs, unembed, h, t, vocab,
+            parts.append(torch.utils.checkpoint.checkpoint(chunk_fn, unembed, h, t, vocab,
                                                            use_reentrant=False))
         else:
-            parts.append(_unembed_target_logprobs(unembed, h, t, vocab))
+            parts.append(chunk_fn(unembed, h, t, vocab))
     if not parts and vocab is not None:  # no real token; a vocabulary-split lm_head cannot run on 0 rows
         return torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device) + hidden.float().sum() * 0.0
     if not parts:  # no real token: keep the output's shape and graph
-        return _unembed_target_logprobs(unembed, hidden, targets, vocab)
+        return unembed_target_logprobs(unembed, hidden, targets, vocab)
     return torch.cat(parts)
 
 

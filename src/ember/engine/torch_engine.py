@@ -40,10 +40,10 @@ from ember.engine.batching import (
     prepare_datums,
 )
 from ember.engine.config import EngineConfig
-from ember.engine.heads import OutputHead, build_head, head_output
+from ember.engine.heads import OutputHead, PolicyHead, build_head, head_output, unembed_target_logprobs
 from ember.engine.moe import ROUTES_KEY, RoutingStats, flat_routes, moe_routing, split_routes
 from ember.engine.optimizers import Optimizer, build_optimizer
-from ember.engine.parallel import ParallelismConfig, apply_activation_checkpointing, hf_model
+from ember.engine.parallel import ParallelismConfig, apply_activation_checkpointing, decoder_layers, hf_model
 from ember.errors import UserError
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
@@ -114,6 +114,7 @@ class TorchEngine(TrainingEngine):
         self.optimizer = self._new_optimizer()
         self._step = 0
         self._acc = EngineStatus(step=0, accumulated_micro_batches=0, accumulated_datums=0, accumulated_tokens=0)
+        self.compile_stats = self._compile() if self.config.compile else None
 
     @classmethod
     def from_pretrained(
@@ -283,6 +284,40 @@ class TorchEngine(TrainingEngine):
     def _new_optimizer(self) -> Optimizer:
         return build_optimizer(self.optimizer_config, self._params, self.lora_config.rank if self.is_lora else None)
 
+    # ------------------------------------------------------------------ compile
+    def _compile(self):
+        """`EngineConfig.compile` (`ember.engine.compile`): decoder layers, the policy head's
+        chunks and (lazily) each loss compiled; a warm-up pass at start pays the compilation."""
+        from ember.engine import compile as compiling
+
+        layout = self.parallel.config if self.distributed else ParallelismConfig()
+        compiling.check_compile_layout(layout.tp, layout.cp)
+        stats = compiling.CompileStats(cache_dir=compiling.use_cache_dir(self.config.compile_cache_dir))
+        compiling.compile_layers(decoder_layers(self.model), stats)
+        if isinstance(self.head, PolicyHead):
+            self.head.use_chunk_fn(stats.compiled(unembed_target_logprobs))
+        compiling.timed(stats, self._warmup)
+        return stats
+
+    def _warmup(self, tokens: int = 8) -> None:
+        """A forward and backward contributing nothing, on a row of `tokens` pads: the
+        compiled graphs are built (and their sizes marked dynamic) before the first request."""
+        self._activate()
+        ids = torch.full((1, tokens), self._pad_id, dtype=torch.int64, device=self.device)
+        pos = torch.arange(tokens, device=self.device).unsqueeze(0)
+        with torch.enable_grad():
+            out = self._model_forward(ids, pos, None)
+            if isinstance(self.head, PolicyHead) and self.head.chunked:
+                hidden = self.head.last_hidden(out).flatten(0, 1)
+                zero = self.head.chunk_fn(self.head.unembed, hidden, ids.flatten(), self.head.vocab).sum() * 0.0
+            else:
+                zero = self.head.zero_contribution(out)
+            zero.backward()
+        self.clear_gradients()
+
+    def _loss_fn(self, spec):
+        return self.compile_stats.compiled(spec.fn) if self.compile_stats is not None else spec.fn
+
     # ------------------------------------------------------------------ forward / backward
     def _head_outputs(self, mb: MicroBatch) -> torch.Tensor:
         """The head's per-token output for the real tokens of `mb`: log-probs or values (fp32)."""
@@ -412,7 +447,7 @@ class TorchEngine(TrainingEngine):
             with torch.set_grad_enabled(backward), self._replay(mb, [routes[i] for i in group]):
                 logp, aux = self._outputs_and_aux(mb, routing)  # log-probs (or values), the MoE aux loss
                 inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}
-                elementwise = spec.fn(logp, inputs, cfg, mb.segment_ids.to(logp.device))
+                elementwise = self._loss_fn(spec)(logp, inputs, cfg, mb.segment_ids.to(logp.device))
                 loss = elementwise.sum()
                 if backward:
                     (loss if aux is None else loss + aux).backward()
@@ -606,6 +641,7 @@ class TorchEngine(TrainingEngine):
             num_trainable_parameters=sum(p.numel() for p in self._params),
             packing="packed" if self._packing else "padded",
             head=self.head.name,
+            extra={"compile": self.compile_stats.as_dict()} if self.compile_stats is not None else {},
         )
 
     def status(self) -> EngineStatus:

@@ -291,6 +291,8 @@ class ServiceConfig:
         if isinstance(self.sessions, Mapping):
             self.sessions = SessionsConfig(**self.sessions)
         self.sampler = self.sampler or SamplerConfig()
+        if self.engine.compile and not self.engine.compile_cache_dir:  # a restart reads the compiled graphs back
+            self.engine = dataclasses.replace(self.engine, compile_cache_dir=str(self.data_dir / "compile-cache"))
         if self.sampler.max_lora_rank != self.limits.max_lora_rank:
             self.sampler = dataclasses.replace(self.sampler, max_lora_rank=self.limits.max_lora_rank)
         if self.seq_gap_timeout_s <= 0:
