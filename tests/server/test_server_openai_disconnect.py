@@ -1,7 +1,7 @@
 """`stream=true` as the sampler decodes, against a real `ember serve` with one sampler slot
 and the official `openai` client: the first chunk arrives while the request still holds its
 slot (`ember_sampler_active_sequences` on /metrics), a client that hangs up frees the slot
-(its sample is cancelled, never completed), and the next request gets the slot."""
+(its sample is cancelled, never completed), a client gone while its request waits for\nthe slot leaves the queue, and the next request gets the slot."""
 
 from __future__ import annotations
 
@@ -69,6 +69,31 @@ def test_chunks_come_while_decoding_and_a_hang_up_frees_the_slot(one_slot_server
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert all(c.usage is None for c in chunks[:-1])
     assert active(base) == 0 and scrape(base)[f'ember_sampler_waiting_requests{{model="{MODEL_NAME}"}}'] == 0
+
+
+def test_a_client_gone_before_its_first_token_leaves_the_queue(one_slot_server):
+    """A stream waiting behind the only slot, whose client hangs up before any token, is
+    cancelled while it waits (the route watches the connection), not when the slot frees."""
+    base = one_slot_server.base_url
+    oai = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    kwargs = dict(model=MODEL_NAME, prompt="Hello", temperature=0, seed=1)
+    holder = oai.completions.create(**kwargs, max_tokens=LONG, stream=True)
+    next(iter(holder))  # the only slot is taken until this stream ends
+    before = failed_samples(scrape(base))
+    body = dict(kwargs, max_tokens=4, stream=True)
+    try:  # no header comes before a first token: the client gives up waiting and hangs up
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                       timeout=httpx.Timeout(60, read=3))
+    except httpx.ReadTimeout:
+        pass
+    else:
+        pytest.fail(f"the queued stream answered before the slot freed: {r.status_code} {r.text[:300]!r}")
+    wait_until(lambda: failed_samples(scrape(base)) == before + 1, timeout=120,
+               message="the waiting sample cancelled after its client hung up")
+    assert active(base) == 1  # while the holder still decodes
+    holder.close()
+    wait_until(lambda: active(base) == 0, timeout=120, message="the holder's slot freed")
+    assert scrape(base)[f'ember_sampler_waiting_requests{{model="{MODEL_NAME}"}}'] == 0
 
 
 def test_a_chat_stream_sends_text_before_it_ends(one_slot_server):

@@ -158,6 +158,24 @@ def _event(chunk: dict[str, Any]) -> bytes:
 TokenEvent = tuple[int, list[int]]  # (sample, its new tokens)
 
 
+DISCONNECT_POLL_S = 0.5  # how often a stream waiting for its first token checks that its client is there
+
+
+class ClientGone(Exception):
+    """The client of a stream hung up before its first token (queued behind other requests)."""
+
+
+async def _first_event(request: Request, events: asyncio.Queue) -> Any:
+    """The stream's first event, watching the client meanwhile: a request can wait long for
+    a slot, and a client gone in that time must not keep its place in the queue."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone from None
+
+
 async def _stream(request: Request, owner: str, service: ServiceAPI, req: oa._Common, prompt: types.ModelInput,
                   prompt_len: int, params: types.SamplingParams, topk: int, logprobs_of) -> Response:
     """`stream=true`: server-sent events as the sampler decodes (`Sampler.streams_tokens`;
@@ -175,11 +193,13 @@ async def _stream(request: Request, owner: str, service: ServiceAPI, req: oa._Co
     settled = asyncio.ensure_future(_settled(service, owner, sub.request_id))
     settled.add_done_callback(lambda _: events.put_nowait(None))  # after every token event (FIFO)
     try:
-        first = await events.get()
-    except asyncio.CancelledError:
+        first = await _first_event(request, events)
+    except (asyncio.CancelledError, ClientGone) as exc:
         settled.cancel()
         service.cancel_sample(owner, sub.request_id)
-        raise
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     if first is None:
         _sequences(settled.result())  # a request refused or failed before its first token: an HTTP error
     body = _stream_events(service, owner, sub.request_id, req, params, tokenizer, events, first, settled,
