@@ -22,7 +22,7 @@ TORCH_CPU ?= torch==2.13.0
 # `import vllm` fails until they are gone, and nothing of ours uses them.
 VLLM_STRAYS := torchvision torchaudio torchcodec
 
-.PHONY: setup setup-vllm setup-cookbook test test-fast demo bench gpu-check clean
+.PHONY: setup setup-vllm setup-cookbook test test-fast test-compile demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,10 @@ test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
 # No vLLM install: its tests are all `slow` (and skip, saying why, where vLLM is missing).
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" tests
+
+# Compiled LoRA and FSDP2 as well as full fine-tuning (tests/engine/test_engine_compile.py).
+test-compile: $(STAMP)
+	EMBER_COMPILE_TESTS=all $(PYTEST) tests/engine/test_engine_compile.py
 
 demo: $(STAMP)
 	$(VENV)/bin/ember demo

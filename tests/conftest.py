@@ -61,6 +61,13 @@ HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums);
     "tests/server/test_server_two_hosts.py",
     "tests/workers/test_workers_two_hosts.py",
     # files
+    "tests/engine/test_engine_compile.py",
+    "tests/server/test_server_restart_signals.py",
+    "tests/recipes/test_recipes_cookbook_moe.py",
+    "tests/engine/test_engine_parallel_ep.py",
+    "tests/server/test_server_console_ops.py",
+    "tests/server/test_server_admin.py",
+    "tests/server/test_server_sdk_routing_replay.py",
     "tests/server/test_server_fuzz.py",
     "tests/sampling/test_sampling_vllm_exit.py",
     "tests/sampling/test_sampling_vllm_weight_sync.py",
