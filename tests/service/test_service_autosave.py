@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from tinker import types
 
@@ -124,9 +125,17 @@ def _snapshot(svc, mid, seq, sampling_seq):
     return result(svc, "alice", sub).sampling_session_id
 
 
-def test_a_snapshot_sampling_session_of_the_current_weights_comes_back_after_a_clean_stop(make_service):
+def _new_run(svc, kind):
+    if kind == "lora":
+        return new_run(svc, seed=5)[1]
+    sid = svc.create_session("alice").session_id
+    return result(svc, "alice", svc.create_model("alice", sid, 0, "tiny", None)).model_id
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_a_snapshot_sampling_session_of_the_current_weights_comes_back_after_a_clean_stop(make_service, kind):
     first = make_service(limits=Limits(max_checkpoint_bytes_per_key=1))
-    _, mid = new_run(first, seed=5)
+    mid = _new_run(first, kind)
     _step(first, mid, 1, data_seed=0)
     stale = _snapshot(first, mid, 3, 0)  # the weights of step 1: not the run's weights at the stop
     _step(first, mid, 4, data_seed=1)
