@@ -151,10 +151,16 @@ def test_a_snapshot_sampling_session_of_the_current_weights_comes_back_after_a_c
     saved = second.checkpoints.row(f"tinker://{mid}/sampler_weights/{AUTOSAVE_NAME}")
     assert saved is not None and saved.size_bytes > 0
     assert second.checkpoints.bytes_used("alice") == 0  # the server's save, outside the quota
-    second.close(save_runs=True)  # the run was never loaded again: its saves stand as they were
+    # the run comes back with the same weights (a forward_backward changes none) and takes a
+    # new snapshot of them: the stop saves both sessions (the new save replaces the old)
+    result(second, "alice", second.forward_backward("alice", mid, 7, random_sft_datums(3, VOCAB, seed=4),
+                                                    "cross_entropy"))
+    again = _snapshot(second, mid, 8, 2)
+    second.close(save_runs=True)
 
     third = make_service()
     assert _greedy(third, current, 2) == before
+    assert _greedy(third, again, 0) == before
 
 
 def test_samples_running_at_a_clean_stop_finish_within_the_drain_bound(make_service):
