@@ -7,7 +7,8 @@ real `ember serve` processes on one data directory and port:
   next server answers it), and the run equals an uninterrupted one bit for bit (losses,
   logprobs, and every exported parameter by torch.equal). LoRA and full fine-tuning, SQLite
   and PostgreSQL.
-* A sampling session made from a saved checkpoint keeps working across the restarts.
+* A sampling session made from a saved checkpoint keeps working across the restarts, and so
+  does one made by save_weights_and_get_sampling_client (its in-memory weights are saved).
 * SIGKILL with `--runs.autosave_every_steps 2`: the run comes back from its last automatic
   save and the client's next answer says from which step (`ember_resumed_from_step:max`).
 """
@@ -155,6 +156,30 @@ def test_sigkill_comes_back_from_the_last_autosave_and_says_from_which_step(tiny
         out = step(tc, 2)  # the client's loop goes on; the server is at step 2 again
         assert out.metrics[RESUMED_METRIC] == 2.0
         assert_same_step(out, reference[2])
+    finally:
+        sc.close("success").result(timeout=60)
+        for s in servers:
+            s.stop()
+
+
+def test_sigterm_keeps_a_snapshot_sampling_client_sampling_the_same_weights(tiny_model_dir, tmp_path):
+    """`save_weights_and_get_sampling_client` holds its weights in memory only: a clean stop
+    saves them, and the same client object (same sampling session id) samples the same
+    greedy tokens from the next server."""
+    data_dir, flags = tmp_path / "data", ["--runs.save_on_shutdown", "true"]
+    server = start_server(Path(tiny_model_dir), tmp_path / "run1", data_dir=data_dir, extra_args=flags)
+    servers = [server]
+    sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+    try:
+        tc = training_client(sc, server.base_url, "lora")
+        step(tc, 0)
+        sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
+        before = sampler.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens
+        sigterm(server)
+        server = start_server(Path(tiny_model_dir), tmp_path / "run2", data_dir=data_dir, port=server.port,
+                              extra_args=flags)
+        servers.append(server)
+        assert sampler.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens == before
     finally:
         sc.close("success").result(timeout=60)
         for s in servers:

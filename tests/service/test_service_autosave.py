@@ -6,6 +6,9 @@ The same over HTTP with the SDK and real signals: tests/server/test_server_resta
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 from tinker import types
 
@@ -105,3 +108,108 @@ def test_a_request_that_cannot_run_within_the_drain_bound_fails_retryably_and_th
     out = _step(second, mid, 5, data_seed=1)  # the client numbers on
     assert out.metrics[RESUMED_METRIC] == 1.0
     _assert_same(out, _reference(second, 2)[1])
+
+
+# ---------------------------------------------------------------------- sampling sessions and samples
+GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)
+PROMPT = types.ModelInput.from_ints([3, 14, 15, 9, 2])
+
+
+def _greedy(svc, sampler_id, seq):
+    out = result(svc, "alice", svc.sample("alice", sampler_id, seq, PROMPT, 1, GREEDY))
+    return list(out.sequences[0].tokens)
+
+
+def _snapshot(svc, mid, seq, sampling_seq):
+    sub = svc.save_weights_for_sampler("alice", mid, seq, None, sampling_session_seq_id=sampling_seq)
+    return result(svc, "alice", sub).sampling_session_id
+
+
+def _new_run(svc, kind):
+    if kind == "lora":
+        return new_run(svc, seed=5)[1]
+    sid = svc.create_session("alice").session_id
+    return result(svc, "alice", svc.create_model("alice", sid, 0, "tiny", None)).model_id
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_a_snapshot_sampling_session_of_the_current_weights_comes_back_after_a_clean_stop(make_service, kind):
+    first = make_service(limits=Limits(max_checkpoint_bytes_per_key=1))
+    mid = _new_run(first, kind)
+    _step(first, mid, 1, data_seed=0)
+    stale = _snapshot(first, mid, 3, 0)  # the weights of step 1: not the run's weights at the stop
+    _step(first, mid, 4, data_seed=1)
+    current = _snapshot(first, mid, 6, 1)
+    before = _greedy(first, current, 0)
+    first.close(save_runs=True)
+
+    second = make_service()
+    assert _greedy(second, current, 1) == before  # the same session id, the same weights
+    lost = wait(second, "alice", second.sample("alice", stale, 0, PROMPT, 1, GREEDY))
+    assert lost.status == "failed" and lost.category == types.RequestErrorCategory.Server
+    assert "create a new sampling client" in lost.error
+    saved = second.checkpoints.row(f"tinker://{mid}/sampler_weights/{AUTOSAVE_NAME}")
+    assert saved is not None and saved.size_bytes > 0
+    assert second.checkpoints.bytes_used("alice") == 0  # the server's save, outside the quota
+    # the run comes back with the same weights (a forward_backward changes none) and takes a
+    # new snapshot of them: the stop saves both sessions (the new save replaces the old)
+    result(second, "alice", second.forward_backward("alice", mid, 7, random_sft_datums(3, VOCAB, seed=4),
+                                                    "cross_entropy"))
+    again = _snapshot(second, mid, 8, 2)
+    second.close(save_runs=True)
+
+    third = make_service()
+    assert _greedy(third, current, 2) == before
+    assert _greedy(third, again, 0) == before
+
+
+def test_samples_running_at_a_clean_stop_finish_within_the_drain_bound(make_service):
+    from ember import failpoints
+    from ember.service.samplers import SAMPLE_STOPPING
+    from helpers.server import wait_until
+
+    svc = make_service(runs=RunsConfig(shutdown_drain_s=600))
+    _, mid = new_run(svc, seed=5)
+    sampler_id = _snapshot(svc, mid, 1, 0)
+    failpoints.arm("sampler.decode_request", "hold", times=1)
+    try:
+        running = svc.sample("alice", sampler_id, 0, PROMPT, 1, GREEDY)
+        wait_until(lambda: not failpoints.pending("sampler.decode_request"), 60, message="the sample held")
+        stopping = threading.Thread(target=svc.close, kwargs={"save_runs": True})
+        stopping.start()
+        refused = wait_until(lambda: _refused(svc, sampler_id), 60, message="new samples refused")
+        assert refused.category == types.RequestErrorCategory.Server and refused.error == SAMPLE_STOPPING
+    finally:
+        failpoints.release("sampler.decode_request")
+    stopping.join(120)
+    assert not stopping.is_alive()
+    state = make_service().retrieve("alice", running.request_id)
+    assert state.status == "complete" and len(state.result.sequences[0].tokens) == GREEDY.max_tokens
+
+
+def _refused(svc, sampler_id):
+    state = wait(svc, "alice", svc.sample("alice", sampler_id, None, PROMPT, 1, GREEDY))
+    return state if state.status == "failed" else None
+
+
+def test_a_sample_still_running_at_the_drain_bound_fails_retryably(make_service):
+    from ember import failpoints
+    from ember.service.samplers import SAMPLE_SHUTDOWN
+    from helpers.server import wait_until
+
+    svc = make_service(runs=RunsConfig(shutdown_drain_s=0.5))
+    _, mid = new_run(svc, seed=5)
+    sampler_id = _snapshot(svc, mid, 1, 0)
+    failpoints.arm("sampler.decode_request", "hold", times=1)
+    try:
+        running = svc.sample("alice", sampler_id, 0, PROMPT, 1, GREEDY)
+        wait_until(lambda: not failpoints.pending("sampler.decode_request"), 60, message="the sample held")
+        stopping = threading.Thread(target=svc.close, kwargs={"save_runs": True})
+        stopping.start()
+        wait_until(lambda: svc.stored_future(running.request_id).status == "failed", 60, message="the sample failed")
+    finally:
+        failpoints.release("sampler.decode_request")
+    stopping.join(120)
+    state = make_service().retrieve("alice", running.request_id)
+    assert state.status == "failed" and state.category == types.RequestErrorCategory.Server
+    assert state.error == SAMPLE_SHUTDOWN

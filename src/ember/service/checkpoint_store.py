@@ -59,8 +59,11 @@ QUOTA_FREE = ("free space by deleting checkpoints (RestClient.delete_checkpoint_
 Writer = Callable[[Path], None]  # writes a checkpoint's files into a new directory
 # A run's automatic save (`RunsConfig`: every N steps, and at a clean shutdown): one per run,
 # replaced each time, listed like any training checkpoint (loadable by its owner) but outside
-# the checkpoint bytes quota: the server made it, not the user (README "Restarts").
+# the checkpoint bytes quota: the server made it, not the user (README "Restarts"). The same
+# name of kind "sampler" is the run's weights that in-memory sampling sessions sampled from,
+# saved at a clean shutdown (`SamplerManager.persist_snapshots`), quota-exempt as well.
 AUTOSAVE_NAME = "ember-autosave"
+AUTOMATIC_KINDS = ("training", "sampler")
 
 
 # ---------------------------------------------------------------------- access (pure over a Store)
@@ -231,7 +234,7 @@ class CheckpointStore:
         existing = self.store.get(CheckpointRow, tpath.uri)
         if existing is not None and not overwrite and not expired(existing, self.clock()):
             raise UserError(f"checkpoint {tpath.uri} already exists; pass overwrite=True to replace it")
-        automatic = kind == "training" and tpath.name == AUTOSAVE_NAME
+        automatic = kind in AUTOMATIC_KINDS and tpath.name == AUTOSAVE_NAME
         used = 0 if automatic else self._check_quota_before(owner)
         final = self._write(tpath, write)
         now = self.clock()

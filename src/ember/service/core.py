@@ -124,6 +124,7 @@ class Service(ServiceAPI):
             config.max_samplers_per_session, records=self.records, limits=config.limits, clock=clock,
         )
         self.samplers.check_registered()
+        self.runs.after_final_save = self._persist_snapshots
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
         self.sessions = SessionManager(self.store, config.sessions.heartbeat_timeout_s, self._on_session_expired,
@@ -401,7 +402,7 @@ class Service(ServiceAPI):
                 self._check_new_sampler(run.owner, run.session_id, sampling_session_seq_id)
                 sid = self.samplers.create_from_weights(
                     run.owner, run.session_id, sampling_session_seq_id, run.spec.base, engine.named_weights(),
-                    run.spec.lora_config, run.run_id, inflight=kind == "inflight",
+                    run.spec.lora_config, run.run_id, inflight=kind == "inflight", weights_token=run.weights_token,
                 )
                 return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sid)
         if seq_id is None:  # unordered (not sent by SDK 0.38.0, which always numbers training calls)
@@ -625,9 +626,16 @@ class Service(ServiceAPI):
             return
         self._closed.set()
         if save_runs and self.config.runs.save_on_shutdown:
-            saved = self.runs.shutdown(self.config.runs.shutdown_drain_s)
+            drain_s = self.config.runs.shutdown_drain_s
+            deadline = time.monotonic() + drain_s  # one bound for training ops and samples alike
+            self.samplers.stop_taking()
+            saved = self.runs.shutdown(drain_s)
             if saved:
                 log.info("%d training run(s) saved; they come back when their clients call again", saved)
+            cut = self.samplers.drain(deadline - time.monotonic())
+            if cut:
+                log.warning("%d sample(s) still running after runs.shutdown_drain_s=%s failed (their clients "
+                            "sample again after the restart)", cut, drain_s)
         self.runs.close()
         self.samplers.close()
         self.image_admission.close()
@@ -635,6 +643,13 @@ class Service(ServiceAPI):
         self.futures.fail_all_pending("the service was shut down before this request finished")
         self.store.close()
         self._data_lock.release()
+
+    def _persist_snapshots(self, run: LiveRun) -> None:
+        """After a run's final save at a clean stop (on its lane): the sampling sessions that
+        snapshot its current weights are saved with them (`SamplerManager.persist_snapshots`)."""
+        if run.engine is not None:
+            self.samplers.persist_snapshots(self.checkpoints, run.run_id, run.owner, run.weights_token,
+                                            run.engine.export_hf)
 
     def __enter__(self) -> "Service":
         return self

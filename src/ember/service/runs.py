@@ -19,6 +19,7 @@ import logging
 import pickle
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,10 @@ class LiveRun:
     resumed_from: int | None = None  # step an unclean restore resumed from, told by its first op
     resync: bool = False  # its first request sets its next seq_id (an unclean restore)
     seq_running: int = -1
+    # Names the run's current weights; new at every change (optim_step, load_state, a fresh
+    # engine), kept in its automatic save: a sampling session snapshot of the same token
+    # holds these very weights (`SamplerManager.persist_snapshots`, at a clean stop).
+    weights_token: str = field(default_factory=lambda: uuid.uuid4().hex)
     # (datums, loss_fn, loss_fn_config) of each forward_backward since the last optim_step
     unapplied: list[tuple[list, str, dict | None]] = field(default_factory=list)  # seq_id of the op executing (an automatic save records the next one)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -150,6 +155,9 @@ class RunManager:
         # the samplers sleep and the engine is on its device while it trains, offloaded after.
         self.before_op: Callable[[LiveRun], None] | None = None
         self.after_op: Callable[[LiveRun], None] | None = None
+        # A clean stop: called on the run's lane right after its final save (the Service
+        # persists the sampling sessions that snapshot the run's current weights).
+        self.after_final_save: Callable[[LiveRun], None] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def reject(self, owner: str, rtype: RequestType, error: str, category=User, model_id: str | None = None) -> Submission:
@@ -208,6 +216,7 @@ class RunManager:
             run = LiveRun(row.id, row.owner, row.session_id, spec, lane,
                           RunSequencer(row.id, lane, self.gap_timeout_s, next_seq=resume["next_seq"], owner=row.owner),
                           steps=resume["steps"], restore_from=saved.directory,
+                          weights_token=resume["weights"] or uuid.uuid4().hex,
                           resumed_from=None if resume["clean"] else resume["steps"], resync=not resume["clean"])
             self._runs[row.id] = run
         self.store.update(RunRow, row.id, status="active")
@@ -419,6 +428,7 @@ class RunManager:
         automatic save (a failed one is logged, never fails the step)."""
         run.steps += 1
         run.unapplied.clear()
+        run.weights_token = uuid.uuid4().hex
         every = self.autosave_every_steps
         if every and run.steps % every == 0:
             try:
@@ -431,7 +441,7 @@ class RunManager:
         """The run's automatic save (on its lane): training state with the optimizer, plus
         where it was (`RESUME_FILE`: step, next seq_id, and whether nothing ran after it)."""
         engine = run.require_engine()
-        resume = {"steps": run.steps, "next_seq": next_seq, "clean": clean}
+        resume = {"steps": run.steps, "next_seq": next_seq, "clean": clean, "weights": run.weights_token}
         unapplied = list(run.unapplied)
 
         def write(tmp: Path) -> None:
@@ -479,6 +489,7 @@ class RunManager:
         tpath, crow = self.checkpoints.training_state(run.owner, path, access_token)
         engine.load_state(crow.directory, optimizer=optimizer)
         run.unapplied.clear()  # load_state dropped the gradient
+        run.weights_token = uuid.uuid4().hex
         return types.LoadWeightsResponse(path=tpath.uri, model_id=run.run_id)
 
     # ------------------------------------------------------------------ info, unload
@@ -595,6 +606,8 @@ class RunManager:
         try:
             row = self.autosave(run, clean=clean, next_seq=run.seq.next_seq)
             log.debug("run %s saved at step %d for the restart: %s", run.run_id, run.steps, row.tinker_path)
+            if self.after_final_save is not None:
+                self.after_final_save(run)
         except Exception as exc:  # noqa: BLE001 - the others are still saved; say why this one was not
             log.warning("run %s could not be saved at shutdown: %s", run.run_id, public_message(exc))
         finally:
@@ -618,10 +631,13 @@ def _wait_all(runs: list[LiveRun], done: dict[str, threading.Event], timeout_s: 
 
 
 def read_resume(directory: str) -> dict[str, Any] | None:
-    """An automatic save's `RESUME_FILE` (steps, next_seq, clean), or None if unreadable."""
+    """An automatic save's `RESUME_FILE` (steps, next_seq, clean, weights: the run's
+    `weights_token`, None in a save older than it), or None if unreadable."""
     try:
         resume = json.loads((Path(directory) / RESUME_FILE).read_text())
-        return {"steps": int(resume["steps"]), "next_seq": int(resume["next_seq"]), "clean": bool(resume["clean"])}
+        weights = resume.get("weights")
+        return {"steps": int(resume["steps"]), "next_seq": int(resume["next_seq"]), "clean": bool(resume["clean"]),
+                "weights": weights if isinstance(weights, str) else None}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

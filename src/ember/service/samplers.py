@@ -4,8 +4,12 @@ A sampling session pins a `WeightVersion` of its base model's sampler (contract 
 base weights (version None), a checkpoint read from disk, or a snapshot of a training
 run's current weights taken on the run's lane. Sessions are rows in the database; a
 session made from a base model or a checkpoint path is re-created lazily after a
-restart, a snapshot session (`save_weights_and_get_sampling_client`) is not (its weights
-were never written to disk) and answers category `server`.
+restart. A snapshot session (`save_weights_and_get_sampling_client`) keeps its weights in
+memory only; a clean stop writes those that hold their run's current weights to disk
+(`persist_snapshots`: the run's sampler checkpoint `ember-autosave` and the ids of the
+sessions it serves) and they too come back lazily; any other snapshot answers category
+`server` after a restart. A clean stop also lets the samples running finish within the
+drain bound (`stop_taking`, `drain`; README "Restarts").
 
 Memory: each session keeps its version alive. At most `max_per_session` sessions per
 client session stay loaded; the least recently used is evicted (and reloaded on use when it
@@ -42,7 +46,7 @@ from ember import failpoints
 from ember.sampling.base import Sampler, UnsupportedModelError
 from ember.sampling.config import SamplerConfig
 from ember.service import checkpoint_files as ckpt
-from ember.service.checkpoint_store import readable
+from ember.service.checkpoint_store import AUTOSAVE_NAME, readable
 from ember.service.api import NotFoundError, Submission, UserError
 from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.model_registry import BaseModel, ModelRegistry
@@ -143,6 +147,29 @@ def derived_vllm_share(config: Any, engine: Any, model_dir: Path, gpu_total_byte
 
 
 _EVICTED_KEPT = 65536  # evicted snapshot ids remembered, to tell an eviction from a restart
+# Beside a run's snapshot save (`persist_snapshots`): the run's weights token and the ids of
+# the sampling sessions whose snapshot those weights are.
+SNAPSHOT_RECORD = "ember-snapshots.json"
+SAMPLE_SHUTDOWN = ("the server shut down before this sample finished (runs.shutdown_drain_s passed): sample again "
+                   "once it is back; its sampling session comes back with it")
+SAMPLE_STOPPING = "the server is shutting down: this sample was not accepted; submit it again once it is back"
+
+
+def snapshot_path(run_id: str) -> str:
+    """Where a clean stop saves run `run_id`'s weights for its snapshot sampling sessions."""
+    return f"tinker://{run_id}/sampler_weights/{AUTOSAVE_NAME}"
+
+
+def read_snapshot_record(directory: str) -> tuple[str, frozenset[str]] | None:
+    """A snapshot save's `SNAPSHOT_RECORD`: (weights token, sampling session ids); None if unreadable."""
+    try:
+        record = json.loads((Path(directory) / SNAPSHOT_RECORD).read_text())
+        ids = record["sampling_sessions"]
+        if not isinstance(record["weights"], str) or not all(isinstance(i, str) for i in ids):
+            return None
+        return record["weights"], frozenset(ids)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_policy_head(path: str, directory: Path) -> None:
@@ -177,6 +204,8 @@ class LiveSampler:
     version: Any  # WeightVersion | None (None = base weights)
     model_path: str | None = None  # loaded from this checkpoint: readable again on every sample
     follows: str | None = None  # kind="inflight": the run whose in-flight target it samples from
+    source_run: str | None = None  # a snapshot: the run it was taken of
+    weights: str | None = None  # a snapshot: that run's `weights_token` when it was taken
 
 
 @dataclass
@@ -262,6 +291,7 @@ class SamplerManager:
         self._inflight: dict[str, InflightTarget] = {}  # run_id -> its in-flight target
         self._running: dict[str, tuple[str, Any]] = {}  # request_id -> (owner, backend Future): `cancel`
         self._running_lock = threading.Lock()  # not `_lock`: a sampler's creation holds that for minutes
+        self._stopping = False  # a clean stop began: new samples are refused (`stop_taking`)
 
     # ------------------------------------------------------------------ backends and versions
     def backend(self, base: BaseModel) -> Sampler:
@@ -434,10 +464,12 @@ class SamplerManager:
 
     def create_from_weights(self, owner: str, session_id: str, seq: int | None, base: BaseModel,
                             weights: Iterable[tuple[str, torch.Tensor]], lora: types.LoraConfig | None,
-                            source_run_id: str, inflight: bool = False) -> str:
+                            source_run_id: str, inflight: bool = False, weights_token: str | None = None) -> str:
         """Snapshot a run's current weights (called on the run's lane). `inflight`: the
         weights also become the run's in-flight target, which this sampling session and
-        every earlier in-flight one of the run sample from, from their next request on."""
+        every earlier in-flight one of the run sample from, from their next request on.
+        `weights_token`: the run's `LiveRun.weights_token` (a clean stop keeps the snapshot
+        while the run still holds those weights: `persist_snapshots`)."""
         row = self._existing(session_id, seq)
         if row is not None and row.id in self._live.get(session_id, {}):
             return row.id  # a retried save: done already
@@ -447,7 +479,8 @@ class SamplerManager:
         if row is None:
             row = self._new_row(owner, session_id, seq, base, None, source_run_id)
         self._remember(LiveSampler(row.id, owner, session_id, base, version,
-                                   follows=source_run_id if inflight else None))
+                                   follows=source_run_id if inflight else None, source_run=source_run_id,
+                                   weights=weights_token))
         return row.id
 
     def _publish(self, run_id: str, session_id: str, version: Any) -> None:
@@ -509,16 +542,38 @@ class SamplerManager:
                     "created; create a new sampling client (save_weights_and_get_sampling_client), keep fewer "
                     "sampling clients per session, or save the weights to a path (save_weights_for_sampler) so that "
                     "they are reloaded after an eviction")
-            raise RuntimeError(
-                f"sampling session {sampler_id} held an in-memory snapshot that is gone (server restarted or "
-                "session evicted); create a new sampling client"
-            )
+            restored = self._from_snapshot_save(row)
+            if restored is None:
+                raise RuntimeError(
+                    f"sampling session {sampler_id} held an in-memory snapshot that is gone (server restarted or "
+                    "session evicted); create a new sampling client"
+                )
+            return restored
         if row.model_path is not None:
             base, version = self._version_from_checkpoint(owner, row.model_path)
         else:
             base, version = self.registry.resolve(row.base_model), None
         live = LiveSampler(row.id, owner, row.session_id, base, version, row.model_path)
         self._remember(live)
+        return live
+
+    def _from_snapshot_save(self, row: SamplerRow) -> LiveSampler | None:
+        """A snapshot session back after a restart, from its run's snapshot save
+        (`persist_snapshots`); None when that save does not hold it."""
+        crow = self.store.get(CheckpointRow, snapshot_path(row.source_run_id))
+        record = read_snapshot_record(crow.directory) if crow is not None else None
+        if record is None or row.id not in record[1]:
+            return None
+        run = self.store.get(RunRow, row.source_run_id)
+        base = self.registry.resolve(row.base_model)
+        lora = types.LoraConfig(**run.lora_config) if run is not None and run.lora_config else None
+        start = time.monotonic()
+        weights = ckpt.read_sampler_weights(Path(crow.directory))
+        version = self._load(base, weights.items(), lora, mode="files", start=start)
+        live = LiveSampler(row.id, row.owner, row.session_id, base, version, source_run=row.source_run_id,
+                           weights=record[0])
+        self._remember(live)
+        log.debug("sampling session %s back from %s", row.id, crow.tinker_path)
         return live
 
     def get(self, owner: str, sampler_id: str) -> types.GetSamplerResponse:
@@ -553,6 +608,9 @@ class SamplerManager:
 
     def _start_sample(self, sub: Submission, owner: str, sampler_id: str, num: Any, kwargs: dict[str, Any],
                       record: bool) -> None:
+        if self._stopping:
+            self.futures.fail(sub.request_id, SAMPLE_STOPPING, Server)
+            return
         try:
             if not sub.sample_sequence_ids:
                 raise UserError(f"num_samples must be an integer >= 1, got {num!r}")
@@ -636,6 +694,57 @@ class SamplerManager:
         else:  # any other exception, a ValueError from torch included, is a bug of ours
             log.error("sample %s failed", rid, exc_info=exc)
             self.futures.fail(rid, public_message(exc), Server)
+
+    # ------------------------------------------------------------------ a clean stop
+    def snapshots_of(self, run_id: str, weights_token: str) -> list[str]:
+        """Ids of the loaded snapshot sampling sessions of run `run_id` that hold its weights
+        `weights_token` (in-flight sessions left out: they follow the run's newest target)."""
+        with self._lock:
+            return sorted(live.sampler_id for live in self._by_id.values() if live.follows is None
+                          and live.source_run == run_id and live.weights == weights_token)
+
+    def persist_snapshots(self, checkpoints: Any, run_id: str, owner: str, weights_token: str,
+                          export: Callable[[Path], None]) -> int:
+        """A clean stop, on the run's lane after its final save: when loaded snapshot sessions
+        hold the run's current weights, `export` writes them as the run's sampler checkpoint
+        `ember-autosave` (a `CheckpointStore` automatic save: quota-exempt, replaced each
+        time) with `SNAPSHOT_RECORD` naming those sessions, each of which comes back from it
+        after the restart (`_from_snapshot_save`). Bounded: one save per run. Snapshots of
+        earlier weights are not kept: the sampler gives no tensors back. How many were kept."""
+        ids = self.snapshots_of(run_id, weights_token)
+        if not ids:
+            return 0
+        record = json.dumps({"weights": weights_token, "sampling_sessions": ids})
+
+        def write(tmp: Path) -> None:
+            export(tmp)
+            (tmp / SNAPSHOT_RECORD).write_text(record)
+
+        try:
+            checkpoints.save(run_id, owner, "sampler", AUTOSAVE_NAME, write, overwrite=True)
+        except Exception as exc:  # noqa: BLE001 - the run itself is saved; say why its samplers are not
+            log.warning("run %s: %d sampling session(s) not saved at shutdown: %s", run_id, len(ids),
+                        public_message(exc))
+            return 0
+        log.debug("run %s: sampling sessions %s saved for the restart", run_id, ", ".join(ids))
+        return len(ids)
+
+    def stop_taking(self) -> None:
+        """A clean stop began: every new sample is refused (category server, `SAMPLE_STOPPING`)."""
+        self._stopping = True
+
+    def drain(self, timeout_s: float) -> int:
+        """Let the samples running finish for up to `timeout_s`; fail those still running then
+        (category server, `SAMPLE_SHUTDOWN`: the client samples again after the restart). How
+        many failed so."""
+        with self._running_lock:
+            running = [fut for _, fut in self._running.values()]
+        concurrent.futures.wait(running, timeout=max(0.0, timeout_s))
+        with self._running_lock:
+            left = list(self._running)
+        for rid in left:
+            self.futures.fail(rid, SAMPLE_SHUTDOWN, Server)
+        return len(left)
 
     def sleep_all(self) -> None:
         """Colocation: every sampler that shares the trainer's GPU releases it (backends
