@@ -44,6 +44,10 @@ def test_enospc_and_raise():
     with pytest.raises(ValueError, match=r"could not be broadcast .*checkpoint.after_write") as info:
         failpoints.hit("checkpoint.after_write")
     assert type(info.value) is ValueError
+    failpoints.arm("sampler.stop_strings", "decodeerror", times=1)  # a tokenizer's failure on a broken byte
+    with pytest.raises(UnicodeDecodeError, match="sampler.stop_strings"):
+        failpoints.hit("sampler.stop_strings")
+    failpoints.hit("sampler.stop_strings")  # *1: fired once
 
 
 @pytest.mark.parametrize("name,action", [("no.such.point", "kill"), ("checkpoint.after_write", "explode"),

@@ -16,6 +16,7 @@ or in process with `arm(name, action, times)` / `disarm()`. Actions:
     raise         RuntimeError("fail point <name>")
     valueerror    ValueError as numpy raises it on mismatched shapes: a bug of ember's that must be
                   reported as `server` (not as bad input: only `UserError` is the caller's fault)
+    decodeerror   UnicodeDecodeError as a tokenizer raises on a broken byte (a bug-like failure of one request)
     enospc        OSError(ENOSPC): a full disk
     dblocked      sqlalchemy OperationalError "database is locked"
     oom           MemoryError
@@ -50,6 +51,7 @@ POINTS = {
     "futures.finish_write": "the database write that finishes a future (result or error)",
     "futures.after_create": "a create call's future row is committed, its work is not queued yet",
     "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs)",
+    "sampler.stop_strings": "a sequence with stop strings is about to have its text decoded (once per decode step)",
     "run.create_engine": "a training run's engine is about to be built (on its lane)",
     "run.op": "a training run's op (forward_backward, optim_step, save, ...) is about to run on its lane",
     "sampler.submit": "a sample request, checked and counted against its owner, is about to reach its sampler",
@@ -99,7 +101,8 @@ def _check(name: str) -> str:
 
 def _check_action(action: str) -> str:
     kind, _, arg = action.partition(":")
-    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap", "hold", "valueerror") or (kind == "sleep") != bool(arg):
+    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap", "hold", "valueerror",
+                    "decodeerror") or (kind == "sleep") != bool(arg):
         raise ValueError(f"unknown fail point action {action!r}")
     if arg:
         float(arg)
@@ -187,6 +190,8 @@ def _fire(name: str, action: str) -> None:
         raise OperationalError(f"/* fail point {name} */ UPDATE futures SET ...", {}, Exception("database is locked"))
     if kind == "oom":
         raise MemoryError()
+    if kind == "decodeerror":
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, f"broken byte (fail point {name})")
     if kind == "valueerror":
         raise ValueError(f"operands could not be broadcast together with shapes (3,) (4,) (fail point {name})")
     if kind == "mmap":

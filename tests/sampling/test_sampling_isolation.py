@@ -80,20 +80,17 @@ def assert_keeps_serving(sampler, alone_a: types.SampleResponse) -> None:
 
 def test_stop_string_decode_failure_fails_only_that_request(torch_sampler):
     alone = torch_sampler.sample_many([request_a()], timeout=60)[0]
-    decode = torch_sampler.scheduler.decode_text
-
-    def flaky_decode(ids):  # raises for B once it has 3 tokens: inside a decode step, A in flight
-        if len(ids) >= 3:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken byte in this request's text")
-        return decode(ids)
-
-    torch_sampler.scheduler.decode_text = flaky_decode
-    got_a, got_b = run_together(torch_sampler, request_a(), request_b())
+    # Only B has stop strings: its text is decoded once per sample per step. The first 4 decodes
+    # pass, then B's fails once it has 3 tokens: inside a decode step, A in flight.
+    failpoints.arm("sampler.stop_strings", "decodeerror", skip=4)
+    try:
+        got_a, got_b = run_together(torch_sampler, request_a(), request_b())
+    finally:
+        failpoints.disarm("sampler.stop_strings")
     assert isinstance(got_b, RuntimeError), got_b
     assert_names_nothing_of_a(got_b)
     assert "UnicodeDecodeError" in str(got_b)
     assert_same_samples(got_a, alone)
-    torch_sampler.scheduler.decode_text = decode
     assert_keeps_serving(torch_sampler, alone)
     assert not torch_sampler.scheduler.slots.active.any() and not torch_sampler.scheduler.waiting
 

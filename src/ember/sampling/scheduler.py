@@ -599,6 +599,7 @@ class Scheduler:
 
     def _stop_string_hit(self, slot: int) -> bool:
         failpoints.hit("sampler.decode_request")
+        failpoints.hit("sampler.stop_strings")
         slots = self.slots
         text = self.decode_text(slots.out_tokens[slot, : slots.num_generated[slot]].tolist())
         return any(stop in text for stop in slots.request[slot].spec.stop_strings)
