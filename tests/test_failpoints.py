@@ -95,3 +95,16 @@ def test_hold_blocks_the_hitting_thread_until_released():
     failpoints.hit("run.op")  # released means disarmed: a later hit passes
     with pytest.raises(ValueError, match="unknown fail point"):
         failpoints.release("run.nope")
+
+
+def test_a_point_armed_for_a_key_fires_only_at_hits_with_that_key():
+    """One request's failure at a point that every request passes (its sequence id as key)."""
+    failpoints.arm("sampler.decode_request", "raise", times=1, key="bob")
+    try:
+        failpoints.hit("sampler.decode_request", key="alice-0")  # not bob's: passes, uncounted
+        failpoints.hit("sampler.decode_request")  # no key: passes
+        with pytest.raises(failpoints.FailPointError, match="sampler.decode_request"):
+            failpoints.hit("sampler.decode_request", key="bob-1")
+        failpoints.hit("sampler.decode_request", key="bob-1")  # *1: fired once
+    finally:
+        failpoints.disarm()

@@ -16,7 +16,6 @@ from tinker import types
 
 from ember import failpoints
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
-from ember.sampling import jobs as sampling_jobs
 from ember.sampling import scheduler as sampling_scheduler
 
 from .conftest import params, prompt
@@ -128,41 +127,32 @@ def test_topk_failure_in_the_batched_path_fails_only_that_request(torch_sampler,
     assert_keeps_serving(torch_sampler, alone)
 
 
-def test_prompt_scores_failure_fails_only_that_request(torch_sampler, monkeypatch):
+def test_prompt_scores_failure_fails_only_that_request(torch_sampler):
     alone = torch_sampler.sample_many([request_a(include_prompt_logprobs=True)], timeout=60)[0]
-    real = sampling_jobs.prompt_scores
-
-    def fails_for_b(logits, prompt_ids, spec):
-        if list(prompt_ids) == B_PROMPT:
-            raise RuntimeError("prompt scoring exploded for this prompt")
-        return real(logits, prompt_ids, spec)
-
-    monkeypatch.setattr(sampling_jobs, "prompt_scores", fails_for_b)
-    got_a, got_b = run_together(torch_sampler, request_a(include_prompt_logprobs=True),
-                                request_b(include_prompt_logprobs=True))
+    failpoints.arm("sampler.score_prompt", "raise", key="bob")  # B's prompt scoring fails, A's does not
+    try:
+        got_a, got_b = run_together(torch_sampler, request_a(include_prompt_logprobs=True),
+                                    request_b(include_prompt_logprobs=True))
+    finally:
+        failpoints.disarm("sampler.score_prompt")
     assert isinstance(got_b, RuntimeError), got_b
     assert_names_nothing_of_a(got_b)
     assert_same_samples(got_a, alone)
-    monkeypatch.setattr(sampling_jobs, "prompt_scores", real)
     again = torch_sampler.sample_many([request_a(include_prompt_logprobs=True)], timeout=60)[0]
     assert_same_samples(again, alone)
 
 
 @pytest.mark.parametrize("b_tokens", [3, 0])  # B finishes while A decodes / at admission (no token at all)
-def test_response_failure_fails_only_that_request(torch_sampler, monkeypatch, b_tokens):
+def test_response_failure_fails_only_that_request(torch_sampler, b_tokens):
     """Building B's finished sequence raises (here: at B's sequence id, a per-request value);
     B's other sample, finishing in the same step, is skipped rather than built from a freed slot."""
     alone = torch_sampler.sample_many([request_a()], timeout=60)[0]
-    real = sampling_jobs.sampled_sequence
-
-    def fails_for_b(tokens, logprobs, topk_rows, k, stop, sequence_id):
-        if sequence_id.startswith("bob"):
-            raise ValueError("cannot build this sequence")
-        return real(tokens, logprobs, topk_rows, k, stop, sequence_id)
-
-    monkeypatch.setattr(sampling_jobs, "sampled_sequence", fails_for_b)
-    got_a, got_b = run_together(torch_sampler, request_a(),
-                                request_b(sampling_params=params(max_tokens=b_tokens, stop=[])))
+    failpoints.arm("sampler.decode_request", "valueerror", key="bob")
+    try:
+        got_a, got_b = run_together(torch_sampler, request_a(),
+                                    request_b(sampling_params=params(max_tokens=b_tokens, stop=[])))
+    finally:
+        failpoints.disarm("sampler.decode_request")
     assert isinstance(got_b, RuntimeError) and not isinstance(got_b, ValueError), got_b
     assert_names_nothing_of_a(got_b)
     assert_same_samples(got_a, alone)

@@ -610,10 +610,10 @@ class Scheduler:
         self._guarded(request, self._finish_sequence, request, slot, stop)
 
     def _finish_sequence(self, request: RequestState, slot: int, stop: bool) -> None:
-        failpoints.hit("sampler.decode_request")
         slots = self.slots
         sample, length = int(slots.sample[slot]), int(slots.num_generated[slot])
         spec = request.spec
+        failpoints.hit("sampler.decode_request", key=str(spec.sequence_ids[sample]))
         sequence = jobs.sampled_sequence(
             slots.out_tokens[slot, :length], slots.out_logprobs[slot, :length], slots.out_top_logprobs[slot],
             spec.topk_sample_logprobs, stop, spec.sequence_ids[sample],
