@@ -198,8 +198,6 @@ NOT_YET_REPLACED = {
         "records the minibatches the GRPO recipe trains on; recipes/grpo.py is being reworked (issue 40)",
     ("tests/sampling/test_sampling_isolation.py", "sampling_scheduler.top_logprobs"):
         "a MemoryError for one request's large k, with its own matrix's shape in the message: needs a seam",
-    ("tests/sampling/test_sampling_prompt_logits.py", "ModelRunner.unembed"):
-        "counts the rows the LM head is given: needs a documented count (e.g. a debug_state) instead",
     ("tests/sampling/test_sampling_vllm.py", "vllm_sampler.config"):
         "a lower max_logprobs / enable_lora=False on the module's shared vLLM engine: a second engine costs minutes",
 }

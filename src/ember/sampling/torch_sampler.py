@@ -164,7 +164,9 @@ class TorchSampler(Sampler):
     @property
     def stats(self) -> dict[str, int]:
         """Counters since construction: prefill forwards and prompts, decode steps and rows, sequences,
-        and sequences moved to a lower slot as the batch drained (compaction)."""
+        sequences moved to a lower slot as the batch drained (compaction), and prompt logits computed
+        from hidden states under `logprob_chunk_tokens` (`unembed_calls`; `unembed_rows_max`: the
+        most rows one call was given)."""
         return dict(self._scheduler.stats)
 
     def load(self) -> dict[str, int]:
