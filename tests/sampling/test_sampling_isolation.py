@@ -91,7 +91,7 @@ def test_stop_string_decode_failure_fails_only_that_request(torch_sampler):
     assert "UnicodeDecodeError" in str(got_b)
     assert_same_samples(got_a, alone)
     assert_keeps_serving(torch_sampler, alone)
-    assert not torch_sampler.scheduler.slots.active.any() and not torch_sampler.scheduler.waiting
+    assert torch_sampler.load() == {"active_slots": 0, "waiting_requests": 0}
 
 
 def test_oversized_topk_counts_are_clamped_and_succeed(torch_sampler):

@@ -179,8 +179,8 @@ class TorchSampler(Sampler):
 
     @property
     def scheduler(self) -> Scheduler:
-        """Read-only: the continuous-batching scheduler this sampler's thread drives (its
-        slots and waiting queue; tests inject decode faults into it)."""
+        """Read-only: the continuous-batching scheduler this sampler's thread drives (a test
+        steps it by hand, reads its `load()` and `busy`)."""
         return self._scheduler
 
     @property
