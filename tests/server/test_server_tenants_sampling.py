@@ -27,7 +27,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, memory_cap, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, future_outcome, memory_cap, sft_datum, start_server
 
 BACKENDS = [
     pytest.param("torch", marks=pytest.mark.slow),
@@ -108,14 +108,7 @@ def test_stop_string_with_a_lone_surrogate_is_a_user_error(tenants, server):
 
 
 def _outcome(http: httpx.Client, request_id: str) -> dict:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        r = http.post("/retrieve_future", json={"request_id": request_id}, headers={"Accept": "application/json"})
-        assert r.status_code in (200, 400), r.text
-        body = r.json()
-        if body.get("type") != "try_again":
-            return body
-    raise AssertionError("the future never finished")
+    return future_outcome(http, request_id, statuses=(200, 400))
 
 
 # the service's check is the same for every backend: run against the torch server only
