@@ -44,6 +44,10 @@ def test_enospc_and_raise():
     with pytest.raises(ValueError, match=r"could not be broadcast .*checkpoint.after_write") as info:
         failpoints.hit("checkpoint.after_write")
     assert type(info.value) is ValueError
+    failpoints.arm("sampler.stop_strings", "decodeerror", times=1)  # a tokenizer's failure on a broken byte
+    with pytest.raises(UnicodeDecodeError, match="sampler.stop_strings"):
+        failpoints.hit("sampler.stop_strings")
+    failpoints.hit("sampler.stop_strings")  # *1: fired once
 
 
 @pytest.mark.parametrize("name,action", [("no.such.point", "kill"), ("checkpoint.after_write", "explode"),
@@ -91,3 +95,16 @@ def test_hold_blocks_the_hitting_thread_until_released():
     failpoints.hit("run.op")  # released means disarmed: a later hit passes
     with pytest.raises(ValueError, match="unknown fail point"):
         failpoints.release("run.nope")
+
+
+def test_a_point_armed_for_a_key_fires_only_at_hits_with_that_key():
+    """One request's failure at a point that every request passes (its sequence id as key)."""
+    failpoints.arm("sampler.decode_request", "raise", times=1, key="bob")
+    try:
+        failpoints.hit("sampler.decode_request", key="alice-0")  # not bob's: passes, uncounted
+        failpoints.hit("sampler.decode_request")  # no key: passes
+        with pytest.raises(failpoints.FailPointError, match="sampler.decode_request"):
+            failpoints.hit("sampler.decode_request", key="bob-1")
+        failpoints.hit("sampler.decode_request", key="bob-1")  # *1: fired once
+    finally:
+        failpoints.disarm()

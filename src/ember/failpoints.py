@@ -10,12 +10,16 @@ Armed from the environment of a server process (a test starts `ember serve` with
 
     EMBER_FAILPOINTS="checkpoint.after_write=kill;futures.finish_write=dblocked*3"
 
-or in process with `arm(name, action, times)` / `disarm()`. Actions:
+or in process with `arm(name, action, times)` / `disarm()`. In process a point can also be armed
+for one request: `arm(name, action, key="bob")` fires only at hits whose key (a point that
+serves many requests passes one, e.g. the sequence id) contains "bob"; other hits pass uncounted.
+Actions:
 
     kill          SIGKILL this process (a crash: nothing is flushed or cleaned up)
     raise         RuntimeError("fail point <name>")
     valueerror    ValueError as numpy raises it on mismatched shapes: a bug of ember's that must be
                   reported as `server` (not as bad input: only `UserError` is the caller's fault)
+    decodeerror   UnicodeDecodeError as a tokenizer raises on a broken byte (a bug-like failure of one request)
     enospc        OSError(ENOSPC): a full disk
     dblocked      sqlalchemy OperationalError "database is locked"
     oom           MemoryError
@@ -49,7 +53,10 @@ POINTS = {
     "checkpoint.after_commit": "the row points at the new directory, the replaced one is not removed yet",
     "futures.finish_write": "the database write that finishes a future (result or error)",
     "futures.after_create": "a create call's future row is committed, its work is not queued yet",
-    "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs)",
+    "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs; key: the "
+                              "sequence id of a finished sequence)",
+    "sampler.score_prompt": "a request's prompt logprobs are about to be computed (key: its sequence ids)",
+    "sampler.stop_strings": "a sequence with stop strings is about to have its text decoded (once per decode step)",
     "run.create_engine": "a training run's engine is about to be built (on its lane)",
     "run.op": "a training run's op (forward_backward, optim_step, save, ...) is about to run on its lane",
     "sampler.submit": "a sample request, checked and counted against its owner, is about to reach its sampler",
@@ -66,6 +73,7 @@ class _Armed:
     action: str
     remaining: int  # -1: every hit
     skip: int = 0  # hits that pass before the action fires
+    key: str | None = None  # fire only at hits whose key contains this (None: every hit)
     released: threading.Event = field(default_factory=threading.Event)  # ends a `hold`
 
 
@@ -99,7 +107,8 @@ def _check(name: str) -> str:
 
 def _check_action(action: str) -> str:
     kind, _, arg = action.partition(":")
-    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap", "hold", "valueerror") or (kind == "sleep") != bool(arg):
+    if kind not in ("kill", "raise", "enospc", "dblocked", "sleep", "oom", "mmap", "hold", "valueerror",
+                    "decodeerror") or (kind == "sleep") != bool(arg):
         raise ValueError(f"unknown fail point action {action!r}")
     if arg:
         float(arg)
@@ -114,11 +123,12 @@ def _load_env() -> None:
             _env_loaded = True
 
 
-def arm(name: str, action: str, times: int = -1, skip: int = 0) -> None:
-    """Arm `name` in this process (tests): after `skip` hits pass, `times` hits, or every hit if -1."""
+def arm(name: str, action: str, times: int = -1, skip: int = 0, key: str | None = None) -> None:
+    """Arm `name` in this process (tests): after `skip` hits pass, `times` hits, or every hit if -1;
+    with `key`, only the hits whose key contains it count (one request's, of a shared point)."""
     _load_env()
     with _lock:
-        _armed[_check(name)] = _Armed(_check_action(action), times, skip)
+        _armed[_check(name)] = _Armed(_check_action(action), times, skip, key)
 
 
 def disarm(name: str | None = None) -> None:
@@ -149,15 +159,15 @@ def pending(name: str) -> bool:
         return armed is not None and armed.remaining != 0
 
 
-def hit(name: str) -> None:
-    """Mark fail point `name`; does nothing unless it is armed."""
+def hit(name: str, key: str | None = None) -> None:
+    """Mark fail point `name`; does nothing unless it is armed (for `key`, when armed with one)."""
     if not _env_loaded:
         _load_env()
     if not _armed:
         return
     with _lock:
         armed = _armed.get(name)
-        if armed is None or armed.remaining == 0:
+        if armed is None or armed.remaining == 0 or (armed.key is not None and armed.key not in (key or "")):
             return
         if armed.skip > 0:
             armed.skip -= 1
@@ -187,6 +197,8 @@ def _fire(name: str, action: str) -> None:
         raise OperationalError(f"/* fail point {name} */ UPDATE futures SET ...", {}, Exception("database is locked"))
     if kind == "oom":
         raise MemoryError()
+    if kind == "decodeerror":
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, f"broken byte (fail point {name})")
     if kind == "valueerror":
         raise ValueError(f"operands could not be broadcast together with shapes (3,) (4,) (fail point {name})")
     if kind == "mmap":

@@ -244,6 +244,19 @@ def wait_until(predicate, timeout: float, interval: float = 0.2, message: str = 
     raise AssertionError(f"timed out after {timeout} s waiting for {message}")
 
 
+def future_outcome(http: httpx.Client, request_id: str, timeout: float = 120, path: str = "/retrieve_future",
+                   statuses: Sequence[int] = (200,)) -> dict:
+    """The JSON answer of `retrieve_future` once it is not `try_again` (the server long-polls,
+    so no pause between asks); `http` carries the base URL and key, `path` is relative to it.
+    An answer with a status outside `statuses` fails the test, naming it."""
+    def answer() -> dict | None:
+        r = http.post(path, json={"request_id": request_id}, headers={"Accept": "application/json"})
+        assert r.status_code in statuses, r.text[:500]
+        return None if r.json().get("type") == "try_again" else r.json()
+
+    return wait_until(answer, timeout, interval=0, message=f"future {request_id} to finish")
+
+
 def sft_datum(tokens: Sequence[int], weights: Sequence[float] | None = None):
     """A next-token cross-entropy datum: input tokens[:-1], targets tokens[1:]."""
     from tinker import types

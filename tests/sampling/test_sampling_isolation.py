@@ -16,7 +16,6 @@ from tinker import types
 
 from ember import failpoints
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
-from ember.sampling import jobs as sampling_jobs
 from ember.sampling import scheduler as sampling_scheduler
 
 from .conftest import params, prompt
@@ -80,22 +79,19 @@ def assert_keeps_serving(sampler, alone_a: types.SampleResponse) -> None:
 
 def test_stop_string_decode_failure_fails_only_that_request(torch_sampler):
     alone = torch_sampler.sample_many([request_a()], timeout=60)[0]
-    decode = torch_sampler.scheduler.decode_text
-
-    def flaky_decode(ids):  # raises for B once it has 3 tokens: inside a decode step, A in flight
-        if len(ids) >= 3:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken byte in this request's text")
-        return decode(ids)
-
-    torch_sampler.scheduler.decode_text = flaky_decode
-    got_a, got_b = run_together(torch_sampler, request_a(), request_b())
+    # Only B has stop strings: its text is decoded once per sample per step. The first 4 decodes
+    # pass, then B's fails once it has 3 tokens: inside a decode step, A in flight.
+    failpoints.arm("sampler.stop_strings", "decodeerror", skip=4)
+    try:
+        got_a, got_b = run_together(torch_sampler, request_a(), request_b())
+    finally:
+        failpoints.disarm("sampler.stop_strings")
     assert isinstance(got_b, RuntimeError), got_b
     assert_names_nothing_of_a(got_b)
     assert "UnicodeDecodeError" in str(got_b)
     assert_same_samples(got_a, alone)
-    torch_sampler.scheduler.decode_text = decode
     assert_keeps_serving(torch_sampler, alone)
-    assert not torch_sampler.scheduler.slots.active.any() and not torch_sampler.scheduler.waiting
+    assert torch_sampler.load() == {"active_slots": 0, "waiting_requests": 0}
 
 
 def test_oversized_topk_counts_are_clamped_and_succeed(torch_sampler):
@@ -131,41 +127,32 @@ def test_topk_failure_in_the_batched_path_fails_only_that_request(torch_sampler,
     assert_keeps_serving(torch_sampler, alone)
 
 
-def test_prompt_scores_failure_fails_only_that_request(torch_sampler, monkeypatch):
+def test_prompt_scores_failure_fails_only_that_request(torch_sampler):
     alone = torch_sampler.sample_many([request_a(include_prompt_logprobs=True)], timeout=60)[0]
-    real = sampling_jobs.prompt_scores
-
-    def fails_for_b(logits, prompt_ids, spec):
-        if list(prompt_ids) == B_PROMPT:
-            raise RuntimeError("prompt scoring exploded for this prompt")
-        return real(logits, prompt_ids, spec)
-
-    monkeypatch.setattr(sampling_jobs, "prompt_scores", fails_for_b)
-    got_a, got_b = run_together(torch_sampler, request_a(include_prompt_logprobs=True),
-                                request_b(include_prompt_logprobs=True))
+    failpoints.arm("sampler.score_prompt", "raise", key="bob")  # B's prompt scoring fails, A's does not
+    try:
+        got_a, got_b = run_together(torch_sampler, request_a(include_prompt_logprobs=True),
+                                    request_b(include_prompt_logprobs=True))
+    finally:
+        failpoints.disarm("sampler.score_prompt")
     assert isinstance(got_b, RuntimeError), got_b
     assert_names_nothing_of_a(got_b)
     assert_same_samples(got_a, alone)
-    monkeypatch.setattr(sampling_jobs, "prompt_scores", real)
     again = torch_sampler.sample_many([request_a(include_prompt_logprobs=True)], timeout=60)[0]
     assert_same_samples(again, alone)
 
 
 @pytest.mark.parametrize("b_tokens", [3, 0])  # B finishes while A decodes / at admission (no token at all)
-def test_response_failure_fails_only_that_request(torch_sampler, monkeypatch, b_tokens):
+def test_response_failure_fails_only_that_request(torch_sampler, b_tokens):
     """Building B's finished sequence raises (here: at B's sequence id, a per-request value);
     B's other sample, finishing in the same step, is skipped rather than built from a freed slot."""
     alone = torch_sampler.sample_many([request_a()], timeout=60)[0]
-    real = sampling_jobs.sampled_sequence
-
-    def fails_for_b(tokens, logprobs, topk_rows, k, stop, sequence_id):
-        if sequence_id.startswith("bob"):
-            raise ValueError("cannot build this sequence")
-        return real(tokens, logprobs, topk_rows, k, stop, sequence_id)
-
-    monkeypatch.setattr(sampling_jobs, "sampled_sequence", fails_for_b)
-    got_a, got_b = run_together(torch_sampler, request_a(),
-                                request_b(sampling_params=params(max_tokens=b_tokens, stop=[])))
+    failpoints.arm("sampler.decode_request", "valueerror", key="bob")
+    try:
+        got_a, got_b = run_together(torch_sampler, request_a(),
+                                    request_b(sampling_params=params(max_tokens=b_tokens, stop=[])))
+    finally:
+        failpoints.disarm("sampler.decode_request")
     assert isinstance(got_b, RuntimeError) and not isinstance(got_b, ValueError), got_b
     assert_names_nothing_of_a(got_b)
     assert_same_samples(got_a, alone)

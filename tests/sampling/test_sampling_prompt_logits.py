@@ -13,7 +13,6 @@ import torch
 from tinker import types
 
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
-from ember.sampling.runner import ModelRunner
 
 PROMPT = [(11 * i + 5) % 80 + 1 for i in range(45)]
 CHUNK = 7  # 44 scored rows: six full chunks and a partial one
@@ -70,26 +69,19 @@ def samplers(tiny_model_dir):
 
 
 @pytest.mark.parametrize("forward", ["direct", "transformers"])
-def test_chunked_prompt_scores_equal_unchunked(samplers, ref_model, forward, monkeypatch):
+def test_chunked_prompt_scores_equal_unchunked(samplers, ref_model, forward):
     held, chunked = samplers[forward, 0], samplers[forward, CHUNK]
-    calls: list[int] = []
-    real = ModelRunner.unembed
-
-    def counting(self, hidden, *args, **kwargs):
-        calls.append(hidden.shape[0])
-        return real(self, hidden, *args, **kwargs)
-
-    monkeypatch.setattr(ModelRunner, "unembed", counting)
     chunked_versions = _versions(chunked, ref_model)
     for name, version in _versions(held, ref_model).items():
         want = _score(held, version)
-        assert not calls, "logprob_chunk_tokens=0 keeps the forward's own logits"
+        assert held.stats["unembed_calls"] == 0, "logprob_chunk_tokens=0 keeps the forward's own logits"
+        calls = chunked.stats["unembed_calls"]
         got = _score(chunked, chunked_versions[name])
         for key in ("compute_logprobs", "last_n", "prompt_logprobs", "topk_logprobs", "targets", "sampled"):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"{name} {key}")
         np.testing.assert_array_equal(got["topk_ids"], want["topk_ids"])
-        assert calls and max(calls) <= CHUNK, calls  # the LM head never saw more than a chunk of rows
-        calls.clear()
+        stats = chunked.stats  # the LM head never saw more than a chunk of rows
+        assert stats["unembed_calls"] > calls and 0 < stats["unembed_rows_max"] <= CHUNK, stats
     assert chunked.stats["prefix_cache_hit_tokens"] > 0  # the hit's path (`Scheduler._extend`) was taken too
 
 

@@ -71,7 +71,7 @@ def test_enqueue_and_step_serve_every_request_as_the_sampler_does(small_sampler,
         for seq, want_seq in zip(got.sequences, want.sequences, strict=True):
             assert seq.tokens == want_seq.tokens
             np.testing.assert_array_equal(seq.logprobs, want_seq.logprobs)  # same schedule: same bits
-    assert not scheduler.waiting and not scheduler.slots.active.any() and not scheduler.in_flight()
+    assert scheduler.load() == {"active_slots": 0, "waiting_requests": 0} and not scheduler.in_flight()
 
 
 def test_fail_in_flight_fails_the_slot_holders_and_the_rest_are_served(small_sampler, expected):
@@ -83,7 +83,7 @@ def test_fail_in_flight_fails_the_slot_holders_and_the_rest_are_served(small_sam
     scheduler.fail_in_flight(RuntimeError("the shared forward broke"))
     with pytest.raises(RuntimeError, match="the shared forward broke"):
         first.future.result(timeout=0)
-    assert not scheduler.slots.active.any()
+    assert scheduler.load()["active_slots"] == 0
     _run(scheduler)
     for job, want in [(second, expected[1]), (third, expected[2])]:
         assert [s.tokens for s in job.future.result(timeout=0).sequences] == [s.tokens for s in want.sequences]

@@ -10,6 +10,7 @@ functions too (bucket plan, pack/unpack, header parsing), tested here without pr
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -181,7 +182,10 @@ def test_a_kept_version_is_a_copy_unless_the_caller_hands_it_over():
         assert keeper.keep(1, live.items(), None) == 4 * 4 + 2 * 4
         keeper.keep(2, live.items(), None, copy=False)
         live["w"].add_(1.0)
-        assert torch.equal(keeper.kept(1)["w"], torch.ones(4)) and keeper.kept(2)["w"].data_ptr() == live["w"].data_ptr()
+        state = json.loads(json.dumps(keeper.debug_state()))  # JSON-safe
+        kept = state["versions"]
+        assert kept["1"]["w"]["sum"] == 4.0 and kept["1"]["w"]["data_ptr"] != live["w"].data_ptr()  # a copy of ones
+        assert kept["2"]["w"]["data_ptr"] == live["w"].data_ptr() and kept["2"]["w"]["sum"] == 8.0  # the live tensor
     finally:
         keeper.close()
 

@@ -20,7 +20,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from ember.server import wire
 from ember.server.deps import model_response
-from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, sft_datum, start_server, wait_until
 from helpers.zygote import run_module
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
@@ -129,14 +129,14 @@ def test_an_infinite_loss_fetched_as_json_is_a_valid_response(server, training):
     model_id = training.get_info().model_id
     huge = sft_datum([3, 5, 7, 9, 11], weights=[3e38] * 4)  # finite weights, a loss past float32's range
     rid = _raw_forward(server, model_id, 1, [huge])
-    deadline = time.monotonic() + 60
-    while True:  # a JSON-only client (no protobuf Accept), parsed as the SDK parses JSON: orjson
+    def answer() -> dict | None:  # a JSON-only client (no protobuf Accept), parsed as the SDK parses JSON: orjson
         r = httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers={"X-API-Key": API_KEY},
                        json={"request_id": rid}, timeout=60)
         assert r.status_code == 200, r.text
         body = orjson.loads(r.content)
-        if body.get("type") != "try_again" or time.monotonic() > deadline:
-            break
+        return None if body.get("type") == "try_again" else body
+
+    body = wait_until(answer, 60, interval=0, message=f"future {rid} to finish")
     assert "error" not in body, body
     assert body["metrics"]["loss:sum"] is None  # inf: JSON has no infinity
 

@@ -32,7 +32,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from ember.server import routes_unsupported
 from ember.server.app import create_app
 from ember.server.config import ServerConfig
-from helpers.server import API_KEY, MODEL_NAME, ServerProc, memory_cap, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, ServerProc, future_outcome, memory_cap, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -85,14 +85,7 @@ def user_error(resp: httpx.Response, *words: str) -> str:
 
 
 def outcome(http: httpx.Client, request_id: str) -> dict:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        r = http.post("/api/v1/retrieve_future", json={"request_id": request_id},
-                      headers={"Accept": "application/json"})
-        assert r.status_code == 200, r.text[:500]
-        if r.json().get("type") != "try_again":
-            return r.json()
-    raise AssertionError(f"{request_id} never finished")
+    return future_outcome(http, request_id, 300, path="/api/v1/retrieve_future")
 
 
 @contextmanager

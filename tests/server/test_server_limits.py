@@ -17,7 +17,7 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from helpers.server import API_KEY, MODEL_NAME, memory_cap, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, future_outcome, memory_cap, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -58,23 +58,13 @@ def rss(server) -> int:
     return psutil.Process(server.proc.pid).memory_info().rss
 
 
-def outcome(http: httpx.Client, request_id: str) -> dict:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        r = http.post("/retrieve_future", json={"request_id": request_id}, headers={"Accept": "application/json"})
-        assert r.status_code == 200, r.text
-        if r.json().get("type") != "try_again":
-            return r.json()
-    raise AssertionError("future never finished")
-
-
 def refused(http: httpx.Client, path: str, body: dict | bytes, *words: str) -> None:
     if isinstance(body, bytes):
         r = http.post(path, content=body, headers={"Content-Type": "application/x-protobuf"})
     else:
         r = http.post(path, json=body)
     assert r.status_code == 200, r.text  # accepted, then failed as the user's error
-    out = outcome(http, r.json()["request_id"])
+    out = future_outcome(http, r.json()["request_id"])
     assert out.get("category") == "user", out
     for w in words:
         assert w in out["error"], out["error"]

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -17,20 +16,16 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, server_env, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, future_outcome, server_env, sft_datum, start_server
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
 
 
 def _finished(http: httpx.Client, request_id: str) -> dict:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        body = http.post("/retrieve_future", json={"request_id": request_id}).json()
-        if body.get("type") != "try_again":
-            assert "error" not in body, body
-            return body
-    raise AssertionError("future never finished")
+    body = future_outcome(http, request_id)
+    assert "error" not in body, body
+    return body
 
 
 def export_full_weights(base_url: str) -> None:

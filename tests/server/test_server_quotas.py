@@ -11,13 +11,12 @@ depend on each other's order. The servers run under an address-space cap.
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
 import tinker
 
-from helpers.server import API_KEY, MODEL_NAME, memory_cap, start_server, wait_until
+from helpers.server import API_KEY, MODEL_NAME, future_outcome, memory_cap, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +49,7 @@ def new_session(http: httpx.Client) -> httpx.Response:
 
 def outcome(http: httpx.Client, response: httpx.Response) -> dict:
     assert response.status_code == 200, response.text
-    rid = response.json()["request_id"]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        r = http.post("/retrieve_future", json={"request_id": rid})
-        assert r.status_code == 200, r.text
-        if r.json().get("type") != "try_again":
-            return r.json()
-    raise AssertionError("future never finished")
+    return future_outcome(http, response.json()["request_id"])
 
 
 def create_run(http: httpx.Client, session_id: str, seq: int) -> dict:

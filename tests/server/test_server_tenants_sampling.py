@@ -27,7 +27,8 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, memory_cap, sft_datum, start_server
+from helpers.server import (API_KEY, MODEL_NAME, OTHER_KEY, future_outcome, memory_cap, sft_datum, start_server,
+                            wait_until)
 
 BACKENDS = [
     pytest.param("torch", marks=pytest.mark.slow),
@@ -108,14 +109,7 @@ def test_stop_string_with_a_lone_surrogate_is_a_user_error(tenants, server):
 
 
 def _outcome(http: httpx.Client, request_id: str) -> dict:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        r = http.post("/retrieve_future", json={"request_id": request_id}, headers={"Accept": "application/json"})
-        assert r.status_code in (200, 400), r.text
-        body = r.json()
-        if body.get("type") != "try_again":
-            return body
-    raise AssertionError("the future never finished")
+    return future_outcome(http, request_id, statuses=(200, 400))
 
 
 # the service's check is the same for every backend: run against the torch server only
@@ -166,9 +160,7 @@ def test_a_light_tenants_sample_is_not_held_up_by_a_heavy_backlog(tenants):
     # beyond its bound, B's backlog is refused as a user error: of 12 more requests, one is over
     # the bound while at most 10 of B's 20 have been answered
     extra = [b_sampler.sample(prompt, 256, types.SamplingParams(max_tokens=300, stop=[])) for _ in range(12)]
-    deadline = time.monotonic() + 60
-    while not any(f.future().done() for f in extra) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: any(f.future().done() for f in extra), 60, interval=0.1, message="one of 12 more to be answered")
     refused = [f for f in extra if f.future().done() and f.future().exception() is not None]
     assert refused, f"none of 12 more requests refused ({answered} of B's 20 answered before)"
     with pytest.raises(tinker.RequestFailedError, match="max_queued_sample_tokens_per_key") as info:

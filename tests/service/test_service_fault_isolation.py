@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from tinker import types
 
+from ember import failpoints
 from ember.engine import EngineConfig, TorchEngine
 from ember.engine.registry import ENGINE_BACKENDS
 from helpers.datums import sft_datum
@@ -41,22 +42,18 @@ def test_one_owners_failing_sample_leaves_the_other_owners_samples_alone(make_se
     svc = make_service()
     alice, bob = _sampling_session(svc, "alice"), _sampling_session(svc, "bob")
     alone = result(svc, "alice", _alice_sample(svc, alice, 0))
-    sampler = svc.sampler_backend("tiny")
-    decode = sampler.scheduler.decode_text
-
-    def broken_decode(ids):  # only bob's request has stop strings: only bob's text is decoded
-        if len(ids) >= 3:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
-        return decode(ids)
-
-    sampler.scheduler.decode_text = broken_decode
-    bob_params = types.SamplingParams(max_tokens=16, seed=3, stop=["}}}}"])
-    subs = [_alice_sample(svc, alice, 1),
-            svc.sample("bob", bob, 0, types.ModelInput.from_ints([9, 10, 11]), 3, bob_params),
-            _alice_sample(svc, alice, 2)]
-    got = [result(svc, "alice", subs[0]), result(svc, "alice", subs[2])]
-    failed = wait(svc, "bob", subs[1])
-    sampler.scheduler.decode_text = decode
+    # only bob's request has stop strings: only bob's text is decoded (3 samples a step), and
+    # it fails once bob's first sample has 3 tokens
+    failpoints.arm("sampler.stop_strings", "decodeerror", skip=6)
+    try:
+        bob_params = types.SamplingParams(max_tokens=16, seed=3, stop=["}}}}"])
+        subs = [_alice_sample(svc, alice, 1),
+                svc.sample("bob", bob, 0, types.ModelInput.from_ints([9, 10, 11]), 3, bob_params),
+                _alice_sample(svc, alice, 2)]
+        got = [result(svc, "alice", subs[0]), result(svc, "alice", subs[2])]
+        failed = wait(svc, "bob", subs[1])
+    finally:
+        failpoints.disarm("sampler.stop_strings")
 
     assert failed.status == "failed" and failed.category == "server", failed
     assert "sampling failed for this request: UnicodeDecodeError" in failed.error, failed.error

@@ -102,12 +102,12 @@ ROW_CHUNK = 512  # prompt positions whose [rows, V] distributions are held at on
 
 
 def compute(logits: torch.Tensor | PromptLogits, targets: PromptTargets | None, k: int, temperature: float,
-            seed: int):
+            seed: int, chunk_rows: int = ROW_CHUNK):
     """(target logprobs TensorData | None, PromptAltTokens | None) from the logits [P - 1, V]
     of the prompt's positions after the first (held, or computed from hidden states:
-    `PromptLogits`), `ROW_CHUNK` rows (a hidden source: its own chunk) at a time (bounded memory)."""
+    `PromptLogits`), `chunk_rows` rows (a hidden source: its own chunk) at a time (bounded memory)."""
     source = PromptLogits.of(logits)
-    rows, step = len(source), source.step(ROW_CHUNK)
+    rows, step = len(source), source.step(chunk_rows)
     values = np.zeros(targets.tokens.size, np.float32) if targets is not None else None
     ids, lps = [], []
     for start in range(0, max(rows, 1), step):

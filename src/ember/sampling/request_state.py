@@ -16,6 +16,7 @@ import torch
 from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
+from ember import failpoints
 from ember.sampling import jobs, rng
 from ember.sampling.jobs import Job
 from ember.sampling.params import ResolvedRequest
@@ -74,6 +75,7 @@ class RequestState:
         prompt_logits_P_V = logits_T_V.slice(-len(spec.prompt))
         scores = self.prompt_scores
         if spec.include_prompt_logprobs or spec.topk_prompt_logprobs > 0:
+            failpoints.hit("sampler.score_prompt", key=" ".join(map(str, spec.sequence_ids)))
             scores.logprobs, scores.top_logprobs = jobs.prompt_scores(prompt_logits_P_V, spec.prompt, spec)
         scores.target_logprobs, scores.alt_tokens = jobs.prompt_extras(prompt_logits_P_V, spec)
 

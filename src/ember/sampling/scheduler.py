@@ -90,7 +90,8 @@ class Scheduler:
         self.waiting = OwnerQueues()  # requests with samples still to place, per owner
         self.admitting: list[RequestState] = []  # requests between leaving `waiting` and holding slots
         self.stats = {"prefill_forwards": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0,
-                      "sequences": 0, "moves": 0, "prefix_cache_hit_tokens": 0, "cancelled": 0}
+                      "sequences": 0, "moves": 0, "prefix_cache_hit_tokens": 0, "cancelled": 0,
+                      "unembed_calls": 0, "unembed_rows_max": 0}
 
     # ================================================================ the loop
     def enqueue(self, new_jobs: Iterable[jobs.Job]) -> None:
@@ -285,8 +286,13 @@ class Scheduler:
         if not hidden:
             return PromptLogits.of(out_T)
         full, lora, runner = _full_version(request), self._lora_rows([request]), self.runner
-        return PromptLogits.from_hidden(out_T, lambda rows_H: runner.unembed(rows_H, full, lora),
-                                        self.logprob_chunk_tokens, runner.lm_head.vocab_size)
+
+        def unembed(rows_H: torch.Tensor) -> torch.Tensor:
+            self.stats["unembed_calls"] += 1  # the memory bound shows: no call is given more than a chunk
+            self.stats["unembed_rows_max"] = max(self.stats["unembed_rows_max"], int(rows_H.shape[0]))
+            return runner.unembed(rows_H, full, lora)
+
+        return PromptLogits.from_hidden(out_T, unembed, self.logprob_chunk_tokens, runner.lm_head.vocab_size)
 
     def _prefilled(self, request: RequestState, logits_T_V: PromptLogits) -> None:
         """A prompt's logits are computed: keep the last row, score the prompt if asked."""
@@ -599,6 +605,7 @@ class Scheduler:
 
     def _stop_string_hit(self, slot: int) -> bool:
         failpoints.hit("sampler.decode_request")
+        failpoints.hit("sampler.stop_strings")
         slots = self.slots
         text = self.decode_text(slots.out_tokens[slot, : slots.num_generated[slot]].tolist())
         return any(stop in text for stop in slots.request[slot].spec.stop_strings)
@@ -609,10 +616,10 @@ class Scheduler:
         self._guarded(request, self._finish_sequence, request, slot, stop)
 
     def _finish_sequence(self, request: RequestState, slot: int, stop: bool) -> None:
-        failpoints.hit("sampler.decode_request")
         slots = self.slots
         sample, length = int(slots.sample[slot]), int(slots.num_generated[slot])
         spec = request.spec
+        failpoints.hit("sampler.decode_request", key=str(spec.sequence_ids[sample]))
         sequence = jobs.sampled_sequence(
             slots.out_tokens[slot, :length], slots.out_logprobs[slot, :length], slots.out_top_logprobs[slot],
             spec.topk_sample_logprobs, stop, spec.sequence_ids[sample],

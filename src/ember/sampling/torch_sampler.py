@@ -164,7 +164,9 @@ class TorchSampler(Sampler):
     @property
     def stats(self) -> dict[str, int]:
         """Counters since construction: prefill forwards and prompts, decode steps and rows, sequences,
-        and sequences moved to a lower slot as the batch drained (compaction)."""
+        sequences moved to a lower slot as the batch drained (compaction), and prompt logits computed
+        from hidden states under `logprob_chunk_tokens` (`unembed_calls`; `unembed_rows_max`: the
+        most rows one call was given)."""
         return dict(self._scheduler.stats)
 
     def load(self) -> dict[str, int]:
@@ -177,8 +179,8 @@ class TorchSampler(Sampler):
 
     @property
     def scheduler(self) -> Scheduler:
-        """Read-only: the continuous-batching scheduler this sampler's thread drives (its
-        slots and waiting queue; tests inject decode faults into it)."""
+        """Read-only: the continuous-batching scheduler this sampler's thread drives (a test
+        steps it by hand, reads its `load()` and `busy`)."""
         return self._scheduler
 
     @property

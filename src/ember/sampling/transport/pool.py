@@ -196,10 +196,14 @@ class ReplicaSync:
             self._versions[key] = (named, lora_rank)
         return sum(t.numel() * t.element_size() for _, t in named)
 
-    def kept(self, key: int) -> dict[str, torch.Tensor]:
-        """Version `key`'s kept tensors by name (read-only: for inspection and tests)."""
+    def debug_state(self) -> dict:
+        """What this process keeps for replacement replicas, JSON-safe (for an operator's
+        dump or a test): per version (by key, as a string), per tensor, its `data_ptr`
+        (whether it is the caller's memory or a copy) and the `sum` of its values."""
         with self._lock:
-            return dict(self._versions[key][0])
+            versions = {key: list(named) for key, (named, _) in self._versions.items()}
+        return {"versions": {str(key): {name: {"data_ptr": t.data_ptr(), "sum": float(t.double().sum())}
+                                        for name, t in named} for key, named in versions.items()}}
 
     def holds(self, key: int) -> bool:
         with self._lock:
