@@ -308,9 +308,10 @@ def json_routes() -> list[tuple[str, str]]:
     for route in app.routes:
         if not isinstance(route, APIRoute) or not route.path.startswith(("/api/v1/", "/v1/")):
             continue  # the console's pages take forms, not JSON (tests/server/test_server_console.py)
-        if route.path in no_body or route.path.endswith(("/publish",
-                                                                                            "/forward_backward")):
+        if route.path in no_body or route.path.endswith(("/publish", "/forward_backward")):
             continue
+        if route.path.startswith("/api/v1/admin/"):
+            continue  # the operator's actions read no body, only the path (tests/server/test_server_admin.py)
         for method in sorted(route.methods & {"POST", "PUT"}):
             out.append((method, route.path.replace("{run_id}", "r").replace("{checkpoint_id:path}", "weights/c")
                         .replace("{session_id}", "s")))
