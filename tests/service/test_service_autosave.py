@@ -120,8 +120,8 @@ def _greedy(svc, sampler_id, seq):
     return list(out.sequences[0].tokens)
 
 
-def _snapshot(svc, mid, seq, sampling_seq):
-    sub = svc.save_weights_for_sampler("alice", mid, seq, None, sampling_session_seq_id=sampling_seq)
+def _snapshot(svc, mid, seq, sampling_seq, kind="snapshot"):
+    sub = svc.save_weights_for_sampler("alice", mid, seq, None, sampling_session_seq_id=sampling_seq, kind=kind)
     return result(svc, "alice", sub).sampling_session_id
 
 
@@ -161,6 +161,25 @@ def test_a_snapshot_sampling_session_of_the_current_weights_comes_back_after_a_c
     third = make_service()
     assert _greedy(third, current, 2) == before
     assert _greedy(third, again, 0) == before
+
+
+def test_an_inflight_sampling_session_comes_back_after_a_clean_stop_following_the_runs_saved_weights(make_service):
+    first = make_service()
+    mid = _new_run(first, "lora")
+    _step(first, mid, 1, data_seed=0)
+    inflight = _snapshot(first, mid, 3, 0, kind="inflight")  # its target: the weights of step 1
+    _step(first, mid, 4, data_seed=1)
+    newest = _greedy(first, _snapshot(first, mid, 6, 1), 0)  # the run's weights at the stop
+    first.close(save_runs=True)
+
+    second = make_service()
+    # "the weights saved when the client was created, or newer": the run's weights at the stop
+    assert _greedy(second, inflight, 0) == newest
+    # and it follows the run's next in-flight save, as before the restart
+    _step(second, mid, 7, data_seed=2)
+    later = _snapshot(second, mid, 9, 2, kind="inflight")
+    assert second.samplers.inflight_generation(mid) == 1
+    assert _greedy(second, inflight, 1) == _greedy(second, later, 0)
 
 
 def test_samples_running_at_a_clean_stop_finish_within_the_drain_bound(make_service):

@@ -7,7 +7,8 @@ session made from a base model or a checkpoint path is re-created lazily after a
 restart. A snapshot session (`save_weights_and_get_sampling_client`) keeps its weights in
 memory only; a clean stop writes those that hold their run's current weights to disk
 (`persist_snapshots`: the run's sampler checkpoint `ember-autosave` and the ids of the
-sessions it serves) and they too come back lazily; any other snapshot answers category
+sessions it serves) and they too come back lazily, with the run's in-flight sessions
+(`kind="inflight"`, then sampling those saved weights); any other snapshot answers category
 `server` after a restart. A clean stop also lets the samples running finish within the
 drain bound (`stop_taking`, `drain`; README "Restarts").
 
@@ -160,15 +161,27 @@ def snapshot_path(run_id: str) -> str:
     return f"tinker://{run_id}/sampler_weights/{AUTOSAVE_NAME}"
 
 
-def read_snapshot_record(directory: str) -> tuple[str, frozenset[str]] | None:
-    """A snapshot save's `SNAPSHOT_RECORD`: (weights token, sampling session ids); None if unreadable."""
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """A snapshot save's `SNAPSHOT_RECORD`: the run's weights token at the stop, the snapshot
+    sessions holding those weights, and the run's in-flight sessions (`kind="inflight"`), which
+    come back following the saved weights: the run's newest, so "the weights saved when the
+    client was created, or newer" holds."""
+
+    weights: str
+    snapshots: frozenset[str]
+    inflight: frozenset[str] = frozenset()
+
+
+def read_snapshot_record(directory: str) -> SnapshotRecord | None:
+    """A snapshot save's `SNAPSHOT_RECORD`; None if unreadable."""
     try:
         record = json.loads((Path(directory) / SNAPSHOT_RECORD).read_text())
-        ids = record["sampling_sessions"]
-        if not isinstance(record["weights"], str) or not all(isinstance(i, str) for i in ids):
+        ids, inflight = record["sampling_sessions"], record.get("inflight_sessions", [])
+        if not isinstance(record["weights"], str) or not all(isinstance(i, str) for i in [*ids, *inflight]):
             return None
-        return record["weights"], frozenset(ids)
-    except (OSError, ValueError, KeyError, TypeError):
+        return SnapshotRecord(record["weights"], frozenset(ids), frozenset(inflight))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -562,7 +575,7 @@ class SamplerManager:
         (`persist_snapshots`); None when that save does not hold it."""
         crow = self.store.get(CheckpointRow, snapshot_path(row.source_run_id))
         record = read_snapshot_record(crow.directory) if crow is not None else None
-        if record is None or row.id not in record[1]:
+        if record is None or row.id not in record.snapshots | record.inflight:
             return None
         run = self.store.get(RunRow, row.source_run_id)
         base = self.registry.resolve(row.base_model)
@@ -570,8 +583,9 @@ class SamplerManager:
         start = time.monotonic()
         weights = ckpt.read_sampler_weights(Path(crow.directory))
         version = self._load(base, weights.items(), lora, mode="files", start=start)
-        live = LiveSampler(row.id, row.owner, row.session_id, base, version, source_run=row.source_run_id,
-                           weights=record[0])
+        follows = row.source_run_id if row.id in record.inflight else None  # a later in-flight save: followed
+        live = LiveSampler(row.id, row.owner, row.session_id, base, version, follows=follows,
+                           source_run=row.source_run_id, weights=record.weights)
         self._remember(live)
         log.debug("sampling session %s back from %s", row.id, crow.tinker_path)
         return live
@@ -703,18 +717,26 @@ class SamplerManager:
             return sorted(live.sampler_id for live in self._by_id.values() if live.follows is None
                           and live.source_run == run_id and live.weights == weights_token)
 
+    def inflight_of(self, run_id: str) -> list[str]:
+        """Ids of the loaded in-flight sampling sessions (`kind="inflight"`) that follow run `run_id`."""
+        with self._lock:
+            return sorted(live.sampler_id for live in self._by_id.values() if live.follows == run_id)
+
     def persist_snapshots(self, checkpoints: Any, run_id: str, owner: str, weights_token: str,
                           export: Callable[[Path], None]) -> int:
         """A clean stop, on the run's lane after its final save: when loaded snapshot sessions
-        hold the run's current weights, `export` writes them as the run's sampler checkpoint
-        `ember-autosave` (a `CheckpointStore` automatic save: quota-exempt, replaced each
-        time) with `SNAPSHOT_RECORD` naming those sessions, each of which comes back from it
-        after the restart (`_from_snapshot_save`). Bounded: one save per run. Snapshots of
-        earlier weights are not kept: the sampler gives no tensors back. How many were kept."""
-        ids = self.snapshots_of(run_id, weights_token)
-        if not ids:
+        hold the run's current weights, or in-flight sessions follow the run, `export` writes
+        the run's weights as its sampler checkpoint `ember-autosave` (a `CheckpointStore`
+        automatic save: quota-exempt, replaced each time) with `SNAPSHOT_RECORD` naming those
+        sessions, each of which comes back from it after the restart (`_from_snapshot_save`;
+        an in-flight one then samples the run's weights at the stop, never older than its
+        in-flight target, until the run's next in-flight save). Bounded: one save per run.
+        Snapshots of earlier weights are not kept: the sampler gives no tensors back. How many
+        sessions were kept."""
+        ids, inflight = self.snapshots_of(run_id, weights_token), self.inflight_of(run_id)
+        if not ids and not inflight:
             return 0
-        record = json.dumps({"weights": weights_token, "sampling_sessions": ids})
+        record = json.dumps({"weights": weights_token, "sampling_sessions": ids, "inflight_sessions": inflight})
 
         def write(tmp: Path) -> None:
             export(tmp)
@@ -723,11 +745,11 @@ class SamplerManager:
         try:
             checkpoints.save(run_id, owner, "sampler", AUTOSAVE_NAME, write, overwrite=True)
         except Exception as exc:  # noqa: BLE001 - the run itself is saved; say why its samplers are not
-            log.warning("run %s: %d sampling session(s) not saved at shutdown: %s", run_id, len(ids),
+            log.warning("run %s: %d sampling session(s) not saved at shutdown: %s", run_id, len(ids) + len(inflight),
                         public_message(exc))
             return 0
-        log.debug("run %s: sampling sessions %s saved for the restart", run_id, ", ".join(ids))
-        return len(ids)
+        log.debug("run %s: sampling sessions %s saved for the restart", run_id, ", ".join(ids + inflight))
+        return len(ids) + len(inflight)
 
     def stop_taking(self) -> None:
         """A clean stop began: every new sample is refused (category server, `SAMPLE_STOPPING`)."""
