@@ -38,8 +38,8 @@ def test_fault_fails_in_flight_requests_only(tiny_model_dir):
         broken = TorchWeightVersion(s.sampler_id, params={"lm_head.weight": torch.zeros(84, 63)})
         bad = s.submit(SamplingRequest(prompt=prompt([5, 6]), version=broken, sampling_params=params(max_tokens=3)))
         with pytest.raises(RuntimeError, match="sampling failed"):
-            bad.result(timeout=60)
-        ok = s.sample(prompt([5, 6]), 2, params(max_tokens=3, stop=[]), timeout=60)
+            bad.result(timeout=300)
+        ok = s.sample(prompt([5, 6]), 2, params(max_tokens=3, stop=[]), timeout=300)
         assert [len(q.tokens) for q in ok.sequences] == [3, 3]
 
 
@@ -48,7 +48,7 @@ def test_worker_thread_only_while_busy_and_close(tiny_model_dir):
     before = len(_worker_threads())
     futures = [s.submit(SamplingRequest(prompt=prompt([5 + i]), sampling_params=params(max_tokens=20, stop=[])))
                for i in range(6)]
-    assert all(isinstance(f.result(timeout=60), types.SampleResponse) for f in futures)
+    assert all(isinstance(f.result(timeout=300), types.SampleResponse) for f in futures)
     deadline = time.time() + 10
     while len(_worker_threads()) > before and time.time() < deadline:
         time.sleep(0.01)
@@ -64,11 +64,11 @@ def test_concurrent_callers_and_sequence_ids(sampler):
         return SamplingRequest(prompt=prompt([5 + i, 6]), num_samples=2, sequence_ids=[f"r{i}-a", f"r{i}-b"],
                                sampling_params=params(max_tokens=6, seed=i, stop=[]))
 
-    sequential = [sampler.submit(request(i)).result(timeout=60) for i in range(8)]
+    sequential = [sampler.submit(request(i)).result(timeout=300) for i in range(8)]
     results: dict[int, types.SampleResponse] = {}
 
     def caller(i):
-        results[i] = sampler.sample(prompt([5 + i, 6]), 2, params(max_tokens=6, seed=i, stop=[]), timeout=60)
+        results[i] = sampler.sample(prompt([5 + i, 6]), 2, params(max_tokens=6, seed=i, stop=[]), timeout=300)
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
     for t in threads:
@@ -88,7 +88,7 @@ def test_sample_many_starts_all_requests_in_one_batch(tiny_model_dir):
                             sampling_params=params(max_tokens=6, seed=i, stop=[])) for i in range(6)]
     bad = SamplingRequest(prompt=prompt([5]), sampling_params=params(max_tokens=-1))
     with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=16)) as s:
-        out = s.sample_many(reqs[:3] + [bad] + reqs[3:], timeout=60)
+        out = s.sample_many(reqs[:3] + [bad] + reqs[3:], timeout=300)
         stats = s.stats
     assert isinstance(out[3], ValueError) and "max_tokens" in str(out[3])
     assert all(len(seq.tokens) == 6 for r in out[:3] + out[4:] for seq in r.sequences)
