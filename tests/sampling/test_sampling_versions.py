@@ -16,6 +16,7 @@ from tinker import types
 from ember.engine import EngineConfig, TorchEngine
 from helpers.datums import random_sft_datums, sft_datum
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
+from ember.sampling.pool import SamplerPool
 
 from .conftest import backend_param, params, prompt
 
@@ -34,12 +35,16 @@ def versioned(request, tiny_model_dir):
         yield s
 
 
-def _storage_gone(version):
-    """A check that a version's storage was freed: its tensors (TorchSampler) or its
-    files (VLLMSampler, SamplerPool)."""
+def _storage_gone(version, sampler):
+    """A check that a version's storage was freed: its tensors (TorchSampler), what the
+    pool's weight transport keeps (SamplerPool), or its files (VLLMSampler)."""
     if hasattr(version, "params"):
         ref = weakref.ref(next(iter(version.params.values())))
         return lambda: ref() is None
+    if isinstance(sampler, SamplerPool):
+        key = version.key  # not the version: the check must not keep it alive
+        assert sampler.keeps(key)
+        return lambda: not sampler.keeps(key)
     path = version.path
     assert path.exists()
     return lambda: not path.exists()
@@ -129,7 +134,7 @@ def test_old_versions_are_released(tiny_model_dir, versioned):
     v2 = sampler.load_weights(engine.named_weights())
     assert sampler.live_versions() == before + 2
     ref_version = weakref.ref(v1)
-    gone = _storage_gone(v1)
+    gone = _storage_gone(v1, sampler)
     del v1
     gc.collect()
     assert ref_version() is None and gone()

@@ -154,6 +154,12 @@ class SamplerPool(Sampler):
     def default_max_tokens(self) -> int:
         return self._info.default_max_tokens
 
+    def keeps(self, key: int) -> bool:
+        """Whether the pool's transport still keeps the weights of the version with this
+        `PoolWeightVersion.key` (its file, or its tensors in memory): False once the
+        version's last handle is gone."""
+        return self._transport.holds(key)
+
     def live_versions(self) -> int:
         """Versions of this pool still referenced somewhere."""
         self._drain_released()
