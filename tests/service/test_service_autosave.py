@@ -6,6 +6,7 @@ The same over HTTP with the SDK and real signals: tests/server/test_server_resta
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -182,24 +183,34 @@ def test_an_inflight_sampling_session_comes_back_after_a_clean_stop_following_th
     assert _greedy(second, inflight, 1) == _greedy(second, later, 0)
 
 
-def test_samples_running_at_a_clean_stop_finish_within_the_drain_bound(make_service):
+@contextlib.contextmanager
+def _sample_held_through_a_stop(svc, sampler_id):
+    """A sample held in the sampler by a fail point while `svc` stops cleanly on a thread:
+    yields (the sample's submission, the stopping thread); the sample is let go on exit."""
     from ember import failpoints
-    from ember.service.samplers import SAMPLE_STOPPING
     from helpers.server import wait_until
 
-    svc = make_service(runs=RunsConfig(shutdown_drain_s=600))
-    _, mid = new_run(svc, seed=5)
-    sampler_id = _snapshot(svc, mid, 1, 0)
     failpoints.arm("sampler.decode_request", "hold", times=1)
     try:
         running = svc.sample("alice", sampler_id, 0, PROMPT, 1, GREEDY)
         wait_until(lambda: not failpoints.pending("sampler.decode_request"), 60, message="the sample held")
         stopping = threading.Thread(target=svc.close, kwargs={"save_runs": True})
         stopping.start()
-        refused = wait_until(lambda: _refused(svc, sampler_id), 60, message="new samples refused")
-        assert refused.category == types.RequestErrorCategory.Server and refused.error == SAMPLE_STOPPING
+        yield running, stopping
     finally:
         failpoints.release("sampler.decode_request")
+
+
+def test_samples_running_at_a_clean_stop_finish_within_the_drain_bound(make_service):
+    from ember.service.samplers import SAMPLE_STOPPING
+    from helpers.server import wait_until
+
+    svc = make_service(runs=RunsConfig(shutdown_drain_s=600))
+    _, mid = new_run(svc, seed=5)
+    sampler_id = _snapshot(svc, mid, 1, 0)
+    with _sample_held_through_a_stop(svc, sampler_id) as (running, stopping):
+        refused = wait_until(lambda: _refused(svc, sampler_id), 60, message="new samples refused")
+        assert refused.category == types.RequestErrorCategory.Server and refused.error == SAMPLE_STOPPING
     stopping.join(120)
     assert not stopping.is_alive()
     state = make_service().retrieve("alice", running.request_id)
@@ -212,22 +223,14 @@ def _refused(svc, sampler_id):
 
 
 def test_a_sample_still_running_at_the_drain_bound_fails_retryably(make_service):
-    from ember import failpoints
     from ember.service.samplers import SAMPLE_SHUTDOWN
     from helpers.server import wait_until
 
     svc = make_service(runs=RunsConfig(shutdown_drain_s=0.5))
     _, mid = new_run(svc, seed=5)
     sampler_id = _snapshot(svc, mid, 1, 0)
-    failpoints.arm("sampler.decode_request", "hold", times=1)
-    try:
-        running = svc.sample("alice", sampler_id, 0, PROMPT, 1, GREEDY)
-        wait_until(lambda: not failpoints.pending("sampler.decode_request"), 60, message="the sample held")
-        stopping = threading.Thread(target=svc.close, kwargs={"save_runs": True})
-        stopping.start()
+    with _sample_held_through_a_stop(svc, sampler_id) as (running, stopping):
         wait_until(lambda: svc.stored_future(running.request_id).status == "failed", 60, message="the sample failed")
-    finally:
-        failpoints.release("sampler.decode_request")
     stopping.join(120)
     state = make_service().retrieve("alice", running.request_id)
     assert state.status == "failed" and state.category == types.RequestErrorCategory.Server
