@@ -68,7 +68,7 @@ test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" tests
 
-# Compiled LoRA and FSDP2 as well as full fine-tuning (tests/engine/test_engine_compile.py).
+# The compiled layouts (tests/engine/test_engine_compile.py): minutes each, outside make test.
 test-compile: $(STAMP)
 	EMBER_COMPILE_TESTS=all $(PYTEST) tests/engine/test_engine_compile.py
 

@@ -15,10 +15,11 @@ from helpers.datums import assert_tensors_close, random_rl_datums, random_sft_da
 
 RTOL = 1e-5
 ADAM = types.AdamParams(learning_rate=1e-3)
-# Compiling LoRA's and FSDP2's graphs too takes ~10 more minutes of a loaded 2-core host:
-# `make test` (CI's 30 minutes) compiles full fine-tuning only; `make test-compile` runs all.
+# Compiling takes minutes of a 2-core host per layout (95 s for full fine-tuning on an idle
+# one, ~10 more for LoRA and FSDP2): `.ci/run` sits at its 30 minutes without them, so
+# `make test` runs the refusals and `make test-compile` the compiled layouts.
 ALL_LAYOUTS = pytest.mark.skipif(os.environ.get("EMBER_COMPILE_TESTS") != "all",
-                                 reason="LoRA/FSDP2 compile: minutes of CPU; run with EMBER_COMPILE_TESTS=all "
+                                 reason="compiled layouts: minutes of CPU each; run with EMBER_COMPILE_TESTS=all "
                                         "(make test-compile)")
 
 
@@ -81,6 +82,7 @@ def _compare(model_dir, cache_dir, batches, loss_fn, lora=None) -> list[int]:
 
 
 @pytest.mark.slow
+@ALL_LAYOUTS
 def test_compiled_full_fine_tuning_equals_eager_without_recompiling_per_length(one_layer_dir, cache_dir):
     # three steps, micro-batches of different lengths (budget 64 tokens: several per call)
     batches = [random_sft_datums(5, vocab=84, min_len=3, max_len=30, seed=s) for s in (1, 2, 3)]
