@@ -16,12 +16,17 @@ from helpers.server import API_KEY, MODEL_NAME, start_server, wait_until
 pytestmark = pytest.mark.slow  # an `ember serve` of its own
 
 LONG = 900  # greedy, the tiny model never draws EOS: a request that holds the slot for many steps
+# A long request also carries a stop string that never matches: the server's fail point sleeps at each
+# of its decode steps, so it holds the slot for >= 900 x 50 ms however fast the host (an idle host
+# decoded all 900 tokens before a hung-up client's cancellation was seen).
+NEVER = ["\u00a7never-stop\u00a7"]
+SLOW_STEPS = {"EMBER_FAILPOINTS": "sampler.stop_strings=sleep:0.05"}
 
 
 @pytest.fixture(scope="module")
 def one_slot_server(tiny_model_dir, tmp_path_factory):
     server = start_server(Path(tiny_model_dir), tmp_path_factory.mktemp("openai-one-slot"),
-                          extra_args=["--sampler.max_slots", "1"])
+                          extra_args=["--sampler.max_slots", "1"], env=SLOW_STEPS)
     yield server
     server.stop()
 
@@ -51,7 +56,7 @@ def test_chunks_come_while_decoding_and_a_hang_up_frees_the_slot(one_slot_server
     kwargs = dict(model=MODEL_NAME, prompt="Hello", temperature=0, seed=1)
     oai.completions.create(**kwargs, max_tokens=2)  # the sampler is loaded: its gauge exists
     before = scrape(base)
-    stream = oai.completions.create(**kwargs, max_tokens=LONG, stream=True)
+    stream = oai.completions.create(**kwargs, max_tokens=LONG, stop=NEVER, stream=True)
     first = next(iter(stream))
     assert first.choices[0].finish_reason is None and first.choices[0].text
     assert active(base) == 1  # the request is still decoding: the chunk came before its last token
@@ -77,7 +82,7 @@ def test_a_client_gone_before_its_first_token_leaves_the_queue(one_slot_server):
     base = one_slot_server.base_url
     oai = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     kwargs = dict(model=MODEL_NAME, prompt="Hello", temperature=0, seed=1)
-    holder = oai.completions.create(**kwargs, max_tokens=LONG, stream=True)
+    holder = oai.completions.create(**kwargs, max_tokens=LONG, stop=NEVER, stream=True)
     next(iter(holder))  # the only slot is taken until this stream ends
     before = failed_samples(scrape(base))
     body = dict(kwargs, max_tokens=4, stream=True)
@@ -99,7 +104,7 @@ def test_a_client_gone_before_its_first_token_leaves_the_queue(one_slot_server):
 def test_a_chat_stream_sends_text_before_it_ends(one_slot_server):
     oai = openai.OpenAI(base_url=one_slot_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     stream = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                         max_tokens=LONG, temperature=0, stream=True)
+                                         max_tokens=LONG, stop=NEVER, temperature=0, stream=True)
     seen = []
     for chunk in stream:
         seen.append(chunk.choices[0])
