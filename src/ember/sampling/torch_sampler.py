@@ -53,7 +53,9 @@ from ember.sampling.runner import ModelRunner
 from ember.sampling.scheduler import Scheduler
 from ember.sampling.slots import SlotTable
 from ember.sampling.vision import ImageIds, expand_prompt, has_images
-from ember.sampling.weights import TorchWeightVersion, build_full_version, build_lora_version, parameter_aliases
+from ember.sampling.weights import (
+    TorchWeightVersion, build_full_version, build_lora_version, parameter_aliases, version_tensors,
+)
 
 log = logging.getLogger(__name__)
 _sampler_ids = itertools.count(1)
@@ -208,6 +210,12 @@ class TorchSampler(Sampler):
             version = build_lora_version(self._id, self.model, items, lora_config, self.device, self.dtype, copy)
         self._versions.add(version)
         return version
+
+    def version_weights(self, version: WeightVersion) -> dict[str, torch.Tensor] | None:
+        """`Sampler.version_weights`: from the tensors the version keeps (`version_tensors`)."""
+        if not isinstance(version, TorchWeightVersion) or version.sampler_id != self._id:
+            return None
+        return version_tensors(version)
 
     def submit(self, request: SamplingRequest) -> Future:
         return self.submit_many([request])[0]

@@ -133,6 +133,22 @@ def build_full_version(
     return TorchWeightVersion(sampler_id, params=params)
 
 
+def version_tensors(version: TorchWeightVersion) -> dict[str, torch.Tensor] | None:
+    """`version`'s tensors as `build_full_version` / `build_lora_version` take them back
+    (`Sampler.version_weights`): a full version's parameters in the model's canonical names,
+    a LoRA version's factors in peft's saved-adapter names. None for a mixture-of-experts
+    LoRA version: its expert factors are kept in the sampler's own layout, not peft's."""
+    if version.params is not None:
+        return dict(version.params)
+    if version.experts or version.lora is None:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for module_name, d in version.lora.items():
+        out[f"base_model.model.{module_name}.lora_A.weight"] = d.a
+        out[f"base_model.model.{module_name}.lora_B.weight"] = d.b
+    return out
+
+
 def _lora_pairs(named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in named_weights:

@@ -124,7 +124,7 @@ class Service(ServiceAPI):
             config.max_samplers_per_session, records=self.records, limits=config.limits, clock=clock,
         )
         self.samplers.check_registered()
-        self.runs.after_final_save = self._persist_snapshots
+        self.runs.after_autosave = self._persist_snapshots
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
         self.sessions = SessionManager(self.store, config.sessions.heartbeat_timeout_s, self._on_session_expired,
@@ -645,8 +645,8 @@ class Service(ServiceAPI):
         self._data_lock.release()
 
     def _persist_snapshots(self, run: LiveRun) -> None:
-        """After a run's final save at a clean stop (on its lane): the sampling sessions that
-        snapshot its current weights are saved with them (`SamplerManager.persist_snapshots`)."""
+        """After a run's automatic save (on its lane): the sampling sessions that
+        snapshot its weights, current or older, are saved beside it (`SamplerManager.persist_snapshots`)."""
         if run.engine is not None:
             self.samplers.persist_snapshots(self.checkpoints, run.run_id, run.owner, run.weights_token,
                                             run.engine.export_hf)

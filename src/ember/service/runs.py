@@ -155,9 +155,10 @@ class RunManager:
         # the samplers sleep and the engine is on its device while it trains, offloaded after.
         self.before_op: Callable[[LiveRun], None] | None = None
         self.after_op: Callable[[LiveRun], None] | None = None
-        # A clean stop: called on the run's lane right after its final save (the Service
-        # persists the sampling sessions that snapshot the run's current weights).
-        self.after_final_save: Callable[[LiveRun], None] | None = None
+        # Called on the run's lane right after each automatic save, a clean stop's final one
+        # and every autosave_every_steps (the Service persists the run's snapshot sampling
+        # sessions with it: `SamplerManager.persist_snapshots`).
+        self.after_autosave: Callable[[LiveRun], None] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def reject(self, owner: str, rtype: RequestType, error: str, category=User, model_id: str | None = None) -> Submission:
@@ -433,6 +434,8 @@ class RunManager:
         if every and run.steps % every == 0:
             try:
                 self.autosave(run, clean=False, next_seq=run.seq_running + 1)
+                if self.after_autosave is not None:
+                    self.after_autosave(run)
             except Exception as exc:  # noqa: BLE001 - the step itself succeeded
                 log.warning("run %s: automatic save at step %d failed: %s", run.run_id, run.steps,
                             public_message(exc))
@@ -606,8 +609,8 @@ class RunManager:
         try:
             row = self.autosave(run, clean=clean, next_seq=run.seq.next_seq)
             log.debug("run %s saved at step %d for the restart: %s", run.run_id, run.steps, row.tinker_path)
-            if self.after_final_save is not None:
-                self.after_final_save(run)
+            if self.after_autosave is not None:
+                self.after_autosave(run)
         except Exception as exc:  # noqa: BLE001 - the others are still saved; say why this one was not
             log.warning("run %s could not be saved at shutdown: %s", run.run_id, public_message(exc))
         finally:

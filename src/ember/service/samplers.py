@@ -35,8 +35,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.limits import Limits, prompt_length
+from ember.service.snapshot_store import OlderEntry, OlderVersion, older_dir, parse_older, write_older
 from ember.service.stability import StabilityRecords
 from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
 
@@ -171,6 +172,7 @@ class SnapshotRecord:
     weights: str
     snapshots: frozenset[str]
     inflight: frozenset[str] = frozenset()
+    older: Mapping[str, OlderEntry] = field(default_factory=dict)  # snapshots of older weights (snapshot_store)
 
 
 def read_snapshot_record(directory: str) -> SnapshotRecord | None:
@@ -180,7 +182,8 @@ def read_snapshot_record(directory: str) -> SnapshotRecord | None:
         ids, inflight = record["sampling_sessions"], record.get("inflight_sessions", [])
         if not isinstance(record["weights"], str) or not all(isinstance(i, str) for i in [*ids, *inflight]):
             return None
-        return SnapshotRecord(record["weights"], frozenset(ids), frozenset(inflight))
+        older = parse_older(record.get("older_sessions", {}))
+        return SnapshotRecord(record["weights"], frozenset(ids), frozenset(inflight), older)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -575,17 +578,25 @@ class SamplerManager:
         (`persist_snapshots`); None when that save does not hold it."""
         crow = self.store.get(CheckpointRow, snapshot_path(row.source_run_id))
         record = read_snapshot_record(crow.directory) if crow is not None else None
-        if record is None or row.id not in record.snapshots | record.inflight:
+        if record is None or row.id not in record.snapshots | record.inflight | record.older.keys():
             return None
+        directory, token = Path(crow.directory), record.weights
+        if row.id in record.older:  # a snapshot of older weights: their own subfolder
+            try:
+                directory, token = older_dir(directory, record.older[row.id].folder), record.older[row.id].weights
+            except ValueError as exc:
+                log.error("sampling session %s not restored: %s names a folder outside the run's automatic save "
+                          "(%s); refused", row.id, SNAPSHOT_RECORD, exc)
+                return None
         run = self.store.get(RunRow, row.source_run_id)
         base = self.registry.resolve(row.base_model)
         lora = types.LoraConfig(**run.lora_config) if run is not None and run.lora_config else None
         start = time.monotonic()
-        weights = ckpt.read_sampler_weights(Path(crow.directory))
+        weights = ckpt.read_sampler_weights(directory)
         version = self._load(base, weights.items(), lora, mode="files", start=start)
         follows = row.source_run_id if row.id in record.inflight else None  # a later in-flight save: followed
         live = LiveSampler(row.id, row.owner, row.session_id, base, version, follows=follows,
-                           source_run=row.source_run_id, weights=record.weights)
+                           source_run=row.source_run_id, weights=token)
         self._remember(live)
         log.debug("sampling session %s back from %s", row.id, crow.tinker_path)
         return live
@@ -717,6 +728,17 @@ class SamplerManager:
             return sorted(live.sampler_id for live in self._by_id.values() if live.follows is None
                           and live.source_run == run_id and live.weights == weights_token)
 
+    def older_of(self, run_id: str, weights_token: str) -> dict[str, list[LiveSampler]]:
+        """The loaded snapshot sampling sessions of run `run_id` that hold older weights than
+        `weights_token`, by the weights token they hold."""
+        with self._lock:
+            lives = [live for live in self._by_id.values() if live.follows is None and live.source_run == run_id
+                     and live.weights is not None and live.weights != weights_token]
+        out: dict[str, list[LiveSampler]] = {}
+        for live in sorted(lives, key=lambda x: x.sampler_id):
+            out.setdefault(live.weights, []).append(live)
+        return out
+
     def inflight_of(self, run_id: str) -> list[str]:
         """Ids of the loaded in-flight sampling sessions (`kind="inflight"`) that follow run `run_id`."""
         with self._lock:
@@ -724,32 +746,51 @@ class SamplerManager:
 
     def persist_snapshots(self, checkpoints: Any, run_id: str, owner: str, weights_token: str,
                           export: Callable[[Path], None]) -> int:
-        """A clean stop, on the run's lane after its final save: when loaded snapshot sessions
-        hold the run's current weights, or in-flight sessions follow the run, `export` writes
-        the run's weights as its sampler checkpoint `ember-autosave` (a `CheckpointStore`
-        automatic save: quota-exempt, replaced each time) with `SNAPSHOT_RECORD` naming those
-        sessions, each of which comes back from it after the restart (`_from_snapshot_save`;
-        an in-flight one then samples the run's weights at the stop, never older than its
-        in-flight target, until the run's next in-flight save). Bounded: one save per run.
-        Snapshots of earlier weights are not kept: the sampler gives no tensors back. How many
-        sessions were kept."""
+        """After a run's automatic save (on its lane: a clean stop's, or every
+        `runs.autosave_every_steps`): when loaded snapshot sessions hold the run's current
+        weights, or in-flight sessions follow the run, `export` writes the run's weights as
+        its sampler checkpoint `ember-autosave` (a `CheckpointStore` automatic save:
+        quota-exempt, replaced each time) with `SNAPSHOT_RECORD` naming those sessions, each
+        of which comes back from it after the restart (`_from_snapshot_save`; an in-flight
+        one then samples the run's weights at the stop, never older than its in-flight
+        target, until the run's next in-flight save). Snapshot sessions of older weights are
+        kept in subfolders of the same save when the sampler gives their tensors back
+        (`ember.service.snapshot_store`). Bounded: one save per run, one folder per version a
+        live session holds. How many sessions were kept."""
         ids, inflight = self.snapshots_of(run_id, weights_token), self.inflight_of(run_id)
-        if not ids and not inflight:
+        older = self.older_of(run_id, weights_token)
+        if not ids and not inflight and not older:
             return 0
-        record = json.dumps({"weights": weights_token, "sampling_sessions": ids, "inflight_sessions": inflight})
+        previous = self.store.get(CheckpointRow, snapshot_path(run_id))
+        kept: dict[str, dict[str, str]] = {}
 
         def write(tmp: Path) -> None:
-            export(tmp)
-            (tmp / SNAPSHOT_RECORD).write_text(record)
+            tmp.mkdir(parents=True, exist_ok=True)
+            if ids or inflight:
+                export(tmp)
+            for token, lives in older.items():
+                folder = write_older(tmp, Path(previous.directory) if previous else None, self._older(lives[0]))
+                kept.update({live.sampler_id: {"folder": folder, "weights": token} for live in lives if folder})
+            (tmp / SNAPSHOT_RECORD).write_text(json.dumps({
+                "weights": weights_token, "sampling_sessions": ids, "inflight_sessions": inflight,
+                "older_sessions": kept}))
 
+        total = len(ids) + len(inflight) + sum(len(lives) for lives in older.values())
         try:
             checkpoints.save(run_id, owner, "sampler", AUTOSAVE_NAME, write, overwrite=True)
         except Exception as exc:  # noqa: BLE001 - the run itself is saved; say why its samplers are not
-            log.warning("run %s: %d sampling session(s) not saved at shutdown: %s", run_id, len(ids) + len(inflight),
+            log.warning("run %s: %d sampling session(s) not saved for a restart: %s", run_id, total,
                         public_message(exc))
             return 0
-        log.debug("run %s: sampling sessions %s saved for the restart", run_id, ", ".join(ids + inflight))
-        return len(ids) + len(inflight)
+        saved = ids + inflight + sorted(kept)
+        log.debug("run %s: sampling sessions %s saved for the restart", run_id, ", ".join(saved))
+        return len(saved)
+
+    def _older(self, live: LiveSampler) -> OlderVersion:
+        """What `snapshot_store.write_older` needs of the version `live` holds."""
+        sampler, version = self.backend(live.base), live.version
+        return OlderVersion(live.weights, lambda: sampler.version_weights(version),
+                            version.lora_rank if version.is_lora else None, live.base.name)
 
     def stop_taking(self) -> None:
         """A clean stop began: every new sample is refused (category server, `SAMPLE_STOPPING`)."""
