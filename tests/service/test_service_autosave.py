@@ -97,7 +97,9 @@ def test_the_automatic_save_is_outside_the_checkpoint_quota_and_its_name_is_rese
 
 
 def test_a_request_that_cannot_run_within_the_drain_bound_fails_retryably_and_the_run_is_saved(make_service):
-    first = make_service(seq_gap_timeout_s=600, runs=RunsConfig(shutdown_drain_s=0.5))
+    # The drain bound also bounds the final save that follows it: 0.5 s failed on a loaded host
+    # (the save's write took 0.74 s), so the stuck request waits out 5 s instead.
+    first = make_service(seq_gap_timeout_s=600, runs=RunsConfig(shutdown_drain_s=5.0))
     _, mid = new_run(first, seed=5)
     _step(first, mid, 1, data_seed=0)
     stuck = first.forward_backward("alice", mid, 4, random_sft_datums(1, VOCAB, seed=9), "cross_entropy")  # 3 missing

@@ -38,7 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.errors import UserError
 from ember.models import load_model, load_tokenizer
-from ember.models.families import non_full_attention_layers
+from ember.models.families import moe_of, non_full_attention_layers
 from ember.models.vision import VisionSpec, load_vision_spec
 from ember.models.loading import effective_attention, resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
@@ -215,7 +215,7 @@ class TorchSampler(Sampler):
         """`Sampler.version_weights`: from the tensors the version keeps (`version_tensors`)."""
         if not isinstance(version, TorchWeightVersion) or version.sampler_id != self._id:
             return None
-        return version_tensors(version)
+        return version_tensors(version, moe_of(self.model.config))
 
     def submit(self, request: SamplingRequest) -> Future:
         return self.submit_many([request])[0]
