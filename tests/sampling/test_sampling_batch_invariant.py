@@ -12,6 +12,7 @@ from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
+from ember.service.config import ServiceConfig
 
 from .conftest import prompt
 
@@ -82,6 +83,15 @@ def test_prompt_logprobs_equal_trainer_bitwise(tiny_model_dir, bi_sampler):
     scored = torch.tensor(bi_sampler.compute_logprobs(prompt(tokens))[1:], dtype=torch.float32)
     trainer = engine.forward([_datum(tokens)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_torch()
     assert torch.equal(scored, trainer)
+
+
+def test_one_setting_for_trainer_and_sampler(tmp_path):
+    """`--engine.batch_invariant` turns the service's sampler on too; vLLM is then refused."""
+    config = ServiceConfig(data_dir=tmp_path, engine=EngineConfig(batch_invariant=True))
+    assert config.sampler.batch_invariant is True
+    assert ServiceConfig(data_dir=tmp_path).sampler.batch_invariant is False
+    with pytest.raises(ValueError, match="needs the torch backend"):
+        ServiceConfig(data_dir=tmp_path, engine=EngineConfig(batch_invariant=True), sampler=SamplerConfig(backend="vllm"))
 
 
 def test_refusals():

@@ -78,6 +78,12 @@ class SamplerConfig:
         states, never the prompt's full (P, vocab) logits (`ember.sampling.prompt_logits`;
         0 = off, equal results either way). Not a setting of its own: in a service it is
         the engine's `EngineConfig.logprob_chunk_tokens` (None: that default).
+    batch_invariant: TorchSampler: every step runs under `ember.models.batch_invariant`'s
+        row-invariant kernels (the transformers forward, its attention registered as
+        `ember_batch_invariant`), so a request's tokens and logprobs do not depend on its
+        batch and equal the trainer's `forward` bitwise when the engine runs the mode too.
+        Refused for vLLM and forward="direct". Not a setting of its own in a service: it
+        follows `EngineConfig.batch_invariant` (`--engine.batch_invariant`).
 
     vLLM only:
     max_loras: LoRA versions resident in one batch (vLLM `max_loras`); more distinct
@@ -166,7 +172,7 @@ class SamplerConfig:
     max_imbalance: int = field(default=8, metadata=meta(section="pool", moved=True))
     replica_timeout_s: float = field(default=60.0, metadata=meta(section="pool", moved=True))
     weight_sync: str = "files"
-    batch_invariant: bool = False
+    batch_invariant: bool = field(default=False, metadata=meta(hidden=True))
 
     def __post_init__(self) -> None:
         positive = ("max_slots", "default_max_tokens", "max_prefill_tokens", "max_loras", "max_lora_rank",
