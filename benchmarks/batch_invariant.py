@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -41,8 +42,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    import tempfile
-
     model_dir = build_tiny_model(tempfile.mkdtemp(prefix="ember-bench-"), family="qwen3", seed=0)
     g = torch.Generator().manual_seed(0)
     datums = []
