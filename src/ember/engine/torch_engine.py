@@ -47,6 +47,7 @@ from ember.engine.parallel import ParallelismConfig, apply_activation_checkpoint
 from ember.errors import UserError
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
+from ember.models.batch_invariant import batch_invariant, use_batch_invariant_attention
 from ember.models.families import family_of, linear_attention_layers, vision_of
 from ember.models.vision import VisionSpec, load_vision_spec
 
@@ -139,7 +140,12 @@ class TorchEngine(TrainingEngine):
         if parallelism is not None and parallelism.cp > 1 and config.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"ParallelismConfig.cp={parallelism.cp} runs its own (sdpa) attention over all-to-all; "
                              f"EngineConfig.attn_implementation must be 'sdpa' or 'eager', got {config.attn_implementation!r}")
+        if config.batch_invariant and parallelism is not None and parallelism.world_size > 1:
+            raise ValueError(f"EngineConfig.batch_invariant runs on one device: a layout of {parallelism.world_size} "
+                             f"ranks splits rows and reductions across ranks (FSDP2/TP/CP collectives)")
         model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
+        if config.batch_invariant:
+            use_batch_invariant_attention(model)  # before peft wraps it
         if lora_config is not None:
             model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config, unembed=head == "policy")
         parallel = None
@@ -445,7 +451,8 @@ class TorchEngine(TrainingEngine):
                 rope_index=rope_index,
             )
             with torch.set_grad_enabled(backward), self._replay(mb, [routes[i] for i in group]):
-                logp, aux = self._outputs_and_aux(mb, routing)  # log-probs (or values), the MoE aux loss
+                with batch_invariant(self.config.batch_invariant):  # the forward only; backward as usual
+                    logp, aux = self._outputs_and_aux(mb, routing)  # log-probs (or values), the MoE aux loss
                 inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}
                 elementwise = self._loss_fn(spec)(logp, inputs, cfg, mb.segment_ids.to(logp.device))
                 loss = elementwise.sum()

@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.errors import UserError
 from ember.models import load_model, load_tokenizer
+from ember.models.batch_invariant import batch_invariant, use_batch_invariant_attention
 from ember.models.families import moe_of, non_full_attention_layers
 from ember.models.vision import VisionSpec, load_vision_spec
 from ember.models.loading import effective_attention, resolve_dtype
@@ -122,7 +123,10 @@ class TorchSampler(Sampler):
         cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len,
                                         layer_types=getattr(text_config, "layer_types", None))
         attention = effective_attention(model.config, self.config.attn_implementation)  # as load_model chose
-        runner = ModelRunner(self.model, cache, attention, self.config.forward)
+        if self.config.batch_invariant:  # the trainer's kernels (`ember.models.batch_invariant`)
+            use_batch_invariant_attention(self.model)
+        runner = ModelRunner(self.model, cache, attention,
+                             "transformers" if self.config.batch_invariant else self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         # A linear-attention layer's state is its whole sequence's, never a cached prefix's:
         # such a model runs with the prefix cache off (every prompt prefilled in full).
@@ -357,7 +361,7 @@ class TorchSampler(Sampler):
                     self._thread = None
                     return
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), batch_invariant(self.config.batch_invariant):
                     scheduler.step()
             except Exception as exc:  # noqa: BLE001 - a fault fails the requests it touched, not the sampler
                 # Per-request faults are failed alone inside step(); what escapes is the shared
