@@ -64,3 +64,19 @@ def test_the_tiny_models_decoder_projections_are_converted(tiny_model_dir):
     converted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if float8.module_filter(m, name)}
     assert {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= converted
     assert "lm_head" not in converted and "embed_tokens" not in converted
+
+
+def test_ember_estimate_says_it_ignores_float8(tiny_model_dir, capsys):
+    import argparse
+
+    from ember.engine import estimate_cli
+
+    parser = argparse.ArgumentParser()
+    estimate_cli.add_arguments(parser)
+    base = ["--model", str(tiny_model_dir), "--tokens", "64", "--engine.device", "cuda"]
+    assert estimate_cli.run(parser.parse_args(base)) == 0
+    plain = capsys.readouterr().out
+    assert estimate_cli.run(parser.parse_args(base + ["--engine.float8", "true"])) == 0
+    with_float8 = capsys.readouterr().out
+    assert "--engine.float8 is ignored by the estimate" in with_float8
+    assert with_float8.startswith(plain.rstrip("\n"))  # the same figures, one note more
