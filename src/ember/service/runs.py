@@ -38,6 +38,7 @@ from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.lanes import LanePool
 from ember.service.limits import Limits
+from ember.service.requests import CreateModelRequest, LoadWeightsRequest
 from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.run_validation import (
     is_seq_id, model_arch, resumed_optimizer, saved_head, validate_head, validate_lora, validate_model_seq_id,
@@ -237,21 +238,25 @@ class RunManager:
             return sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
 
     # ------------------------------------------------------------------ creation (one path)
-    def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str,
-                     lora_config: types.LoraConfig | None, optimizer_config, user_metadata) -> Submission:
+    def create_model(self, owner: str, request: CreateModelRequest) -> Submission:
+        lora_config, optimizer_config, user_metadata = request.lora_config, request.optimizer_config, request.user_metadata
+
         def plan(run_id: str) -> CreatePlan:
             validate_lora(lora_config)
             self.limits.check_lora_rank(lora_config)
             optimizer = validate_optimizer(optimizer_config)
-            spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config, optimizer["type"],
+            spec = RunSpec(run_id, self.registry.resolve(request.base_model), lora_config, optimizer["type"],
                            validate_head(user_metadata))
             return CreatePlan(spec, optimizer, user_metadata, lambda _: types.CreateModelResponse(model_id=run_id))
 
-        return self._create(owner, session_id, model_seq_id, "CreateModel", plan)
+        return self._create(owner, request.session_id, request.model_seq_id, "CreateModel", plan)
 
-    def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
-                               base_model: str | None, user_metadata, optimizer_config=None,
-                               access_token: str | None = None) -> Submission:
+    def create_from_checkpoint(self, owner: str, request: LoadWeightsRequest) -> Submission:
+        """A new run from a training checkpoint (`request.creates_run`: its session_id + model_seq_id)."""
+        path, optimizer, base_model = request.path, bool(request.optimizer), request.base_model
+        user_metadata, optimizer_config, access_token = (request.user_metadata, request.optimizer_config,
+                                                         request.weights_access_token)
+
         def plan(run_id: str) -> CreatePlan:
             # the owner's, a published one, or one `access_token` grants
             tpath, crow = self.checkpoints.training_state(owner, path, access_token)
@@ -267,7 +272,7 @@ class RunManager:
 
             return CreatePlan(spec, opt, user_metadata, finish, created_from=tpath.uri)
 
-        return self._create(owner, session_id, model_seq_id, "LoadWeights", plan)
+        return self._create(owner, request.session_id, request.model_seq_id, "LoadWeights", plan)
 
     def _create(self, owner: str, session_id: str, model_seq_id: Any, rtype: RequestType,
                 plan: Callable[[str], CreatePlan]) -> Submission:

@@ -55,6 +55,7 @@ from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.limits import Limits, prompt_length
 from ember.service.snapshot_store import OlderEntry, OlderVersion, older_dir, parse_older, write_older
+from ember.service.requests import SampleRequest
 from ember.service.stability import StabilityRecords
 from ember.service.store import CheckpointRow, RunRow, SamplerRow, Store
 
@@ -606,10 +607,11 @@ class SamplerManager:
         return types.GetSamplerResponse(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, owner: str, sampler_id: str, seq_id: int | None, request_kwargs: dict[str, Any],
-               record: bool = False) -> Submission:
+    def sample(self, owner: str, request: SampleRequest) -> Submission:
         """Raises NotFoundError when the sampler's checkpoint is no longer readable by
         `owner` (unpublished, expired, deleted), like a path never saved."""
+        sampler_id, seq_id, record = request.sampling_session_id, request.seq_id, bool(request.record_stability_info)
+        request_kwargs = request.sampler_arguments()  # what the backend's SamplingRequest takes
         self._check_checkpoint_readable(owner, sampler_id)
         num = request_kwargs.get("num_samples")
         key = f"sample:{sampler_id}:{seq_id}" if seq_id is not None else None
