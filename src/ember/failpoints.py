@@ -124,8 +124,9 @@ def _load_env() -> None:
 
 
 def arm(name: str, action: str, times: int = -1, skip: int = 0, key: str | None = None) -> None:
-    """Arm `name` in this process (tests): after `skip` hits pass, `times` hits, or every hit if -1;
-    with `key`, only the hits whose key contains it count (one request's, of a shared point)."""
+    """Arm `name` in this process (a test, or an operator's drill): after `skip` hits pass,
+    `times` hits, or every hit if -1; with `key`, only the hits whose key contains it count
+    (one request's, of a shared point)."""
     _load_env()
     with _lock:
         _armed[_check(name)] = _Armed(_check_action(action), times, skip, key)

@@ -1,6 +1,6 @@
 """Colocation (`SamplerConfig.colocate`) through a pool: `SamplerPool.sleep` (what the
 service calls before every training op) reaches every replica, local and Ray; each
-replica's backend releases its memory, reports it (`replica_sleep_stats`), wakes on its
+replica's backend releases its memory, reports it (`debug_state()["sleep"]`), wakes on its
 next request, and samples after waking equal the trainer's forward (contract 5, fp32,
 abs 1e-4). TorchSampler's own sleep: what it frees, that it waits for the requests in
 progress and holds new ones until it has slept, and that without `colocate` it does nothing.
@@ -167,14 +167,14 @@ def test_pool_sleep_reaches_every_replica_and_each_wakes_to_sample_like_the_trai
     served = [s["requests_total"] for s in pool.replica_stats()]
     assert worst_vs_forward(engine, sample_round(pool, version, sessions, seed=10)) < TOL
     assert all(s["requests_total"] > n for s, n in zip(pool.replica_stats(), served))  # both replicas served
-    before = pool.replica_sleep_stats()
+    before = pool.debug_state()["sleep"]
     assert all(not b["asleep"] for b in before), before
 
     pool.sleep()
-    slept = pool.replica_sleep_stats()
+    slept = pool.debug_state()["sleep"]
     assert slept == [{**b, "asleep": True, "sleeps": b["sleeps"] + 1} for b in before], slept
 
     after = sample_round(pool, version, sessions, seed=20)  # each replica gets requests: each wakes
-    woke = pool.replica_sleep_stats()
+    woke = pool.debug_state()["sleep"]
     assert woke == [{**b, "sleeps": b["sleeps"] + 1, "wakes": b["wakes"] + 1} for b in before], woke
     assert worst_vs_forward(engine, after) < TOL

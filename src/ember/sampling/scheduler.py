@@ -108,8 +108,8 @@ class Scheduler:
             self.decode()
 
     def load(self) -> dict[str, int]:
-        """Read-only, for inspection (tests, metrics): sequences holding a slot now, and
-        requests waiting for one."""
+        """Read-only (`TorchSampler.stats` and /metrics report it): sequences holding a slot
+        now, and requests waiting for one."""
         return {"active_slots": int(self.slots.active.sum()), "waiting_requests": len(self.waiting)}
 
     # ================================================================ cancellation

@@ -183,12 +183,6 @@ class TorchSampler(Sampler):
         steps it by hand, reads its `load()` and `busy`)."""
         return self._scheduler
 
-    @property
-    def sampler_id(self) -> int:
-        """Read-only: the id every `TorchWeightVersion` of this sampler carries (a version of
-        another id is refused). For inspection: tests build a version by hand with it."""
-        return self._id
-
     def live_versions(self) -> int:
         """Versions of this sampler still referenced somewhere."""
         return len(self._versions)
