@@ -194,10 +194,6 @@ def test_every_test_file_the_readme_names_exists():
 # (test file, patched target) -> why the patch is still there: replacing each with a fail
 # point or an argument is issue 40's item 9; the list only shrinks.
 NOT_YET_REPLACED = {
-    ("tests/recipes/test_recipes_grpo_kl.py", "grpo.minibatch_datums"):
-        "records the minibatches the GRPO recipe trains on; recipes/grpo.py is being reworked (issue 40)",
-    ("tests/sampling/test_sampling_isolation.py", "sampling_scheduler.top_logprobs"):
-        "a MemoryError for one request's large k, with its own matrix's shape in the message: needs a seam",
     ("tests/sampling/test_sampling_vllm.py", "vllm_sampler.config"):
         "a lower max_logprobs / enable_lora=False on the module's shared vLLM engine: a second engine costs minutes",
 }

@@ -56,6 +56,8 @@ POINTS = {
     "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs; key: the "
                               "sequence id of a finished sequence)",
     "sampler.score_prompt": "a request's prompt logprobs are about to be computed (key: its sequence ids)",
+    "sampler.top_logprobs": "the top logprobs of decoding sequences are about to be computed, batched or per "
+                            "request (key: their sequence ids; `oom` fails it naming the matrix's shape)",
     "sampler.stop_strings": "a sequence with stop strings is about to have its text decoded (once per decode step)",
     "run.create_engine": "a training run's engine is about to be built (on its lane)",
     "run.op": "a training run's op (forward_backward, optim_step, save, ...) is about to run on its lane",

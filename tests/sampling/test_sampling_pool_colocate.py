@@ -13,7 +13,6 @@ replica to sleep on a GPU (tests/service/test_service_colocate.py, GPU-marked).
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -111,7 +110,7 @@ def test_closing_while_a_sleep_drains_fails_the_held_requests(tiny_model_dir):
         wait_until(lambda: sampler.scheduler.busy, 60, interval=0.01, message="the long request to start")
         sleeper = threading.Thread(target=sampler.sleep)
         sleeper.start()
-        time.sleep(0.2)  # the sleep is draining by now
+        wait_until(lambda: sampler.debug_state()["draining"], 60, interval=0.01, message="the sleep to drain")
         held = sampler.submit(request(PROMPTS[0], seed=3))
         assert not long.done() and not held.done()  # the state this test is about
         sampler.close()

@@ -289,6 +289,13 @@ class TorchSampler(Sampler):
         with self._lock:
             return {"asleep": self._asleep, "sleeps": self._sleeps, "wakes": self._wakes}
 
+    def debug_state(self) -> dict[str, int | bool]:
+        """The one inspection point of the sampler (read-only): `draining`, a `sleep` is
+        waiting for the requests in progress to finish (new ones wait); `sampler_id`, the id
+        every `TorchWeightVersion` of this sampler carries (a version of another is refused)."""
+        with self._lock:
+            return {"draining": self._draining, "sampler_id": self._id}
+
     def sleep(self) -> None:
         """Give the trainer the memory (`SamplerConfig.colocate`): let the requests in
         progress finish (new ones wait), then free the KV cache and the prefix cache (on
