@@ -8,7 +8,7 @@ private names a test reads (`obj._x`, `getattr(obj, "_x")`, `monkeypatch.setattr
 ...)`, `from ember.m import _x`); a read of one of ember's is an error unless `ALLOWED`
 names the file and the name, with why. A test's own classes may read their own privates
 (`self._x` where the test file defines `_x`). Where a test must look inside, ember gives it
-a documented read-only accessor (e.g. `Service.stored_future`, `TorchSampler.sampler_id`).
+its `debug_state()`, one documented inspection point per component (e.g. `Service.debug_state`).
 Nor does a test drive a Service's state managers (`svc.store`, `svc.runs`, `svc.futures`),
 nor monkeypatch ember: a test that replaces a function, method or constant of ember's
 (`monkeypatch.setattr(module, "name", f)`, `monkeypatch.setattr("ember.m.name", f)`,
@@ -194,10 +194,6 @@ def test_every_test_file_the_readme_names_exists():
 # (test file, patched target) -> why the patch is still there: replacing each with a fail
 # point or an argument is issue 40's item 9; the list only shrinks.
 NOT_YET_REPLACED = {
-    ("tests/recipes/test_recipes_grpo_kl.py", "grpo.minibatch_datums"):
-        "records the minibatches the GRPO recipe trains on; recipes/grpo.py is being reworked (issue 40)",
-    ("tests/sampling/test_sampling_isolation.py", "sampling_scheduler.top_logprobs"):
-        "a MemoryError for one request's large k, with its own matrix's shape in the message: needs a seam",
     ("tests/sampling/test_sampling_vllm.py", "vllm_sampler.config"):
         "a lower max_logprobs / enable_lora=False on the module's shared vLLM engine: a second engine costs minutes",
 }
@@ -288,3 +284,45 @@ def t(monkeypatch, sampler):
     got = [v.split(": ")[1] for v in patches(source, "x.py")]
     assert got == ["scheduler.top_logprobs", "ember.sampling.jobs.prompt_scores", "ModelRunner.unembed",
                    "sampler.config", "scheduler.ROW_CHUNK", "sampler.scheduler.decode_text", "sampler.other"], got
+
+
+# Words that mark an accessor kept only so tests can look inside ("for inspection", "for tests",
+# "for fault-injection tests", "(tests)", "exposed for tests", "used by tests").
+TEST_ONLY_WORDING = re.compile(r"for inspection|\bfor (?:[\w-]+ )?tests\b|\(tests\)|\bused by tests\b", re.I)
+
+
+def wording_violations(source: str, rel: str) -> list[str]:
+    """`rel:line: name` for each function or class docstring in `source` that says it exists for tests,
+    except a `debug_state` method's (the one inspection point per component, tests/README.md)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name != "debug_state":
+            doc = ast.get_docstring(node) or ""
+            if TEST_ONLY_WORDING.search(" ".join(doc.split())):
+                found.append(f"{rel}:{node.lineno}: {node.name}")
+    return found
+
+
+def test_no_production_docstring_says_it_exists_for_tests():
+    found = [v for p in sorted(SRC.rglob("*.py"))
+             for v in wording_violations(p.read_text(), p.relative_to(SRC).as_posix())]
+    assert not found, ("an accessor that exists for tests: fold it into its component's `debug_state()`, use a "
+                       "public stat or a fail point, or say what production uses it for:\n" + "\n".join(found))
+
+
+def test_the_wording_check_finds_each_form():
+    source = '''
+class A:
+    def a(self):
+        """The rows, for inspection."""
+    def b(self):
+        """Pids (for fault-injection
+        tests)."""
+    def c(self):
+        """The cache; exposed for tests."""
+    def debug_state(self):
+        """The one inspection point, for inspection and for tests."""
+    def d(self):
+        """What /metrics reports; a test reads it too."""
+'''
+    assert [v.split(": ")[1] for v in wording_violations(source, "x.py")] == ["a", "b", "c"]

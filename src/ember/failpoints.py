@@ -56,6 +56,8 @@ POINTS = {
     "sampler.decode_request": "per-request work of the shared sampling step (stop strings, outputs; key: the "
                               "sequence id of a finished sequence)",
     "sampler.score_prompt": "a request's prompt logprobs are about to be computed (key: its sequence ids)",
+    "sampler.top_logprobs": "the top logprobs of decoding sequences are about to be computed, batched or per "
+                            "request (key: their sequence ids; `oom` fails it naming the matrix's shape)",
     "sampler.stop_strings": "a sequence with stop strings is about to have its text decoded (once per decode step)",
     "run.create_engine": "a training run's engine is about to be built (on its lane)",
     "run.op": "a training run's op (forward_backward, optim_step, save, ...) is about to run on its lane",
@@ -124,8 +126,9 @@ def _load_env() -> None:
 
 
 def arm(name: str, action: str, times: int = -1, skip: int = 0, key: str | None = None) -> None:
-    """Arm `name` in this process (tests): after `skip` hits pass, `times` hits, or every hit if -1;
-    with `key`, only the hits whose key contains it count (one request's, of a shared point)."""
+    """Arm `name` in this process (a test, or an operator's drill): after `skip` hits pass,
+    `times` hits, or every hit if -1; with `key`, only the hits whose key contains it count
+    (one request's, of a shared point)."""
     _load_env()
     with _lock:
         _armed[_check(name)] = _Armed(_check_action(action), times, skip, key)

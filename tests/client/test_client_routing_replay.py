@@ -56,7 +56,7 @@ def test_replay_routes_recorded_samples_through_the_recorded_experts(client):
     seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params).result().sequences[0]
     assert isinstance(seq, RoutedSequence)
     recorded = torch.cat([torch.as_tensor(seq.prompt_routes_np), torch.as_tensor(seq.routes_np)]).long()
-    engine = client.service.live_run(client.owner, tc.model_id).require_engine()
+    engine = client.service.debug_state().runs[tc.model_id].require_engine()
     layout = moe_of(engine.hf_config)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # the router moves after sampling (the lane is idle: every call above returned)

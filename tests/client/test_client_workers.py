@@ -32,7 +32,7 @@ def sft(sc, steps: int = 3):
 
 def test_worker_group_engines_match_local_engines_and_close_with_the_client(make_client, tmp_path):
     grouped = make_client(tmp_path / "group", workers={"runtime": "inline"})
-    factory = grouped.service.engine_factory
+    factory = grouped.service.debug_state().engine_factory
     assert isinstance(factory, WorkerGroupEngineFactory) and factory.owns_group
     tc, on_group = sft(grouped)
     _, local = sft(make_client(tmp_path / "local"))
@@ -51,7 +51,7 @@ def test_worker_group_engines_match_local_engines_and_close_with_the_client(make
 
 
 def test_default_is_the_local_factory(make_client):
-    assert isinstance(make_client().service.engine_factory, LocalEngineFactory)
+    assert isinstance(make_client().service.debug_state().engine_factory, LocalEngineFactory)
 
 
 def test_clients_sharing_a_service_must_agree_on_workers(make_client, tmp_path):

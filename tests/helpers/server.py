@@ -207,31 +207,35 @@ def _wait_for_url(proc: subprocess.Popen, timeout: float, stderr_path: Path, lin
             if "listening on" in line and not found:
                 found.append(line.strip().rsplit(" ", 1)[1])
 
-    threading.Thread(target=reader, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not found:
+    def started() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"ember serve exited with {proc.returncode}:\n{stderr_path.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"ember serve did not start in {timeout} s:\n{stderr_path.read_text()[-4000:]}")
-        time.sleep(0.1)
+        return bool(found)
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        wait_until(started, timeout, interval=0.1, message="ember serve to start")
+    except AssertionError:
+        proc.kill()
+        raise RuntimeError(f"ember serve did not start in {timeout} s:\n{stderr_path.read_text()[-4000:]}") from None
     return found[0]
 
 
 def _wait_healthy(server: ServerProc, timeout: float) -> None:
     """Any HTTP answer means uvicorn is serving (404 when the API sits under a prefix)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         try:
             httpx.get(f"{server.base_url}/api/v1/healthz", timeout=5)
-            return
+            return True
         except httpx.HTTPError:
-            pass
-        if not server.alive():
-            raise RuntimeError(f"ember serve died:\n{server.stderr_tail()}")
-        time.sleep(0.2)
-    raise RuntimeError("ember serve never answered /api/v1/healthz")
+            if not server.alive():
+                raise RuntimeError(f"ember serve died:\n{server.stderr_tail()}") from None
+            return False
+
+    try:
+        wait_until(answers, timeout, message="ember serve to answer /api/v1/healthz")
+    except AssertionError:
+        raise RuntimeError("ember serve never answered /api/v1/healthz") from None
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.2, message: str = "condition"):

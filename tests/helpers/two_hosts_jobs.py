@@ -20,6 +20,7 @@ import torch
 
 from helpers import ranks as wt
 from helpers.datums import random_rl_datums, random_sft_datums
+from helpers.server import wait_until
 
 SGD_LR = 1e-3
 
@@ -135,16 +136,6 @@ def full_training_client(sc, base_url: str):
     return tinker.TrainingClient(holder, model_seq_id=seq, model_id=res["model_id"], info=info)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-
-
 def kill_remote_mid_request(server, tc, clients, worker_ns: str, head_ns: str) -> dict:
     """Long requests on every session, then SIGKILL of the worker host's replica: which
     sessions failed (and how), which finished; the replacement's start; then each failed
@@ -163,8 +154,8 @@ def kill_remote_mid_request(server, tc, clients, worker_ns: str, head_ns: str) -
     outcomes = [outcome(f, 300) for f in futures]
     result["outcomes"] = [{k: v for k, v in o.items() if k != "response"} for o in outcomes]
     result["finished_worst"] = [worst_vs_forward(tc, o["response"]) for o in outcomes if o["ok"]]
-    new_pid = wait_for(lambda: replicas_up(server).get(remote[0]) not in (None, up[remote[0]])
-                       and replicas_up(server)[remote[0]], 300, "the replacement replica")
+    new_pid = wait_until(lambda: replicas_up(server).get(remote[0]) not in (None, up[remote[0]])
+                         and replicas_up(server)[remote[0]], 300, interval=0.5, message="the replacement replica")
     result["replacement_pid"], result["replacement_on_worker"] = new_pid, new_pid in pids_running(worker_ns, "_ReplicaActor")
     failed = [c for c, o in zip(clients, outcomes) if not o["ok"]]
     on_head = next(c for c, o in zip(clients, outcomes) if o["ok"])  # placed on the head's replica (sticky)

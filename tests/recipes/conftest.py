@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers.server import start_server
@@ -18,6 +20,20 @@ def digit_model_dir(tmp_path_factory):
 
     return build_tiny_model(tmp_path_factory.mktemp("digit-model"), family="qwen3", seed=0,
                             tokenizer_alphabet=ALPHABET)
+
+
+@pytest.fixture
+def recipe_toml(digit_model_dir, tmp_path):
+    """`write(name, fields)`: tmp_path/name holding `fields` (a recipe's own top-level keys, as
+    TOML) and the sections every `ember train` test shares: [client] (the digit model as "tiny",
+    data under tmp_path/ember) and [metrics] (no console, no tensorboard); returns its path."""
+    def write(name: str, fields: str) -> Path:
+        path = tmp_path / name
+        path.write_text(f"{fields.strip()}\n[client]\nmodels = {{ tiny = \"{digit_model_dir}\" }}\n"
+                        f"data_dir = \"{tmp_path / 'ember'}\"\n[metrics]\nconsole = false\ntensorboard = false\n")
+        return path
+
+    return write
 
 
 @pytest.fixture(scope="module")

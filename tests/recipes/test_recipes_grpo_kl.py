@@ -102,25 +102,21 @@ def test_reference_logprobs_align_with_the_sampler(service_client, digit_count_e
     assert abs(mean_kl_probe(sampler, env, problems, sampler, seed=5)) < 1e-4
 
 
-def test_kl_coef_zero_sends_todays_datums_and_calls_no_reference(service_client, digit_count_env, monkeypatch):
+def test_kl_coef_zero_sends_todays_datums_and_calls_no_reference(service_client, digit_count_env):
     sent = []
-    original = grpo.minibatch_datums
 
-    def recording(groups, std_normalize, kl_coef=0.0):
-        datums = original(groups, std_normalize, kl_coef)
-        sent.append((datums, legacy_minibatch_datums(groups, std_normalize)))
-        return datums
+    def recording(groups, datums):
+        sent.append((datums, legacy_minibatch_datums(groups, cfg.std_normalize)))  # cfg: below, read at the call
 
     class NoReference:
         def __getattr__(self, name):
             raise AssertionError(f"kl_coef = 0 touched the reference ({name})")
 
-    monkeypatch.setattr(grpo, "minibatch_datums", recording)
     tc = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
     cfg = GRPOConfig(steps=2, prompts_per_step=4, group_size=4, max_tokens=4, learning_rate=1e-2, minibatches=2,
                      std_normalize=True, seed=4)
     with use_logger(MetricsLogger()):
-        train_grpo(tc, digit_count_env(tc.get_tokenizer()), cfg, reference=NoReference())
+        train_grpo(tc, digit_count_env(tc.get_tokenizer()), cfg, reference=NoReference(), on_minibatch=recording)
     assert len(sent) == 4 and sum(len(new) for new, _ in sent) > 0
     for new, old in sent:
         assert [datum_bytes(d) for d in new] == [datum_bytes(d) for d in old]

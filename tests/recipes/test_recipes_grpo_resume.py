@@ -122,12 +122,11 @@ def test_killed_and_resumed_over_http(ember_server, tmp_path):
     assert uninterrupted[2]["grpo/kl_ref"] > 1e-3 and uninterrupted[2]["grpo/staleness"] == 1.0
 
 
-def test_ember_train_grpo_resume_from(digit_model_dir, tmp_path, capsys):
+def test_ember_train_grpo_resume_from(recipe_toml, tmp_path, capsys):
     """`ember train grpo --resume_from RUN_DIR`: the step after the last checkpoint again, as it ran first."""
     from ember.cli import main
 
-    toml = tmp_path / "grpo.toml"
-    toml.write_text(f"""
+    toml = recipe_toml("grpo.toml", """
 base_model = "tiny"
 env = "digit_count"
 lora_rank = 4
@@ -138,12 +137,6 @@ max_tokens = 4
 learning_rate = 0.002
 save_every = 2
 save_name = ""
-[client]
-models = {{ tiny = "{digit_model_dir}" }}
-data_dir = "{tmp_path / 'ember'}"
-[metrics]
-console = false
-tensorboard = false
 """)
     first, second = tmp_path / "first", tmp_path / "second"
     assert main(["train", "grpo", "--config", str(toml), "--run_dir", str(first)]) == 0

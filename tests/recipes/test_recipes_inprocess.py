@@ -76,14 +76,13 @@ def test_digit_sum_greedy_eval_in_process(service_client):
     assert acc == 0.0  # random weights cannot sum digits
 
 
-def test_ember_train_sft_cli_end_to_end(digit_model_dir, tmp_path, capsys):
+def test_ember_train_sft_cli_end_to_end(recipe_toml, tmp_path, capsys):
     from ember.cli import main
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Sum the digits of {n}:", "completion": f" {sum(map(int, str(n)))}"}) + "\n"
                             for n in (123, 456, 789, 4012)))
-    config = tmp_path / "sft.toml"
-    config.write_text(f"""
+    config = recipe_toml("sft.toml", f"""
 base_model = "tiny"
 data_path = "{data}"
 lora_rank = 4
@@ -91,12 +90,6 @@ steps = 10
 batch_size = 4
 learning_rate = 0.001
 run_dir = "{tmp_path / 'run'}"
-[client]
-models = {{ tiny = "{digit_model_dir}" }}
-data_dir = "{tmp_path / 'ember'}"
-[metrics]
-console = false
-tensorboard = false
 """)
     assert main(["train", "sft", "--config", str(config), "--steps", "3", "--save_name", "done"]) == 0
     out = capsys.readouterr().out

@@ -61,11 +61,10 @@ def test_ppo_overlap_changes_timing_only(service_client):
     assert runs[0][1]["ppo/kl_ref"] != pytest.approx(0.0, abs=1e-4)
 
 
-def test_ember_train_ppo_cli(digit_model_dir, tmp_path, capsys):
+def test_ember_train_ppo_cli(recipe_toml, tmp_path, capsys):
     from ember.cli import main
 
-    config = tmp_path / "ppo.toml"
-    config.write_text(f"""
+    config = recipe_toml("ppo.toml", f"""
 base_model = "tiny"
 lora_rank = 4
 critic_lora_rank = 4
@@ -75,12 +74,6 @@ samples_per_prompt = 2
 max_tokens = 3
 env_args = {{ partial_credit = true }}
 run_dir = "{tmp_path / 'run'}"
-[client]
-models = {{ tiny = "{digit_model_dir}" }}
-data_dir = "{tmp_path / 'ember'}"
-[metrics]
-console = false
-tensorboard = false
 """)
     assert main(["train", "ppo", "--config", str(config), "--steps", "1", "--save_name", "done"]) == 0
     out = capsys.readouterr().out

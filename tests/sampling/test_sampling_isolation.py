@@ -16,7 +16,6 @@ from tinker import types
 
 from ember import failpoints
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
-from ember.sampling import scheduler as sampling_scheduler
 
 from .conftest import params, prompt
 
@@ -107,23 +106,19 @@ def test_oversized_topk_counts_are_clamped_and_succeed(torch_sampler):
     assert_keeps_serving(torch_sampler, alone)
 
 
-def test_topk_failure_in_the_batched_path_fails_only_that_request(torch_sampler, monkeypatch):
+def test_topk_failure_in_the_batched_path_fails_only_that_request(torch_sampler):
     alone = torch_sampler.sample_many([request_a()], timeout=60)[0]
-    real = sampling_scheduler.top_logprobs
-
-    def small_k_only(logprobs, k):  # emulates an allocation failure for a large k
-        if k > 20:
-            raise MemoryError(f"cannot allocate top-{k} of a {tuple(logprobs.shape)} matrix")
-        return real(logprobs, k)
-
-    monkeypatch.setattr(sampling_scheduler, "top_logprobs", small_k_only)
-    got_a, got_b = run_together(torch_sampler, request_a(), request_b(topk_sample_logprobs=50))
+    # an allocation failure of B's large k: the batched computation (B's rows in it) and B's own fail
+    failpoints.arm("sampler.top_logprobs", "oom", key="bob")
+    try:
+        got_a, got_b = run_together(torch_sampler, request_a(), request_b(topk_sample_logprobs=50))
+    finally:
+        failpoints.disarm("sampler.top_logprobs")
     assert isinstance(got_b, RuntimeError), got_b
     assert_names_nothing_of_a(got_b)
     # B's own computation: its 2 rows, not the batched 5 (A's 3 + B's 2).
     assert "MemoryError" in str(got_b) and "(2, " in str(got_b) and "(5, " not in str(got_b), str(got_b)
     assert_same_samples(got_a, alone)
-    monkeypatch.setattr(sampling_scheduler, "top_logprobs", real)
     assert_keeps_serving(torch_sampler, alone)
 
 
@@ -173,7 +168,7 @@ def test_forward_failure_message_names_no_request(torch_sampler):
     """A failure of the shared forward still fails what is in flight, without its shapes."""
     from ember.sampling.weights import TorchWeightVersion
 
-    broken = TorchWeightVersion(torch_sampler.sampler_id, params={"lm_head.weight": torch.zeros(84, 63)})
+    broken = TorchWeightVersion(torch_sampler.debug_state()["sampler_id"], params={"lm_head.weight": torch.zeros(84, 63)})
     bad = torch_sampler.sample_many([request_b(version=broken)], timeout=60)[0]
     assert isinstance(bad, RuntimeError)
     assert str(bad).startswith("sampling failed: the batched model forward raised ")

@@ -4,11 +4,12 @@ thread exists only while there is work; close() refuses further work."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 from tinker import types
+
+from helpers.server import wait_until
 
 from ember.sampling import Sampler, SamplerConfig, SamplingRequest, TorchSampler
 from ember.sampling.weights import TorchWeightVersion
@@ -35,7 +36,7 @@ def _worker_threads() -> list[threading.Thread]:
 def test_fault_fails_in_flight_requests_only(tiny_model_dir):
     with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4)) as s:
         # A version that passed no validation (built by hand): its forward raises.
-        broken = TorchWeightVersion(s.sampler_id, params={"lm_head.weight": torch.zeros(84, 63)})
+        broken = TorchWeightVersion(s.debug_state()["sampler_id"], params={"lm_head.weight": torch.zeros(84, 63)})
         bad = s.submit(SamplingRequest(prompt=prompt([5, 6]), version=broken, sampling_params=params(max_tokens=3)))
         with pytest.raises(RuntimeError, match="sampling failed"):
             bad.result(timeout=300)
@@ -49,9 +50,7 @@ def test_worker_thread_only_while_busy_and_close(tiny_model_dir):
     futures = [s.submit(SamplingRequest(prompt=prompt([5 + i]), sampling_params=params(max_tokens=20, stop=[])))
                for i in range(6)]
     assert all(isinstance(f.result(timeout=300), types.SampleResponse) for f in futures)
-    deadline = time.time() + 10
-    while len(_worker_threads()) > before and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(_worker_threads()) <= before, 10, interval=0.01, message="the worker thread to end")
     assert len(_worker_threads()) == before  # idle: no thread left behind
     s.close()
     refused = s.submit(SamplingRequest(prompt=prompt([5])))

@@ -220,7 +220,7 @@ def test_cuda_replicas_each_on_their_device(tiny_model_dir, ref_model):
     n = torch.cuda.device_count()
     devices = [f"cuda:{i % n}" for i in range(2)]
     with SamplerPool(tiny_model_dir, SamplerConfig(replicas=2, devices=devices, dtype="float32", max_slots=8)) as p:
-        infos = p.replica_infos(60)
+        infos = p.debug_state(60)["infos"]
         assert [i.device for i in infos] == devices
         tokens = [5, 6, 7, 8, 9]
         got = p.compute_logprobs(prompt(tokens))[1:]

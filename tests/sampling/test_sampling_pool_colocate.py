@@ -1,6 +1,6 @@
 """Colocation (`SamplerConfig.colocate`) through a pool: `SamplerPool.sleep` (what the
 service calls before every training op) reaches every replica, local and Ray; each
-replica's backend releases its memory, reports it (`replica_sleep_stats`), wakes on its
+replica's backend releases its memory, reports it (`debug_state()["sleep"]`), wakes on its
 next request, and samples after waking equal the trainer's forward (contract 5, fp32,
 abs 1e-4). TorchSampler's own sleep: what it frees, that it waits for the requests in
 progress and holds new ones until it has slept, and that without `colocate` it does nothing.
@@ -13,7 +13,6 @@ replica to sleep on a GPU (tests/service/test_service_colocate.py, GPU-marked).
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -111,7 +110,7 @@ def test_closing_while_a_sleep_drains_fails_the_held_requests(tiny_model_dir):
         wait_until(lambda: sampler.scheduler.busy, 60, interval=0.01, message="the long request to start")
         sleeper = threading.Thread(target=sampler.sleep)
         sleeper.start()
-        time.sleep(0.2)  # the sleep is draining by now
+        wait_until(lambda: sampler.debug_state()["draining"], 60, interval=0.01, message="the sleep to drain")
         held = sampler.submit(request(PROMPTS[0], seed=3))
         assert not long.done() and not held.done()  # the state this test is about
         sampler.close()
@@ -167,14 +166,14 @@ def test_pool_sleep_reaches_every_replica_and_each_wakes_to_sample_like_the_trai
     served = [s["requests_total"] for s in pool.replica_stats()]
     assert worst_vs_forward(engine, sample_round(pool, version, sessions, seed=10)) < TOL
     assert all(s["requests_total"] > n for s, n in zip(pool.replica_stats(), served))  # both replicas served
-    before = pool.replica_sleep_stats()
+    before = pool.debug_state()["sleep"]
     assert all(not b["asleep"] for b in before), before
 
     pool.sleep()
-    slept = pool.replica_sleep_stats()
+    slept = pool.debug_state()["sleep"]
     assert slept == [{**b, "asleep": True, "sleeps": b["sleeps"] + 1} for b in before], slept
 
     after = sample_round(pool, version, sessions, seed=20)  # each replica gets requests: each wakes
-    woke = pool.replica_sleep_stats()
+    woke = pool.debug_state()["sleep"]
     assert woke == [{**b, "sleeps": b["sleeps"] + 1, "wakes": b["wakes"] + 1} for b in before], woke
     assert worst_vs_forward(engine, after) < TOL

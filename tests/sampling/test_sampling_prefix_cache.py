@@ -101,7 +101,7 @@ def test_config_refuses_bad_sizes():
 def test_snapshot_is_a_copy(cached):
     """An entry must not alias a slot that later requests overwrite."""
     cached.submit(_req(LONG)).result(60)
-    entry = cached.prefix_cache.snapshots()[0]
+    entry = cached.prefix_cache.debug_state()["snapshots"][0]
     keep = [k.clone() for k, _ in entry]
     cached.submit(_req(others := [(t + 7) % 80 + 1 for t in LONG])).result(60)
     assert others and all(torch.equal(a, k) for a, (k, _) in zip(keep, entry))

@@ -10,11 +10,12 @@ import gc
 import os
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
 from tinker import types
+
+from helpers.server import wait_until
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.sampling import SamplerConfig, SamplingRequest
@@ -80,14 +81,12 @@ def test_released_lora_leaves_the_engine(vllm_sampler, tiny_model_dir):
     version = vllm_sampler.load_weights(engine.named_weights(), lora_config=cfg)
     vllm_sampler.sample(prompt([5, 6]), 1, params(max_tokens=2), version=version, timeout=120)
     lora_id = version.lora_id
-    loaded = vllm_sampler.loaded_lora_ids()
+    loaded = vllm_sampler.debug_state()["loaded_lora_ids"]
     assert lora_id in loaded
     del version
     gc.collect()
-    deadline = time.time() + 30
-    while lora_id in vllm_sampler.loaded_lora_ids() and time.time() < deadline:
-        time.sleep(0.2)
-    assert lora_id not in vllm_sampler.loaded_lora_ids()
+    wait_until(lambda: lora_id not in vllm_sampler.debug_state()["loaded_lora_ids"], 30,
+               message=f"LoRA {lora_id} to leave the engine")
 
 
 def test_weight_gate_drains_loads_and_keeps_arrival_order():
@@ -126,7 +125,7 @@ def test_engine_killed_mid_request_fails_it_and_is_rebuilt(tiny_model_dir, tmp_p
     cfg = SamplerConfig(backend="vllm", max_slots=4, max_len=256)
     with VLLMSampler.from_pretrained(tiny_model_dir, cfg, scratch_dir=tmp_path) as s:
         assert s.sample(prompt([5, 6]), 1, params(max_tokens=2), timeout=180).sequences
-        pids = s.engine_pids()
+        pids = s.debug_state()["engine_pids"]
         assert pids, "no engine process found"
         for pid in pids:  # frozen first: the request cannot finish before the kill on a fast machine
             os.kill(pid, signal.SIGSTOP)

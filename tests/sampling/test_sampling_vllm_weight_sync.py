@@ -80,8 +80,8 @@ def test_full_snapshots_enter_vllm_in_memory_and_sample_the_trainers_logprobs(se
     assert _worst_gap(tc, got) < 1e-4
     assert _worst_gap(tc, base) > 1e-3  # the step changed the model: the comparison is not vacuous
 
-    sampler = sc.service.sampler_backend("tiny")
-    assert sampler.pushes_in_memory and sampler.weight_swaps >= 1  # it went through the weight-transfer API
+    state = sc.service.debug_state().samplers["backends"]["tiny"].debug_state()
+    assert state["weights_in_memory"] and state["weight_swaps"] >= 1  # it went through the weight-transfer API
     _step(tc)
     second = tc.save_weights_and_get_sampling_client().result()
     assert _worst_gap(tc, _sample(second)) < 1e-4

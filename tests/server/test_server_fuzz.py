@@ -26,6 +26,7 @@ Everything is seeded (`derandomize=True`) and no hypothesis database is written.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import io
 import json
@@ -430,18 +431,20 @@ def accepted_id(response: httpx.Response) -> str | None:
 def drain(fuzzed: Fuzzed, request_ids: list[str], timeout: float = 40.0) -> None:
     """Wait for the accepted futures, so their failures land in this test's stderr, and
     report any bad input that ended as a *server* fault (contract 6: it is the user's)."""
-    deadline = time.monotonic() + timeout
+    def outcome(rid: str) -> tuple[dict] | None:  # (its answer,) once not `try_again` ({}: not a 200)
+        r = fuzzed.http.post(fuzzed.server.base_url + "/api/v1/retrieve_future", json={"request_id": rid},
+                             headers={**AUTH, "Accept": "application/json"}, timeout=LONG_POLL_S + 30)
+        fuzzed.saw("POST", "/retrieve_future", r, rid)
+        body = r.json() if r.status_code == 200 else {}
+        return None if body.get("type") == "try_again" else (body,)
+
+    until = time.monotonic() + timeout  # one budget for them all; one still pending then is not reported
     for rid in dict.fromkeys(request_ids):
-        while time.monotonic() < deadline:
-            r = fuzzed.http.post(fuzzed.server.base_url + "/api/v1/retrieve_future", json={"request_id": rid},
-                           headers={**AUTH, "Accept": "application/json"}, timeout=LONG_POLL_S + 30)
-            fuzzed.saw("POST", "/retrieve_future", r, rid)
-            body = r.json() if r.status_code == 200 else {}
-            if body.get("type") == "try_again":
-                continue
+        with contextlib.suppress(AssertionError):
+            body, = wait_until(lambda: outcome(rid), max(until - time.monotonic(), 0), interval=0,
+                               message=f"future {rid} to finish")
             if body.get("category") == "server" and "skipped" not in body.get("error", ""):
                 fuzzed.server_errors.append(f"future {rid} failed as a server fault: {body['error'][:300]}")
-            break
 
 
 LISTINGS = ["/sessions", "/training_runs", "/checkpoints"]

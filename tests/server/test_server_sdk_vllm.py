@@ -11,7 +11,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server
+from helpers.server import API_KEY, MODEL_NAME, OTHER_KEY, sft_datum, start_server, wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.needs_vllm]
@@ -115,10 +115,7 @@ def test_engine_killed_mid_request_fails_with_server_category_and_is_rebuilt(vll
 
     before = accepted()
     pending = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=240, stop=[], seed=1))
-    deadline = time.monotonic() + 60
-    while accepted() <= before:
-        assert time.monotonic() < deadline, "the server never accepted the sample request"
-        time.sleep(0.05)
+    wait_until(lambda: accepted() > before, 60, interval=0.05, message="the server to accept the sample request")
     time.sleep(1.0)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)

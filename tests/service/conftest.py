@@ -42,7 +42,7 @@ def lane_drained(svc, owner, model_id, timeout=60.0) -> None:
     """Return once every op already queued on the run's lane has run: a marker op queued now
     runs after them (a lane runs one owner's ops in order), so what the sequencer released to
     the lane before this call has finished, however slow the host."""
-    run = svc.live_run(owner, model_id)
+    run = svc.debug_state().runs[model_id]
     ran = threading.Event()
     run.lane.submit(ran.set, run.seq.owner)
     assert ran.wait(timeout), f"the lane of {model_id} did not drain in {timeout} s"

@@ -182,7 +182,7 @@ def test_an_inflight_sampling_session_comes_back_after_a_clean_stop_following_th
     # and it follows the run's next in-flight save, as before the restart
     _step(second, mid, 7, data_seed=2)
     later = _snapshot(second, mid, 9, 2, kind="inflight")
-    assert second.samplers.inflight_generation(mid) == 1
+    assert second.debug_state().samplers["inflight_generations"][mid] == 1
     assert _greedy(second, inflight, 1) == _greedy(second, later, 0)
 
 
@@ -233,7 +233,8 @@ def test_a_sample_still_running_at_the_drain_bound_fails_retryably(make_service)
     _, mid = new_run(svc, seed=5)
     sampler_id = _snapshot(svc, mid, 1, 0)
     with _sample_held_through_a_stop(svc, sampler_id) as (running, stopping):
-        wait_until(lambda: svc.stored_future(running.request_id).status == "failed", 60, message="the sample failed")
+        rid = running.request_id
+        wait_until(lambda: svc.debug_state(futures=[rid]).futures[rid].status == "failed", 60, message="the sample failed")
     stopping.join(120)
     state = make_service().retrieve("alice", running.request_id)
     assert state.status == "failed" and state.category == types.RequestErrorCategory.Server

@@ -69,7 +69,7 @@ def test_colocated_vllm_sleeps_while_training_and_wakes_to_sample(tmp_path, tiny
         sub = svc.forward_backward("alice", model_id, 2, [sft_datum([5, 6, 7, 8])], "cross_entropy")
         result(svc, "alice", sub)
         assert torch.cuda.memory_reserved() < torch.cuda.max_memory_reserved()  # offload emptied the cache
-        backend = svc.sampler_backend("tiny")  # the one the sampler above runs on
+        backend = svc.debug_state().samplers["backends"]["tiny"]  # the one the sampler above runs on
         assert backend.asleep  # released the GPU while the trainer ran
         assert backend.sleep_stats["sleeps"] >= 1
         assert result(svc, "alice", svc.sample("alice", sampler_id, 1, prompt, 2, params),

@@ -159,7 +159,8 @@ def test_one_runs_failing_ops_never_fail_another_runs_queued_ops_on_the_lane(mak
     svc = make_faulty_service("shared")
     _, mid = new_run(svc, "alice", seed=0)
     _, bob = new_run(svc, "bob", seed=BOB_SEED)
-    assert svc.live_run("alice", mid).lane is svc.live_run("bob", bob).lane  # one base model: one lane
+    runs = svc.debug_state().runs
+    assert runs[mid].lane is runs[bob].lane  # one base model: one lane
     before = _alice_ops(svc, mid, 1, 4)
     bad = svc.forward_backward("bob", bob, 1, [sft_datum([5, 6, 9999])], "cross_entropy")  # token outside vocab
     crash = svc.forward_backward("bob", bob, 2, DATA, "cross_entropy")
@@ -201,7 +202,7 @@ def test_a_failed_creation_leaves_the_shared_model_and_the_other_run_alone(tmp_p
         alice_out = _outputs(svc, before + after)
         state = wait(svc, "bob", bob)
         assert state.status == "failed" and "engine construction failed" in state.error
-        shared = factory.shared_model(svc.live_run("alice", mid).spec)
+        shared = factory.debug_state()["shared_models"][svc.debug_state().runs[mid].spec.base.directory]
         assert list(shared.peft_config) == [adapter_name(mid)]  # bob's half-made adapter is gone
     with Service(ServiceConfig(data_dir=tmp_path / "ref", models={"tiny": str(tiny_model_dir)})) as ref_svc:
         _, ref_mid = new_run(ref_svc, "alice", seed=0)

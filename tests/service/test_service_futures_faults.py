@@ -64,7 +64,7 @@ def _assert_clean(message: str) -> None:
 
 
 def _row(svc, sub):
-    return svc.stored_future(sub.request_id)
+    return svc.debug_state(futures=[sub.request_id]).futures[sub.request_id]
 
 
 @pytest.mark.parametrize("action,cause", [("dblocked", "database error: database is locked"),
@@ -80,11 +80,11 @@ def test_a_result_that_cannot_be_stored_ends_as_server_and_the_next_request_succ
     assert "could not be stored" in state.error and cause in state.error
     _assert_clean(state.error)
     assert elapsed < BOUND_S, f"ended after {elapsed:.2f}s, bound {BOUND_S}s"
-    assert _row(svc, sub).status == "pending" and svc.unsaved_futures() == 1  # nothing could be written
+    assert _row(svc, sub).status == "pending" and svc.debug_state().unsaved_futures == 1  # nothing could be written
     failpoints.disarm()
     assert svc.retrieve("alice", sub.request_id).status == "failed"  # served from memory meanwhile
     svc.housekeeping()  # the fault cleared: the final state is written
-    assert svc.unsaved_futures() == 0
+    assert svc.debug_state().unsaved_futures == 0
     row = _row(svc, sub)
     assert row.status == "failed" and row.category == "server" and cause in row.error
     out = result(svc, "alice", svc.forward_backward("alice", model_id, 2, DATA, "cross_entropy"))
@@ -98,7 +98,7 @@ def test_a_result_refused_for_itself_is_not_retried_and_its_failure_is_stored_at
     state = wait(svc, "alice", sub, timeout=10)
     assert state.status == "failed" and state.category == types.RequestErrorCategory.Server
     assert "could not be stored (internal error (FailPointError)" in state.error
-    assert svc.unsaved_futures() == 0 and _row(svc, sub).status == "failed"
+    assert svc.debug_state().unsaved_futures == 0 and _row(svc, sub).status == "failed"
 
 
 def test_a_transient_fault_shorter_than_the_retry_is_invisible(svc):

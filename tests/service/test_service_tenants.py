@@ -37,8 +37,7 @@ def test_two_tenants_share_one_base_model_and_see_only_their_own_updates(make_se
     _, alice = new_run(svc, "alice", seed=1)
     _, bob = new_run(svc, "bob", seed=2)
     # One base model in memory, carrying both adapters.
-    factory = svc.engine_factory
-    shared = factory.shared_models()
+    shared = list(svc.debug_state().engine_factory.debug_state()["shared_models"].values())
     assert len(shared) == 1 and {adapter_name(alice), adapter_name(bob)} <= set(shared[0].peft_config)
 
     # Reference: alice's training alone, on a standalone engine.
@@ -94,7 +93,7 @@ def test_finishing_a_session_frees_its_adapter_and_the_other_tenant_trains_on(ma
     queued = svc.forward_backward("alice", alice, 1, batch, "cross_entropy")
     svc.finish_session("alice", alice_sid, "success")
     assert result(svc, "alice", queued).metrics["loss:sum"] > 0  # queued work still completes
-    shared = svc.engine_factory.shared_models()[0]
+    shared = list(svc.debug_state().engine_factory.debug_state()["shared_models"].values())[0]
     # the release runs on the lane after the queued work
     wait_until(lambda: adapter_name(alice) not in shared.peft_config, 10, interval=0.05,
                message="alice's adapter to be released")

@@ -75,9 +75,9 @@ def test_memory_mode_releases_a_saved_paths_tensors_with_its_checkpoint_or_sessi
     try:
         samplers = sc.service.samplers
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
-        sampler = sc.service.sampler_backend("tiny")
         kept = tc.save_weights_for_sampler("kept").result().path
         client = sc.create_sampling_client(model_path=kept).result()
+        sampler = sc.service.debug_state().samplers["backends"]["tiny"]  # started by the sampling client
         assert samplers.synced_paths() == [kept] and sampler.live_versions() == 1
         sc.create_rest_client().delete_checkpoint_from_tinker_path(kept).result()
         assert samplers.synced_paths() == []

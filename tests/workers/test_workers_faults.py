@@ -5,6 +5,7 @@ The kill -9 test (process and Ray runtimes, with rebuild and resume from the las
 checkpoint) is the last test of tests/engine/test_engine_parallel.py, where it reuses the
 warm groups of the exactness tests."""
 
+import contextlib
 import os
 import time
 
@@ -12,6 +13,7 @@ import pytest
 
 from ember.workers import WorkerError, WorkerGroup, WorkerTimeoutError
 from helpers import ranks as wt
+from helpers.server import wait_until
 
 # `slow`: left out of `make test-fast` (see README, "Developing: the tests").
 pytestmark = pytest.mark.slow
@@ -32,13 +34,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def wait_all_dead(pids, timeout_s=15.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if pid_alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.2)
-    return alive
+    """The pids still alive once every one exited or `timeout_s` passed (the caller asserts on them)."""
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout_s, message="every rank to exit")
+    return [p for p in pids if pid_alive(p)]
 
 
 def make_group(runtime: str, **kwargs) -> WorkerGroup:

@@ -58,7 +58,8 @@ class SamplingClient:
     @property
     def context(self) -> "ClientContext":
         """Read-only: the `ClientContext` (service, owner, session) this client works from,
-        the one its `ServiceClient` made. ember's own (the SDK's client has none), for inspection."""
+        the one its `ServiceClient` made. ember's own (the SDK's client has none): an in-process
+        caller reaches the service and its session through it."""
         return self._ctx
 
     def _next_seq(self) -> int:

@@ -216,7 +216,8 @@ class ServiceClient:
     @property
     def context(self) -> ClientContext:
         """Read-only: the `ClientContext` (service, owner, session) every sub-client of this
-        client works from. ember's own (the SDK's client has none), for inspection."""
+        client works from. ember's own (the SDK's client has none): an in-process caller reaches
+        the service and its session through it (e.g. to finish the session)."""
         return self._context
 
     # ------------------------------------------------------------------ plumbing

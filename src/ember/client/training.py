@@ -104,7 +104,8 @@ class TrainingClient:
     @property
     def context(self) -> ClientContext:
         """Read-only: the `ClientContext` (service, owner, session) this client works from,
-        the one its `ServiceClient` made. ember's own (the SDK's client has none), for inspection."""
+        the one its `ServiceClient` made. ember's own (the SDK's client has none): an in-process
+        caller reaches the service and its session through it."""
         return self._ctx
 
     # ------------------------------------------------------------------ plumbing

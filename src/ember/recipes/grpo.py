@@ -57,7 +57,7 @@ import logging
 import math
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -206,11 +206,17 @@ def record_kl_metrics(groups: Sequence[list[Rollout]]) -> None:
         record_metric("kl_ref_k3", sum(k3) / len(k3))
 
 
+# (a mini-batch's groups, the datums made of them): what a caller records of each, e.g. to check the datums
+MinibatchHook = Callable[[Sequence[list[Rollout]], list[types.Datum]], None]
+
+
 def train_on_batch(
     training_client, groups: Sequence[list[Rollout]], cfg: GRPOConfig, lr: float, reference: Any = None,
+    on_minibatch: MinibatchHook | None = None,
 ) -> int:
     """`cfg.minibatches` optimizer steps over the batch's groups (split by group); returns
     how many were taken (mini-batches whose groups all have constant reward are skipped).
+    `on_minibatch` sees each mini-batch's groups and datums (a skipped one's too).
 
     With `cfg.kl_coef > 0`, the reference's logprobs of the whole batch are submitted
     first; each mini-batch awaits only its own, so the reference works while the policy trains.
@@ -224,6 +230,8 @@ def train_on_batch(
             with span("reference"):
                 await_references(groups[lo:hi], ref_futures[lo:hi])
         datums = minibatch_datums(groups[lo:hi], cfg.std_normalize, cfg.kl_coef)
+        if on_minibatch is not None:
+            on_minibatch(groups[lo:hi], datums)
         if not datums:  # every group constant: no signal, no step
             record_metric("skipped_minibatches", 1, reduce="sum")
             continue
@@ -313,7 +321,7 @@ def sample_batch(sampler: PolicySnapshot, env: Environment, cfg: GRPOConfig, par
 def train_grpo(
     training_client, env: Environment, cfg: GRPOConfig, on_step: StepHook | None = None,
     evaluate: Evaluator | None = None, prefix: str = "grpo/", reference: Any = None,
-    checkpoint: Checkpoint | None = None,
+    checkpoint: Checkpoint | None = None, on_minibatch: MinibatchHook | None = None,
 ) -> Any:
     """Run GRPO steps up to `cfg.steps`; returns a sampling client of the final weights.
 
@@ -321,7 +329,7 @@ def train_grpo(
     every `cfg.eval_every` steps on a fresh snapshot. `reference` (a sampling client) is the
     KL reference when `cfg.kl_coef > 0`; None: the policy's weights at step 0. `checkpoint`
     (`load_checkpoint(cfg)`, with a training client created from its `state_path` with the
-    optimizer, as `run_grpo` does) resumes a run from its step.
+    optimizer, as `run_grpo` does) resumes a run from its step. `on_minibatch`: `train_on_batch`'s.
     """
     check_resume_settings(cfg, checkpoint)
     reference, reference_path = kl_reference_for(training_client, cfg, reference, checkpoint)
@@ -340,7 +348,7 @@ def train_grpo(
                 next_batch = sample_batch(snapshots.at(step), env, cfg, params, rng)
             lr = learning_rate_at(step, cfg.steps, cfg.learning_rate, cfg.lr_schedule)
             with span("train"):
-                no_signal = 0 if train_on_batch(training_client, groups, cfg, lr, reference) else no_signal + 1
+                no_signal = 0 if train_on_batch(training_client, groups, cfg, lr, reference, on_minibatch) else no_signal + 1
             warn_no_signal(no_signal, cfg)
             record_batch_metrics(groups)
             record_metric("staleness", step - batch.version, reduce="max")

@@ -225,13 +225,16 @@ class SamplerPool(Sampler):
                 self._take_out(slot, f"sleep failed: {exc}", replica)
 
     # ------------------------------------------------------------------ operators
-    def replica_sleep_stats(self, timeout: float = 60.0) -> list[dict | None]:
-        """Per replica slot, what its backend reports of its sleep mode (`asleep`, `sleeps`,
-        `wakes` since that replica started; None for a backend without one), asked of each
-        in turn; for inspection (the colocation tests)."""
+    def debug_state(self, timeout: float = 60.0) -> dict[str, list]:
+        """The one inspection point of the pool (read-only), per replica slot: `replicas`
+        (`replica_stats`), `infos` (what each replica reports of itself: pid, backend, device)
+        and `sleep` (what its backend reports of its sleep mode: `asleep`, `sleeps`, `wakes`
+        since that replica started; None for a backend without one), each replica asked in
+        turn within `timeout`."""
         with self._lock:
             replicas = [s.replica for s in self._slots]
-        return [r.call("sleep_stats").result(timeout) for r in replicas]
+        return {"replicas": self.replica_stats(), "infos": [r.call("info").result(timeout) for r in replicas],
+                "sleep": [r.call("sleep_stats").result(timeout) for r in replicas]}
 
     def replica_stats(self) -> list[dict]:
         """Per replica slot: up, requests routed to it since start, in flight now, restarts."""
@@ -242,13 +245,6 @@ class SamplerPool(Sampler):
     def replica_pids(self) -> list[int | None]:
         with self._lock:
             return [s.replica.pid if s.up else None for s in self._slots]
-
-    def replica_infos(self, timeout: float = 60.0) -> list[ReplicaInfo]:
-        """What each replica reports of itself now (pid, backend, device), asked of each in
-        turn; for inspection (a test checks each replica's device)."""
-        with self._lock:
-            replicas = [s.replica for s in self._slots]
-        return [r.call("info").result(timeout) for r in replicas]
 
     def use_router(self, router_cls) -> None:
         """Route with a fresh `router_cls(up replicas, max_imbalance)` from now on

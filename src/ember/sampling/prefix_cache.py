@@ -48,11 +48,12 @@ class PrefixCache:
     def cached_tokens(self) -> int:
         return self._tokens
 
-    def snapshots(self) -> list[Snapshot]:
-        """The stored snapshots, least recently used first (a new list of the cached tensors
-        themselves, not copies: for tests and memory accounting; do not write to them)."""
+    def debug_state(self) -> dict[str, list[Snapshot]]:
+        """The one inspection point of the cache (read-only): `snapshots`, the stored snapshots,
+        least recently used first (a new list of the cached tensors themselves, not copies; do
+        not write to them)."""
         with self._lock:
-            return list(self._entries.values())
+            return {"snapshots": list(self._entries.values())}
 
     def lookup(self, key: CacheKey, prompt: tuple[int, ...], limit: int) -> tuple[int, Snapshot | None]:
         """(h, KV) of the longest cached block-aligned prefix of `prompt` of at most `limit` tokens."""

@@ -108,8 +108,8 @@ class Scheduler:
             self.decode()
 
     def load(self) -> dict[str, int]:
-        """Read-only, for inspection (tests, metrics): sequences holding a slot now, and
-        requests waiting for one."""
+        """Read-only (`TorchSampler.stats` and /metrics report it): sequences holding a slot
+        now, and requests waiting for one."""
         return {"active_slots": int(self.slots.active.sum()), "waiting_requests": len(self.waiting)}
 
     # ================================================================ cancellation
@@ -571,8 +571,19 @@ class Scheduler:
             processed_N_V = processed_logprobs(logits_B_V[rows_t], _subset(params, rows_t))
             processed_N = torch.as_tensor(slots.processed_logprobs[slots_N], device=self.device)
             logprobs_N_V = torch.where(processed_N[:, None], processed_N_V, logprobs_N_V)
-        ids_N_K, values_N_K = top_logprobs(logprobs_N_V, int(slots.num_top_logprobs[slots_N].max()))
+        k = int(slots.num_top_logprobs[slots_N].max())
+        try:
+            failpoints.hit("sampler.top_logprobs", key=self._sequence_ids(slots_N))
+            ids_N_K, values_N_K = top_logprobs(logprobs_N_V, k)
+        except MemoryError as exc:  # an allocation failure is about the size: name the matrix
+            raise MemoryError(f"cannot allocate top-{k} of a {tuple(logprobs_N_V.shape)} matrix ({exc})") from exc
         return ids_N_K.cpu().numpy(), values_N_K.cpu().numpy()
+
+    def _sequence_ids(self, slots_N: np.ndarray) -> str:
+        """The sequence ids the slots of `slots_N` decode, space-separated (a fail point's key)."""
+        slots = self.slots
+        held = [(slots.request[s], int(slots.sample[s])) for s in slots_N.tolist() if slots.request[s] is not None]
+        return " ".join(str(request.spec.sequence_ids[sample]) for request, sample in held)
 
     def _append_top_logprobs(self, slots_N: np.ndarray, ids_N_K: np.ndarray, values_N_K: np.ndarray) -> None:
         for index, slot in enumerate(slots_N):

@@ -189,12 +189,6 @@ class TorchSampler(Sampler):
         steps it by hand, reads its `load()` and `busy`)."""
         return self._scheduler
 
-    @property
-    def sampler_id(self) -> int:
-        """Read-only: the id every `TorchWeightVersion` of this sampler carries (a version of
-        another id is refused). For inspection: tests build a version by hand with it."""
-        return self._id
-
     def live_versions(self) -> int:
         """Versions of this sampler still referenced somewhere."""
         return len(self._versions)
@@ -306,6 +300,13 @@ class TorchSampler(Sampler):
         """Colocation, read-only: `asleep` now, and how many times it slept and woke."""
         with self._lock:
             return {"asleep": self._asleep, "sleeps": self._sleeps, "wakes": self._wakes}
+
+    def debug_state(self) -> dict[str, int | bool]:
+        """The one inspection point of the sampler (read-only): `draining`, a `sleep` is
+        waiting for the requests in progress to finish (new ones wait); `sampler_id`, the id
+        every `TorchWeightVersion` of this sampler carries (a version of another is refused)."""
+        with self._lock:
+            return {"draining": self._draining, "sampler_id": self._id}
 
     def sleep(self) -> None:
         """Give the trainer the memory (`SamplerConfig.colocate`): let the requests in

@@ -70,6 +70,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,17 +193,15 @@ class VLLMSampler(Sampler):
     def default_max_tokens(self) -> int:
         return self.config.default_max_tokens
 
-    @property
-    def pushes_in_memory(self) -> bool:
-        """Read-only: whether full versions enter the engine through vLLM's weight-transfer API
-        (weight_sync="memory") rather than from files. For inspection."""
-        return isinstance(self._transport, MemoryEngineTransport)
-
-    @property
-    def weight_swaps(self) -> int:
-        """Read-only: the weight loads into the engine completed so far (`WeightGate.swaps`).
-        For inspection: tests and benchmarks see a version went in."""
-        return self._gate.swaps
+    def debug_state(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The one inspection point of the sampler (read-only): `weights_in_memory` (full versions
+        enter the engine through vLLM's weight-transfer API, weight_sync="memory", not files),
+        `weight_swaps` (weight loads into the engine completed, `WeightGate.swaps`),
+        `engine_pids` (the running engine core's processes) and `loaded_lora_ids` (the LoRA ids
+        the engine holds now; a released version's id leaves it), asked within `timeout_s`."""
+        return {"weights_in_memory": isinstance(self._transport, MemoryEngineTransport),
+                "weight_swaps": self._gate.swaps, "engine_pids": self._engine_pids(),
+                "loaded_lora_ids": self._loaded_lora_ids(timeout_s)}
 
     def load_weights(self, named_weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                      lora_config: types.LoraConfig | None = None, *, copy: bool = True) -> VLLMWeightVersion:
@@ -397,16 +396,15 @@ class VLLMSampler(Sampler):
                 _shut_down(self._llm, self.config.resolved_device)
                 self._llm = None
 
-    def loaded_lora_ids(self, timeout_s: float = 30.0) -> set[int]:
-        """Read-only: the LoRA ids the running engine holds now (empty before it started);
-        a released version's id leaves it (tests and diagnostics)."""
+    def _loaded_lora_ids(self, timeout_s: float) -> set[int]:
+        """The LoRA ids the running engine holds now (empty before it started)."""
         async def ids() -> set[int]:
             return set(await self._llm.list_loras()) if self._llm is not None and not self._llm.errored else set()
 
         return self._call(ids()).result(timeout_s)
 
-    def engine_pids(self) -> list[int]:
-        """Process ids of the running engine core (for fault-injection tests)."""
+    def _engine_pids(self) -> list[int]:
+        """Process ids of the running engine core."""
         import psutil
 
         pids = []

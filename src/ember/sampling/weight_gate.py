@@ -23,7 +23,7 @@ class WeightGate:
     def __init__(self, loaded: str) -> None:
         self.loaded = loaded
         self.active = 0  # requests running on the loaded set
-        self.swaps = 0  # completed loads (for tests and benchmarks)
+        self.swaps = 0  # completed loads (`VLLMSampler.debug_state` reports them)
         self._waiting: deque[tuple[str, Loader, asyncio.Future]] = deque()
         self._swapping = False
 

@@ -281,7 +281,7 @@ class ServiceAPI(abc.ABC):
         """Expire sessions without a heartbeat for `sessions.heartbeat_timeout_s`, or idle
         for `sessions.idle_ttl_s`; save their loaded runs (`tinker://<run>/weights/session-end`)
         and unload them (checkpoints stay). Returns the expired ids. The service calls this
-        itself periodically; exposed for tests."""
+        itself periodically (housekeeping); a caller may run an expiry sweep now."""
 
     @abc.abstractmethod
     def get_session(self, owner: str, session_id: str) -> types.GetSessionResponse: ...

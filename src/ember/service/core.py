@@ -73,6 +73,17 @@ RESTART_MESSAGE = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class ServiceDebugState:
+    """A snapshot of a Service's state (`Service.debug_state`); its values are the live objects."""
+
+    engine_factory: EngineFactory  # the one this service's runs are built by
+    runs: dict[str, LiveRun]  # model_id -> loaded run (spec, lane, engine)
+    samplers: dict[str, Any]  # `SamplerManager.debug_state`
+    unsaved_futures: int  # finished futures whose final state is in memory only (database writes failing)
+    futures: dict[str, FutureRow | None]  # request id -> its database row as it is now (None: absent)
+
+
 class Service(ServiceAPI):
     """The multi-tenant service (see `ember.service.api` for the contract)."""
 
@@ -614,31 +625,13 @@ class Service(ServiceAPI):
         return str(self.registry.resolve(base_model).directory)
 
     # ------------------------------------------------------------------ inspection (read-only)
-    @property
-    def engine_factory(self) -> EngineFactory:
-        """Read-only: the `EngineFactory` this service's runs are built by (its argument, else
-        a `LocalEngineFactory`). For inspection: tests check which one and its shared models."""
-        return self.runs.factory
-
-    def live_run(self, owner: str, model_id: str) -> LiveRun:
-        """Read-only: `owner`'s loaded run (its spec, lane, steps); NotFoundError unless it is
-        theirs, RunNotLoadedError unless loaded. For inspection: tests compare runs' lanes."""
-        return self.runs.live(owner, model_id)
-
-    def sampler_backend(self, base_model: str) -> Any:
-        """The sampler backend serving `base_model` (started on first use, as a sampling
-        session would). For inspection: tests check its state or inject a fault into it."""
-        return self.samplers.backend(self.registry.resolve(base_model))
-
-    def stored_future(self, request_id: str) -> FutureRow | None:
-        """Read-only: the future's database row as it is now (None if absent), whatever memory
-        serves; no owner check. For inspection: the fault tests compare it with `retrieve`."""
-        return self.store.get(FutureRow, request_id)
-
-    def unsaved_futures(self) -> int:
-        """Read-only: how many finished futures have their final state in memory only, its
-        database write still failing (housekeeping writes it later). For inspection and tests."""
-        return self.futures.unsaved_count()
+    def debug_state(self, futures: Sequence[str] = ()) -> ServiceDebugState:
+        """The one inspection point of a Service (read-only): what it holds now, as a
+        `ServiceDebugState`; `futures`: the request ids whose database rows to include."""
+        return ServiceDebugState(
+            engine_factory=self.runs.factory, runs=self.runs.all_live_runs(), samplers=self.samplers.debug_state(),
+            unsaved_futures=self.futures.unsaved_count(),
+            futures={rid: self.store.get(FutureRow, rid) for rid in futures})
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, save_runs: bool = False) -> None:

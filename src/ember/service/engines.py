@@ -120,14 +120,10 @@ class LocalEngineFactory(EngineFactory):
     def close(self) -> None:
         self._shared.clear()
 
-    def shared_model(self, spec: RunSpec):
-        """The shared (peft-wrapped) model of a LoRA base, for tests and memory accounting."""
-        return self._shared.get(spec.base.directory)
-
-    def shared_models(self) -> list[object]:
-        """Every shared (peft-wrapped) model, one per LoRA base directory in use (a new list;
-        for tests and memory accounting)."""
-        return list(self._shared.values())
+    def debug_state(self) -> dict[str, dict[Path, object]]:
+        """The one inspection point of the factory (read-only): `shared_models`, LoRA base
+        directory -> its shared (peft-wrapped) model, one per base in use (a new dict)."""
+        return {"shared_models": dict(self._shared)}
 
 
 class WorkerGroupEngineFactory(EngineFactory):

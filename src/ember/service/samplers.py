@@ -335,7 +335,7 @@ class SamplerManager:
 
     def sampler_load(self) -> dict[str, dict[str, int]]:
         """Per base model whose sampler reports it (`TorchSampler.load`): sequences decoding
-        now and requests waiting for a slot. Read-only, for /metrics and tests."""
+        now and requests waiting for a slot. Read-only: /metrics reports it."""
         samplers = dict(self._samplers).items()  # no lock, as replica_stats
         loads = {self._names.get(d, str(d)): s.load() for d, s in samplers}
         return {name: load for name, load in loads.items() if load is not None}
@@ -507,11 +507,14 @@ class SamplerManager:
             self._inflight[run_id] = InflightTarget(session_id, generation, version)
         log.debug("run %s: in-flight weights generation %d published", run_id, generation)
 
-    def inflight_generation(self, run_id: str) -> int:
-        """How many in-flight saves run `run_id` has published (0: none; for inspection)."""
+    def debug_state(self) -> dict[str, Any]:
+        """The one inspection point of the manager (read-only): `backends` (base model name ->
+        its started sampler backend), `inflight_generations` (run id -> how many in-flight
+        saves it has published)."""
+        samplers = dict(self._samplers).items()  # no lock, as replica_stats
         with self._lock:
-            target = self._inflight.get(run_id)
-        return target.generation if target is not None else 0
+            inflight = {run_id: target.generation for run_id, target in self._inflight.items()}
+        return {"backends": {self._names.get(d, str(d)): s for d, s in samplers}, "inflight_generations": inflight}
 
     def _version_for(self, live: LiveSampler) -> Any:
         """The weights a new request of `live` samples from: its own snapshot, or for an
