@@ -24,12 +24,12 @@ VersionSpans = tuple[tuple[int, int], ...]
 
 class VersionFollower:
     """The current version of one mutable weight target and its generation number
-    (0 for the version it was made with, +1 per `publish`)."""
+    (`generation` for the version it was made with, +1 per `publish`)."""
 
-    def __init__(self, version) -> None:
+    def __init__(self, version, generation: int = 0) -> None:
         self._lock = threading.Lock()
-        self._generation, self._version = 0, version
-        self._generation_of = {id(version): 0}  # which generation each published version was
+        self._generation, self._version = generation, version
+        self._generation_of = {id(version): generation}  # which generation each published version was
 
     def publish(self, version) -> int:
         """Make `version` the target's current version; returns its generation."""
