@@ -526,7 +526,7 @@ class SamplerManager:
     def _follower_for(self, live: LiveSampler, backend) -> Any:
         """An in-flight session's run follower when `backend` adopts versions mid-sequence
         (`Sampler.follows_mid_sequence`), else None: the request keeps its version."""
-        if live.follows is None or not getattr(backend, "follows_mid_sequence", False):
+        if live.follows is None or not backend.follows_mid_sequence:
             return None
         with self._lock:
             target = self._inflight.get(live.follows)
