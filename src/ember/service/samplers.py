@@ -516,7 +516,8 @@ class SamplerManager:
 
     def _version_for(self, live: LiveSampler) -> Any:
         """The weights a new request of `live` samples from: its own snapshot, or for an
-        in-flight session the run's newest in-flight target (fixed for the whole request)."""
+        in-flight session the run's newest in-flight target (kept to the end of the request unless
+        the backend follows mid-sequence: `_follower_for`)."""
         if live.follows is None:
             return live.version
         with self._lock:
