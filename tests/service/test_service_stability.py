@@ -12,6 +12,7 @@ from tinker import types
 
 from ember.service.api import UserError
 from ember.service import stability
+from ember.sampling.follow import with_spans
 from ember.service.stability import DAY_S, StabilityConfig, StabilityRecords
 
 PROMPT = [3, 4, 5]
@@ -326,3 +327,12 @@ def _has(rec: StabilityRecords, owner: str, session: str, sid: str) -> bool:
     except UserError:
         return False
     return True
+
+
+def test_a_followed_sequence_keeps_its_version_spans(clock):
+    spanning = with_spans(seq("s:0", *SAMPLED["s:0"]), [(0, 3), (2, 4)])
+    scratch = StabilityRecords(StabilityConfig(), clock=clock)
+    scratch.record("x", "sess-x", types.ModelInput.from_ints(PROMPT),
+                   types.SampleResponse(sequences=[spanning, seq("s:1", *SAMPLED["s:1"])]))
+    assert scratch.lookup("x", "sess-x", "s:0", "test").version_spans == ((0, 3), (2, 4))
+    assert scratch.lookup("x", "sess-x", "s:1", "test").version_spans is None  # not followed: one version

@@ -155,6 +155,7 @@ class SamplingRequest:
     owner: str = ""
     session: str = ""
     on_tokens: TokenCallback | None = field(default=None, compare=False)  # streaming: `submit_streaming`
+    follow: object | None = field(default=None, compare=False)  # a `follow.VersionFollower`: see `follows_mid_sequence`
 
 
 class UnsupportedModelError(ValueError):
@@ -170,6 +171,13 @@ class Sampler(abc.ABC):
     decoded (on the backend's thread: keep it short, never block) and a cancelled Future
     frees the request's slots at the backend's next step. Callers go through
     `submit_streaming`, which gives every other backend the same contract at the end."""
+
+    follows_mid_sequence: bool = False
+    """Optional capability: True when a request's `follow` handle (`ember.sampling.follow`)
+    is read before every decode step, so its running sequences switch to a newly published
+    version at their next token (KV of earlier tokens kept) and each sequence carries its
+    `version_spans`. Other backends ignore `follow`: a request samples from `version` to its
+    end (per-request adoption; the vLLM engine and pool replicas do this)."""
 
     @classmethod
     def check_model(cls, model_dir, config) -> None:

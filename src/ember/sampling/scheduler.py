@@ -61,6 +61,7 @@ import torch
 from ember import failpoints
 from ember.sampling import jobs, rng
 from ember.sampling.experts import with_routes
+from ember.sampling.follow import with_spans
 from ember.sampling.fair_queue import OwnerQueues
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
 from ember.sampling.prefix_cache import PrefixCache, Snapshot
@@ -423,6 +424,7 @@ class Scheduler:
         slots = self.slots
         num_rows = slots.high()
         active = np.flatnonzero(slots.active[:num_rows])
+        self._adopt_followed(active)
         kv_len = int(slots.position[active].max()) + 1
         full_ids = np.unique(slots.full_version_id[active])
         if len(full_ids) == 1:
@@ -440,6 +442,27 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(active)
         self._draw_and_record(logits_B_V, slice(0, num_rows), active)
+
+    def _adopt_followed(self, active: np.ndarray) -> None:
+        """Followed requests (`SamplingRequest.follow`): a slot whose follower has published
+        a newer version runs this step's token on it; its KV of earlier tokens is kept."""
+        slots = self.slots
+        for slot in active.tolist():
+            follow = slots.request[slot].spec.request.follow
+            if follow is None:
+                continue
+            self._first_span(slot, follow)
+            generation, version = follow.current()
+            if generation > slots.generation[slot]:
+                slots.switch_version(slot, version, generation)
+
+    def _first_span(self, slot: int, follow) -> None:
+        """Record the generation a followed slot started on (its request's version)."""
+        slots = self.slots
+        if not slots.spans[slot]:
+            version = slots.version[slot]
+            slots.switch_version(slot, version, follow.generation_of(version))
+            slots.spans[slot][-1] = (0, int(slots.generation[slot]))
 
     def _compact(self) -> None:
         """Move the highest active sequences into the free slots below them, so the decode
@@ -464,7 +487,7 @@ class Scheduler:
         positions_B = torch.as_tensor(slots.position[rows], device=self.device)
         ids_B_1 = torch.as_tensor(slots.last_token[rows], device=self.device)[:, None]
         active = slots.active[rows]
-        full = slots.request[rows[active][0]].job.version if full_id else None
+        full = slots.version[rows[active][0]] if full_id else None
         lora = self._decode_lora_rows(rows, active)
         self.runner.cache.plan_decode(slot_rows, positions_B, kv_len)
         vision = None
@@ -488,7 +511,7 @@ class Scheduler:
             return []
 
         def version(lora_id) -> TorchWeightVersion:
-            return slots.request[rows[int(np.argmax(ids_B == lora_id))]].job.version
+            return slots.version[rows[int(np.argmax(ids_B == lora_id))]]
 
         if live[0] and (live == live[0]).all():
             return [(None, version(live[0]))]  # idle rows take the delta too; their output is unused
@@ -637,6 +660,10 @@ class Scheduler:
         )
         if request.prompt_routes is not None:
             sequence = with_routes(sequence, request.prompt_routes, slots.out_routes[slot])
+        follow = spec.request.follow
+        if follow is not None:
+            self._first_span(slot, follow)
+            sequence = with_spans(sequence, slots.spans[slot])
         slots.release(slot)
         self.stats["sequences"] += 1
         if request.finish_sample(sample, sequence):

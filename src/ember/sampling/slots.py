@@ -53,6 +53,9 @@ class SlotTable:
         # Which weights.
         self.full_version_id = np.zeros(size, np.int64)  # 0: base module (+ LoRA hooks); else a full version id
         self.lora_version_id = np.zeros(size, np.int64)  # 0: no LoRA adapter
+        self.version: list = [None] * size  # the weight version each slot's next token runs on
+        self.generation = np.zeros(size, np.int64)  # followed requests: the follower generation of `version`
+        self.spans: list[list] = [[] for _ in range(size)]  # followed: [(first token index, generation)]
         # Outputs.
         self.out_tokens = np.zeros((size, self.max_len), np.int32)
         self.out_logprobs = np.zeros((size, self.max_len), np.float32)
@@ -75,6 +78,8 @@ class SlotTable:
             self.request[slot] = request
             self.out_top_logprobs[slot] = []
             self.out_routes[slot] = []
+            self.version[slot] = job.version
+            self.spans[slot] = []
         self.sample[slots], self.active[slots] = samples, True
         self.position[slots], self.num_generated[slots], self.max_tokens[slots] = len(spec.prompt), 0, spec.max_tokens
         self.rope_delta[slots] = job.images.delta if job.images is not None else 0
@@ -106,6 +111,7 @@ class SlotTable:
         for source, target in zip(src.tolist(), dst.tolist()):
             self.request[target], self.out_top_logprobs[target] = self.request[source], self.out_top_logprobs[source]
             self.out_routes[target] = self.out_routes[source]
+            self.version[target], self.spans[target] = self.version[source], self.spans[source]
             self.release(source)
 
     def release(self, slot: int) -> None:
@@ -115,6 +121,16 @@ class SlotTable:
         self.position[slot] = 0
         self.out_top_logprobs[slot] = []
         self.out_routes[slot] = []
+        self.version[slot] = None
+        self.spans[slot] = []
+
+    def switch_version(self, slot: int, version, generation: int) -> None:
+        """Slot `slot`'s next token runs on `version` (follower generation `generation`)."""
+        self.version[slot], self.generation[slot] = version, generation
+        is_lora = version is not None and version.is_lora
+        self.full_version_id[slot] = version.version_id if version is not None and not is_lora else 0
+        self.lora_version_id[slot] = version.version_id if is_lora else 0
+        self.spans[slot].append((int(self.num_generated[slot]), generation))
 
     # ---------------------------------------------------------------- recording
     def record(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:

@@ -94,6 +94,7 @@ class TorchSampler(Sampler):
     """
 
     streams_tokens = True  # `on_tokens` per decode step; a cancelled Future frees its slots at the next step
+    follows_mid_sequence = True  # `SamplingRequest.follow` read before each decode step (sampling/follow.py)
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from tinker import types
 from ember import failpoints
 from ember.sampling.base import Sampler, UnsupportedModelError
 from ember.sampling.config import SamplerConfig
+from ember.sampling.follow import VersionFollower
 from ember.service import checkpoint_files as ckpt
 from ember.service.checkpoint_store import AUTOSAVE_NAME, readable
 from ember.service.api import NotFoundError, Submission, UserError
@@ -233,6 +234,7 @@ class InflightTarget:
     session_id: str
     generation: int  # 1 for the run's first in-flight save, +1 for each later one
     version: Any
+    follower: Any = None  # `ember.sampling.follow.VersionFollower`: mid-sequence adoption (one per run)
 
 
 class QueuedWork:
@@ -504,7 +506,10 @@ class SamplerManager:
         with self._lock:
             previous = self._inflight.get(run_id)
             generation = previous.generation + 1 if previous is not None else 1
-            self._inflight[run_id] = InflightTarget(session_id, generation, version)
+            follower = previous.follower if previous is not None else VersionFollower(version, generation)
+            if previous is not None:
+                follower.publish(version)  # running followed sequences switch at their next decode step
+            self._inflight[run_id] = InflightTarget(session_id, generation, version, follower)
         log.debug("run %s: in-flight weights generation %d published", run_id, generation)
 
     def debug_state(self) -> dict[str, Any]:
@@ -518,12 +523,22 @@ class SamplerManager:
 
     def _version_for(self, live: LiveSampler) -> Any:
         """The weights a new request of `live` samples from: its own snapshot, or for an
-        in-flight session the run's newest in-flight target (fixed for the whole request)."""
+        in-flight session the run's newest in-flight target (kept to the end of the request unless
+        the backend follows mid-sequence: `_follower_for`)."""
         if live.follows is None:
             return live.version
         with self._lock:
             target = self._inflight.get(live.follows)
         return target.version if target is not None else live.version
+
+    def _follower_for(self, live: LiveSampler, backend) -> Any:
+        """An in-flight session's run follower when `backend` adopts versions mid-sequence
+        (`Sampler.follows_mid_sequence`), else None: the request keeps its version."""
+        if live.follows is None or not backend.follows_mid_sequence:
+            return None
+        with self._lock:
+            target = self._inflight.get(live.follows)
+        return target.follower if target is not None else None
     def loaded_total(self) -> int:
         """Sampling sessions loaded now, over every owner."""
         with self._lock:
@@ -667,7 +682,8 @@ class SamplerManager:
             self.queued.reserve(live.owner, *work)
             reserved = work
             request = SamplingRequest(version=self._version_for(live), sequence_ids=sub.sample_sequence_ids,
-                                      owner=live.owner, session=live.sampler_id, **kwargs)
+                                      owner=live.owner, session=live.sampler_id,
+                                      follow=self._follower_for(live, backend), **kwargs)
             failpoints.hit("sampler.submit")
             fut = submit_streaming(backend, request)  # `on_tokens` in kwargs: a streamed request
         except UserError as exc:  # validation refused the request: the caller's to fix

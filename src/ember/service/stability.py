@@ -74,6 +74,9 @@ class SequenceRecord:
     # a mixture-of-experts sample's routes (`ember.sampling.experts.RoutedSequence`), else None
     prompt_routes: np.ndarray | None = None  # (P, layers, k), shared by the sample's sequences
     routes: np.ndarray | None = None  # (len(tokens) - 1, layers, k)
+    # an in-flight sample that followed its run mid-sequence (`ember.sampling.follow`): which
+    # in-flight generation produced which tokens, ((first_token_index, generation), ...); else None
+    version_spans: tuple | None = None
 
 
 def record_bytes(tokens: np.ndarray, logprobs: np.ndarray, prompt_share: int) -> int:
@@ -156,7 +159,8 @@ class StabilityRecords:
         routes = getattr(seq, "routes_np", None)
         routes = None if routes is None else np.array(routes, dtype=np.int16)
         nbytes = record_bytes(tokens, logprobs, share) + (0 if routes is None else routes.nbytes)
-        return SequenceRecord(owner, session_id, ids, tokens, logprobs, now, nbytes, prompt_routes, routes)
+        return SequenceRecord(owner, session_id, ids, tokens, logprobs, now, nbytes, prompt_routes, routes,
+                              getattr(seq, "version_spans", None))
 
     def _add(self, sequence_id: str, rec: SequenceRecord) -> None:
         self._lru[sequence_id] = rec
