@@ -18,6 +18,14 @@ separate threads or machines); that batch is then one step stale, which the loss
 correct with the sampler's logprobs. One batch is in flight, so the staleness is 1 for
 any k >= 1; `staleness` is recorded per step. k = 0 is strictly on-policy.
 
+Asynchronous (`max_steps_off_policy = N > 0`, `train_grpo_async`): a rollout thread
+(`ember.recipes.rl.offpolicy.RolloutWorker`) samples from an in-flight sampling client
+(`kind="inflight"`) while this thread trains; each step ends with an in-flight save that the
+thread's client follows. The groups for step r are sampled once the weights after step r - N
+are published, so a group is at most N steps stale; `staleness` (max), `async/staleness_mean`
+and `async/dropped_groups` (groups staler than N, left out: the gate keeps it 0) are recorded
+per step. It does not checkpoint (its queued groups are in no saved state).
+
 KL to a reference (`kl_coef` = beta > 0): the reward is shaped per token by the k1
 estimator, k_t = log q(c_t) - log p_ref(c_t) on the sampled tokens, centred on the
 mini-batch mean k-bar: completion token t of sequence i carries (A_i + beta*(k-bar - k_t)) / S
@@ -132,7 +140,8 @@ class GRPOConfig(RLConfig):
     def _check_async(self) -> None:
         n = self.max_steps_off_policy
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"GRPOConfig.max_steps_off_policy must be an int >= 0 (0: synchronous), got {n!r}")
+            raise ValueError(f"GRPOConfig.max_steps_off_policy must be an int >= 0 (0: synchronous), "
+                             f"got {n!r}")
         if n == 0:
             return
         if self.max_staleness > 0:
