@@ -18,6 +18,14 @@ separate threads or machines); that batch is then one step stale, which the loss
 correct with the sampler's logprobs. One batch is in flight, so the staleness is 1 for
 any k >= 1; `staleness` is recorded per step. k = 0 is strictly on-policy.
 
+Asynchronous (`max_steps_off_policy = N > 0`, `train_grpo_async`): a rollout thread
+(`ember.recipes.rl.offpolicy.RolloutWorker`) samples from an in-flight sampling client
+(`kind="inflight"`) while this thread trains; each step ends with an in-flight save that the
+thread's client follows. The groups for step r are sampled once the weights after step r - N
+are published, so a group is at most N steps stale; `staleness` (max), `async/staleness_mean`
+and `async/dropped_groups` (groups staler than N, left out: the gate keeps it 0) are recorded
+per step. It does not checkpoint (its queued groups are in no saved state).
+
 KL to a reference (`kl_coef` = beta > 0): the reward is shaped per token by the k1
 estimator, k_t = log q(c_t) - log p_ref(c_t) on the sampled tokens, centred on the
 mini-batch mean k-bar: completion token t of sequence i carries (A_i + beta*(k-bar - k_t)) / S
@@ -88,6 +96,7 @@ from ember.recipes.rl.advantages import group_advantages, kl_k1, kl_k3, kl_shape
 from ember.recipes.rl.config import RLConfig
 from ember.recipes.rl.env import Environment, Problem
 from ember.recipes.rl.environments import check_env_name, make_env
+from ember.recipes.rl.offpolicy import RolloutWorker, VersionedGroup
 from ember.recipes.rl.reference import completion_logprobs, save_step0_reference, submit_reference_logprobs
 from ember.recipes.rl.rollouts import Rollout, collect_groups, submit_samples
 
@@ -102,6 +111,8 @@ class GRPOConfig(RLConfig):
     loss_fn: Literal["importance_sampling", "ppo"] = "importance_sampling"
     minibatches: int = 1  # optimizer steps per batch
     max_staleness: int = 0  # k: sample from weights at most k steps old
+    # N: a rollout thread samples from an in-flight client at most N steps ahead of training (0: synchronous)
+    max_steps_off_policy: int = 0
     std_normalize: bool = False
     # KL reference: "" = the policy's step-0 weights; a tinker://<run>/sampler_weights/<name> path; a base model name
     kl_reference: str = ""
@@ -119,11 +130,28 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"GRPOConfig.minibatches ({self.minibatches}) > prompts_per_step ({self.prompts_per_step})")
         if self.max_staleness < 0 or self.eval_every < 0 or self.temperature < 0:
             raise ValueError("GRPOConfig: max_staleness, eval_every and temperature must be >= 0")
+        self._check_async()
         if self.loss_fn not in RL_LOSSES:
             raise ValueError(f"GRPOConfig.loss_fn must be one of {RL_LOSSES}, got {self.loss_fn!r}")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"GRPOConfig.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
         self._check_kl()
+
+    def _check_async(self) -> None:
+        n = self.max_steps_off_policy
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"GRPOConfig.max_steps_off_policy must be an int >= 0 (0: synchronous), "
+                             f"got {n!r}")
+        if n == 0:
+            return
+        if self.max_staleness > 0:
+            raise ValueError(f"GRPOConfig: max_steps_off_policy ({n}) and max_staleness ({self.max_staleness}) are "
+                             "two ways to sample ahead; set one (max_staleness: one batch from a snapshot, "
+                             "resumable; max_steps_off_policy: a rollout thread on in-flight weights)")
+        if self.save_every > 0 or self.resume_from:
+            raise ValueError("GRPOConfig.max_steps_off_policy > 0 does not checkpoint (the rollout thread's "
+                             "queued groups are in no saved state); set save_every = 0 and resume_from = '', "
+                             "or use max_staleness for a resumable off-policy run")
 
     def _check_kl(self) -> None:
         if isinstance(self.kl_coef, bool) or not isinstance(self.kl_coef, (int, float)) \
@@ -333,6 +361,8 @@ def train_grpo(
     """
     check_resume_settings(cfg, checkpoint)
     reference, reference_path = kl_reference_for(training_client, cfg, reference, checkpoint)
+    if cfg.max_steps_off_policy > 0:
+        return train_grpo_async(training_client, env, cfg, on_step, evaluate, prefix, reference)
     start, rng, batch = start_point(cfg, env, checkpoint)
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=env.stop())
     snapshots, logger, no_signal = Snapshots(training_client), get_logger(), 0
@@ -353,9 +383,7 @@ def train_grpo(
             record_batch_metrics(groups)
             record_metric("staleness", step - batch.version, reduce="max")
             record_metric("lr", lr)
-            if evaluate is not None and cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
-                for key, value in evaluate(snapshots.at(step + 1).client, step + 1).items():
-                    record_metric(key, value)
+            evaluate_at(step, cfg, evaluate, snapshots)
             if cfg.save_every > 0 and (step + 1) % cfg.save_every == 0:
                 save_checkpoint(training_client, cfg, step + 1, rng, next_batch, reference_path)
             summary = logger.flush(step)
@@ -363,6 +391,59 @@ def train_grpo(
                 on_step(step, summary)
             batch = next_batch
         return snapshots.at(cfg.steps).client
+
+
+def evaluate_at(step: int, cfg: GRPOConfig, evaluate: Evaluator | None, snapshots: Snapshots) -> None:
+    """Every `cfg.eval_every` steps and after the last: `evaluate` on a snapshot of the weights after `step`."""
+    if evaluate is None or cfg.eval_every <= 0 or ((step + 1) % cfg.eval_every != 0 and step + 1 != cfg.steps):
+        return
+    for key, value in evaluate(snapshots.at(step + 1).client, step + 1).items():
+        record_metric(key, value)
+
+
+def record_staleness(step: int, taken: Sequence[VersionedGroup], dropped: int) -> None:
+    """`staleness`: the step's largest (step - version) over its groups; `async/staleness_mean` its mean;
+    `async/dropped_groups`: groups left out for being more than max_steps_off_policy steps stale."""
+    stale_G = [step - g.version for g in taken]
+    record_metric("staleness", max(stale_G), reduce="max")
+    record_metric("async/staleness_mean", sum(stale_G) / len(stale_G))
+    record_metric("async/dropped_groups", dropped, reduce="sum")
+
+
+def train_grpo_async(
+    training_client, env: Environment, cfg: GRPOConfig, on_step: StepHook | None, evaluate: Evaluator | None,
+    prefix: str, reference: Any,
+) -> Any:
+    """`train_grpo` with `cfg.max_steps_off_policy` = N > 0: a `RolloutWorker` thread samples from an
+    in-flight sampling client while this thread trains; after each step an in-flight save publishes the
+    new weights to it (see `ember.recipes.rl.offpolicy`). Returns a sampling client of the final weights."""
+    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=env.stop())
+    snapshots, logger, no_signal = Snapshots(training_client), get_logger(), 0
+    with span("sync"):
+        inflight = training_client.save_weights_and_get_sampling_client(kind="inflight").result()
+    worker = RolloutWorker(inflight, env, cfg.prompts_per_step, cfg.group_size, params, random.Random(cfg.seed),
+                           cfg.max_steps_off_policy)
+    with logger.prefix(prefix), worker:
+        for step in range(cfg.steps):
+            with span("sample"):  # waiting for the rollout thread: ~0 when sampling keeps ahead
+                taken, dropped = worker.take(cfg.prompts_per_step, step)
+            groups = [g.group for g in taken]
+            lr = learning_rate_at(step, cfg.steps, cfg.learning_rate, cfg.lr_schedule)
+            with span("train"):
+                no_signal = 0 if train_on_batch(training_client, groups, cfg, lr, reference) else no_signal + 1
+            warn_no_signal(no_signal, cfg)
+            if step + 1 < cfg.steps:
+                with span("sync"):
+                    training_client.save_weights_and_get_sampling_client(kind="inflight").result()
+                worker.publish(step + 1)
+            record_batch_metrics(groups)
+            record_staleness(step, taken, dropped)
+            record_metric("lr", lr)
+            evaluate_at(step, cfg, evaluate, snapshots)
+            summary = logger.flush(step)
+            if on_step is not None:
+                on_step(step, summary)
+    return snapshots.at(cfg.steps).client
 
 
 # ---------------------------------------------------------------------------- resume
