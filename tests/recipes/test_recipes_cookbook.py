@@ -47,7 +47,7 @@ RECIPES = {  # id: (module, arguments after model_name/log_path; the metric ever
                                   "max_steps=2", "loss_fn=stable_reinforce", *RL], "optim/entropy"),
     "math_rl-async": ("tinker_cookbook.recipes.math_rl.train",
                       ["renderer_name=role_colon", "env=arithmetic", "groups_per_batch=2", "group_size=2",
-                       "max_steps=3", "max_steps_off_policy=1", *RL], "sampling_client/step_min"),
+                       "max_steps=2", "max_steps_off_policy=1", *RL], "sampling_client/step_min"),
     "dpo": ("tinker_cookbook.recipes.preference.dpo.train",
             ["renderer_name=role_colon", "dataset=hhh", "batch_size=4", "max_steps=2", "max_length=512"], "dpo_loss"),
     "on_policy_distillation": ("tinker_cookbook.recipes.distillation.on_policy_distillation",
@@ -136,7 +136,7 @@ def check_async_versions(rows: list[dict]) -> None:
     """The cookbook's async loop (AsyncConfig) ran: every training step reports the versions of the
     weights its groups were sampled from, none newer than the weights being trained."""
     steps = [r for r in rows if "training_client/step" in r]
-    assert [r["training_client/step"] for r in steps] == [0, 1, 2], rows
+    assert [r["training_client/step"] for r in steps] == [0, 1], rows
     for r in steps:
         assert 0 <= r["sampling_client/step_min"] <= r["sampling_client/step_max"] <= r["training_client/step"], r
 
