@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
 from tinker import types
 
 from ember import failpoints
@@ -216,7 +217,8 @@ class CheckpointStore:
 
     def row(self, tinker_path: str) -> CheckpointRow | None:
         """Read-only: the checkpoint's database row (its directory, TTL, owner), or None, with
-        no access check (diagnostics and tests; requests go through `readable`)."""
+        no access check (the server's own saves, such as a snapshot save being restored
+        (`service/sampler_snapshots.py`), diagnostics and tests; requests go through `readable`)."""
         return self.store.get(CheckpointRow, tinker_path)
 
     def _owned_rest(self, owner: str, run_id: object, checkpoint_id: object) -> CheckpointRow:
@@ -372,6 +374,31 @@ class CheckpointStore:
             base_model=run.base_model, is_lora=run.is_lora, lora_rank=lora.get("rank"),
             train_unembed=lora.get("train_unembed"), train_mlp=lora.get("train_mlp"), train_attn=lora.get("train_attn"),
         )
+
+    # ------------------------------------------------------------------ reading files
+    def sampling_weights(self, row: CheckpointRow) -> dict[str, torch.Tensor]:
+        """The tensors a sampler loads from checkpoint `row` (found by `readable`): a
+        `save_state`'s trained tensors, or a sampler export's safetensors."""
+        d = Path(row.directory)
+        return files.read_state_weights(d) if row.kind == "training" else files.read_sampler_weights(d)
+
+    def saved_head(self, row: CheckpointRow) -> str | None:
+        """The output head a `save_state` checkpoint holds ("policy" when its metadata names
+        none); None when the metadata is unreadable (reading the weights then reports it)."""
+        from ember.engine.checkpoint import read_meta
+
+        try:
+            return read_meta(Path(row.directory)).get("head", "policy")
+        except (OSError, ValueError):
+            return None
+
+    def read_extra(self, row: CheckpointRow, name: str) -> str | None:
+        """The text of file `name` that the save's writer put beside the weights (such as a
+        snapshot save's record); None when absent or unreadable."""
+        try:
+            return (Path(row.directory) / files.validate_name(name)).read_text()
+        except (OSError, ValueError):
+            return None
 
     # ------------------------------------------------------------------ external-weights links
     def external_links(self, owner: str, run_id: object, checkpoint_id: object) -> ExternalWeightsLinks:

@@ -55,7 +55,7 @@ from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerM
 from ember.service.sessions import SessionManager, session_of
 from ember.service.routing_records import OPTION, replay_option, with_routes
 from ember.service.stability import StabilityRecords
-from ember.service.store import CheckpointRow, FutureRow, SamplerRow, SessionRow, Store
+from ember.service.store import FutureRow, SamplerRow, SessionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class Service(ServiceAPI):
             self.store, self.futures, self.registry,
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
             config.max_samplers_per_session, records=self.records, limits=config.limits, clock=clock,
+            checkpoints=self.checkpoints,
         )
         self.samplers.check_registered()
         self.runs.after_final_save = self._persist_snapshots
@@ -530,7 +531,7 @@ class Service(ServiceAPI):
 
     def _release_synced(self) -> None:
         """Memory mode: a deleted checkpoint's tensors go too (`SamplerManager.release_synced`)."""
-        self.samplers.release_synced(lambda path: self.store.get(CheckpointRow, path) is not None)
+        self.samplers.release_synced(lambda path: self.checkpoints.row(path) is not None)
 
     def create_weights_access_token(self, owner, run_id, checkpoint_id, ttl_seconds=None) -> tuple[str, int]:
         return self.checkpoints.access_token(owner, run_id, checkpoint_id, ttl_seconds)
