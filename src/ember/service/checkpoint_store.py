@@ -40,6 +40,7 @@ from ember.service import external
 from ember.service.api import ExternalWeightsLinks, NotFoundError, UserError
 from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.config import CheckpointConfig
+from ember.service.quotas import check_checkpoint_bytes, check_checkpoint_bytes_after
 from ember.service.store import CheckpointRow, RunRow, Store
 from ember.service.sweep import sweep_data_dir
 
@@ -54,8 +55,6 @@ ACCESS_TOKEN_TTL_S = 7 * 86400  # a weights access token's default lifetime
 # A download link (same signer) binds the directory itself: this prefix keeps an access token
 # from ever being a download link, and a link from being an access token.
 ACCESS_DOMAIN = "weights-access:"
-QUOTA_FREE = ("free space by deleting checkpoints (RestClient.delete_checkpoint_from_tinker_path) or "
-              "saving with a ttl_seconds")
 
 Writer = Callable[[Path], None]  # writes a checkpoint's files into a new directory
 # A run's automatic save (`RunsConfig`: every N steps, and at a clean shutdown): one per run,
@@ -288,9 +287,7 @@ class CheckpointStore:
 
     def _check_quota_before(self, owner: str) -> int:
         used = self.bytes_used(owner) if self.quota_bytes is not None else 0
-        if self.quota_bytes is not None and used >= self.quota_bytes:
-            raise UserError(f"checkpoint bytes quota: this API key's checkpoints take {used} bytes, the quota is "
-                            f"limits.max_checkpoint_bytes_per_key={self.quota_bytes}; {QUOTA_FREE}")
+        check_checkpoint_bytes(used, self.quota_bytes)
         return used
 
     def _check_quota_after(self, used: int, row: CheckpointRow, existing: CheckpointRow | None, final: Path) -> None:
@@ -299,11 +296,11 @@ class CheckpointStore:
             return
         replaced = (existing.size_bytes or 0) if existing is not None and not expired(existing, self.clock()) else 0
         total = used - replaced + row.size_bytes
-        if total > self.quota_bytes:
+        try:
+            check_checkpoint_bytes_after(row.tinker_path, row.size_bytes, total, self.quota_bytes)
+        except UserError:
             files.remove_dir(final)
-            raise UserError(f"checkpoint bytes quota: saving {row.tinker_path} ({row.size_bytes} bytes) would bring "
-                            f"this API key's checkpoints to {total} bytes, over the quota "
-                            f"limits.max_checkpoint_bytes_per_key={self.quota_bytes}; {QUOTA_FREE}")
+            raise
 
     # ------------------------------------------------------------------ publish, TTL, delete, sweeps
     def set_public(self, owner: str, run_id: object, checkpoint_id: object, public: bool) -> None:

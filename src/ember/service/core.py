@@ -49,6 +49,7 @@ from ember.service.futures import FutureTable
 from ember.service.image_admission import ImageAdmission
 from ember.service.images import check_request_images, count_images, vision_spec_of
 from ember.service.metric_history import MetricHistory, target_tokens
+from ember.service.quotas import check_sampling_sessions
 from ember.service.run_validation import check_samplable
 from ember.service.runs import SESSION_END_CHECKPOINT, LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
@@ -444,14 +445,8 @@ class Service(ServiceAPI):
         retry of one that was made passes)."""
         if isinstance(seq, int) and self.store.sampler_by_seq(session_id, seq) is not None:
             return
-        quota = self.config.limits.max_sampling_sessions_per_key
-        n = self.samplers.loaded_count(owner)
-        if n >= quota:
-            raise UserError(f"sampling sessions quota: this API key has {n} sampling sessions loaded, the quota is "
-                            f"limits.max_sampling_sessions_per_key={quota}; close ServiceClients you no longer use "
-                            f"(their sessions' samplers are released), or wait for idle sessions to expire "
-                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s}; a killed client's session "
-                            f"ends after sessions.heartbeat_timeout_s={self.config.sessions.heartbeat_timeout_s})")
+        check_sampling_sessions(self.samplers.loaded_count(owner), self.config.limits.max_sampling_sessions_per_key,
+                                self.config.sessions.idle_ttl_s, self.config.sessions.heartbeat_timeout_s)
 
     def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
         return self.samplers.get(owner, sampling_session_id)

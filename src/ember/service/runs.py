@@ -39,6 +39,7 @@ from ember.service.futures import FutureTable, Server, User
 from ember.service.lanes import LanePool
 from ember.service.limits import Limits
 from ember.service.model_registry import BaseModel, ModelRegistry
+from ember.service.quotas import check_runs
 from ember.service.run_validation import (
     is_seq_id, model_arch, resumed_optimizer, saved_head, validate_head, validate_lora, validate_model_seq_id,
     validate_optimizer,
@@ -113,12 +114,6 @@ def classify(exc: BaseException) -> tuple[str, types.RequestErrorCategory]:
     if isinstance(exc, (UserError, NonFiniteGradientError)):
         return str(exc), User
     return public_message(exc), Server
-
-
-RUNS_QUOTA = ("training runs quota: this API key has {n} training runs loaded, the quota is "
-              "limits.max_runs_per_key={quota}; free one by ending the session that holds it (close its "
-              "ServiceClient) or wait for idle sessions to expire (sessions.idle_ttl_s); a killed client's "
-              "session ends after sessions.heartbeat_timeout_s without a heartbeat")
 
 
 @dataclass
@@ -227,8 +222,7 @@ class RunManager:
 
     def _check_quota_locked(self, owner: str) -> None:
         n = sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
-        if n >= self.limits.max_runs_per_key:
-            raise UserError(RUNS_QUOTA.format(n=n, quota=self.limits.max_runs_per_key))
+        check_runs(n, self.limits.max_runs_per_key)
 
     def loaded_runs(self, owner: str) -> int:
         """Runs of `owner` loaded now (created, or being created; not failed)."""

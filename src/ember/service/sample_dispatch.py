@@ -21,7 +21,8 @@ from ember import failpoints
 from ember.service.api import Submission, UserError
 from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
-from ember.service.limits import Limits, prompt_length
+from ember.service.limits import Limits
+from ember.service.quotas import QueuedWork, request_work
 from ember.service.sampler_backends import BackendCache
 from ember.service.stability import StabilityRecords
 
@@ -31,57 +32,6 @@ log = logging.getLogger("ember.service.samplers")
 SAMPLE_SHUTDOWN = ("the server shut down before this sample finished (runs.shutdown_drain_s passed): sample again "
                    "once it is back; its sampling session comes back with it")
 SAMPLE_STOPPING = "the server is shutting down: this sample was not accepted; submit it again once it is back"
-
-
-class QueuedWork:
-    """Samples and tokens each owner has submitted and not yet finished, bounded per owner."""
-
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
-        self._lock = threading.Lock()
-        self._by_owner: dict[str, tuple[int, int]] = {}  # owner -> (samples, tokens)
-
-    def reserve(self, owner: str, samples: int, tokens: int) -> None:
-        """Count a request's work against its owner, or refuse it (UserError naming the limit)."""
-        lim = self.limits
-        with self._lock:
-            have_samples, have_tokens = self._by_owner.get(owner, (0, 0))
-            if have_samples + samples > lim.max_queued_samples_per_key:
-                raise UserError(f"this key has {have_samples} samples queued or running; {samples} more would pass "
-                                f"the limit max_queued_samples_per_key={lim.max_queued_samples_per_key}: wait "
-                                "for earlier samples to finish")
-            if have_tokens + tokens > lim.max_queued_sample_tokens_per_key:
-                raise UserError(f"this key has {have_tokens} sample tokens (samples x (prompt + max_tokens)) queued "
-                                f"or running; {tokens} more would pass the limit max_queued_sample_tokens_per_key="
-                                f"{lim.max_queued_sample_tokens_per_key}: wait for earlier samples to finish")
-            self._by_owner[owner] = (have_samples + samples, have_tokens + tokens)
-
-    def release(self, owner: str, samples: int, tokens: int) -> None:
-        with self._lock:
-            have_samples, have_tokens = self._by_owner.get(owner, (0, 0))
-            left = (have_samples - samples, have_tokens - tokens)
-            if left[0] > 0:
-                self._by_owner[owner] = left
-            else:
-                self._by_owner.pop(owner, None)
-
-    def of(self, owner: str) -> tuple[int, int]:
-        with self._lock:
-            return self._by_owner.get(owner, (0, 0))
-
-    def total(self) -> tuple[int, int]:
-        """(samples, tokens) queued or running, over every owner."""
-        with self._lock:
-            return sum(s for s, _ in self._by_owner.values()), sum(t for _, t in self._by_owner.values())
-
-
-def request_work(kwargs: dict[str, Any], default_max_tokens: int) -> tuple[int, int]:
-    """(samples, tokens) a sample request asks for: num_samples x (prompt + max_tokens)."""
-    samples = kwargs["num_samples"]
-    max_tokens = getattr(kwargs.get("sampling_params"), "max_tokens", None)
-    new_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens >= 0 else default_max_tokens
-    length = prompt_length(kwargs.get("prompt")) or 0  # images without expected_tokens: 1 each
-    return samples, samples * (length + new_tokens)
 
 
 class SampleDispatcher:

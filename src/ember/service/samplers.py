@@ -53,7 +53,8 @@ from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.limits import Limits
 from ember.service.model_registry import BaseModel, ModelRegistry
-from ember.service.sample_dispatch import SAMPLE_SHUTDOWN, SAMPLE_STOPPING, QueuedWork, SampleDispatcher, request_work
+from ember.service.quotas import QueuedWork, request_work
+from ember.service.sample_dispatch import SAMPLE_SHUTDOWN, SAMPLE_STOPPING, SampleDispatcher
 from ember.service.sampler_backends import (BackendCache, LocalSamplerFactory, SamplerFactory, derived_vllm_share,
                                             max_positions)
 from ember.service.sampler_sessions import LiveSampler, SessionTable
