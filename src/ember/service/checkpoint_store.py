@@ -379,15 +379,21 @@ class CheckpointStore:
         d = Path(row.directory)
         return files.read_state_weights(d) if row.kind == "training" else files.read_sampler_weights(d)
 
-    def saved_head(self, row: CheckpointRow) -> str | None:
-        """The output head a `save_state` checkpoint holds ("policy" when its metadata names
-        none); None when the metadata is unreadable (reading the weights then reports it)."""
+    def meta(self, row: CheckpointRow) -> dict | None:
+        """A `save_state` checkpoint's metadata (`ember.engine.checkpoint.read_meta`: kind,
+        head, optimizer); None when unreadable (loading or reading its weights reports it)."""
         from ember.engine.checkpoint import read_meta
 
         try:
-            return read_meta(Path(row.directory)).get("head", "policy")
+            return read_meta(Path(row.directory))
         except (OSError, ValueError):
             return None
+
+    def saved_head(self, row: CheckpointRow) -> str | None:
+        """The output head a `save_state` checkpoint holds ("policy" when its metadata names
+        none); None when the metadata is unreadable."""
+        meta = self.meta(row)
+        return None if meta is None else meta.get("head", "policy")
 
     def read_extra(self, row: CheckpointRow, name: str) -> str | None:
         """The text of file `name` that the save's writer put beside the weights (such as a
@@ -396,6 +402,12 @@ class CheckpointStore:
             return (Path(row.directory) / files.validate_name(name)).read_text()
         except (OSError, ValueError):
             return None
+
+    def extra_bytes(self, row: CheckpointRow, name: str) -> bytes | None:
+        """The bytes of file `name` beside the weights (such as an automatic save's gradients
+        not yet applied); None when absent. A file there that cannot be read raises (OSError)."""
+        path = Path(row.directory) / files.validate_name(name)
+        return path.read_bytes() if path.exists() else None
 
     # ------------------------------------------------------------------ external-weights links
     def external_links(self, owner: str, run_id: object, checkpoint_id: object) -> ExternalWeightsLinks:
