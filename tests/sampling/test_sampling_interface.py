@@ -16,7 +16,7 @@ from ember.sampling.registry import SAMPLER_BACKENDS
 SRC = Path(__file__).resolve().parents[2] / "src" / "ember"
 # What the service, the pool's replicas, weight sync and the metrics ask of any sampler.
 CAPABILITIES = ("submit", "submit_many", "load_weights", "vocab_size", "close", "model", "max_len", "eos_token_ids",
-                "default_max_tokens", "sleep", "sleep_stats", "replica_stats")
+                "default_max_tokens", "sleep", "sleep_stats", "replica_stats", "version_weights")
 # getattr/hasattr whose object is a sampler (by the names callers give one)
 PROBE = re.compile(r"\b(getattr|hasattr)\(\s*(self\.)?(sampler|backend|pool|s)\s*,")
 
@@ -64,6 +64,7 @@ def test_defaults_of_a_backend_without_the_capabilities():
     s.sleep()  # nothing to release: no error
     assert (s.sleep_stats, s.replica_stats(), s.max_len, s.eos_token_ids, s.model) == (None, None, None, (), None)
     assert s.default_max_tokens == SamplerConfig().default_max_tokens
+    assert s.version_weights(object()) is None  # cannot hand a version's weights back
 
 
 def test_a_backend_answers_its_configured_default_max_tokens(tiny_model_dir):

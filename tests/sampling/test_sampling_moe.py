@@ -115,3 +115,19 @@ def test_the_vllm_backend_refuses_moe_models_on_cpu_with_the_measured_reason(tin
                                                     r"models on CPU: vLLM 0.32 runs their expert layers .* Triton"):
         check_vllm_model(tiny_moe_dir, "cpu")
     check_vllm_model(tiny_moe_dir, "cuda")
+
+
+def test_an_expert_lora_version_hands_back_a_peft_adapter_that_loads_as_the_same_version(tiny_moe_dir, sampler):
+    """`Sampler.version_weights` of a MoE LoRA version (a clean stop writes it for an older
+    snapshot session): its expert factors come back under peft's module paths and reload as a
+    version that samples exactly the same."""
+    engine = _trained(tiny_moe_dir, LORA, seed=4)
+    weights = dict(engine.named_weights())
+    version = sampler.load_weights(weights, lora_config=LORA)
+    tensors = sampler.version_weights(version)
+    assert set(tensors) == set(weights)  # the adapter's own names
+    again = sampler.load_weights(tensors, lora_config=LORA)
+    for a, b in zip(sampler.sample_many(_requests(version), timeout=120),
+                    sampler.sample_many(_requests(again), timeout=120)):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences]

@@ -152,8 +152,10 @@ def _queue_depths(pool: SamplerPool) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from ember.server.metrics import EmberMetrics
+    from ember.service.api import ServiceGauges
 
-    service = SimpleNamespace(samplers=SimpleNamespace(replica_stats=lambda: {"tiny": pool.replica_stats()}))
+    service = SimpleNamespace(gauges=lambda: ServiceGauges(replicas={"tiny": pool.replica_stats()}),
+                              add_weight_sync_listener=lambda fn: None, checkpoint_bytes=lambda owner: 0)
     text = EmberMetrics(service).render().decode()
     return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
             if s.name == "ember_sampler_replica_queue_depth" and s.labels["model"] == "tiny"}

@@ -123,6 +123,28 @@ def test_contract5_after_optim_steps_and_syncs(lora, tiny_model_dir, versioned):
                 assert np.allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_torch_version_hands_its_weights_back_and_loads_again_exactly(lora, tiny_model_dir):
+    """`version_weights` (what a restart writes to disk) loads back into the same values:
+    the same greedy tokens and logprobs."""
+    lora_config = types.LoraConfig(rank=4, seed=3) if lora else None
+    engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), lora_config=lora_config)
+    _train(engine, 1, seed=7)
+    with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4)) as sampler, \
+            TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4)) as other:
+        version = sampler.load_weights(engine.named_weights(), lora_config=lora_config)
+        weights = sampler.version_weights(version)
+        assert other.version_weights(version) is None  # another sampler's version
+        assert lora is all(".lora_" in name for name in weights)
+        again = other.load_weights(weights, lora_config=lora_config)
+        first = sampler.sample_many(_requests(version, n=1), timeout=60)
+        second = other.sample_many(_requests(again, n=1), timeout=60)
+        for a, b in zip(first, second):
+            assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+            for x, y in zip(a.sequences, b.sequences):
+                assert np.allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-6)
+
+
 def test_old_versions_are_released(tiny_model_dir, versioned):
     engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig())
     sampler = versioned

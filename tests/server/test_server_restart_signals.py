@@ -8,7 +8,8 @@ real `ember serve` processes on one data directory and port:
   logprobs, and every exported parameter by torch.equal). LoRA and full fine-tuning, SQLite
   and PostgreSQL.
 * A sampling session made from a saved checkpoint keeps working across the restarts, and so
-  does one made by save_weights_and_get_sampling_client (its in-memory weights are saved).
+  do those made by save_weights_and_get_sampling_client (their in-memory weights are saved,
+  older ones included).
 * SIGKILL with `--runs.autosave_every_steps 2`: the run comes back from its last automatic
   save and the client's next answer says from which step (`ember_resumed_from_step:max`).
 """
@@ -165,7 +166,8 @@ def test_sigkill_comes_back_from_the_last_autosave_and_says_from_which_step(tiny
 def test_sigterm_keeps_a_snapshot_sampling_client_sampling_the_same_weights(tiny_model_dir, tmp_path):
     """`save_weights_and_get_sampling_client` holds its weights in memory only: a clean stop
     saves them, and the same client object (same sampling session id) samples the same
-    greedy tokens from the next server."""
+    greedy tokens from the next server, whether it holds the run's weights at the stop or
+    weights from before its last optim_step."""
     data_dir, flags = tmp_path / "data", ["--runs.save_on_shutdown", "true"]
     server = start_server(Path(tiny_model_dir), tmp_path / "run1", data_dir=data_dir, extra_args=flags)
     servers = [server]
@@ -175,11 +177,15 @@ def test_sigterm_keeps_a_snapshot_sampling_client_sampling_the_same_weights(tiny
         step(tc, 0)
         sampler = tc.save_weights_and_get_sampling_client().result(timeout=300)
         before = sampler.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens
+        step(tc, 1)  # the run moves on: `sampler` holds older weights now
+        newer = tc.save_weights_and_get_sampling_client().result(timeout=300)
+        after = newer.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens
         sigterm(server)
         server = start_server(Path(tiny_model_dir), tmp_path / "run2", data_dir=data_dir, port=server.port,
                               extra_args=flags)
         servers.append(server)
         assert sampler.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens == before
+        assert newer.sample(PROMPT, 1, GREEDY).result(timeout=300).sequences[0].tokens == after
     finally:
         sc.close("success").result(timeout=60)
         for s in servers:

@@ -43,7 +43,7 @@ def _example_keys() -> set[str]:
         if header:
             section = header[1] + "."
             continue
-        m = re.match(r"^#?\s*([a-z_]+)\s*=", line)
+        m = re.match(r"^#?\s*([a-z_][a-z0-9_]*)\s*=", line)  # keys may hold digits (float8)
         if m:
             keys.add(section + m[1])
     return keys

@@ -63,6 +63,15 @@ class EngineConfig:
     compile_cache_dir: inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR), so a restart does
         not compile again; "" = `<data_dir>/compile-cache` under `ember serve`, else
         torch's default.
+    batch_invariant: run the model's forward with row-invariant kernels
+        (`ember.models.batch_invariant`): with `SamplerConfig.batch_invariant` too, the
+        trainer's logprobs equal TorchSampler's bitwise (fp32 or not, any batch). Much
+        slower; one device only (refused with compile and under a parallel layout).
+    float8: CUDA only (compute capability >= 8.9), full fine-tuning only: the decoder's
+        `nn.Linear` layers train through torchao's float8 linear layers (`ember.engine.float8`:
+        converted before compile and FSDP2; float8 all-gather under FSDP2). Layers with a
+        dimension not divisible by 16, lm_head, a MoE router and the embedding stay in
+        high precision. Needs torchao (`pip install torchao`).
     """
 
     micro_batch_tokens: int = 8192
@@ -81,6 +90,8 @@ class EngineConfig:
     moe_aux_loss_coef: float = 0.0
     compile: bool = False
     compile_cache_dir: str = ""
+    batch_invariant: bool = False
+    float8: bool = False
 
     def __post_init__(self) -> None:
         from ember.engine.registry import ENGINE_BACKENDS
@@ -105,6 +116,16 @@ class EngineConfig:
         if self.compile and self.activation_checkpointing:
             raise ValueError("EngineConfig.compile with activation_checkpointing is not supported (the composable "
                              "checkpoint's hooks around a compiled layer are not verified): turn one of them off")
+        if self.batch_invariant and self.compile:
+            raise ValueError("EngineConfig.batch_invariant with compile is not supported (inductor would fuse and "
+                             "reorder the row-invariant reductions): turn one of them off")
+        if self.batch_invariant and self.float8:
+            raise ValueError("EngineConfig.batch_invariant with float8 is not supported (float8 matmuls scale and "
+                             "round per tensor, outside the row-invariant kernels): turn one of them off")
+        if self.float8:
+            from ember.engine.float8 import check_device
+
+            check_device(self.device)
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
             raise ValueError(f"EngineConfig.attn_implementation {self.attn_implementation!r} is not supported")
 

@@ -47,6 +47,7 @@ from ember.engine.parallel import ParallelismConfig, apply_activation_checkpoint
 from ember.errors import UserError
 from ember.losses import get_loss, resolve_config
 from ember.models import add_lora_adapter, load_model, resolve_dtype
+from ember.models.batch_invariant import batch_invariant, use_batch_invariant_attention
 from ember.models.families import family_of, linear_attention_layers, vision_of
 from ember.models.vision import VisionSpec, load_vision_spec
 
@@ -101,6 +102,8 @@ class TorchEngine(TrainingEngine):
             raise TypeError("a LoRA TorchEngine needs a PeftModel carrying its adapter (see ember.models.add_lora_adapter)")
         self.model.eval()  # no dropout: trainer, forward and sampler compute the same function
         self._activate()
+        if self.config.float8:
+            self._check_float8()
         seed = lora_config.seed if lora_config is not None and lora_config.seed is not None else self.config.seed
         self.head: OutputHead = build_head(head, self.hf_config, seed).to(self.device)
         vocab = self.parallel.vocab_shard(self.model) if self.distributed else None
@@ -139,7 +142,21 @@ class TorchEngine(TrainingEngine):
         if parallelism is not None and parallelism.cp > 1 and config.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"ParallelismConfig.cp={parallelism.cp} runs its own (sdpa) attention over all-to-all; "
                              f"EngineConfig.attn_implementation must be 'sdpa' or 'eager', got {config.attn_implementation!r}")
+        if config.batch_invariant and parallelism is not None and parallelism.world_size > 1:
+            raise ValueError(f"EngineConfig.batch_invariant runs on one device: a layout of {parallelism.world_size} "
+                             f"ranks splits rows and reductions across ranks (FSDP2/TP/CP collectives)")
+        if config.float8:
+            from ember.engine.float8 import check_lora
+
+            check_lora(lora_config is not None)
         model = load_model(model_dir, config.dtype, config.device, config.attn_implementation)
+        if config.batch_invariant:
+            use_batch_invariant_attention(model)  # before peft wraps it
+        if config.float8:  # torchtitan's order: float8, then compile (in __init__), then fully_shard
+            from ember.engine.float8 import convert
+
+            convert(model, config.device, fsdp=parallelism is not None and parallelism.world_size > 1
+                    and parallelism.fsdp)
         if lora_config is not None:
             model = add_lora_adapter(model, DEFAULT_ADAPTER, lora_config, unembed=head == "policy")
         parallel = None
@@ -283,6 +300,25 @@ class TorchEngine(TrainingEngine):
 
     def _new_optimizer(self) -> Optimizer:
         return build_optimizer(self.optimizer_config, self._params, self.lora_config.rank if self.is_lora else None)
+
+    # ------------------------------------------------------------------ float8
+    def _check_float8(self) -> None:
+        """`EngineConfig.float8` on a model given to the constructor: full fine-tuning only;
+        a single-device model is converted here, a laid-out one must have been converted
+        before `fully_shard` (`from_pretrained` does)."""
+        from ember.engine import float8
+
+        float8.check_lora(self.is_lora)
+        if float8.is_converted(self.model):
+            return
+        if self.distributed:
+            raise ValueError(f"{float8.SETTING}: the model must be converted before FSDP2's fully_shard "
+                             "(TorchEngine.from_pretrained does it); this one was laid out without it")
+        float8.convert(self.model, self.config.device, fsdp=False)
+
+    @property
+    def _float8_fsdp(self) -> bool:
+        return self.config.float8 and self.distributed and self.parallel.config.fsdp
 
     # ------------------------------------------------------------------ compile
     def _compile(self):
@@ -445,7 +481,8 @@ class TorchEngine(TrainingEngine):
                 rope_index=rope_index,
             )
             with torch.set_grad_enabled(backward), self._replay(mb, [routes[i] for i in group]):
-                logp, aux = self._outputs_and_aux(mb, routing)  # log-probs (or values), the MoE aux loss
+                with batch_invariant(self.config.batch_invariant):  # the forward only; backward as usual
+                    logp, aux = self._outputs_and_aux(mb, routing)  # log-probs (or values), the MoE aux loss
                 inputs = {k: v.to(logp.device) for k, v in mb.inputs.items()}
                 elementwise = self._loss_fn(spec)(logp, inputs, cfg, mb.segment_ids.to(logp.device))
                 loss = elementwise.sum()
@@ -572,6 +609,10 @@ class TorchEngine(TrainingEngine):
         if grads and adam_params.grad_clip_norm > 0:
             self._clip(grads, adam_params.grad_clip_norm, norm_t)
         self._optimizer_step(adam_params)
+        if self._float8_fsdp:
+            from ember.engine.float8 import after_optim_step
+
+            after_optim_step(self.model, fsdp=True)
         self._step += 1
         self.clear_gradients()
         return {"grad_norm:mean": norm, "learning_rate:mean": adam_params.learning_rate, "step:max": float(self._step)}

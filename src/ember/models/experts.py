@@ -46,6 +46,15 @@ def expert_weight_name(module: str, layout: MoeLayout) -> str | None:
     return f"{module}.{layout.params[len(layout.params) - 1 - depth]}"
 
 
+def expert_adapter_module(weight_name: str, layout: MoeLayout) -> str:
+    """The inverse of `expert_weight_name`: the adapter module path peft gives the fused weight
+    `weight_name` (`model.layers.0.mlp.experts.down_proj` -> `model.layers.0.mlp.experts` plus
+    one `.base_layer` per parameter adapted after it)."""
+    module, _, param = weight_name.rpartition(".")
+    depth = len(layout.params) - 1 - layout.params.index(param)
+    return module + ".base_layer" * depth
+
+
 def expert_factors(a: torch.Tensor, b: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """peft's (E * r, in) A and (out, r * E) B as per-expert (E, r, in) and (E, out, r)."""
     if a.shape[0] % num_experts or b.shape[1] != a.shape[0]:

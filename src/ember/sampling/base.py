@@ -82,7 +82,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -241,6 +241,14 @@ class Sampler(abc.ABC):
     @property
     def sleep_stats(self) -> dict | None:
         """The sleep mode's `asleep`, `sleeps`, `wakes`; None for a backend without one."""
+        return None
+
+    def version_weights(self, version: WeightVersion) -> Mapping[str, torch.Tensor] | None:
+        """The tensors of `version` (one of this sampler's) as `load_weights` takes them back:
+        a full version in the model's own parameter names, a LoRA version in peft's
+        saved-adapter names (`base_model.model.<module>.lora_A.weight`), so that a restart
+        can write it to disk and load it again exactly (README "Restarts"). Default None:
+        this backend cannot hand a version's weights back."""
         return None
 
     def replica_stats(self) -> list[dict] | None:

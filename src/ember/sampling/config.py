@@ -78,6 +78,12 @@ class SamplerConfig:
         states, never the prompt's full (P, vocab) logits (`ember.sampling.prompt_logits`;
         0 = off, equal results either way). Not a setting of its own: in a service it is
         the engine's `EngineConfig.logprob_chunk_tokens` (None: that default).
+    batch_invariant: TorchSampler: every step runs under `ember.models.batch_invariant`'s
+        row-invariant kernels (the transformers forward, its attention registered as
+        `ember_batch_invariant`), so a request's tokens and logprobs do not depend on its
+        batch and equal the trainer's `forward` bitwise when the engine runs the mode too.
+        Refused for vLLM and forward="direct". Not a setting of its own in a service: it
+        follows `EngineConfig.batch_invariant` (`--engine.batch_invariant`).
 
     vLLM only:
     max_loras: LoRA versions resident in one batch (vLLM `max_loras`); more distinct
@@ -166,6 +172,7 @@ class SamplerConfig:
     max_imbalance: int = field(default=8, metadata=meta(section="pool", moved=True))
     replica_timeout_s: float = field(default=60.0, metadata=meta(section="pool", moved=True))
     weight_sync: str = "files"
+    batch_invariant: bool = field(default=False, metadata=meta(hidden=True))
 
     def __post_init__(self) -> None:
         positive = ("max_slots", "default_max_tokens", "max_prefill_tokens", "max_loras", "max_lora_rank",
@@ -214,9 +221,22 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.engine_start_timeout_s must be > 0, got {self.engine_start_timeout_s}")
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"SamplerConfig.weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
+        self._check_batch_invariant()
         if self.colocate and self.device is not None and not self.device.startswith("cuda"):
             raise ValueError("SamplerConfig.colocate needs a CUDA device (vLLM sleep mode), got "
                              f"device={self.device!r}")
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        if self.backend != "torch":
+            # vLLM's kernels (paged attention, fused matmuls, its sampler) choose their
+            # reduction order by batch shape, and ember cannot swap them from outside
+            raise ValueError(f"SamplerConfig.batch_invariant needs the torch backend; {self.backend!r} runs its "
+                             f"own kernels, whose reductions depend on the batch")
+        if self.forward == "direct":
+            raise ValueError("SamplerConfig.batch_invariant runs the transformers forward; forward='direct' "
+                             "computes attention and matmuls its own way: use forward='auto' or 'transformers'")
 
     def _check_placement(self) -> None:
         if self.placement not in PLACEMENTS:

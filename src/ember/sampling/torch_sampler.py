@@ -38,7 +38,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ember.errors import UserError
 from ember.models import load_model, load_tokenizer
-from ember.models.families import non_full_attention_layers
+from ember.models.batch_invariant import batch_invariant, use_batch_invariant_attention
+from ember.models.families import moe_of, non_full_attention_layers
 from ember.models.vision import VisionSpec, load_vision_spec
 from ember.models.loading import effective_attention, resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
@@ -53,7 +54,9 @@ from ember.sampling.runner import ModelRunner
 from ember.sampling.scheduler import Scheduler
 from ember.sampling.slots import SlotTable
 from ember.sampling.vision import ImageIds, expand_prompt, has_images
-from ember.sampling.weights import TorchWeightVersion, build_full_version, build_lora_version, parameter_aliases
+from ember.sampling.weights import (
+    TorchWeightVersion, build_full_version, build_lora_version, parameter_aliases, version_tensors,
+)
 
 log = logging.getLogger(__name__)
 _sampler_ids = itertools.count(1)
@@ -120,7 +123,10 @@ class TorchSampler(Sampler):
         cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len,
                                         layer_types=getattr(text_config, "layer_types", None))
         attention = effective_attention(model.config, self.config.attn_implementation)  # as load_model chose
-        runner = ModelRunner(self.model, cache, attention, self.config.forward)
+        if self.config.batch_invariant:  # the trainer's kernels (`ember.models.batch_invariant`)
+            use_batch_invariant_attention(self.model)
+        runner = ModelRunner(self.model, cache, attention,
+                             "transformers" if self.config.batch_invariant else self.config.forward)
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         # A linear-attention layer's state is its whole sequence's, never a cached prefix's:
         # such a model runs with the prefix cache off (every prompt prefilled in full).
@@ -208,6 +214,12 @@ class TorchSampler(Sampler):
             version = build_lora_version(self._id, self.model, items, lora_config, self.device, self.dtype, copy)
         self._versions.add(version)
         return version
+
+    def version_weights(self, version: WeightVersion) -> dict[str, torch.Tensor] | None:
+        """`Sampler.version_weights`: from the tensors the version keeps (`version_tensors`)."""
+        if not isinstance(version, TorchWeightVersion) or version.sampler_id != self._id:
+            return None
+        return version_tensors(version, moe_of(self.model.config))
 
     def submit(self, request: SamplingRequest) -> Future:
         return self.submit_many([request])[0]
@@ -349,7 +361,7 @@ class TorchSampler(Sampler):
                     self._thread = None
                     return
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), batch_invariant(self.config.batch_invariant):
                     scheduler.step()
             except Exception as exc:  # noqa: BLE001 - a fault fails the requests it touched, not the sampler
                 # Per-request faults are failed alone inside step(); what escapes is the shared

@@ -29,7 +29,7 @@ from torch import nn
 
 from ember.errors import UserError
 from ember.models import LORA_ALPHA
-from ember.models.experts import expert_weight_name, factor_shapes, fused_expert_weights
+from ember.models.experts import expert_adapter_module, expert_weight_name, factor_shapes, fused_expert_weights
 from ember.models.families import moe_of
 from ember.sampling.base import WeightVersion
 from ember.sampling.experts import ExpertDelta
@@ -131,6 +131,22 @@ def build_full_version(
             f"missing {len(missing)} (first: {missing[0]!r})"
         )
     return TorchWeightVersion(sampler_id, params=params)
+
+
+def version_tensors(version: TorchWeightVersion, layout=None) -> dict[str, torch.Tensor]:
+    """`version`'s tensors as `build_full_version` / `build_lora_version` take them back
+    (`Sampler.version_weights`): a full version's parameters in the model's canonical names,
+    a LoRA version's factors in peft's saved-adapter names, expert factors under the module
+    path peft gives them (`layout`: the model's MoeLayout; `expert_adapter_module`)."""
+    if version.params is not None:
+        return dict(version.params)
+    modules = [(m, d.a, d.b) for m, d in (version.lora or {}).items()]
+    modules += [(expert_adapter_module(w, layout), d.a, d.b) for w, d in (version.experts or {}).items()]
+    out: dict[str, torch.Tensor] = {}
+    for module_name, a, b in modules:
+        out[f"base_model.model.{module_name}.lora_A.weight"] = a
+        out[f"base_model.model.{module_name}.lora_B.weight"] = b
+    return out
 
 
 def _lora_pairs(named_weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:

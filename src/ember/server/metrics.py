@@ -23,7 +23,7 @@ Exported (names as scraped):
 * `ember_weight_sync_seconds{mode}` (histogram): how long each new weight version took to
   reach its sampler: `memory` = a run's tensors handed over (ephemeral snapshots; with
   `--sampler.weight_sync memory` also `save_weights_for_sampler`), `files` = a checkpoint
-  read back from disk (`SamplerManager.add_sync_listener`).
+  read back from disk (`ServiceAPI.add_weight_sync_listener`).
 * `ember_sampler_replica_up{model,replica}` (gauge: 1 while the replica is in its pool's
   ring, 0 while it is out or being replaced) and
   `ember_sampler_replica_requests_total{model,replica}` (requests routed to it since
@@ -39,8 +39,10 @@ Exported (names as scraped):
   CPU seconds, open fds) and `python_gc_*`.
 
 Every app gets its own `CollectorRegistry` (never the global default), so several apps in
-one process (tests) do not clash. The service knows nothing of Prometheus: completions
-arrive through `FutureTable.add_listener`, gauges read small accessors at scrape time.
+one process (tests) do not clash. The service knows nothing of Prometheus, and the metrics
+read it through `ServiceAPI` only: completions arrive through `add_future_listener`, weight
+syncs through `add_weight_sync_listener`, gauges come from `gauges()` and
+`checkpoint_bytes(owner)` at scrape time.
 
 Auth: by default (`ServerConfig.metrics_auth = True`) a scrape needs an accepted API key,
 as `X-API-Key` or `Authorization: Bearer` (what Prometheus' `authorization` scrape setting
@@ -56,7 +58,6 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -75,7 +76,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.server.config import ADMIN_OWNER, ServerConfig, presented_key, short_key_id
 from ember.server.errors import AuthError
-from ember.service.api import FutureState
+from ember.service.api import FutureState, ServiceAPI, ServiceGauges
 from ember.service.metric_history import target_tokens
 
 METRICS_PATH = "/metrics"
@@ -89,7 +90,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class EmberMetrics:
     """The registry of one app and the instruments the server updates."""
 
-    def __init__(self, service: Any, config: ServerConfig | None = None) -> None:
+    def __init__(self, service: ServiceAPI | None, config: ServerConfig | None = None) -> None:
+        """`service` None: an app without a service (its OpenAPI schema only) reports no gauges."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.key_id = KeyIds(config)
@@ -115,16 +117,15 @@ class EmberMetrics:
                                       "requests", registry=r)
         self.weight_sync = Histogram("ember_weight_sync_seconds", "Seconds for a new weight version to reach its "
                                      "sampler, by mode (memory | files)", ("mode",), buckets=_SYNC_BUCKETS, registry=r)
-        samplers = getattr(service, "samplers", None)
-        if hasattr(samplers, "add_sync_listener"):
-            samplers.add_sync_listener(lambda mode, seconds: self.weight_sync.labels(mode).observe(seconds))
+        if service is not None:
+            service.add_weight_sync_listener(lambda mode, seconds: self.weight_sync.labels(mode).observe(seconds))
         self._service = service
         r.register(ServiceCollector(service, self))
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux /proc)
         GCCollector(registry=r)
 
     def observe_future(self, state: FutureState) -> None:
-        """Listener for `FutureTable.add_listener`: runs on the thread that finished it."""
+        """Listener for `ServiceAPI.add_future_listener`: runs on the thread that finished it."""
         self.finished.labels(state.request_type, state.status).inc()
         if state.status != "complete":
             return
@@ -148,8 +149,7 @@ class EmberMetrics:
                 self.key_sampled.labels(key).inc(n)
 
     def _owner_of(self, request_id: str) -> str | None:
-        table = getattr(self._service, "futures", None)
-        owner = table.owner_of(request_id) if hasattr(table, "owner_of") else None
+        owner = self._service.future_owner(request_id) if self._service is not None else None
         if owner is not None and owner not in self.owners_seen:
             with self._owners_lock:
                 self.owners_seen.add(owner)
@@ -184,35 +184,35 @@ class ServiceCollector(Collector):
     """Gauges read from the service at scrape time: O(live runs), and one checkpoint-bytes
     query per key seen (`ember_key_checkpoint_bytes`)."""
 
-    def __init__(self, service: Any, metrics: EmberMetrics) -> None:
+    def __init__(self, service: ServiceAPI | None, metrics: EmberMetrics) -> None:
         self.service, self.metrics = service, metrics
 
     def collect(self):
+        gauges = self.service.gauges() if self.service is not None else ServiceGauges()
         futures = GaugeMetricFamily("ember_futures", "Futures by state: pending now; complete and failed "
                                     "since start-up", labels=["state"])
-        futures.add_metric(["pending"], _pending_futures(self.service))
+        futures.add_metric(["pending"], gauges.futures_pending)
         for status in ("complete", "failed"):
             futures.add_metric([status], self.metrics.finished_count(status))
         yield futures
         depth = GaugeMetricFamily("ember_run_queue_depth", "Requests waiting in a live training run's seq_id "
                                   "sequencer", labels=["run_id"])
-        for run_id, queued in sorted(_queue_depths(self.service).items()):
+        for run_id, queued in sorted(gauges.run_queue_depths.items()):
             depth.add_metric([run_id], queued)
         yield depth
-        yield from _replica_families(self.service)
-        yield from _load_families(self.service)
+        yield from _replica_families(gauges)
+        yield from _load_families(gauges)
         yield self._checkpoint_bytes()
 
     def _checkpoint_bytes(self) -> GaugeMetricFamily:
         family = GaugeMetricFamily("ember_key_checkpoint_bytes", "Bytes of an API key's stored checkpoints",
                                    labels=["key"])
-        checkpoints = getattr(self.service, "checkpoints", None)
-        if checkpoints is None:
+        if self.service is None:
             return family
         with self.metrics._owners_lock:
             owners = sorted(self.metrics.owners_seen)
         for owner in owners:
-            family.add_metric([self.metrics.key_id(owner)], checkpoints.bytes_used(owner))
+            family.add_metric([self.metrics.key_id(owner)], self.service.checkpoint_bytes(owner))
         return family
 
 
@@ -235,9 +235,8 @@ class KeyIds:
         return hashlib.sha256(owner.encode()).hexdigest()[:8]  # an owner without a key (in process)
 
 
-def _replica_families(service: Any):
-    samplers = getattr(service, "samplers", None)
-    stats = samplers.replica_stats() if samplers is not None else {}
+def _replica_families(gauges: ServiceGauges):
+    stats = gauges.replicas
     up = GaugeMetricFamily("ember_sampler_replica_up", "1 while a sampler replica serves requests, 0 while it "
                            "is out of its pool or being replaced", labels=["model", "replica"])
     total = CounterMetricFamily("ember_sampler_replica_requests", "Sample requests routed to a sampler replica",
@@ -254,9 +253,8 @@ def _replica_families(service: Any):
     yield depth
 
 
-def _load_families(service: Any):
-    samplers = getattr(service, "samplers", None)
-    loads = samplers.sampler_load() if hasattr(samplers, "sampler_load") else {}
+def _load_families(gauges: ServiceGauges):
+    loads = gauges.sampler_load
     active = GaugeMetricFamily("ember_sampler_active_sequences", "Sequences holding a sampler slot now",
                                labels=["model"])
     waiting = GaugeMetricFamily("ember_sampler_waiting_requests", "Sample requests waiting for a sampler slot",
@@ -266,16 +264,6 @@ def _load_families(service: Any):
         waiting.add_metric([model], load["waiting_requests"])
     yield active
     yield waiting
-
-
-def _pending_futures(service: Any) -> int:
-    table = getattr(service, "futures", None)  # any ServiceAPI without a FutureTable reports 0
-    return table.pending_count() if table is not None else 0
-
-
-def _queue_depths(service: Any) -> dict[str, int]:
-    runs = getattr(service, "runs", None)
-    return runs.queue_depths() if runs is not None else {}
 
 
 def route_label(scope: Scope) -> str:
@@ -327,15 +315,14 @@ def _metrics_endpoint(metrics: EmberMetrics, require_key: bool) -> Callable:
     return scrape
 
 
-def install_metrics(app: FastAPI, service: Any, *, require_key: bool) -> EmberMetrics:
+def install_metrics(app: FastAPI, service: ServiceAPI | None, *, require_key: bool) -> EmberMetrics:
     """`GET /metrics`, the request middleware and the completion listener on `app`.
 
     Call it before the outer middlewares (path prefix, request log) are added, so the
     metrics middleware sits inside them."""
     metrics = EmberMetrics(service, getattr(app.state, "config", None))
-    table = getattr(service, "futures", None)
-    if table is not None:
-        table.add_listener(metrics.observe_future)
+    if service is not None:
+        service.add_future_listener(metrics.observe_future)
     app.add_api_route(METRICS_PATH, _metrics_endpoint(metrics, require_key), methods=["GET"],
                       include_in_schema=False)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -40,6 +40,7 @@ from ember.server.deps import Owner, ServiceDep, read_json
 from ember.server.errors import BadRequest
 from ember.server.wire import json_safe
 from ember.service.api import NotFoundError, ServiceAPI, SessionGoneError, UserError
+from ember.service.requests import SampleRequest
 from ember.service.limits import Limits
 
 router = APIRouter()
@@ -315,8 +316,8 @@ async def _submit(request: Request, owner: str, service: ServiceAPI, model: str,
     for attempt in range(2):
         sid, tokenizer = await run_in_threadpool(cache.get, owner, model)
         try:
-            sub = await run_in_threadpool(functools.partial(service.sample, owner, sid, None, prompt, n, params,
-                                                            topk_sample_logprobs=topk, on_tokens=on_tokens))
+            sub = await run_in_threadpool(service.submit, owner, SampleRequest(
+                sid, None, prompt, n, params, topk_sample_logprobs=topk, on_tokens=on_tokens))
         except NotFoundError:
             cache.drop(owner, model)
             if attempt:

@@ -14,6 +14,7 @@ from ember.server import requests as rq
 from ember.server import wire
 from ember.server.deps import Owner, ServiceDep, future_response, get_config, log_extra, model_response, read_json
 from ember.server.errors import BadRequest, client_gone
+from ember.service import requests as sr
 from ember.service.api import FutureState
 
 router = APIRouter()
@@ -70,13 +71,12 @@ async def asample(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.SampleRequest)
     session = _check_sample_request(req)
     log_extra(request, sampling_session_id=session, seq_id=req.seq_id)
-    sub = await run_in_threadpool(
-        service.sample, owner, session, req.seq_id, req.prompt, req.num_samples, req.sampling_params,
+    sub = await run_in_threadpool(service.submit, owner, sr.SampleRequest(
+        session, req.seq_id, req.prompt, req.num_samples, req.sampling_params,
         include_prompt_logprobs=bool(req.prompt_logprobs), topk_prompt_logprobs=req.topk_prompt_logprobs,
         topk_sample_logprobs=req.topk_sample_logprobs, prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         target_prompt_logprobs=_target_tensor(req), prompt_alt_tokens_k=req.prompt_alt_tokens_k,
-        record_stability_info=bool(req.record_stability_info),
-    )
+        record_stability_info=bool(req.record_stability_info)))
     return future_response(sub)
 
 

@@ -8,6 +8,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
 from ember.server.deps import Limit, Offset, Owner, ServiceDep, get_config, log_extra, model_response, read_json
+from ember.service import requests as sr
 
 router = APIRouter()
 
@@ -27,10 +28,9 @@ async def dynamic_config(request: Request, owner: str = Owner):
 @router.post("/create_session")
 async def create_session(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.CreateSessionRequest)
-    resp = await run_in_threadpool(
-        service.create_session, owner, tags=list(req.tags), user_metadata=req.user_metadata or {},
-        project_id=req.project_id, display_name=req.display_name, sdk_version=req.sdk_version,
-    )
+    resp = await run_in_threadpool(service.open_session, owner, sr.CreateSessionRequest(
+        tags=list(req.tags), user_metadata=req.user_metadata or {}, project_id=req.project_id,
+        display_name=req.display_name, sdk_version=req.sdk_version))
     log_extra(request, session_id=resp.session_id)
     return model_response(resp)
 

@@ -10,6 +10,7 @@ from ember.server import requests as rq
 from ember.server import wire
 from ember.server.deps import Owner, ServiceDep, future_response, get_config, log_extra, model_response, read_json
 from ember.server.errors import BadRequest
+from ember.service import requests as sr
 
 router = APIRouter()
 
@@ -18,10 +19,9 @@ router = APIRouter()
 async def create_model(request: Request, owner: str = Owner, service=ServiceDep):
     data = await rq.read_json(request)
     req = await run_in_threadpool(rq.parse, rq.CreateModelRequest, data)
-    sub = await run_in_threadpool(
-        service.create_model, owner, req.session_id, req.model_seq_id, req.base_model, req.lora_config,
-        optimizer_config=rq.optimizer_config(data, req), user_metadata=req.user_metadata,
-    )
+    sub = await run_in_threadpool(service.submit, owner, sr.CreateModelRequest(
+        req.session_id, req.model_seq_id, req.base_model, req.lora_config,
+        optimizer_config=rq.optimizer_config(data, req), user_metadata=req.user_metadata))
     return future_response(sub)
 
 
@@ -56,10 +56,8 @@ async def forward_backward(request: Request, owner: str = Owner, service=Service
     call = await _decode_forward_backward(request)
     log_extra(request, model_id=call.model_id, seq_id=call.seq_id, loss_fn=call.loss_fn,
               forward_only=call.forward_only, num_datums=len(call.data), sparse_inputs=call.sparse_inputs)
-    sub = await run_in_threadpool(
-        service.forward_backward, owner, call.model_id, call.seq_id, call.data, call.loss_fn,
-        call.loss_fn_config, forward_only=call.forward_only,
-    )
+    sub = await run_in_threadpool(service.submit, owner, sr.ForwardBackwardRequest(
+        call.model_id, call.seq_id, call.data, call.loss_fn, call.loss_fn_config, forward_only=call.forward_only))
     return future_response(sub)
 
 
@@ -79,7 +77,8 @@ async def optim_step(request: Request, owner: str = Owner, service=ServiceDep):
     data = await read_json(request)
     req, params = await run_in_threadpool(_parse_optim_step, data)
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
-    sub = await run_in_threadpool(service.optim_step, owner, req.model_id, _require_seq_id(req.seq_id), params)
+    sub = await run_in_threadpool(service.submit, owner,
+                                  sr.OptimStepRequest(req.model_id, _require_seq_id(req.seq_id), params))
     return future_response(sub)
 
 
@@ -88,10 +87,9 @@ async def save_weights(request: Request, owner: str = Owner, service=ServiceDep)
     req = await rq.read(request, rq.SaveWeightsRequest)
     if not req.path:
         raise BadRequest("path: expected a checkpoint name, got none")
-    sub = await run_in_threadpool(
-        service.save_weights, owner, req.model_id, _require_seq_id(req.seq_id), req.path,
-        overwrite=req.overwrite, ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata,
-    )
+    sub = await run_in_threadpool(service.submit, owner, sr.SaveWeightsRequest(
+        req.model_id, _require_seq_id(req.seq_id), req.path,
+        overwrite=req.overwrite, ttl_seconds=req.ttl_seconds, user_metadata=req.user_metadata))
     return future_response(sub)
 
 
@@ -99,12 +97,11 @@ async def save_weights(request: Request, owner: str = Owner, service=ServiceDep)
 async def load_weights(request: Request, owner: str = Owner, service=ServiceDep):
     data = await rq.read_json(request)
     req = await run_in_threadpool(rq.parse, rq.LoadWeightsRequest, data)
-    sub = await run_in_threadpool(
-        service.load_weights, owner, req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
+    sub = await run_in_threadpool(service.submit, owner, sr.LoadWeightsRequest(
+        req.path, req.optimizer, model_id=req.model_id, seq_id=req.seq_id,
         session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
         user_metadata=req.user_metadata, optimizer_config=rq.optimizer_config(data, req),
-        weights_access_token=req.weights_access_token,
-    )
+        weights_access_token=req.weights_access_token))
     return future_response(sub)
 
 
@@ -112,9 +109,8 @@ async def load_weights(request: Request, owner: str = Owner, service=ServiceDep)
 async def save_weights_for_sampler(request: Request, owner: str = Owner, service=ServiceDep):
     req = await rq.read(request, rq.SaveWeightsForSamplerRequest)
     log_extra(request, model_id=req.model_id, seq_id=req.seq_id)
-    sub = await run_in_threadpool(
-        service.save_weights_for_sampler, owner, req.model_id, req.seq_id, req.path,
+    sub = await run_in_threadpool(service.submit, owner, sr.SaveWeightsForSamplerRequest(
+        req.model_id, req.seq_id, req.path,
         sampling_session_seq_id=req.sampling_session_seq_id, kind=req.kind, ttl_seconds=req.ttl_seconds,
-        user_metadata=req.user_metadata,
-    )
+        user_metadata=req.user_metadata))
     return future_response(sub)

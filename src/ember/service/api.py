@@ -4,6 +4,10 @@ The HTTP server (`ember.server`) and the in-process client (`ember.client`) both
 service only through this interface. Its methods mirror Tinker's endpoints
 (docs/protocol.md §2): arguments are the request fields, already parsed into tinker
 types; results are tinker types, so the server only translates them to the wire format.
+A submission's fields travel as one typed request (`ember.service.requests`) from the
+route through `submit` to the manager; its keyword method (`sample`, `forward_backward`,
+...) builds that request for in-process callers. The console and `/metrics` read only
+the views below (`owner_state`, `run_facts`, `session_facts`, `gauges`, ...).
 
 Construction (implementation in `ember.service.core`)::
 
@@ -65,23 +69,30 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypedDict
 
 from tinker import types
 
 from ember.errors import ServerError, ServiceError, UserError  # their home; exported from here too
-
-if TYPE_CHECKING:  # the sampling package imports torch: not at this interface's import
-    from ember.sampling.base import TokenCallback
+from ember.service.requests import (
+    CreateModelRequest, CreateSessionRequest, ForwardBackwardRequest, LoadWeightsRequest, OptimStepRequest,
+    SampleRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest, SubmitRequest,
+)
 
 __all__ = [
     "FutureStatus",
     "ExternalWeightsLinks",
     "FutureState",
     "NotFoundError",
+    "OwnerOverview",
     "RequestType",
+    "RunFacts",
+    "ServerState",
+    "ServiceGauges",
+    "SessionFacts",
     "BusyError",
     "ServerError",
     "ServiceAPI",
@@ -182,22 +193,75 @@ class ExternalWeightsLinks:
     expires: float
 
 
+class OwnerOverview(TypedDict):
+    """What the server holds for one owner now (the console's overview; no database)."""
+
+    queue_depths: dict[str, int]  # loaded run -> requests queued in its sequencer
+    futures_pending: int
+    samplers_loaded: int
+
+
+class ServerState(TypedDict):
+    """What the server holds now over every owner (the periodic status line)."""
+
+    runs: int
+    sessions: int
+    samplers: int
+    lanes: dict[str, tuple[int, int]]  # lane -> (live runs on it, requests queued in their sequencers)
+    samples_queued: int
+    futures_pending: int
+
+
+class RunFacts(TypedDict):
+    """One run's live facts for the console's listings: steps taken (from the live run,
+    else the metric history), whether it is loaded, its head, when it was created."""
+
+    steps: int
+    loaded: bool
+    head: str | None
+    created: Any  # the run's creation time as stored (a datetime)
+
+
+@dataclass(frozen=True)
+class SessionFacts:
+    """One session as the console shows it (liveness, names, tags, metadata)."""
+
+    id: str
+    status: str  # active | finished | expired
+    finish_reason: str | None  # success | errored | interrupted, once not active
+    finish_detail: str | None
+    display_name: str | None
+    created_at: float
+    last_heartbeat: float
+    sdk_version: str | None
+    tags: list[str] | None
+    user_metadata: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ServiceGauges:
+    """What `/metrics` reads at scrape time: futures pending, each live run's queued
+    requests, sampler replicas (per pooled base model: `up`, `requests_total`, `in_flight`)
+    and sampler load (per base model: `active_slots`, `waiting_requests`)."""
+
+    futures_pending: int = 0
+    run_queue_depths: Mapping[str, int] = field(default_factory=dict)
+    replicas: Mapping[str, list[dict[str, Any]]] = field(default_factory=dict)
+    sampler_load: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+
+
 class ServiceAPI(abc.ABC):
     """The multi-tenant service. See the module docstring for the conventions."""
 
     # ------------------------------------------------------------------ sessions
     @abc.abstractmethod
-    def create_session(
-        self,
-        owner: str,
-        *,
-        tags: Sequence[str] = (),
-        user_metadata: Mapping[str, Any] | None = None,
-        project_id: str | None = None,
-        display_name: str | None = None,
-        sdk_version: str | None = None,
-    ) -> types.CreateSessionResponse:
+    def open_session(self, owner: str, request: CreateSessionRequest) -> types.CreateSessionResponse:
         """Open a session (one per ServiceClient). Returns its id ("sess-<hex>")."""
+
+    def create_session(self, owner: str, **fields: Any) -> types.CreateSessionResponse:
+        """`open_session(owner, CreateSessionRequest(**fields))`: tags, user_metadata,
+        project_id, display_name, sdk_version."""
+        return self.open_session(owner, CreateSessionRequest(**fields))
 
     @abc.abstractmethod
     def heartbeat(self, owner: str, session_id: str) -> None:
@@ -227,17 +291,13 @@ class ServiceAPI(abc.ABC):
 
     # ------------------------------------------------------------- training runs
     @abc.abstractmethod
-    def create_model(
-        self,
-        owner: str,
-        session_id: str,
-        model_seq_id: int,
-        base_model: str,
-        lora_config: types.LoraConfig | None,
-        *,
-        optimizer_config: Mapping[str, Any] | None = None,
-        user_metadata: Mapping[str, Any] | None = None,
-    ) -> Submission:
+    def submit(self, owner: str, request: SubmitRequest) -> Submission:
+        """Submit one request (`ember.service.requests`: the fields are the call's arguments);
+        what each does is told at its keyword method below (`create_model`, `load_weights`,
+        `forward_backward`, `optim_step`, `save_weights`, `save_weights_for_sampler`, `sample`),
+        which builds the request from its arguments and submits it. Another type → UserError."""
+
+    def create_model(self, owner: str, *args: Any, **fields: Any) -> Submission:
         """Create a training run with model id f"{session_id}:train:{model_seq_id}".
 
         `lora_config` None means full fine-tuning (a private copy of the base model);
@@ -245,6 +305,7 @@ class ServiceAPI(abc.ABC):
         registered name or a local model directory. Future → CreateModelResponse.
         Unknown base model / bad LoRA config / unsupported optimizer → failed, user.
         """
+        return self.submit(owner, CreateModelRequest(*args, **fields))
 
     @abc.abstractmethod
     def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
@@ -253,22 +314,7 @@ class ServiceAPI(abc.ABC):
         create-via-load has registered the run (the server should answer 404; the SDK
         only calls it after the creation future completed)."""
 
-    @abc.abstractmethod
-    def load_weights(
-        self,
-        owner: str,
-        path: str,
-        optimizer: bool,
-        *,
-        model_id: str | None = None,
-        seq_id: int | None = None,
-        session_id: str | None = None,
-        model_seq_id: int | None = None,
-        base_model: str | None = None,
-        user_metadata: Mapping[str, Any] | None = None,
-        optimizer_config: Mapping[str, Any] | None = None,
-        weights_access_token: str | None = None,
-    ) -> Submission:
+    def load_weights(self, owner: str, *args: Any, **fields: Any) -> Submission:
         """Load a `tinker://<run>/weights/<name>` checkpoint (state saved by `save_weights`).
 
         Two addressing modes (exactly one must be given, else UserError):
@@ -284,59 +330,28 @@ class ServiceAPI(abc.ABC):
         checkpoint loads when `weights_access_token` is one its owner made for it
         (`create_weights_access_token`); any other token for it → failed, user, saying so.
         """
+        return self.submit(owner, LoadWeightsRequest(*args, **fields))
 
-    @abc.abstractmethod
-    def forward_backward(
-        self,
-        owner: str,
-        model_id: str,
-        seq_id: int,
-        data: Sequence[types.Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, float | str] | None = None,
-        *,
-        forward_only: bool = False,
-    ) -> Submission:
+    def forward_backward(self, owner: str, *args: Any, **fields: Any) -> Submission:
         """Ordered op. Future (request type ForwardBackward, or Forward when forward_only)
         → ForwardBackwardOutput with per-datum `logprobs` (+ `elementwise_loss`) and metrics
         {"loss:sum": ...} (keys always have exactly one colon). Gradients accumulate until
         optim_step. Bad datum / unknown loss / bad config → failed, user (engine's message)."""
+        return self.submit(owner, ForwardBackwardRequest(*args, **fields))
 
-    @abc.abstractmethod
-    def optim_step(self, owner: str, model_id: str, seq_id: int, adam_params: types.AdamParams) -> Submission:
+    def optim_step(self, owner: str, *args: Any, **fields: Any) -> Submission:
         """Ordered op. Future → OptimStepResponse(metrics). A non-finite gradient →
         failed, user ("non-finite gradient ..."); weights and Adam state stay untouched."""
+        return self.submit(owner, OptimStepRequest(*args, **fields))
 
-    @abc.abstractmethod
-    def save_weights(
-        self,
-        owner: str,
-        model_id: str,
-        seq_id: int,
-        path: str,
-        *,
-        overwrite: bool = False,
-        ttl_seconds: int | None = None,
-        user_metadata: Mapping[str, Any] | None = None,
-    ) -> Submission:
+    def save_weights(self, owner: str, *args: Any, **fields: Any) -> Submission:
         """Ordered op (the SDK's `save_state`): weights + optimizer state + step, stored under
         the data directory. `path` is a checkpoint *name* ([A-Za-z0-9_.-]+, no "..";
         violations → failed, user). Future → SaveWeightsResponse(path=
         "tinker://<model_id>/weights/<name>"). Existing name without overwrite → failed, user."""
+        return self.submit(owner, SaveWeightsRequest(*args, **fields))
 
-    @abc.abstractmethod
-    def save_weights_for_sampler(
-        self,
-        owner: str,
-        model_id: str,
-        seq_id: int | None,
-        path: str | None = None,
-        *,
-        sampling_session_seq_id: int | None = None,
-        kind: Literal["snapshot", "inflight"] = "snapshot",
-        ttl_seconds: int | None = None,
-        user_metadata: Mapping[str, Any] | None = None,
-    ) -> Submission:
+    def save_weights_for_sampler(self, owner: str, *args: Any, **fields: Any) -> Submission:
         """Ordered op (when seq_id is not None). Exactly one of `path` (a name) and
         `sampling_session_seq_id` must be given.
 
@@ -349,6 +364,7 @@ class ServiceAPI(abc.ABC):
           sampling session and the run's earlier in-flight ones sample from the newest
           target from their next request on (docs/architecture.md#in-flight-weights).
         """
+        return self.submit(owner, SaveWeightsForSamplerRequest(*args, **fields))
 
     @abc.abstractmethod
     def save_weights_external(
@@ -407,25 +423,7 @@ class ServiceAPI(abc.ABC):
     def get_sampler(self, owner: str, sampling_session_id: str) -> types.GetSamplerResponse:
         """Direct: {sampler_id, base_model, model_path?}."""
 
-    @abc.abstractmethod
-    def sample(
-        self,
-        owner: str,
-        sampling_session_id: str,
-        seq_id: int | None,
-        prompt: types.ModelInput,
-        num_samples: int,
-        sampling_params: types.SamplingParams,
-        *,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-        prompt_logprobs_last_n: int | None = None,
-        target_prompt_logprobs: types.TensorData | None = None,
-        prompt_alt_tokens_k: int = 0,
-        record_stability_info: bool = False,
-        on_tokens: TokenCallback | None = None,
-    ) -> Submission:
+    def sample(self, owner: str, *args: Any, **fields: Any) -> Submission:
         """Submit a sample (and `compute_logprobs`, which is a 1-token sample with
         include_prompt_logprobs=True). Returns request_id and `sample_sequence_ids`
         (num_samples strings); the future's SampleResponse has exactly that many
@@ -435,6 +433,7 @@ class ServiceAPI(abc.ABC):
         provenance names it (`ember.service.stability`).
         `on_tokens(sample, tokens, logprobs)`: called with each sample's tokens as they are
         decoded (`ember.sampling.base.submit_streaming`; on the sampler's thread, keep it short)."""
+        return self.submit(owner, SampleRequest(*args, **fields))
 
     def cancel_sample(self, owner: str, request_id: str) -> bool:
         """Give up on a running sample (a streaming client hung up): its sampler slots are
@@ -528,6 +527,49 @@ class ServiceAPI(abc.ABC):
         and every loaded run is saved, to come back on its next request after a restart."""
 
     # ---------------------------------------------------------------- operator (no owner check)
+    # ---------------------------------------------------------------- views (console, metrics, status line)
+    @property
+    @abc.abstractmethod
+    def data_dir(self) -> Path:
+        """The service's data directory (the console keeps its signing key there)."""
+
+    @abc.abstractmethod
+    def owner_state(self, owner: str) -> OwnerOverview:
+        """What the server holds for `owner` now (no database)."""
+
+    @abc.abstractmethod
+    def server_state(self) -> ServerState:
+        """What the server holds now, over every owner."""
+
+    @abc.abstractmethod
+    def run_facts(self, owner: str, run_ids: Sequence[str]) -> dict[str, RunFacts]:
+        """run_id -> its facts, for `owner`'s runs among `run_ids` (NotFoundError for another's)."""
+
+    @abc.abstractmethod
+    def session_facts(self, owner: str, session_id: str) -> SessionFacts:
+        """The session's facts, of any status; NotFoundError unless it is `owner`'s."""
+
+    @abc.abstractmethod
+    def gauges(self) -> ServiceGauges:
+        """The gauges `/metrics` reads at scrape time; cheap (no lock held for long, no database)."""
+
+    @abc.abstractmethod
+    def checkpoint_bytes(self, owner: str) -> int:
+        """Bytes of `owner`'s stored checkpoints that count against its quota (one query)."""
+
+    @abc.abstractmethod
+    def future_owner(self, request_id: str) -> str | None:
+        """The owner of a future of this server lifetime (None once forgotten); no owner check."""
+
+    @abc.abstractmethod
+    def add_future_listener(self, fn: Callable[[FutureState], None]) -> None:
+        """Call `fn(final_state)` after every future finishes, on the thread that finished it."""
+
+    @abc.abstractmethod
+    def add_weight_sync_listener(self, fn: Callable[[str, float], None]) -> None:
+        """Call `fn(mode, seconds)` after every new weight version reaches a sampler ("memory":
+        a run's tensors handed over; "files": a checkpoint read from disk)."""
+
     @abc.abstractmethod
     def operator_view(self, owners: Sequence[str] = ()) -> dict[str, Any]:
         """Every owner's active sessions, runs (loaded or not), checkpoints and per-owner

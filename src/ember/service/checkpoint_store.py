@@ -373,9 +373,13 @@ class CheckpointStore:
         )
 
     # ------------------------------------------------------------------ reading files
-    def sampling_weights(self, row: CheckpointRow) -> dict[str, torch.Tensor]:
+    def sampling_weights(self, row: CheckpointRow, folder: Path | None = None) -> dict[str, torch.Tensor]:
         """The tensors a sampler loads from checkpoint `row` (found by `readable`): a
-        `save_state`'s trained tensors, or a sampler export's safetensors."""
+        `save_state`'s trained tensors, or a sampler export's safetensors. `folder`: a
+        subfolder of a snapshot save holding an older version, as `snapshot_store.older_dir`
+        checked it (a sampler save's layout), read instead of the save's own weights."""
+        if folder is not None:
+            return files.read_sampler_weights(folder)
         d = Path(row.directory)
         return files.read_state_weights(d) if row.kind == "training" else files.read_sampler_weights(d)
 

@@ -226,6 +226,7 @@ class ServiceConfig:
     engine: EngineConfig given to every training engine.
     sampler: the samplers' `SamplerConfig` (None = its defaults). Its max_lora_rank is
         `limits.max_lora_rank`: a run the limit admits is one every sampler can load.
+        Its batch_invariant follows `engine.batch_invariant` (one setting for both sides).
     seq_gap_timeout_s: how long a run waits for a missing seq_id before skipping it.
     retrieve_max_wait_s: cap on one `retrieve` wait (the server long-polls below the SDK's
         45 s read timeout).
@@ -293,6 +294,8 @@ class ServiceConfig:
         self.sampler = self.sampler or SamplerConfig()
         if self.engine.compile and not self.engine.compile_cache_dir:  # a restart reads the compiled graphs back
             self.engine = dataclasses.replace(self.engine, compile_cache_dir=str(self.data_dir / "compile-cache"))
+        if self.engine.batch_invariant and not self.sampler.batch_invariant:  # one setting: both sides or neither
+            self.sampler = dataclasses.replace(self.sampler, batch_invariant=True)
         if self.sampler.max_lora_rank != self.limits.max_lora_rank:
             self.sampler = dataclasses.replace(self.sampler, max_lora_rank=self.limits.max_lora_rank)
         if self.seq_gap_timeout_s <= 0:

@@ -13,9 +13,10 @@ and sampling work happens in the managers' lanes and samplers.
 
 The managers are attributes (`store`, `futures`, `runs`, `samplers`, `sessions`,
 `checkpoints`, `registry`, `records`, `metric_history`, `image_admission`), read-only by contract: the
-server's routes call `ServiceAPI` methods, and only its metrics read the managers'
-counters (`server/metrics.py`). What a test must see inside has a read-only accessor here
-("inspection" below) or a documented read method on its manager (`CheckpointStore.row`).
+server's routes, console and metrics call `ServiceAPI` methods only (its views:
+`owner_state`, `run_facts`, `session_facts`, `gauges`, the listeners). What a test must
+see inside has a read-only accessor here ("inspection" below) or a documented read
+method on its manager (`CheckpointStore.row`).
 Tests never drive `store`, `runs` or `futures` (tests/test_tests.py checks): a state no
 request can make comes from a fail point (`ember.failpoints`: `run.op` held with `hold`
 keeps an op running), from the database file as another process writes it, or from
@@ -25,11 +26,13 @@ keeps an op running), from the database file as another process writes it, or fr
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
 from tinker import types
 
@@ -39,7 +42,8 @@ from ember.service.fidelity import logprob_gap_metrics
 from ember.service.checkpoint_store import CheckpointStore, check_ttl
 from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.api import (
-    BusyError, ExternalWeightsLinks, FutureState, NotFoundError, ServiceAPI, Submission, UserError,
+    BusyError, ExternalWeightsLinks, FutureState, NotFoundError, OwnerOverview, RunFacts, ServerState, ServiceAPI,
+    ServiceGauges, SessionFacts, Submission, UserError,
 )
 from ember.service.config import ServiceConfig, WorkersConfig
 from ember.service.datadir import DataDirLock
@@ -50,6 +54,10 @@ from ember.service.image_admission import ImageAdmission
 from ember.service.images import check_request_images, count_images, vision_spec_of
 from ember.service.metric_history import MetricHistory, target_tokens
 from ember.service.quotas import check_sampling_sessions
+from ember.service.requests import (
+    CreateModelRequest, CreateSessionRequest, ForwardBackwardRequest, LoadWeightsRequest, OptimStepRequest,
+    SampleRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest, SubmitRequest,
+)
 from ember.service.run_validation import check_samplable
 from ember.service.runs import SESSION_END_CHECKPOINT, LiveRun, RunManager, RunNotLoadedError
 from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerManager, max_positions
@@ -126,7 +134,7 @@ class Service(ServiceAPI):
             checkpoints=self.checkpoints,
         )
         self.samplers.check_registered()
-        self.runs.after_final_save = self._persist_snapshots
+        self.runs.after_autosave = self._persist_snapshots
         if config.sampler is not None and getattr(config.sampler, "colocate", False):
             self._colocate()
         self.sessions = SessionManager(self.store, config.sessions.heartbeat_timeout_s, self._on_session_expired,
@@ -202,10 +210,10 @@ class Service(ServiceAPI):
         self._on_session_end(session_id, save_as=SESSION_END_CHECKPOINT)
 
     # ------------------------------------------------------------------ sessions
-    def create_session(self, owner, *, tags: Sequence[str] = (), user_metadata: Mapping[str, Any] | None = None,
-                       project_id=None, display_name=None, sdk_version=None) -> types.CreateSessionResponse:
-        self.config.limits.check_user_metadata(user_metadata)
-        return self.sessions.create(owner, tags, user_metadata, project_id, display_name, sdk_version)
+    def open_session(self, owner, request: CreateSessionRequest) -> types.CreateSessionResponse:
+        self.config.limits.check_user_metadata(request.user_metadata)
+        return self.sessions.create(owner, request.tags, request.user_metadata, request.project_id,
+                                    request.display_name, request.sdk_version)
 
     def heartbeat(self, owner, session_id) -> None:
         self.sessions.heartbeat(owner, session_id)
@@ -238,40 +246,44 @@ class Service(ServiceAPI):
             return str(exc)
         return None
 
-    def create_model(self, owner, session_id, model_seq_id, base_model, lora_config, *,
-                     optimizer_config=None, user_metadata=None) -> Submission:
-        err = self._session_error(owner, session_id) or self._metadata_error(user_metadata)
+    def submit(self, owner, request: SubmitRequest) -> Submission:
+        handlers: dict[type, Callable[[str, Any], Submission]] = {
+            CreateModelRequest: self._create_model, LoadWeightsRequest: self._load_weights,
+            ForwardBackwardRequest: self._forward_backward, OptimStepRequest: self._optim_step,
+            SaveWeightsRequest: self._save_weights, SaveWeightsForSamplerRequest: self._save_weights_for_sampler,
+            SampleRequest: self._sample}
+        handler = handlers.get(type(request))
+        if handler is None:
+            raise UserError(f"submit: expected a request of ember.service.requests, got {type(request).__name__}")
+        return handler(owner, request)
+
+    def _create_model(self, owner, request: CreateModelRequest) -> Submission:
+        err = self._session_error(owner, request.session_id) or self._metadata_error(request.user_metadata)
         if err:
             return self.runs.reject(owner, "CreateModel", err)
-        return self.runs.create_model(owner, session_id, model_seq_id, base_model, lora_config,
-                                      optimizer_config, user_metadata)
+        return self.runs.create_model(owner, request)
 
     def get_info(self, owner, model_id) -> types.GetInfoResponse:
         return self.runs.get_info(owner, model_id)
 
-    def load_weights(self, owner, path, optimizer, *, model_id=None, seq_id=None, session_id=None,
-                     model_seq_id=None, base_model=None, user_metadata=None,
-                     optimizer_config=None, weights_access_token=None) -> Submission:
-        by_model = model_id is not None
-        by_session = session_id is not None
-        if by_model == by_session:
-            return self.runs.reject(owner, "LoadWeights", "load_weights needs either model_id+seq_id or "
-                                    "session_id+model_seq_id (exactly one of the two)", model_id=model_id)
-        if by_session:
-            err = self._session_error(owner, session_id) or self._metadata_error(user_metadata)
+    def _load_weights(self, owner, request: LoadWeightsRequest) -> Submission:
+        try:
+            request.check_addressing()
+        except UserError as exc:
+            return self.runs.reject(owner, "LoadWeights", str(exc), model_id=request.model_id)
+        if request.creates_run:
+            err = self._session_error(owner, request.session_id) or self._metadata_error(request.user_metadata)
             if err:
                 return self.runs.reject(owner, "LoadWeights", err)
-            return self.runs.create_from_checkpoint(owner, session_id, model_seq_id, path, bool(optimizer),
-                                                    base_model, user_metadata, optimizer_config,
-                                                    access_token=weights_access_token)
-        return self.runs.submit_op(owner, model_id, seq_id, "LoadWeights",
-                                   lambda run: self.runs.load_checkpoint(run, path, bool(optimizer),
-                                                                         weights_access_token))
+            return self.runs.create_from_checkpoint(owner, request)
+        return self.runs.submit_op(owner, request.model_id, request.seq_id, "LoadWeights",
+                                   lambda run: self.runs.load_checkpoint(run, request.path, bool(request.optimizer),
+                                                                         request.weights_access_token))
 
-    def forward_backward(self, owner, model_id, seq_id, data, loss_fn, loss_fn_config=None, *,
-                         forward_only=False) -> Submission:
-        data = list(data)
-        rtype = "Forward" if forward_only else "ForwardBackward"
+    def _forward_backward(self, owner, request: ForwardBackwardRequest) -> Submission:
+        model_id, seq_id, loss_fn, loss_fn_config = (request.model_id, request.seq_id, request.loss_fn,
+                                                      request.loss_fn_config)
+        data, forward_only, rtype = list(request.data), request.forward_only, request.request_type
         try:
             cfg, replay = replay_option(loss_fn_config, self.config.stability.routing_replay)
             if replay and loss_fn_config and OPTION in loss_fn_config:
@@ -356,7 +368,9 @@ class Service(ServiceAPI):
             return None
         return max_positions(run.spec.base.directory)
 
-    def optim_step(self, owner, model_id, seq_id, adam_params: types.AdamParams | types.DimuonParams) -> Submission:
+    def _optim_step(self, owner, request: OptimStepRequest) -> Submission:
+        adam_params = request.adam_params
+
         def op(run: LiveRun) -> types.OptimStepResponse:
             want = OPTIMIZERS[run.spec.optimizer].params_type
             if not isinstance(adam_params, want):
@@ -367,27 +381,28 @@ class Service(ServiceAPI):
             self.runs.step_taken(run)  # counted; the automatic save when one is due
             return types.OptimStepResponse(metrics=metrics)
 
-        return self.runs.submit_op(owner, model_id, seq_id, "OptimStep", op)
+        return self.runs.submit_op(owner, request.model_id, request.seq_id, "OptimStep", op)
 
-    def save_weights(self, owner, model_id, seq_id, path, *, overwrite=False, ttl_seconds=None,
-                     user_metadata=None) -> Submission:
+    def _save_weights(self, owner, request: SaveWeightsRequest) -> Submission:
         def op(run: LiveRun) -> types.SaveWeightsResponse:
-            row = self.runs.save_checkpoint(run, path, "training", overwrite, ttl_seconds, user_metadata)
+            row = self.runs.save_checkpoint(run, request.path, "training", request.overwrite, request.ttl_seconds,
+                                            request.user_metadata)
             return types.SaveWeightsResponse(path=row.tinker_path)
 
-        return self.runs.submit_op(owner, model_id, seq_id, "SaveWeights", op)
+        return self.runs.submit_op(owner, request.model_id, request.seq_id, "SaveWeights", op)
 
-    def save_weights_for_sampler(self, owner, model_id, seq_id, path=None, *, sampling_session_seq_id=None,
-                                 kind: Literal["snapshot", "inflight"] = "snapshot", ttl_seconds=None,
-                                 user_metadata=None) -> Submission:
-        if (path is None) == (sampling_session_seq_id is None):
-            return self.runs.reject(owner, "SaveWeightsForSampler", "save_weights_for_sampler needs exactly one of "
-                                    "path (a name) and sampling_session_seq_id", model_id=model_id)
-        if kind not in ("snapshot", "inflight") or (kind == "inflight" and path is not None):
-            return self.runs.refuse_op(owner, model_id, seq_id, "SaveWeightsForSampler", UserError(
-                "save_weights_for_sampler: kind must be 'snapshot' or 'inflight', and 'inflight' only without a "
-                f"path (save_weights_and_get_sampling_client); got kind={kind!r}"
-                + (f" with path {path!r}" if path is not None else "")))
+    def _save_weights_for_sampler(self, owner, request: SaveWeightsForSamplerRequest) -> Submission:
+        model_id, seq_id, path, kind = request.model_id, request.seq_id, request.path, request.kind
+        sampling_session_seq_id, ttl_seconds, user_metadata = (request.sampling_session_seq_id, request.ttl_seconds,
+                                                               request.user_metadata)
+        try:
+            request.check_target()
+        except UserError as exc:
+            return self.runs.reject(owner, "SaveWeightsForSampler", str(exc), model_id=model_id)
+        try:
+            request.check_kind()
+        except UserError as exc:
+            return self.runs.refuse_op(owner, model_id, seq_id, "SaveWeightsForSampler", exc)
         if path is not None:
             def op(run: LiveRun):
                 check_samplable(run.spec)
@@ -451,27 +466,19 @@ class Service(ServiceAPI):
     def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
         return self.samplers.get(owner, sampling_session_id)
 
-    def sample(self, owner, sampling_session_id, seq_id, prompt, num_samples, sampling_params, *,
-               include_prompt_logprobs=False, topk_prompt_logprobs=0, topk_sample_logprobs=0,
-               prompt_logprobs_last_n=None, target_prompt_logprobs=None, prompt_alt_tokens_k=0,
-               record_stability_info=False, on_tokens=None) -> Submission:
+    def _sample(self, owner, request: SampleRequest) -> Submission:
+        sampling_session_id, prompt = request.sampling_session_id, request.prompt
         try:  # before the future reserves num_samples sequence ids and a sampler any memory
-            self.config.limits.check_sample(num_samples, prompt, sampling_params, topk_prompt_logprobs,
-                                            topk_sample_logprobs, prompt_alt_tokens_k)
+            self.config.limits.check_sample(request.num_samples, prompt, request.sampling_params,
+                                            request.topk_prompt_logprobs, request.topk_sample_logprobs,
+                                            request.prompt_alt_tokens_k)
             if count_images(prompt):
                 [prompt] = self._check_images([("prompt", prompt)], owner,
                                               self._sampler_dir(owner, sampling_session_id))
+                request = dataclasses.replace(request, prompt=prompt)  # its images checked, pointers read
         except UserError as exc:
             return self.runs.reject(owner, "Sample", str(exc))
-        kwargs = dict(
-            prompt=prompt, num_samples=num_samples, sampling_params=sampling_params,
-            include_prompt_logprobs=bool(include_prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
-            target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
-        )
-        if on_tokens is not None:
-            kwargs["on_tokens"] = on_tokens
-        sub = self.samplers.sample(owner, sampling_session_id, seq_id, kwargs, record=bool(record_stability_info))
+        sub = self.samplers.sample(owner, request)
         self._count_samples(owner, sampling_session_id, sub.request_id)
         self.futures.tag_session(sub.request_id, session_of(sampling_session_id))  # busy until it finishes
         self.sessions.touch(session_of(sampling_session_id))
@@ -544,41 +551,57 @@ class Service(ServiceAPI):
         rest.run_row(self.store, owner, run_id)
         return self.metric_history.history(run_id)
 
-    def owner_state(self, owner) -> dict[str, Any]:
-        """What the server holds for `owner` now: queued requests per loaded run, futures
-        pending, sampling sessions loaded (the console's overview; no database)."""
-        live = self.runs.live_runs_of(owner)
-        return {"queue_depths": {rid: run.seq.queued for rid, run in live.items()},
-                "futures_pending": self.futures.pending_count_of(owner),
-                "samplers_loaded": self.samplers.loaded_count(owner)}
+    @property
+    def data_dir(self) -> Path:
+        return self.config.data_dir
 
-    def server_state(self) -> dict[str, Any]:
-        """What the server holds now, over every owner (the periodic status line): runs
-        loaded, sessions active, sampling sessions loaded, each lane's runs and queued
-        requests, samples queued or running, futures pending."""
+    def owner_state(self, owner) -> OwnerOverview:
+        live = self.runs.live_runs_of(owner)
+        return OwnerOverview(queue_depths={rid: run.seq.queued for rid, run in live.items()},
+                             futures_pending=self.futures.pending_count_of(owner),
+                             samplers_loaded=self.samplers.loaded_count(owner))
+
+    def server_state(self) -> ServerState:
         lanes = self.runs.lane_depths()
         samples, _ = self.samplers.queued.total()
-        return {"runs": sum(n for n, _ in lanes.values()), "sessions": len(self.store.active_sessions()),
-                "samplers": self.samplers.loaded_total(), "lanes": lanes, "samples_queued": samples,
-                "futures_pending": self.futures.pending_count()}
+        return ServerState(runs=sum(n for n, _ in lanes.values()), sessions=len(self.store.active_sessions()),
+                           samplers=self.samplers.loaded_total(), lanes=lanes, samples_queued=samples,
+                           futures_pending=self.futures.pending_count())
 
-    def run_facts(self, owner, run_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """run_id -> {steps, loaded, head, created} for `owner`'s runs among `run_ids` (the
-        console's listing): steps from the live run, else from the metric history."""
+    def run_facts(self, owner, run_ids: Sequence[str]) -> dict[str, RunFacts]:
         live = self.runs.live_runs_of(owner)
         stored = self.store.steps_taken([r for r in run_ids if r not in live])
         out = {}
         for rid in run_ids:
             row = rest.run_row(self.store, owner, rid)
             run = live.get(rid)
-            out[rid] = {"steps": run.steps if run is not None else stored.get(rid, 0),
-                        "loaded": run is not None and run.error is None,
-                        "head": run.spec.head if run is not None else None, "created": row.created_at}
+            out[rid] = RunFacts(steps=run.steps if run is not None else stored.get(rid, 0),
+                                loaded=run is not None and run.error is None,
+                                head=run.spec.head if run is not None else None, created=row.created_at)
         return out
 
-    def session_row(self, owner, session_id):
-        """The session's row (heartbeat, status), NotFoundError unless `owner`'s."""
-        return self.sessions.row(owner, session_id)
+    def session_facts(self, owner, session_id) -> SessionFacts:
+        row = self.sessions.row(owner, session_id)
+        return SessionFacts(id=row.id, status=row.status, finish_reason=row.finish_reason,
+                            finish_detail=row.finish_detail, display_name=row.display_name, created_at=row.created_at,
+                            last_heartbeat=row.last_heartbeat, sdk_version=row.sdk_version, tags=row.tags,
+                            user_metadata=row.user_metadata)
+
+    def gauges(self) -> ServiceGauges:
+        return ServiceGauges(futures_pending=self.futures.pending_count(), run_queue_depths=self.runs.queue_depths(),
+                             replicas=self.samplers.replica_stats(), sampler_load=self.samplers.sampler_load())
+
+    def checkpoint_bytes(self, owner) -> int:
+        return self.checkpoints.bytes_used(owner)
+
+    def future_owner(self, request_id) -> str | None:
+        return self.futures.owner_of(request_id)
+
+    def add_future_listener(self, fn: Callable[[FutureState], None]) -> None:
+        self.futures.add_listener(fn)
+
+    def add_weight_sync_listener(self, fn: Callable[[str, float], None]) -> None:
+        self.samplers.add_sync_listener(fn)
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         return rest.capabilities(self.registry, self.config.limits)
@@ -641,8 +664,8 @@ class Service(ServiceAPI):
         self._data_lock.release()
 
     def _persist_snapshots(self, run: LiveRun) -> None:
-        """After a run's final save at a clean stop (on its lane): the sampling sessions that
-        snapshot its current weights are saved with them (`SamplerManager.persist_snapshots`)."""
+        """After a run's automatic save (on its lane): the sampling sessions that
+        snapshot its weights, current or older, are saved beside it (`SamplerManager.persist_snapshots`)."""
         if run.engine is not None:
             self.samplers.persist_snapshots(self.checkpoints, run.run_id, run.owner, run.weights_token,
                                             run.engine.export_hf)

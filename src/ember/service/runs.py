@@ -38,6 +38,7 @@ from ember.service.faults import public_message
 from ember.service.futures import FutureTable, Server, User
 from ember.service.lanes import LanePool
 from ember.service.limits import Limits
+from ember.service.requests import CreateModelRequest, LoadWeightsRequest
 from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.quotas import check_runs
 from ember.service.run_validation import (
@@ -150,9 +151,10 @@ class RunManager:
         # the samplers sleep and the engine is on its device while it trains, offloaded after.
         self.before_op: Callable[[LiveRun], None] | None = None
         self.after_op: Callable[[LiveRun], None] | None = None
-        # A clean stop: called on the run's lane right after its final save (the Service
-        # persists the sampling sessions that snapshot the run's current weights).
-        self.after_final_save: Callable[[LiveRun], None] | None = None
+        # Called on the run's lane right after each automatic save, a clean stop's final one
+        # and every autosave_every_steps (the Service persists the run's snapshot sampling
+        # sessions with it: `SamplerManager.persist_snapshots`).
+        self.after_autosave: Callable[[LiveRun], None] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def reject(self, owner: str, rtype: RequestType, error: str, category=User, model_id: str | None = None) -> Submission:
@@ -230,21 +232,25 @@ class RunManager:
             return sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
 
     # ------------------------------------------------------------------ creation (one path)
-    def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str,
-                     lora_config: types.LoraConfig | None, optimizer_config, user_metadata) -> Submission:
+    def create_model(self, owner: str, request: CreateModelRequest) -> Submission:
+        lora_config, optimizer_config, user_metadata = request.lora_config, request.optimizer_config, request.user_metadata
+
         def plan(run_id: str) -> CreatePlan:
             validate_lora(lora_config)
             self.limits.check_lora_rank(lora_config)
             optimizer = validate_optimizer(optimizer_config)
-            spec = RunSpec(run_id, self.registry.resolve(base_model), lora_config, optimizer["type"],
+            spec = RunSpec(run_id, self.registry.resolve(request.base_model), lora_config, optimizer["type"],
                            validate_head(user_metadata))
             return CreatePlan(spec, optimizer, user_metadata, lambda _: types.CreateModelResponse(model_id=run_id))
 
-        return self._create(owner, session_id, model_seq_id, "CreateModel", plan)
+        return self._create(owner, request.session_id, request.model_seq_id, "CreateModel", plan)
 
-    def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, path: str, optimizer: bool,
-                               base_model: str | None, user_metadata, optimizer_config=None,
-                               access_token: str | None = None) -> Submission:
+    def create_from_checkpoint(self, owner: str, request: LoadWeightsRequest) -> Submission:
+        """A new run from a training checkpoint (`request.creates_run`: its session_id + model_seq_id)."""
+        path, optimizer, base_model = request.path, bool(request.optimizer), request.base_model
+        user_metadata, optimizer_config, access_token = (request.user_metadata, request.optimizer_config,
+                                                         request.weights_access_token)
+
         def plan(run_id: str) -> CreatePlan:
             # the owner's, a published one, or one `access_token` grants
             tpath, crow = self.checkpoints.training_state(owner, path, access_token)
@@ -261,7 +267,7 @@ class RunManager:
 
             return CreatePlan(spec, opt, user_metadata, finish, created_from=tpath.uri)
 
-        return self._create(owner, session_id, model_seq_id, "LoadWeights", plan)
+        return self._create(owner, request.session_id, request.model_seq_id, "LoadWeights", plan)
 
     def _create(self, owner: str, session_id: str, model_seq_id: Any, rtype: RequestType,
                 plan: Callable[[str], CreatePlan]) -> Submission:
@@ -429,6 +435,8 @@ class RunManager:
         if every and run.steps % every == 0:
             try:
                 self.autosave(run, clean=False, next_seq=run.seq_running + 1)
+                if self.after_autosave is not None:
+                    self.after_autosave(run)
             except Exception as exc:  # noqa: BLE001 - the step itself succeeded
                 log.warning("run %s: automatic save at step %d failed: %s", run.run_id, run.steps,
                             public_message(exc))
@@ -602,8 +610,8 @@ class RunManager:
         try:
             row = self.autosave(run, clean=clean, next_seq=run.seq.next_seq)
             log.debug("run %s saved at step %d for the restart: %s", run.run_id, run.steps, row.tinker_path)
-            if self.after_final_save is not None:
-                self.after_final_save(run)
+            if self.after_autosave is not None:
+                self.after_autosave(run)
         except Exception as exc:  # noqa: BLE001 - the others are still saved; say why this one was not
             log.warning("run %s could not be saved at shutdown: %s", run.run_id, public_message(exc))
         finally:

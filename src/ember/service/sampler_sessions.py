@@ -98,6 +98,17 @@ class SessionTable:
             return sorted(live.sampler_id for live in self._by_id.values() if live.follows is None
                           and live.source_run == run_id and live.weights == weights_token)
 
+    def older_of(self, run_id: str, weights_token: str) -> dict[str, list[LiveSampler]]:
+        """The loaded snapshot sampling sessions of run `run_id` that hold older weights than
+        `weights_token`, by the weights token they hold."""
+        with self._lock:
+            lives = [live for live in self._by_id.values() if live.follows is None and live.source_run == run_id
+                     and live.weights is not None and live.weights != weights_token]
+        out: dict[str, list[LiveSampler]] = {}
+        for live in sorted(lives, key=lambda x: x.sampler_id):
+            out.setdefault(live.weights, []).append(live)
+        return out
+
     def inflight_of(self, run_id: str) -> list[str]:
         """Ids of the loaded in-flight sampling sessions (`kind="inflight"`) that follow run `run_id`."""
         with self._lock:

@@ -5,11 +5,11 @@ base weights (version None), a checkpoint read from disk, or a snapshot of a tra
 run's current weights taken on the run's lane. Sessions are rows in the database; a
 session made from a base model or a checkpoint path is re-created lazily after a
 restart. A snapshot session (`save_weights_and_get_sampling_client`) keeps its weights in
-memory only; a clean stop writes those that hold their run's current weights to disk
-(`persist_snapshots`: the run's sampler checkpoint `ember-autosave` and the ids of the
-sessions it serves) and they too come back lazily, with the run's in-flight sessions
-(`kind="inflight"`, then sampling those saved weights); any other snapshot answers category
-`server` after a restart. A clean stop also lets the samples running finish within the
+memory only; each automatic save of the run (a clean stop's, or periodic) writes them to
+disk (`persist_snapshots`: the run's sampler checkpoint `ember-autosave` and the ids of the
+sessions it serves; older weights in its subfolders when the sampler gives them back) and
+they too come back lazily, with the run's in-flight sessions (`kind="inflight"`, then
+sampling those saved weights); any other snapshot answers category `server` after a restart. A clean stop also lets the samples running finish within the
 drain bound (`stop_taking`, `drain`; README "Restarts").
 
 Memory: each session keeps its version alive. At most `max_per_session` sessions per
@@ -28,9 +28,10 @@ error beyond, because `asample` returns at once and nothing else bounds a backlo
 (`service/sampler_backends.py`: a sampler per base model, version loading), `SamplerVersions`
 (`service/sampler_versions.py`: checkpoint reads through `CheckpointStore`, memory-synced
 versions, in-flight targets), `SessionTable` (`service/sampler_sessions.py`: loaded sessions,
-eviction), `SnapshotSaves` (`service/sampler_snapshots.py`: a clean stop's snapshot save and
-restore) and `SampleDispatcher` (`service/sample_dispatch.py`: queued work per owner, submission,
-cancellation, stability records, the drain). What is left here resolves a sampling session's
+eviction), `SnapshotSaves` (`service/sampler_snapshots.py`: an automatic save's snapshot save
+and restore; older versions' subfolders in `service/snapshot_store.py`) and `SampleDispatcher`
+(`service/sample_dispatch.py`: queued work per owner, submission, cancellation, stability
+records, the drain). What is left here resolves a sampling session's
 row to a loaded one and creates sessions.
 """
 
@@ -54,6 +55,7 @@ from ember.service.futures import FutureTable, Server, User
 from ember.service.limits import Limits
 from ember.service.model_registry import BaseModel, ModelRegistry
 from ember.service.quotas import QueuedWork, request_work
+from ember.service.requests import SampleRequest
 from ember.service.sample_dispatch import SAMPLE_SHUTDOWN, SAMPLE_STOPPING, SampleDispatcher
 from ember.service.sampler_backends import (BackendCache, LocalSamplerFactory, SamplerFactory, derived_vllm_share,
                                             max_positions)
@@ -246,10 +248,11 @@ class SamplerManager:
         return types.GetSamplerResponse(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, owner: str, sampler_id: str, seq_id: int | None, request_kwargs: dict[str, Any],
-               record: bool = False) -> Submission:
+    def sample(self, owner: str, request: SampleRequest) -> Submission:
         """Raises NotFoundError when the sampler's checkpoint is no longer readable by
         `owner` (unpublished, expired, deleted), like a path never saved."""
+        sampler_id, seq_id, record = request.sampling_session_id, request.seq_id, bool(request.record_stability_info)
+        request_kwargs = request.sampler_arguments()  # what the backend's SamplingRequest takes
         self._check_checkpoint_readable(owner, sampler_id)
         num = request_kwargs.get("num_samples")
         key = f"sample:{sampler_id}:{seq_id}" if seq_id is not None else None
@@ -299,21 +302,27 @@ class SamplerManager:
         """`SessionTable.snapshots_of`: the loaded snapshot sessions holding those weights."""
         return self.sessions.snapshots_of(run_id, weights_token)
 
+    def older_of(self, run_id: str, weights_token: str) -> dict[str, list[LiveSampler]]:
+        """`SessionTable.older_of`: the loaded snapshot sessions holding older weights, by token."""
+        return self.sessions.older_of(run_id, weights_token)
+
     def inflight_of(self, run_id: str) -> list[str]:
         """`SessionTable.inflight_of`: the loaded in-flight sessions following run `run_id`."""
         return self.sessions.inflight_of(run_id)
 
     def persist_snapshots(self, checkpoints: Any, run_id: str, owner: str, weights_token: str,
                           export: Callable[[Path], None]) -> int:
-        """A clean stop, on the run's lane after its final save: when loaded snapshot sessions
-        hold the run's current weights, or in-flight sessions follow the run, `export` writes
-        the run's weights as its sampler checkpoint `ember-autosave` (a `CheckpointStore`
-        automatic save: quota-exempt, replaced each time) with `SNAPSHOT_RECORD` naming those
-        sessions, each of which comes back from it after the restart (`SnapshotSaves.restore`;
-        an in-flight one then samples the run's weights at the stop, never older than its
-        in-flight target, until the run's next in-flight save). Bounded: one save per run.
-        Snapshots of earlier weights are not kept: the sampler gives no tensors back. How many
-        sessions were kept."""
+        """After a run's automatic save (on its lane: a clean stop's, or every
+        `runs.autosave_every_steps`): when loaded snapshot sessions hold the run's current
+        weights, or in-flight sessions follow the run, `export` writes the run's weights as
+        its sampler checkpoint `ember-autosave` (a `CheckpointStore` automatic save:
+        quota-exempt, replaced each time) with `SNAPSHOT_RECORD` naming those sessions, each
+        of which comes back from it after the restart (`SnapshotSaves.restore`; an in-flight
+        one then samples the run's weights at the stop, never older than its in-flight
+        target, until the run's next in-flight save). Snapshot sessions of older weights are
+        kept in subfolders of the same save when the sampler gives their tensors back
+        (`ember.service.snapshot_store`). Bounded: one save per run, one folder per version a
+        live session holds. How many sessions were kept (`SnapshotSaves.persist`)."""
         return self.snapshots.persist(checkpoints, run_id, owner, weights_token, export)
 
     def stop_taking(self) -> None:

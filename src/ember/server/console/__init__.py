@@ -22,7 +22,7 @@ def install_console(app: FastAPI) -> None:
     from ember.server.console.routes import router
 
     config, service = app.state.config, app.state.service
-    data_dir = service.config.data_dir if service is not None else None
+    data_dir = service.data_dir if service is not None else None
     app.state.console = pages.ConsoleState(data_dir=data_dir, session_ttl_s=config.console_session_ttl_s)
     if service is not None:
         load_secret(data_dir)  # at start-up: a bad key file stops `ember serve` with its reason

@@ -94,14 +94,14 @@ async def overview(request: Request, owner: str = Owner):
 async def sessions(request: Request, owner: str = Owner, offset: int = Query(0, ge=0, le=1 << 30)):
     service = request.app.state.service
     ids = (await call(service.list_sessions, owner, 50, offset)).sessions
-    rows = [await call(service.session_row, owner, sid) for sid in ids]
+    rows = [await call(service.session_facts, owner, sid) for sid in ids]
     return render(request, "sessions.html", sessions=rows, offset=offset, now=_now())
 
 
 @router.get("/sessions/{session_id}")
 async def session_page(session_id: str, request: Request, owner: str = Owner):
     service = request.app.state.service
-    row = await call(service.session_row, owner, session_id)
+    row = await call(service.session_facts, owner, session_id)
     detail = await call(service.get_session, owner, session_id)
     samplers = [await call(service.get_sampler, owner, sid) for sid in detail.sampler_ids]
     return render(request, "session.html", session=row, runs=detail.training_run_ids, samplers=samplers, now=_now(),
@@ -160,7 +160,7 @@ async def _facts(service, owner: str, runs: list) -> dict[str, dict[str, Any]]:
         sid = r.training_run_id.split(":")[0]
         if sid not in sessions:
             try:
-                sessions[sid] = (await call(service.session_row, owner, sid)).display_name
+                sessions[sid] = (await call(service.session_facts, owner, sid)).display_name
             except PageNotFound:
                 sessions[sid] = None
         facts[r.training_run_id]["name"] = (r.user_metadata or {}).get("name") or sessions[sid] or ""
