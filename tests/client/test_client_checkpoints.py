@@ -119,17 +119,15 @@ def test_resume_picks_the_optimizer_in_process(make_client):
         dimuon.optim_step(ADAM).result()
 
 
-def test_resuming_with_state_refuses_another_optimizer_type(tmp_path):
-    import json
-
+def test_resuming_with_state_refuses_another_optimizer_type():
     from ember.service.api import UserError
     from ember.service.run_validation import resumed_optimizer as _resumed_optimizer
 
-    (tmp_path / "ember_state.json").write_text(json.dumps({"optimizer": "adamw"}))
-    assert _resumed_optimizer(tmp_path, True, None) == {"type": "adamw"}
-    assert _resumed_optimizer(tmp_path, False, {"type": "dimuon"}) == {"type": "dimuon", "version": 1}
+    saved = {"optimizer": "adamw"}  # the checkpoint's metadata (`CheckpointStore.meta`, ember_state.json)
+    assert _resumed_optimizer(saved, True, None) == {"type": "adamw"}
+    assert _resumed_optimizer(saved, False, {"type": "dimuon"}) == {"type": "dimuon", "version": 1}
     with pytest.raises(UserError, match="optimizer state is 'adamw', got a 'dimuon' config"):
-        _resumed_optimizer(tmp_path, True, {"type": "dimuon"})
+        _resumed_optimizer(saved, True, {"type": "dimuon"})
 
 
 def test_publish_unpublish_and_ttl_in_process(make_client):

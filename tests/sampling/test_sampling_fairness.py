@@ -1,6 +1,6 @@
 """Tenants in one TorchSampler: prefix-cache hits only from the caller's own owner's
 prompts, and waiting requests served round robin over owners within a slot cap
-(`scheduler.owner_slot_cap`), so one owner's backlog does not hold up another's request."""
+(`ember.fairness.owner_cap`), so one owner's backlog does not hold up another's request."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from tinker import types
 
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
-from ember.sampling.fair_queue import OwnerQueues
-from ember.sampling.scheduler import owner_slot_cap
+from ember.fairness import OwnerQueues
+from ember.fairness import owner_cap as owner_slot_cap  # the one per-owner cap (the scheduler's slots)
 
 PREFIX = [int(t) for t in np.random.default_rng(1).integers(1, 80, size=16)]
 SUFFIX = [int(t) for t in np.random.default_rng(2).integers(1, 80, size=40)]

@@ -17,7 +17,7 @@
 Fair shares (the policy): waiting requests are queued per owner (`SamplingRequest.owner`,
 the tenant), first come first served within an owner, and free slots are handed out
 round robin over the owners with waiting work, one sample per turn
-(`fair_queue.OwnerQueues`). One owner holds at most `owner_slot_cap` slots (all but 1/16
+(`ember.fairness.OwnerQueues`). One owner holds at most `owner_cap` slots (all but 1/16
 from 16 slots up), so a newcomer usually finds a free slot at the next step. A running
 sequence is never preempted. So an owner's next request waits for at most the work
 already running (one decode step when a reserved slot is free, else until a slot frees)
@@ -61,8 +61,8 @@ import torch
 from ember import failpoints
 from ember.sampling import jobs, rng
 from ember.sampling.experts import with_routes
+from ember.fairness import OwnerQueues, owner_cap
 from ember.sampling.follow import with_spans
-from ember.sampling.fair_queue import OwnerQueues
 from ember.sampling.logits import RowParams, draw_tokens, processed_logprobs, top_logprobs
 from ember.sampling.prefix_cache import PrefixCache, Snapshot
 from ember.sampling.prompt_logits import PromptLogits
@@ -199,7 +199,7 @@ class Scheduler:
         to_prefill: ToPrefill = []
         admitted: set[int] = set()
         held = self._slots_by_owner()
-        cap = owner_slot_cap(self.slots.num_slots)
+        cap = owner_cap(self.slots.num_slots)
         blocked = 0  # consecutive turns of owners at their cap
         while self.waiting and free and blocked < len(self.waiting.owners()):
             request = self.waiting.head()
@@ -671,13 +671,6 @@ class Scheduler:
 
     def _on_device(self, values) -> torch.Tensor:
         return torch.as_tensor(values, device=self.device)
-
-
-def owner_slot_cap(num_slots: int) -> int:
-    """The most slots one owner may hold: all but 1/16 of them (from 16 slots up), kept free
-    so that another owner's next request starts at the next step instead of waiting for
-    running sequences to end; below 16 slots, all of them."""
-    return num_slots - num_slots // 16
 
 
 def _prefill_key(request: RequestState) -> tuple[int, bool, int]:

@@ -78,6 +78,7 @@ import vllm  # noqa: F401 - imported here so the registry reports a missing vLLM
 from tinker import types
 
 from ember.errors import UserError
+from ember.fairness import owner_cap
 from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
@@ -293,7 +294,7 @@ class VLLMSampler(Sampler):
             await self._wake(llm)
         key = version.weights_key if version is not None else BASE_KEY
         n = 1 if is_greedy(spec) else spec.num_samples
-        cap = owner_sample_cap(self.config.max_slots)
+        cap = owner_cap(self.config.max_slots)
         async with self._gate.hold(key, lambda k: self._swap(llm, k, version)):
             finals = await asyncio.gather(*(self._generate_part(llm, spec, version, start, min(cap, n - start))
                                             for start in range(0, n, cap)))
@@ -304,7 +305,7 @@ class VLLMSampler(Sampler):
         request), admitted when its owner has room in the engine (`OwnerBacklog`)."""
         final = None
         owner = spec.request.owner
-        async with self._backlog.admit(owner, size, owner_sample_cap(self.config.max_slots)):
+        async with self._backlog.admit(owner, size, owner_cap(self.config.max_slots)):
             sent: dict[int, int] = {}  # streamed requests: sample -> tokens handed to on_tokens
             latest: dict[int, object] = {}  # and each sample's newest completion
             async for final in llm.generate(_prompt(spec), _params(spec, start, size), uuid.uuid4().hex,
@@ -530,17 +531,11 @@ def cache_salt(owner: str) -> str | None:
     return hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32] if owner else None
 
 
-def owner_sample_cap(max_slots: int) -> int:
-    """The most samples one owner has in the engine at once: all but 1/16 of its sequences
-    (from 16 up), so another owner's next request finds a free one; below 16, all."""
-    return max_slots - max_slots // 16
-
-
 class OwnerBacklog:
     """Each owner's samples in the engine, admission by owner, and vLLM priorities.
 
     Fair shares on vLLM (the policy): a request is split into parts of at most
-    `owner_sample_cap` samples; a part enters the engine only while its owner has room
+    `ember.fairness.owner_cap` samples; a part enters the engine only while its owner has room
     under that cap (waiting in ember otherwise), so one owner never fills every engine
     sequence and another owner's next request starts without waiting for them to end. The
     engine runs with `scheduling_policy="priority"`; a part's priority is its owner's

@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
 from tinker import types
 
 from ember import failpoints
@@ -39,6 +40,7 @@ from ember.service import external
 from ember.service.api import ExternalWeightsLinks, NotFoundError, UserError
 from ember.service.clock import SYSTEM_CLOCK, Clock
 from ember.service.config import CheckpointConfig
+from ember.service.quotas import check_checkpoint_bytes, check_checkpoint_bytes_after
 from ember.service.store import CheckpointRow, RunRow, Store
 from ember.service.sweep import sweep_data_dir
 
@@ -53,8 +55,6 @@ ACCESS_TOKEN_TTL_S = 7 * 86400  # a weights access token's default lifetime
 # A download link (same signer) binds the directory itself: this prefix keeps an access token
 # from ever being a download link, and a link from being an access token.
 ACCESS_DOMAIN = "weights-access:"
-QUOTA_FREE = ("free space by deleting checkpoints (RestClient.delete_checkpoint_from_tinker_path) or "
-              "saving with a ttl_seconds")
 
 Writer = Callable[[Path], None]  # writes a checkpoint's files into a new directory
 # A run's automatic save (`RunsConfig`: every N steps, and at a clean shutdown): one per run,
@@ -216,7 +216,8 @@ class CheckpointStore:
 
     def row(self, tinker_path: str) -> CheckpointRow | None:
         """Read-only: the checkpoint's database row (its directory, TTL, owner), or None, with
-        no access check (diagnostics and tests; requests go through `readable`)."""
+        no access check (the server's own saves, such as a snapshot save being restored
+        (`service/sampler_snapshots.py`), diagnostics and tests; requests go through `readable`)."""
         return self.store.get(CheckpointRow, tinker_path)
 
     def _owned_rest(self, owner: str, run_id: object, checkpoint_id: object) -> CheckpointRow:
@@ -286,9 +287,7 @@ class CheckpointStore:
 
     def _check_quota_before(self, owner: str) -> int:
         used = self.bytes_used(owner) if self.quota_bytes is not None else 0
-        if self.quota_bytes is not None and used >= self.quota_bytes:
-            raise UserError(f"checkpoint bytes quota: this API key's checkpoints take {used} bytes, the quota is "
-                            f"limits.max_checkpoint_bytes_per_key={self.quota_bytes}; {QUOTA_FREE}")
+        check_checkpoint_bytes(used, self.quota_bytes)
         return used
 
     def _check_quota_after(self, used: int, row: CheckpointRow, existing: CheckpointRow | None, final: Path) -> None:
@@ -297,11 +296,11 @@ class CheckpointStore:
             return
         replaced = (existing.size_bytes or 0) if existing is not None and not expired(existing, self.clock()) else 0
         total = used - replaced + row.size_bytes
-        if total > self.quota_bytes:
+        try:
+            check_checkpoint_bytes_after(row.tinker_path, row.size_bytes, total, self.quota_bytes)
+        except UserError:
             files.remove_dir(final)
-            raise UserError(f"checkpoint bytes quota: saving {row.tinker_path} ({row.size_bytes} bytes) would bring "
-                            f"this API key's checkpoints to {total} bytes, over the quota "
-                            f"limits.max_checkpoint_bytes_per_key={self.quota_bytes}; {QUOTA_FREE}")
+            raise
 
     # ------------------------------------------------------------------ publish, TTL, delete, sweeps
     def set_public(self, owner: str, run_id: object, checkpoint_id: object, public: bool) -> None:
@@ -372,6 +371,47 @@ class CheckpointStore:
             base_model=run.base_model, is_lora=run.is_lora, lora_rank=lora.get("rank"),
             train_unembed=lora.get("train_unembed"), train_mlp=lora.get("train_mlp"), train_attn=lora.get("train_attn"),
         )
+
+    # ------------------------------------------------------------------ reading files
+    def sampling_weights(self, row: CheckpointRow, folder: Path | None = None) -> dict[str, torch.Tensor]:
+        """The tensors a sampler loads from checkpoint `row` (found by `readable`): a
+        `save_state`'s trained tensors, or a sampler export's safetensors. `folder`: a
+        subfolder of a snapshot save holding an older version, as `snapshot_store.older_dir`
+        checked it (a sampler save's layout), read instead of the save's own weights."""
+        if folder is not None:
+            return files.read_sampler_weights(folder)
+        d = Path(row.directory)
+        return files.read_state_weights(d) if row.kind == "training" else files.read_sampler_weights(d)
+
+    def meta(self, row: CheckpointRow) -> dict | None:
+        """A `save_state` checkpoint's metadata (`ember.engine.checkpoint.read_meta`: kind,
+        head, optimizer); None when unreadable (loading or reading its weights reports it)."""
+        from ember.engine.checkpoint import read_meta
+
+        try:
+            return read_meta(Path(row.directory))
+        except (OSError, ValueError):
+            return None
+
+    def saved_head(self, row: CheckpointRow) -> str | None:
+        """The output head a `save_state` checkpoint holds ("policy" when its metadata names
+        none); None when the metadata is unreadable."""
+        meta = self.meta(row)
+        return None if meta is None else meta.get("head", "policy")
+
+    def read_extra(self, row: CheckpointRow, name: str) -> str | None:
+        """The text of file `name` that the save's writer put beside the weights (such as a
+        snapshot save's record); None when absent or unreadable."""
+        try:
+            return (Path(row.directory) / files.validate_name(name)).read_text()
+        except (OSError, ValueError):
+            return None
+
+    def extra_bytes(self, row: CheckpointRow, name: str) -> bytes | None:
+        """The bytes of file `name` beside the weights (such as an automatic save's gradients
+        not yet applied); None when absent. A file there that cannot be read raises (OSError)."""
+        path = Path(row.directory) / files.validate_name(name)
+        return path.read_bytes() if path.exists() else None
 
     # ------------------------------------------------------------------ external-weights links
     def external_links(self, owner: str, run_id: object, checkpoint_id: object) -> ExternalWeightsLinks:

@@ -53,6 +53,7 @@ from ember.service.futures import FutureTable
 from ember.service.image_admission import ImageAdmission
 from ember.service.images import check_request_images, count_images, vision_spec_of
 from ember.service.metric_history import MetricHistory, target_tokens
+from ember.service.quotas import check_sampling_sessions
 from ember.service.requests import (
     CreateModelRequest, CreateSessionRequest, ForwardBackwardRequest, LoadWeightsRequest, OptimStepRequest,
     SampleRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest, SubmitRequest,
@@ -63,7 +64,7 @@ from ember.service.samplers import LocalSamplerFactory, SamplerFactory, SamplerM
 from ember.service.sessions import SessionManager, session_of
 from ember.service.routing_records import OPTION, replay_option, with_routes
 from ember.service.stability import StabilityRecords
-from ember.service.store import CheckpointRow, FutureRow, SamplerRow, SessionRow, Store
+from ember.service.store import FutureRow, SamplerRow, SessionRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class Service(ServiceAPI):
             self.store, self.futures, self.registry,
             sampler_factory or LocalSamplerFactory(config.sampler, config.engine, config.data_dir / "scratch"),
             config.max_samplers_per_session, records=self.records, limits=config.limits, clock=clock,
+            checkpoints=self.checkpoints,
         )
         self.samplers.check_registered()
         self.runs.after_autosave = self._persist_snapshots
@@ -469,14 +471,8 @@ class Service(ServiceAPI):
         retry of one that was made passes)."""
         if isinstance(seq, int) and self.store.sampler_by_seq(session_id, seq) is not None:
             return
-        quota = self.config.limits.max_sampling_sessions_per_key
-        n = self.samplers.loaded_count(owner)
-        if n >= quota:
-            raise UserError(f"sampling sessions quota: this API key has {n} sampling sessions loaded, the quota is "
-                            f"limits.max_sampling_sessions_per_key={quota}; close ServiceClients you no longer use "
-                            f"(their sessions' samplers are released), or wait for idle sessions to expire "
-                            f"(sessions.idle_ttl_s={self.config.sessions.idle_ttl_s}; a killed client's session "
-                            f"ends after sessions.heartbeat_timeout_s={self.config.sessions.heartbeat_timeout_s})")
+        check_sampling_sessions(self.samplers.loaded_count(owner), self.config.limits.max_sampling_sessions_per_key,
+                                self.config.sessions.idle_ttl_s, self.config.sessions.heartbeat_timeout_s)
 
     def get_sampler(self, owner, sampling_session_id) -> types.GetSamplerResponse:
         return self.samplers.get(owner, sampling_session_id)
@@ -548,7 +544,7 @@ class Service(ServiceAPI):
 
     def _release_synced(self) -> None:
         """Memory mode: a deleted checkpoint's tensors go too (`SamplerManager.release_synced`)."""
-        self.samplers.release_synced(lambda path: self.store.get(CheckpointRow, path) is not None)
+        self.samplers.release_synced(lambda path: self.checkpoints.row(path) is not None)
 
     def create_weights_access_token(self, owner, run_id, checkpoint_id, ttl_seconds=None) -> tuple[str, int]:
         return self.checkpoints.access_token(owner, run_id, checkpoint_id, ttl_seconds)

@@ -59,39 +59,32 @@ def check_samplable(spec: RunSpec) -> None:
                         "save_state or save_weights_external")
 
 
-def saved_head(directory, user_metadata: Mapping[str, Any] | None) -> str:
-    """The head of a run created from a training checkpoint: the checkpoint's (it holds the
-    head's weights). Metadata naming another head is refused rather than ignored."""
-    from ember.engine.checkpoint import read_meta
+def saved_head(meta: Mapping[str, Any] | None, user_metadata: Mapping[str, Any] | None) -> str:
+    """The head of a run created from a training checkpoint of metadata `meta`
+    (`CheckpointStore.meta`): the checkpoint's (it holds the head's weights). Metadata naming
+    another head is refused rather than ignored."""
     from ember.engine.heads import HEAD_METADATA_KEY
 
-    try:
-        saved = read_meta(Path(directory)).get("head", "policy")
-    except (OSError, ValueError):
-        saved = "policy"  # load_state reports the unreadable checkpoint itself
+    saved = "policy" if meta is None else meta.get("head", "policy")  # None: load_state reports the unreadable
     if user_metadata and HEAD_METADATA_KEY in user_metadata and validate_head(user_metadata) != saved:
         raise UserError(f"user_metadata[{HEAD_METADATA_KEY!r}] is {user_metadata[HEAD_METADATA_KEY]!r}, but the "
                         f"checkpoint holds a {saved!r}-head run; leave the key out or set it to {saved!r}")
     return saved
 
 
-def saved_optimizer(directory) -> dict[str, Any]:
+def saved_optimizer(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     """The optimizer config a training checkpoint's state belongs to (AdamW for older ones)."""
-    from ember.engine.checkpoint import read_meta
-
-    try:
-        kind = read_meta(Path(directory)).get("optimizer", "adamw")
-    except (OSError, ValueError):
-        kind = "adamw"  # load_state reports the unreadable checkpoint itself
+    kind = "adamw" if meta is None else meta.get("optimizer", "adamw")  # None: load_state reports the unreadable
     return validate_optimizer({"type": kind})
 
 
-def resumed_optimizer(directory, with_state: bool, requested: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The optimizer of a run created from a checkpoint: the saved one with its state, or
-    the requested one (default AdamW) started fresh."""
+def resumed_optimizer(meta: Mapping[str, Any] | None, with_state: bool,
+                      requested: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The optimizer of a run created from a checkpoint of metadata `meta` (`CheckpointStore.meta`):
+    the saved one with its state, or the requested one (default AdamW) started fresh."""
     if not with_state:
         return validate_optimizer(requested)
-    saved = saved_optimizer(directory)
+    saved = saved_optimizer(meta)
     if requested is not None and validate_optimizer(requested)["type"] != saved["type"]:
         raise UserError(f"optimizer_config: the checkpoint's optimizer state is {saved['type']!r}, "
                         f"got a {requested.get('type')!r} config; load it without optimizer state to switch")

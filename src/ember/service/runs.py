@@ -40,6 +40,7 @@ from ember.service.lanes import LanePool
 from ember.service.limits import Limits
 from ember.service.requests import CreateModelRequest, LoadWeightsRequest
 from ember.service.model_registry import BaseModel, ModelRegistry
+from ember.service.quotas import check_runs
 from ember.service.run_validation import (
     is_seq_id, model_arch, resumed_optimizer, saved_head, validate_head, validate_lora, validate_model_seq_id,
     validate_optimizer,
@@ -85,7 +86,7 @@ class LiveRun:
     error: str | None = None  # why creation failed
     touched: float = 0.0  # last time last_request_time was written
     steps: int = 0  # optim_steps taken (the metric history's step; kept across restarts)
-    restore_from: str | None = None  # automatic save to load on the lane before its first op
+    restore_from: CheckpointRow | None = None  # automatic save to load on the lane before its first op
     resumed_from: int | None = None  # step an unclean restore resumed from, told by its first op
     resync: bool = False  # its first request sets its next seq_id (an unclean restore)
     seq_running: int = -1
@@ -114,12 +115,6 @@ def classify(exc: BaseException) -> tuple[str, types.RequestErrorCategory]:
     if isinstance(exc, (UserError, NonFiniteGradientError)):
         return str(exc), User
     return public_message(exc), Server
-
-
-RUNS_QUOTA = ("training runs quota: this API key has {n} training runs loaded, the quota is "
-              "limits.max_runs_per_key={quota}; free one by ending the session that holds it (close its "
-              "ServiceClient) or wait for idle sessions to expire (sessions.idle_ttl_s); a killed client's "
-              "session ends after sessions.heartbeat_timeout_s without a heartbeat")
 
 
 @dataclass
@@ -204,12 +199,12 @@ class RunManager:
         if row.status == "failed" or session is None or session.status != "active":
             return None
         saved = self.checkpoints.row(f"tinker://{row.id}/weights/{AUTOSAVE_NAME}")
-        resume = read_resume(saved.directory) if saved is not None else None
+        resume = read_resume(self.checkpoints.read_extra(saved, RESUME_FILE)) if saved is not None else None
         if resume is None:
             return None
         lora = types.LoraConfig(**row.lora_config) if row.is_lora and row.lora_config else None
         spec = RunSpec(row.id, self.registry.resolve(row.base_model), lora,
-                       (row.optimizer_config or {}).get("type", "adamw"), saved_head(saved.directory, None))
+                       (row.optimizer_config or {}).get("type", "adamw"), saved_head(self.checkpoints.meta(saved), None))
         with self._lock:
             if row.id in self._runs:
                 return self._runs[row.id]
@@ -217,7 +212,7 @@ class RunManager:
             lane = self._lanes.acquire(self.factory.lane_key(spec))
             run = LiveRun(row.id, row.owner, row.session_id, spec, lane,
                           RunSequencer(row.id, lane, self.gap_timeout_s, next_seq=resume["next_seq"], owner=row.owner),
-                          steps=resume["steps"], restore_from=saved.directory,
+                          steps=resume["steps"], restore_from=saved,
                           weights_token=resume["weights"] or uuid.uuid4().hex,
                           resumed_from=None if resume["clean"] else resume["steps"], resync=not resume["clean"])
             self._runs[row.id] = run
@@ -229,8 +224,7 @@ class RunManager:
 
     def _check_quota_locked(self, owner: str) -> None:
         n = sum(1 for r in self._runs.values() if r.owner == owner and r.error is None)
-        if n >= self.limits.max_runs_per_key:
-            raise UserError(RUNS_QUOTA.format(n=n, quota=self.limits.max_runs_per_key))
+        check_runs(n, self.limits.max_runs_per_key)
 
     def loaded_runs(self, owner: str) -> int:
         """Runs of `owner` loaded now (created, or being created; not failed)."""
@@ -263,8 +257,9 @@ class RunManager:
             src = self.store.get(RunRow, crow.run_id)
             lora = types.LoraConfig(**src.lora_config) if src is not None and src.lora_config else None
             base = self.registry.resolve(base_model or (src.base_model if src else ""))
-            opt = resumed_optimizer(crow.directory, optimizer, optimizer_config)
-            spec = RunSpec(run_id, base, lora, opt["type"], saved_head(crow.directory, user_metadata))
+            meta = self.checkpoints.meta(crow)
+            opt = resumed_optimizer(meta, optimizer, optimizer_config)
+            spec = RunSpec(run_id, base, lora, opt["type"], saved_head(meta, user_metadata))
 
             def finish(engine: TrainingEngine) -> types.LoadWeightsResponse:
                 engine.load_state(crow.directory, optimizer=optimizer)
@@ -415,11 +410,12 @@ class RunManager:
     def _reload(self, run: LiveRun) -> None:
         """On the run's lane, before its first op after a restart: its engine, loaded from its
         automatic save (weights, optimizer, engine step and RNG)."""
-        directory, run.restore_from = run.restore_from, None
+        saved, run.restore_from = run.restore_from, None
         self._build_engine(run)
         try:
-            run.engine.load_state(directory, optimizer=True)
-            for datums, loss_fn, cfg in read_unapplied(directory):  # the gradient not applied yet, rebuilt
+            run.engine.load_state(saved.directory, optimizer=True)
+            unapplied = read_unapplied(self.checkpoints.extra_bytes(saved, UNAPPLIED_FILE))
+            for datums, loss_fn, cfg in unapplied:  # the gradient not applied yet, rebuilt
                 run.engine.forward_backward(datums, loss_fn, cfg)
                 run.accumulated(datums, loss_fn, cfg)
         except BaseException as exc:
@@ -638,19 +634,21 @@ def _wait_all(runs: list[LiveRun], done: dict[str, threading.Event], timeout_s: 
     return [run for run in runs if not done[run.run_id].is_set()]
 
 
-def read_resume(directory: str) -> dict[str, Any] | None:
-    """An automatic save's `RESUME_FILE` (steps, next_seq, clean, weights: the run's
-    `weights_token`, None in a save older than it), or None if unreadable."""
+def read_resume(text: str | None) -> dict[str, Any] | None:
+    """An automatic save's `RESUME_FILE` from its text (steps, next_seq, clean, weights: the
+    run's `weights_token`, None in a save older than it), or None if absent or unreadable."""
+    if text is None:
+        return None
     try:
-        resume = json.loads((Path(directory) / RESUME_FILE).read_text())
+        resume = json.loads(text)
         weights = resume.get("weights")
         return {"steps": int(resume["steps"]), "next_seq": int(resume["next_seq"]), "clean": bool(resume["clean"]),
                 "weights": weights if isinstance(weights, str) else None}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 
-def read_unapplied(directory: str) -> list[tuple[list, str, dict | None]]:
-    """An automatic save's `UNAPPLIED_FILE`: the forward_backwards to run again (none if absent)."""
-    path = Path(directory) / UNAPPLIED_FILE
-    return pickle.loads(path.read_bytes()) if path.exists() else []  # noqa: S301 - written by this server
+def read_unapplied(data: bytes | None) -> list[tuple[list, str, dict | None]]:
+    """An automatic save's `UNAPPLIED_FILE` from its bytes: the forward_backwards to run again
+    (none if absent)."""
+    return pickle.loads(data) if data is not None else []  # noqa: S301 - written by this server

@@ -5,7 +5,7 @@
   runs on that base model's lane, so peft's active-adapter switch and the engines' ops
   never interleave. A full fine-tuning run has a lane of its own. A lane shared by
   several owners (API keys) serves them round robin, first come first served within
-  one owner (`fair_queue.OwnerQueues`): a run releases one op at a time, so an owner
+  one owner (`ember.fairness.OwnerQueues`): a run releases one op at a time, so an owner
   with many busy runs holds many places in its own queue but one turn per rotation,
   and another owner's next op waits for at most one op of each other owner with work
   queued, plus the op already executing (docs/architecture.md, trust boundaries).
@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ember.sampling.fair_queue import OwnerQueues
+from ember.fairness import OwnerQueues
 
 log = logging.getLogger(__name__)
 

@@ -22,17 +22,12 @@ from tinker import types
 
 from ember.service.api import NotFoundError, SessionGoneError, UserError
 from ember.service.clock import SYSTEM_CLOCK, Clock
+from ember.service.quotas import check_sessions
 from ember.service.store import SessionRow, Store
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("success", "errored", "interrupted")
-
-
-SESSIONS_QUOTA = ("sessions quota: this API key has {n} sessions active, the quota is "
-                  "limits.max_sessions_per_key={quota}; close ServiceClients you no longer use (their sessions "
-                  "end), or wait for idle ones to expire (sessions.idle_ttl_s={ttl}; the session of a killed "
-                  "client ends after sessions.heartbeat_timeout_s={heartbeat})")
 
 
 def session_of(resource_id: object) -> str | None:
@@ -73,10 +68,8 @@ class SessionManager:
         sdk_version: str | None = None,
     ) -> types.CreateSessionResponse:
         if self._max_per_key is not None:
-            n = self._store.count_active_sessions(owner)
-            if n >= self._max_per_key:
-                raise UserError(SESSIONS_QUOTA.format(n=n, quota=self._max_per_key, ttl=self._idle_ttl_s,
-                                                      heartbeat=self._timeout_s))
+            check_sessions(self._store.count_active_sessions(owner), self._max_per_key, self._idle_ttl_s,
+                           self._timeout_s)
         now = self._clock()
         sid = f"sess-{uuid.uuid4().hex[:20]}"
         self._active[sid] = now

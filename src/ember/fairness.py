@@ -1,7 +1,12 @@
-"""`OwnerQueues`: waiting work, one first-come-first-served queue per owner, served round
-robin over owners (docs/architecture.md, trust boundaries). The sampler's scheduler queues
-its requests here (owner: `request.job.owner`); a training `Lane` queues its ops here
-(owner: the run's API key), so every shared queue in ember is fair the same way.
+"""Fair shares between owners (API keys) of one shared resource: the primitives both the
+sampling backends and the service's training lanes use, so each is fair the same way
+(docs/architecture.md, trust boundaries). Below both layers, beside `ember/errors.py`: the
+samplers never import the service.
+
+`OwnerQueues`: waiting work, one first-come-first-served queue per owner, served round
+robin over owners. The sampler's scheduler queues its requests here (owner:
+`request.job.owner`); a training `Lane` (`service/sequencer.py`) queues its ops here (owner:
+the run's API key).
 
     queues.extend(requests)          # each joins its owner's queue (`Job.owner`)
     request = queues.head()          # the oldest request of the owner whose turn it is
@@ -11,6 +16,9 @@ An owner that arrives joins the end of the rotation, so with k owners waiting it
 after at most k - 1 turns of the others, whatever their backlogs: one owner's queue
 cannot delay another owner's next request (a turn is one sample placed in a free slot).
 Not thread-safe: its user holds a lock or a single thread uses it.
+
+`owner_cap`: the most of a backend's places (TorchSampler cache slots, vLLM engine
+sequences) one owner may hold at once.
 """
 
 from __future__ import annotations
@@ -20,6 +28,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+
+def owner_cap(places: int) -> int:
+    """The most of `places` one owner may hold: all but 1/16 of them (from 16 places up), kept
+    free so that another owner's next request starts at the next step instead of waiting for
+    running sequences to end; below 16 places, all of them."""
+    return places - places // 16
 
 
 def job_owner(request: Any) -> str:
