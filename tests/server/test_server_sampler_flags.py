@@ -36,10 +36,12 @@ def test_every_sampler_field_is_a_flag_and_reaches_the_service_config(tmp_path):
     import dataclasses
 
     # every field but max_lora_rank, which is limits.max_lora_rank in a service (one value),
-    # and logprob_chunk_tokens, which follows engine.logprob_chunk_tokens (one value)
+    # logprob_chunk_tokens, which follows engine.logprob_chunk_tokens (one value), and
+    # batch_invariant, which follows engine.batch_invariant (one value)
     keys = {s.key for s in settings(SamplerConfig)}  # a backend's own settings under its section: "vllm.<name>"
     assert {key.rsplit(".", 1)[-1] for key in keys} == (
-        {f.name for f in dataclasses.fields(SamplerConfig)} - {"max_lora_rank", "logprob_chunk_tokens"})
+        {f.name for f in dataclasses.fields(SamplerConfig)} - {"max_lora_rank", "logprob_chunk_tokens",
+                                                                "batch_invariant"})
     assert all(f"--sampler.{key}" in _help() for key in keys)
     args = _parse(["--model", f"a={tmp_path}", "--data-dir", str(tmp_path), "--sampler.max_len", "4096",
                    "--sampler.backend", "torch", "--sampler.enable_prefix_caching", "false",
