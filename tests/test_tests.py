@@ -190,13 +190,8 @@ def test_every_test_file_the_readme_names_exists():
 
 # Monkeypatching. A third-party object (torch, the standard library) may be patched: ember does
 # not own its seams (e.g. `torch.cuda.empty_cache`, to count calls on a CPU host). Everything
-# else a test patches is ember's: a module, a class, or an object a fixture made.
-# (test file, patched target) -> why the patch is still there: replacing each with a fail
-# point or an argument is issue 40's item 9; the list only shrinks.
-NOT_YET_REPLACED = {
-    ("tests/sampling/test_sampling_vllm.py", "vllm_sampler.config"):
-        "a lower max_logprobs / enable_lora=False on the module's shared vLLM engine: a second engine costs minutes",
-}
+# else a test patches is ember's: a module, a class, or an object a fixture made, and none is
+# allowed: a test makes ember fail through a fail point or passes the behaviour in.
 
 
 def _root(node: ast.expr) -> str | None:
@@ -242,23 +237,15 @@ def _patched(tree: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def patches(source: str | ast.AST, rel: str) -> list[str]:
-    """`rel:line: target` for each monkeypatch of ember's in `source` that `NOT_YET_REPLACED` does not list."""
+    """`rel:line: target` for each monkeypatch of ember's in `source`."""
     tree = ast.parse(source) if isinstance(source, str) else source
-    return [f"{rel}:{line}: {target}" for line, target in sorted(_patched(tree))
-            if (rel, target) not in NOT_YET_REPLACED]
+    return [f"{rel}:{line}: {target}" for line, target in sorted(_patched(tree))]
 
 
 def test_no_test_monkeypatches_ember():
     found = [v for p in _test_files() for v in patches(p.read_text(), p.relative_to(TESTS.parent).as_posix())]
     assert not found, ("tests monkeypatch ember; make it fail through a fail point (ember.failpoints) or pass "
                        "the behaviour in (a constructor or function argument):\n" + "\n".join(found))
-
-
-def test_every_not_yet_replaced_patch_is_still_there():
-    """A stale entry would let a new patch of the same target through unnoticed."""
-    for (rel, target), why in NOT_YET_REPLACED.items():
-        assert target in {t for _, t in _patched(ast.parse((TESTS.parent / rel).read_text()))}, (rel, target)
-        assert len(why) > 20, (rel, target)
 
 
 def test_the_patch_check_finds_each_form():

@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from helpers.cli import run_cli
-from helpers.server import server_env
+from helpers.server import server_env, wait_until
 from helpers.zygote import Zygote, write_shims
 
 pytestmark = pytest.mark.slow  # a zygote imports torch, transformers and ember's server once
@@ -61,10 +60,11 @@ def serving(zygote, tiny_model_dir, tmp_path, cap=None):
     """A forked `ember serve` that has printed its address."""
     argv = ["serve", "--model", f"m={tiny_model_dir}", "--data-dir", str(tmp_path / "data"), "--port", "0"]
     proc, out, err = fork(zygote, tmp_path, argv, cap=cap)
-    deadline = time.monotonic() + 120
-    while "listening on" not in out.read_text():  # a live server, not one that already ended
-        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-2000:]
-        time.sleep(0.2)
+    def listening() -> bool:  # a live server, not one that already ended
+        assert proc.poll() is None, err.read_text()[-2000:]
+        return "listening on" in out.read_text()
+
+    wait_until(listening, 120, message="the forked server's address")
     return proc
 
 
@@ -156,10 +156,11 @@ def test_a_shim_forwards_sigterm_and_exits_with_its_commands_status(shims, tmp_p
     proc = subprocess.Popen([str(shims / "python"), str(probe), "sleep", str(pid_file)], cwd=tmp_path,
                             env=server_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() or not pid_file.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+    def started() -> bool:
+        assert proc.poll() is None
+        return pid_file.exists() and bool(pid_file.read_text())
+
+    wait_until(started, 60, interval=0.1, message="the probe's pid file")
     child = int(pid_file.read_text())
     assert child != proc.pid  # the command is the zygote's fork, not the shim
     os.killpg(proc.pid, signal.SIGTERM)  # as the README test stops a block's process group

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.server import wait_until
+
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 HEAD_PORT = 6379  # each namespace has its own port space: a fixed port never collides
 # Ray daemons these tests never use, each a Python process importing ray (~1-2 s of CPU on
@@ -183,14 +185,8 @@ class TwoHosts:
         return out.stdout.strip().splitlines()[-1].split() if out.stdout.strip() else []
 
     def wait_for_nodes(self, n: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            nodes = self.alive_nodes()
-            if len(nodes) >= n:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the Ray cluster has {nodes} after {timeout_s:.0f} s, wanted {n} nodes")
-            time.sleep(1)
+        wait_until(lambda: len(self.alive_nodes()) >= n, timeout_s, interval=1,
+                   message=f"{n} nodes in the Ray cluster")
 
     # ------------------------------------------------------------------ teardown
     def stop(self) -> None:

@@ -14,6 +14,8 @@ import time
 import pytest
 from tinker import types
 
+from helpers.server import wait_until
+
 from ember.models import load_model
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler, create_sampler
 from ember.sampling.pool import SamplerPool
@@ -56,10 +58,8 @@ def _totals(pool: SamplerPool) -> list[int]:
 
 
 def _wait_all_up(pool: SamplerPool, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(s["up"] for s in pool.replica_stats()):
-        assert time.monotonic() < deadline, f"replicas not back: {pool.replica_stats()}"
-        time.sleep(0.5)
+    wait_until(lambda: all(s["up"] for s in pool.replica_stats()), timeout, interval=0.5,
+               message="every replica up again")
 
 
 def test_replicas_1_is_no_pool(tiny_model_dir):

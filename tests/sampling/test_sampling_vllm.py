@@ -5,7 +5,6 @@ engine that dies mid-request (the semantic tests run on it through the `sampler`
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import os
 import signal
@@ -19,6 +18,7 @@ from helpers.server import wait_until
 
 from ember.engine import EngineConfig, TorchEngine
 from ember.sampling import SamplerConfig, SamplingRequest
+from ember.sampling.params import resolve_request
 from ember.sampling.weight_gate import WeightGate
 
 from .conftest import params, prompt
@@ -30,13 +30,9 @@ needs_vllm = pytest.mark.needs_vllm
 
 
 @needs_vllm
-def test_refusals_name_the_field(vllm_sampler, tiny_model_dir, monkeypatch):
-    # top-k counts are first clamped to the vocabulary (84 here, below the fixture's engine
-    # max_logprobs of 128): a lower configured maximum makes 60 one to refuse
-    monkeypatch.setattr(vllm_sampler, "config", dataclasses.replace(vllm_sampler.config, max_logprobs=50))
+def test_refusals_name_the_field(vllm_sampler, tiny_model_dir):
     bad = {
         "logprobs_mode": SamplingRequest(prompt=prompt([5, 6]), logprobs_mode="processed"),
-        "topk_sample_logprobs": SamplingRequest(prompt=prompt([5, 6]), topk_sample_logprobs=60),
         "temperature": SamplingRequest(prompt=prompt([5, 6]), sampling_params=params(temperature=2.5)),
     }
     good = SamplingRequest(prompt=prompt([5, 6]), sampling_params=params(max_tokens=3, seed=1, stop=[]))
@@ -50,12 +46,25 @@ def test_refusals_name_the_field(vllm_sampler, tiny_model_dir, monkeypatch):
 
 
 @needs_vllm
-def test_a_sampler_without_lora_refuses_a_lora_version(vllm_sampler, tiny_model_dir, monkeypatch):
+def test_topk_above_the_engines_max_logprobs_is_refused_naming_the_field():
+    # top-k counts are first clamped to the vocabulary (84 for the shared engine's model, below
+    # its max_logprobs of 128), so the check is shown on a config with a lower maximum
+    from ember.sampling.vllm_sampler import check_engine_limits
+    spec = resolve_request(SamplingRequest(prompt=prompt([5, 6]), topk_sample_logprobs=60), vocab_size=84,
+                           eos_token_ids=(), max_len=64, default_max_tokens=4, default_logprobs_mode="raw",
+                           can_decode=False)
+    check_engine_limits(spec, SamplerConfig(backend="vllm", max_logprobs=60))
+    with pytest.raises(ValueError, match=r"topk_sample_logprobs: expected at most 50 .*got 60"):
+        check_engine_limits(spec, SamplerConfig(backend="vllm", max_logprobs=50))
+
+
+@needs_vllm
+def test_a_sampler_without_lora_refuses_a_lora_version():
     """`enable_lora=False` (vLLM has no adapter slots then): a LoRA version is refused, naming the setting."""
-    monkeypatch.setattr(vllm_sampler, "config", dataclasses.replace(vllm_sampler.config, enable_lora=False))
-    engine = TorchEngine.from_pretrained(tiny_model_dir, EngineConfig(), lora_config=types.LoraConfig(rank=4))
+    from ember.sampling.vllm_sampler import check_lora_enabled
+    check_lora_enabled(SamplerConfig(backend="vllm"))
     with pytest.raises(ValueError, match="SamplerConfig.enable_lora is off"):
-        vllm_sampler.load_weights(engine.named_weights(), lora_config=types.LoraConfig(rank=4))
+        check_lora_enabled(SamplerConfig(backend="vllm", enable_lora=False))
 
 
 @needs_vllm

@@ -23,6 +23,7 @@ from tinker import types
 from ember.engine import EngineConfig, TorchEngine
 from ember.sampling import transport as ws
 from helpers.datums import random_sft_datums, sft_datum
+from helpers.server import wait_until
 
 PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14]]
 TIMEOUT_S = 180.0  # a spawned replica imports torch and transformers: slow on a loaded 2-core machine
@@ -312,8 +313,6 @@ def test_a_pool_in_memory_mode_writes_no_file_and_a_replacement_gets_the_live_ve
     channels (no file under the pool's scratch directory), samples from each replica match
     the trainer's forward (1e-4), and after a replica is killed its replacement is synced
     the live version in memory and serves it."""
-    import time
-
     from ember.sampling import SamplerConfig
     from ember.sampling.pool import SamplerPool
 
@@ -332,10 +331,8 @@ def test_a_pool_in_memory_mode_writes_no_file_and_a_replacement_gets_the_live_ve
         assert _matches_forward(engine, _pool_round(pool, version, sessions)) < 1e-4
         assert all(s["requests_total"] > 0 for s in pool.replica_stats())  # both replicas served
         os.kill(pool.replica_pids()[0], signal.SIGKILL)
-        deadline = time.monotonic() + 2 * TIMEOUT_S
-        while not (pool.replica_stats()[0]["restarts"] == 1 and pool.replica_stats()[0]["up"]):
-            assert time.monotonic() < deadline, pool.replica_stats()
-            time.sleep(0.5)
+        wait_until(lambda: pool.replica_stats()[0]["restarts"] == 1 and pool.replica_stats()[0]["up"],
+                   2 * TIMEOUT_S, interval=0.5, message="the killed replica replaced")
         before = pool.replica_stats()[0]["requests_total"]
         assert _matches_forward(engine, _pool_round(pool, version, sessions)) < 1e-4
         assert pool.replica_stats()[0]["requests_total"] > before  # the replacement served the version

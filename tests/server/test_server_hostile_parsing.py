@@ -90,12 +90,12 @@ def test_sparse_densification_is_bounded_in_bytes():
     body = fb_request([1, 67108864]).SerializeToString()
     with pytest.raises(wire.WireError, match=r"536870912 bytes; the limit is 67108864 \(the body limit\)"):
         wire.decode_forward_backward_request(body, max_dense_values=64 << 20, max_dense_bytes=64 << 20)
-    ok = wire.decode_forward_backward_request(fb_request([2, 1000]).SerializeToString(), max_dense_bytes=16_000)
+    ok = wire.decode_forward_backward_request(fb_request([2, 1000]).SerializeToString(), max_dense_bytes=16_000).request
     assert ok.data[0].loss_fn_inputs["target_tokens"].shape == [2, 1000]
 
 
 def test_protobuf_fields_are_counted_before_parsing():
-    assert wire.decode_forward_backward_request(fb_request([3, 2]).SerializeToString(), max_fields=20).model_id == "m"
+    assert wire.decode_forward_backward_request(fb_request([3, 2]).SerializeToString(), max_fields=20).request.model_id == "m"
     with pytest.raises(wire.WireError, match="max_protobuf_fields=1000"):
         wire.decode_forward_backward_request(b"\x0a\x00" * 5000, max_fields=1000)  # 5,000 model_ids
     with pytest.raises(wire.WireError, match="max_protobuf_fields=1000"):

@@ -38,7 +38,7 @@ def _datum(tokens, targets, weights):
 def test_forward_backward_request_roundtrip_dense_and_config():
     data = [_datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0]), _datum([70000, 5], [5, 6], [1.0, 0.5])]
     body = _sdk_request(data, loss_fn="ppo", config={"clip_low_threshold": 0.7, "note": "x"}, forward_only=True)
-    call = wire.decode_forward_backward_request(body)
+    call = wire.decode_forward_backward_request(body).request
     assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("sess-1:train:0", 3, "ppo", True)
     assert call.loss_fn_config == {"clip_low_threshold": pytest.approx(0.7), "note": "x"}
     assert call.data[1].model_input.to_ints() == [70000, 5]
@@ -57,7 +57,7 @@ def test_provenance_spans_survive_the_wire():
                   types.SampledProvenanceSpan(sequence_id="req-a:0", offset=2, length=2)]
     spanned = _datum([1, 2, 3], [2, 3, 4], [1.0, 1.0, 1.0]).with_provenance(model_input=model_spans,
                                                                          loss_fn_inputs=loss_spans)
-    call = wire.decode_forward_backward_request(_sdk_request([_datum([1], [2], [1.0]), spanned], "stable_reinforce"))
+    call = wire.decode_forward_backward_request(_sdk_request([_datum([1], [2], [1.0]), spanned], "stable_reinforce")).request
     assert call.loss_fn == "stable_reinforce"
     assert call.data[0].model_input_spans is None and call.data[0].loss_fn_input_spans is None
     assert call.data[1].model_input_spans == model_spans and call.data[1].loss_fn_input_spans == loss_spans
@@ -81,7 +81,7 @@ def test_sparse_csr_topk_decodes_to_same_dense_values():
     weights[3, 5] = 0.5
     datum = _datum([1, 2, 3, 4], targets, weights)
     assert datum.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None  # really sparse on the wire
-    call = wire.decode_forward_backward_request(_sdk_request([datum]))
+    call = wire.decode_forward_backward_request(_sdk_request([datum])).request
     got = call.data[0].loss_fn_inputs
     assert got["target_tokens"].sparse_crow_indices is None
     assert got["target_tokens"].shape == [4, 8]
@@ -150,7 +150,7 @@ def test_sparse_csr_dense_shape_is_bounded_before_allocation():
         wire.decode_forward_backward_request(msg.SerializeToString(), max_dense_values=1000)
     del t.shape[:]
     t.shape.extend([1, 1000])  # at the limit: decodes
-    decoded = wire.decode_forward_backward_request(msg.SerializeToString(), max_dense_values=1000)
+    decoded = wire.decode_forward_backward_request(msg.SerializeToString(), max_dense_values=1000).request
     assert decoded.data[0].loss_fn_inputs["weights"].shape == [1, 1000]
 
 

@@ -133,6 +133,26 @@ def _close_at_exit(ref: weakref.ref) -> None:
         sampler.close()
 
 
+def check_engine_limits(spec: ResolvedRequest, config: SamplerConfig) -> None:
+    """Refuse what a vLLM engine started with `config` cannot do, naming the request field."""
+    if spec.logprobs_mode != config.logprobs_mode and not needs_scorer(spec):
+        raise UserError(f"sample request: logprobs_mode: expected {config.logprobs_mode!r} (a vLLM engine "
+                        f"computes one kind, set by SamplerConfig.logprobs_mode), got {spec.logprobs_mode!r}")
+    if spec.temperature > MAX_TEMPERATURE:
+        raise UserError(f"sample request: sampling_params.temperature: expected a number in [0, {MAX_TEMPERATURE}] "
+                        f"(vLLM's range), got {spec.temperature}")
+    if spec.topk_sample_logprobs > config.max_logprobs:
+        raise UserError(f"sample request: topk_sample_logprobs: expected at most {config.max_logprobs} "
+                        f"(SamplerConfig.max_logprobs), got {spec.topk_sample_logprobs}")
+
+
+def check_lora_enabled(config: SamplerConfig) -> None:
+    """A LoRA version needs adapter slots in the engine (`enable_lora`)."""
+    if not config.enable_lora:
+        raise ValueError("this vLLM sampler serves no LoRA versions (SamplerConfig.enable_lora is off); "
+                         "turn it on to sample from a LoRA run")
+
+
 class VLLMSampler(Sampler):
     """Sampler over vLLM's AsyncLLM (see the module docstring)."""
 
@@ -209,10 +229,8 @@ class VLLMSampler(Sampler):
         items = named_weights.items() if isinstance(named_weights, Mapping) else named_weights
         if lora_config is None:
             version = self._transport.full_version(self._id, self._meta, items, self.dtype, self._scratch, copy)
-        elif not self.config.enable_lora:
-            raise ValueError("this vLLM sampler serves no LoRA versions (SamplerConfig.enable_lora is off); "
-                             "turn it on to sample from a LoRA run")
         else:
+            check_lora_enabled(self.config)
             version = write_lora_version(self._id, self._meta, items, lora_config, self.dtype,
                                          self.config.max_lora_rank, self._scratch, self._lora_refused)
         weakref.finalize(version, _release, weakref.ref(self), version.path, version.lora_id)
@@ -262,15 +280,7 @@ class VLLMSampler(Sampler):
             default_max_tokens=self.config.default_max_tokens, default_logprobs_mode=self.config.logprobs_mode,
             can_decode=self.tokenizer is not None,
         )
-        if spec.logprobs_mode != self.config.logprobs_mode and not needs_scorer(spec):
-            raise UserError(f"sample request: logprobs_mode: expected {self.config.logprobs_mode!r} (a vLLM engine "
-                             f"computes one kind, set by SamplerConfig.logprobs_mode), got {spec.logprobs_mode!r}")
-        if spec.temperature > MAX_TEMPERATURE:
-            raise UserError(f"sample request: sampling_params.temperature: expected a number in [0, {MAX_TEMPERATURE}] "
-                             f"(vLLM's range), got {spec.temperature}")
-        if spec.topk_sample_logprobs > self.config.max_logprobs:
-            raise UserError(f"sample request: topk_sample_logprobs: expected at most {self.config.max_logprobs} "
-                             f"(SamplerConfig.max_logprobs), got {spec.topk_sample_logprobs}")
+        check_engine_limits(spec, self.config)
         return spec, version
 
     def _call(self, coro) -> Future:

@@ -31,7 +31,7 @@ async def get_info(request: Request, owner: str = Owner, service=ServiceDep):
     return model_response(await run_in_threadpool(service.get_info, owner, req.model_id))
 
 
-async def _decode_forward_backward(request: Request) -> wire.ForwardBackwardCall:
+async def _decode_forward_backward(request: Request) -> wire.DecodedForwardBackward:
     content_type = request.headers.get("content-type", "")
     if "protobuf" not in content_type:
         raise BadRequest(
@@ -44,7 +44,7 @@ async def _decode_forward_backward(request: Request) -> wire.ForwardBackwardCall
                                    rq.limits_of(request).max_protobuf_fields)
 
 
-def _decode_protobuf(body: bytes, content_encoding: str | None, limit: int, max_fields: int) -> wire.ForwardBackwardCall:
+def _decode_protobuf(body: bytes, content_encoding: str | None, limit: int, max_fields: int) -> wire.DecodedForwardBackward:
     """Decompression and decoding, off the event loop; sparse tensors may densify to as many
     bytes as a body may have (`wire.decode_forward_backward_request`)."""
     raw = wire.decompress_body(body, content_encoding, max_bytes=limit)
@@ -53,12 +53,10 @@ def _decode_protobuf(body: bytes, content_encoding: str | None, limit: int, max_
 
 @router.post("/forward_backward")
 async def forward_backward(request: Request, owner: str = Owner, service=ServiceDep):
-    call = await _decode_forward_backward(request)
+    call, sparse_inputs = await _decode_forward_backward(request)
     log_extra(request, model_id=call.model_id, seq_id=call.seq_id, loss_fn=call.loss_fn,
-              forward_only=call.forward_only, num_datums=len(call.data), sparse_inputs=call.sparse_inputs)
-    sub = await run_in_threadpool(service.submit, owner, sr.ForwardBackwardRequest(
-        call.model_id, call.seq_id, call.data, call.loss_fn, call.loss_fn_config, forward_only=call.forward_only))
-    return future_response(sub)
+              forward_only=call.forward_only, num_datums=len(call.data), sparse_inputs=sparse_inputs)
+    return future_response(await run_in_threadpool(service.submit, owner, call))
 
 
 def _require_seq_id(seq_id: int | None) -> int:

@@ -2,7 +2,8 @@
 
 The schema is the SDK's own `tinker.proto.tinker_public_pb2` (docs/protocol.md §4.3-4.6):
 
-* `ForwardBackwardRequest` (protobuf, optionally zstd) -> `ForwardBackwardCall` holding
+* `ForwardBackwardRequest` (protobuf, optionally zstd) -> the service's typed
+  `ForwardBackwardRequest` (`ember.service.requests`, a plain dataclass) holding
   `list[types.Datum]` with dense `TensorData` (sparse CSR is densified here, so nothing
   below the server ever sees the wire's sparse layout).
 * `types.ForwardBackwardOutput` -> protobuf `ForwardBackwardOutput` (ArrayRecords of
@@ -18,8 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tinker import types
@@ -27,6 +27,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.topk_logprobs import TopkLogprobs
 
 from ember.metrics.keys import sdk_metric_key as metric_key  # wire.metric_key: the key a response carries
+from ember.service.requests import ForwardBackwardRequest
 
 PROTOBUF_CONTENT_TYPE = "application/x-protobuf"
 TOPK_SENTINEL_TOKEN = 0
@@ -47,17 +48,12 @@ class WireError(ValueError):
     """A request body that cannot be decoded (-> HTTP 400 with a JSON body)."""
 
 
-@dataclass(frozen=True)
-class ForwardBackwardCall:
-    """A decoded `/api/v1/forward_backward` body."""
+class DecodedForwardBackward(NamedTuple):
+    """A decoded `/api/v1/forward_backward` body: the service's request, and how many
+    loss_fn_inputs arrived as sparse CSR (densified here; the request log counts them)."""
 
-    model_id: str
-    seq_id: int
-    data: list[types.Datum]
-    loss_fn: str
-    loss_fn_config: dict[str, float | str]
-    forward_only: bool
-    sparse_inputs: int = 0  # how many loss_fn_inputs arrived as sparse CSR (densified here)
+    request: ForwardBackwardRequest
+    sparse_inputs: int
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,7 +83,7 @@ def decompress_body(body: bytes, content_encoding: str | None, max_bytes: int) -
 def decode_forward_backward_request(
     body: bytes, max_dense_values: int = DEFAULT_MAX_DENSE_VALUES, max_dense_bytes: int | None = None,
     max_fields: int | None = None,
-) -> ForwardBackwardCall:
+) -> DecodedForwardBackward:
     """Parse a protobuf `ForwardBackwardRequest`; dense tensors, merged loss config.
 
     `max_dense_values` and `max_dense_bytes` (the server passes its body limit: a request
@@ -108,15 +104,10 @@ def decode_forward_backward_request(
         raise WireError("model_id: expected a non-empty string, got ''")
     _check_sparse_budget(msg, max_dense_values, max_dense_bytes)
     data = [_decode_datum(i, d) for i, d in enumerate(msg.data)]
-    return ForwardBackwardCall(
-        model_id=msg.model_id,
-        seq_id=int(msg.seq_id),
-        data=data,
-        loss_fn=msg.loss_fn,
-        loss_fn_config=merge_loss_config(msg),
-        forward_only=bool(msg.forward_only),
-        sparse_inputs=sum(t.HasField("sparse_csr") for d in msg.data for t in d.loss_fn_inputs.values()),
-    )
+    request = ForwardBackwardRequest(msg.model_id, int(msg.seq_id), data, msg.loss_fn, merge_loss_config(msg),
+                                     forward_only=bool(msg.forward_only))
+    sparse = sum(t.HasField("sparse_csr") for d in msg.data for t in d.loss_fn_inputs.values())
+    return DecodedForwardBackward(request, sparse)
 
 
 def _check_field_count(body: bytes, max_fields: int) -> None:
