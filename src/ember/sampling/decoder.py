@@ -17,6 +17,9 @@ exactly as in the transformers path. The model is not modified. Architectures ou
 the list, or configurations it does not reproduce (sliding windows, non-gated MLPs),
 use the transformers forward (`unsupported_reason` says why). Agreement with the
 transformers forward is tested (tests/sampling/test_sampling_decoder.py).
+
+With `SamplerConfig.compile`, a decode step's `DecodeKernels` (the tensor-only parts of a
+layer) run compiled; see `compiled_kernels` (tests/sampling/test_sampling_compile.py).
 """
 
 from __future__ import annotations

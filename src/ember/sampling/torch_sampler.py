@@ -321,7 +321,8 @@ class TorchSampler(Sampler):
         waiting for the requests in progress to finish (new ones wait); `sampler_id`, the id
         every `TorchWeightVersion` of this sampler carries (a version of another is refused);
         with `SamplerConfig.compile`, `compile`: graphs compiled so far and inductor's seconds
-        on them (`CompileStats.as_dict`; `compiled_layers` is 0 until the first decode step)."""
+        on them (`CompileStats.as_dict`; the sampler compiles at its first decode steps, not at
+        start: `compiled_layers` is 0 until then and `warmup_seconds` stays 0)."""
         with self._lock:
             state = {"draining": self._draining, "sampler_id": self._id}
         if self.compile_stats is not None:
