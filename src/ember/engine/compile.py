@@ -1,4 +1,6 @@
 """`EngineConfig.compile`: regional `torch.compile` of a TorchEngine (docs/architecture.md#compile).
+`CompileStats` and `use_cache_dir` are also what TorchSampler's `[sampler.torch] compile`
+counts and caches with (`ember.sampling.decoder.compiled_kernels`).
 
 What is compiled, as torchtitan does it:
 
@@ -42,6 +44,7 @@ class CompileStats:
 
     graphs: int = 0
     warmup_seconds: float = 0.0
+    compile_seconds: float = 0.0  # inside inductor (the backend), every graph so far
     cache_dir: str = ""
     compiled_layers: int = 0
     _compiled: dict = field(default_factory=dict, repr=False)
@@ -51,7 +54,11 @@ class CompileStats:
         import torch._inductor
 
         self.graphs += 1
-        return torch._inductor.compile(gm, example_inputs)
+        start = time.perf_counter()
+        try:
+            return torch._inductor.compile(gm, example_inputs)
+        finally:
+            self.compile_seconds += time.perf_counter() - start
 
     def compiled(self, fn: Callable) -> Callable:
         """`fn` compiled (dynamic shapes, this backend), once per function."""
@@ -61,6 +68,7 @@ class CompileStats:
 
     def as_dict(self) -> dict:
         return {"graphs": self.graphs, "warmup_seconds": round(self.warmup_seconds, 3),
+                "compile_seconds": round(self.compile_seconds, 3),
                 "cache_dir": self.cache_dir, "compiled_layers": self.compiled_layers}
 
 

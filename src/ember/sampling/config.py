@@ -78,6 +78,16 @@ class SamplerConfig:
         states, never the prompt's full (P, vocab) logits (`ember.sampling.prompt_logits`;
         0 = off, equal results either way). Not a setting of its own: in a service it is
         the engine's `EngineConfig.logprob_chunk_tokens` (None: that default).
+    compile / compile_cache_dir: TorchSampler (`[sampler.torch]`): decode steps run their
+        tensor-only parts compiled (`ember.sampling.decoder.compiled_kernels`: RMSNorm,
+        rotary, the attention core and the gated activation of every layer, with dynamic
+        shapes, so batch sizes and KV lengths do not compile again); the linears, their LoRA
+        deltas and the KV-cache write stay eager between them, prefills stay eager. Needs the
+        direct forward (refused with forward='transformers' and batch_invariant). Graphs and
+        seconds are in `TorchSampler.debug_state()["compile"]`; `compile_cache_dir` is
+        inductor's on-disk cache ("" = the process's: `EngineConfig.compile_cache_dir` when
+        the engine compiles, else `$TORCHINDUCTOR_CACHE_DIR` or torch's default). Its own
+        setting: `--engine.compile` does not turn it on.
     batch_invariant: TorchSampler: every step runs under `ember.models.batch_invariant`'s
         row-invariant kernels (the transformers forward, its attention registered as
         `ember_batch_invariant`), so a request's tokens and logprobs do not depend on its
@@ -172,6 +182,8 @@ class SamplerConfig:
     max_imbalance: int = field(default=8, metadata=meta(section="pool", moved=True))
     replica_timeout_s: float = field(default=60.0, metadata=meta(section="pool", moved=True))
     weight_sync: str = "files"
+    compile: bool = field(default=False, metadata=meta(section="torch"))
+    compile_cache_dir: str = field(default="", metadata=meta(section="torch"))
     batch_invariant: bool = field(default=False, metadata=meta(hidden=True))
 
     def __post_init__(self) -> None:
@@ -222,6 +234,7 @@ class SamplerConfig:
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"SamplerConfig.weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
         self._check_batch_invariant()
+        self._check_compile()
         if self.colocate and self.device is not None and not self.device.startswith("cuda"):
             raise ValueError("SamplerConfig.colocate needs a CUDA device (vLLM sleep mode), got "
                              f"device={self.device!r}")
@@ -237,6 +250,20 @@ class SamplerConfig:
         if self.forward == "direct":
             raise ValueError("SamplerConfig.batch_invariant runs the transformers forward; forward='direct' "
                              "computes attention and matmuls its own way: use forward='auto' or 'transformers'")
+
+    def _check_compile(self) -> None:
+        if not self.compile:
+            return
+        if self.backend != "torch":
+            raise ValueError(f"SamplerConfig.compile is TorchSampler's ([sampler.torch] compile); backend "
+                             f"{self.backend!r} compiles its own way (vLLM: enforce_eager=false)")
+        if self.batch_invariant:
+            raise ValueError("SamplerConfig.compile with batch_invariant is not supported: batch_invariant runs "
+                             "the transformers forward under its own kernels, compile the direct forward's "
+                             "(inductor would fuse their reductions its own way): turn one of them off")
+        if self.forward == "transformers":
+            raise ValueError("SamplerConfig.compile compiles the direct forward's decode step; "
+                             "forward='transformers' is not compiled: use forward='auto' or 'direct'")
 
     def _check_placement(self) -> None:
         if self.placement not in PLACEMENTS:

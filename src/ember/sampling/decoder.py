@@ -17,9 +17,16 @@ exactly as in the transformers path. The model is not modified. Architectures ou
 the list, or configurations it does not reproduce (sliding windows, non-gated MLPs),
 use the transformers forward (`unsupported_reason` says why). Agreement with the
 transformers forward is tested (tests/sampling/test_sampling_decoder.py).
+
+With `SamplerConfig.compile`, a decode step's `DecodeKernels` (the tensor-only parts of a
+layer) run compiled; see `compiled_kernels` (tests/sampling/test_sampling_compile.py).
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +38,46 @@ from ember.sampling.kv_cache import SlotCache
 from ember.sampling.weights import LoraDelta, add_lora
 
 LoraPlan = dict[str, list[tuple[torch.Tensor | None, LoraDelta]]]
+log = logging.getLogger(__name__)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with `sin` pre-signed (see `_Rope`)."""
+    return x * cos + x.roll(half, dims=-1) * sin
+
+
+def attend(q: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, bias: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One query position per row over its KV rows: softmax(q k^T * scaling + bias) v, the
+    softmax in fp32 ([rows, g, d] queries, [rows, kv, d] keys and values)."""
+    scores = torch.bmm(q, k3.transpose(1, 2)) * scaling + bias
+    return torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v3)
+
+
+@dataclass(frozen=True)
+class DecodeKernels:
+    """The parts of a direct decode step that take tensors only (no weights lookup, no
+    LoRA, no cache write): RMSNorm, rotary, the attention core and the gated activation.
+    `SamplerConfig.compile` runs them compiled (`compiled_kernels`); the linears (with
+    their LoRA deltas) and the slot-cache write stay eager around them."""
+
+    norm: Callable
+    rope: Callable
+    attend: Callable
+    gate: Callable
+
+
+def eager_kernels(rms_norm: Callable, act: Callable) -> DecodeKernels:
+    def gate(g: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return act(g) * up
+
+    return DecodeKernels(rms_norm, rope, attend, gate)
+
+
+def compiled_kernels(eager: DecodeKernels, stats) -> DecodeKernels:
+    """`eager`'s functions through `CompileStats.compiled` (`ember.engine.compile`: inductor,
+    `dynamic=True`, each graph counted): a new batch size or KV length is a symbolic size,
+    not a new graph (torch specialises sizes 0 and 1, so one row and several compile apart)."""
+    return DecodeKernels(*(stats.compiled(f) for f in (eager.norm, eager.rope, eager.attend, eager.gate)))
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -70,12 +117,30 @@ class DirectDecoder:
         self.kv_heads = cfg.num_key_value_heads
         self.eps = cfg.rms_norm_eps
         self.act = ACT2FN[cfg.hidden_act]
+        self.eager = eager_kernels(self.family.rms_norm, self.act)
+        self.compiled: DecodeKernels | None = None  # `use_compiled`
+        self.compile_stats = None
         self.num_layers = len(model.model.layers)
         # Every name (tied aliases too) -> the model's tensor, and -> the canonical name a
         # full fine-tuning version keys its tensors by (see weights.parameter_aliases).
         self.base = dict(model.named_parameters(remove_duplicate=False))
         first: dict[int, str] = {}
         self.canonical = {n: first.setdefault(id(t), n) for n, t in self.base.items()}
+
+    def use_compiled(self, stats) -> None:
+        """Run decode steps (one token per row) through compiled kernels (`compiled_kernels`,
+        counted in `stats`, an `ember.engine.compile.CompileStats`); prefills stay eager."""
+        self.compile_stats = stats
+        self.compiled = compiled_kernels(self.eager, stats)
+
+    def _kernels(self, decode: bool) -> DecodeKernels:
+        if not decode or self.compiled is None:
+            return self.eager
+        if not self.compile_stats.compiled_layers:  # the first compiled step: say what it costs
+            self.compile_stats.compiled_layers = self.num_layers
+            log.info("sampler: compiling the decode step's kernels (%d decoder layers; inductor cache %s)",
+                     self.num_layers, self.compile_stats.cache_dir)
+        return self.compiled
 
     @torch.inference_mode()
     def forward(
@@ -93,17 +158,18 @@ class DirectDecoder:
         `hidden`, the last hidden states [B, T', H] (after the final norm) instead."""
         w = _Weights(self.base, self.canonical, params or {}, lora or {})
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])
-        rope = _Rope(*self.model.model.rotary_emb(h, position_ids))
+        kernels = self._kernels(input_ids.shape[1] == 1)
+        rope = _Rope(*self.model.model.rotary_emb(h, position_ids), kernels.rope)
         # Decode on CPU in fp32: folded-GQA batched matmuls (faster than SDPA's CPU kernel
         # there). Elsewhere SDPA, whose GPU kernels keep the scores in fp32 for bf16 models.
         bmm_decode = input_ids.shape[1] == 1 and h.device.type == "cpu" and h.dtype == torch.float32
         bias = self._decode_bias(mask, h.dtype) if bmm_decode else None
-        ops = _LayerOps(self, w, rope, mask, bias, cache)
+        ops = _LayerOps(self, w, rope, mask, bias, cache, kernels)
         for i in range(self.num_layers):
             h = self.family.layer(ops, h, i)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        h = self.family.rms_norm(h, w["model.norm.weight"], self.eps)
+        h = kernels.norm(h, w["model.norm.weight"], self.eps)
         return h if hidden else w.linear(h, "lm_head")
 
     def _decode_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -116,17 +182,19 @@ class DirectDecoder:
 class _LayerOps:
     """One forward's operations, for the family's layer function (`DecodeOps`)."""
 
-    def __init__(self, dec: DirectDecoder, w: "_Weights", rope: "_Rope", mask, bias, cache: SlotCache) -> None:
+    def __init__(self, dec: DirectDecoder, w: "_Weights", rope: "_Rope", mask, bias, cache: SlotCache,
+                 kernels: DecodeKernels) -> None:
         self.dec, self.w, self.rope, self.mask, self.bias, self.cache = dec, w, rope, mask, bias, cache
+        self.kernels = kernels
 
     def norm(self, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
-        return self.dec.family.rms_norm(x, self.w[f"model.layers.{i}.{name}.weight"], self.dec.eps)
+        return self.kernels.norm(x, self.w[f"model.layers.{i}.{name}.weight"], self.dec.eps)
 
     def mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """The gated MLP: down(act(gate(x)) * up(x))."""
         m, w = f"model.layers.{i}.mlp.", self.w
-        gate = self.dec.act(w.linear(x, m + "gate_proj"))
-        return w.linear(gate.mul_(w.linear(x, m + "up_proj")), m + "down_proj")
+        gate = self.kernels.gate(w.linear(x, m + "gate_proj"), w.linear(x, m + "up_proj"))
+        return w.linear(gate, m + "down_proj")
 
     def attention(self, x: torch.Tensor, i: int) -> torch.Tensor:
         dec, w, prefix = self.dec, self.w, f"model.layers.{i}.self_attn."
@@ -153,9 +221,7 @@ class _LayerOps:
         b, heads, _, d = q.shape
         rows = b * self.dec.kv_heads
         k3, v3 = k.reshape(rows, -1, d), v.reshape(rows, -1, d)
-        scores = torch.bmm(q.reshape(rows, -1, d), k3.transpose(1, 2)).mul_(self.dec.scaling).add_(self.bias)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, v3).view(b, heads, 1, d)
+        return self.kernels.attend(q.reshape(rows, -1, d), k3, v3, self.bias, self.dec.scaling).view(b, heads, 1, d)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=self.dec.scaling,
@@ -195,11 +261,12 @@ class _Rope:
     x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, d/2) * [-sin1, sin2]
     (the same products: negating a factor negates the product exactly)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kernel: Callable = rope) -> None:
         half = cos.shape[-1] // 2
         self.half = half
         self.cos = cos.unsqueeze(1)
         self.sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+        self.kernel = kernel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.cos + x.roll(self.half, dims=-1) * self.sin
+        return self.kernel(x, self.cos, self.sin, self.half)

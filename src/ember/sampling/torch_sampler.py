@@ -44,6 +44,7 @@ from ember.models.vision import VisionSpec, load_vision_spec
 from ember.models.loading import effective_attention, resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
+from ember.sampling.decoder import unsupported_reason
 from ember.sampling.jobs import Job
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.layout import column_major_linears
@@ -128,6 +129,7 @@ class TorchSampler(Sampler):
             use_batch_invariant_attention(self.model)
         runner = ModelRunner(self.model, cache, attention,
                              "transformers" if self.config.batch_invariant else self.config.forward)
+        self.compile_stats = self._compile(runner) if self.config.compile else None
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         # A linear-attention layer's state is its whole sequence's, never a cached prefix's:
         # such a model runs with the prefix cache off (every prompt prefilled in full).
@@ -145,6 +147,18 @@ class TorchSampler(Sampler):
         self._sleep_lock = threading.Lock()
         self._draining = self._asleep = False
         self._sleeps = self._wakes = 0
+
+    def _compile(self, runner: ModelRunner):
+        """`SamplerConfig.compile`: the direct decoder's decode kernels compiled, counted
+        and cached as the engine's (`ember.engine.compile`)."""
+        from ember.engine.compile import CompileStats, use_cache_dir
+
+        if runner.direct is None:
+            raise ValueError("SamplerConfig.compile compiles the direct forward, which this model does not have "
+                             f"({unsupported_reason(self.model)}): use compile=false")
+        stats = CompileStats(cache_dir=use_cache_dir(self.config.compile_cache_dir))
+        runner.direct.use_compiled(stats)
+        return stats
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
@@ -302,12 +316,18 @@ class TorchSampler(Sampler):
         with self._lock:
             return {"asleep": self._asleep, "sleeps": self._sleeps, "wakes": self._wakes}
 
-    def debug_state(self) -> dict[str, int | bool]:
+    def debug_state(self) -> dict:
         """The one inspection point of the sampler (read-only): `draining`, a `sleep` is
         waiting for the requests in progress to finish (new ones wait); `sampler_id`, the id
-        every `TorchWeightVersion` of this sampler carries (a version of another is refused)."""
+        every `TorchWeightVersion` of this sampler carries (a version of another is refused);
+        with `SamplerConfig.compile`, `compile`: graphs compiled so far and inductor's seconds
+        on them (`CompileStats.as_dict`; the sampler compiles at its first decode steps, not at
+        start: `compiled_layers` is 0 until then and `warmup_seconds` stays 0)."""
         with self._lock:
-            return {"draining": self._draining, "sampler_id": self._id}
+            state = {"draining": self._draining, "sampler_id": self._id}
+        if self.compile_stats is not None:
+            state["compile"] = self.compile_stats.as_dict()
+        return state
 
     def sleep(self) -> None:
         """Give the trainer the memory (`SamplerConfig.colocate`): let the requests in
