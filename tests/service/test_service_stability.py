@@ -336,3 +336,19 @@ def test_a_followed_sequence_keeps_its_version_spans(clock):
                    types.SampleResponse(sequences=[spanning, seq("s:1", *SAMPLED["s:1"])]))
     assert scratch.lookup("x", "sess-x", "s:0", "test").version_spans == ((0, 3), (2, 4))
     assert scratch.lookup("x", "sess-x", "s:1", "test").version_spans is None  # not followed: one version
+
+
+def test_provenance_reports_spans_to_their_owner_only(clock):
+    spanning = with_spans(seq("s:0", *SAMPLED["s:0"]), [(0, 3), (2, 4)])
+    scratch = StabilityRecords(StabilityConfig(), clock=clock)
+    scratch.record("x", "sess-x", types.ModelInput.from_ints(PROMPT),
+                   types.SampleResponse(sequences=[spanning, seq("s:1", *SAMPLED["s:1"])]))
+    assert scratch.provenance("x", "sess-x", "s:0") == {
+        "session_id": "sess-x", "sequence_id": "s:0", "num_tokens": len(SAMPLED["s:0"][0]),
+        "version_spans": [{"first_token": 0, "generation": 3}, {"first_token": 2, "generation": 4}],
+        "spans_a_swap": True}
+    one = scratch.provenance("x", "sess-x", "s:1")
+    assert one["version_spans"] is None and one["spans_a_swap"] is False
+    for owner, session in (("y", "sess-x"), ("x", "sess-y")):  # another owner or session: as if absent
+        with pytest.raises(UserError, match="sequence_provenance: no stability record for sequence_id 's:0'"):
+            scratch.provenance(owner, session, "s:0")

@@ -8,6 +8,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ember.server import requests as rq
 from ember.server.deps import Limit, Offset, Owner, ServiceDep, get_config, log_extra, model_response, read_json
+from ember.server.errors import BadRequest
 from ember.service import requests as sr
 
 router = APIRouter()
@@ -66,6 +67,19 @@ async def list_sessions(limit: int = Limit, offset: int = Offset, owner: str = O
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, owner: str = Owner, service=ServiceDep):
     return model_response(await run_in_threadpool(service.get_session, owner, session_id))
+
+
+MAX_ID_CHARS = 256  # session and sequence ids the server makes are far shorter
+
+
+@router.get("/sessions/{session_id}/sequences/{sequence_id}")
+async def sequence_provenance(session_id: str, sequence_id: str, owner: str = Owner, service=ServiceDep):
+    """ember's own: the provenance of one sampled sequence (`ServiceAPI.sequence_provenance`):
+    which in-flight weights drew which of its tokens (README "In-flight weights")."""
+    for name, value in (("session_id", session_id), ("sequence_id", sequence_id)):
+        if len(value) > MAX_ID_CHARS:
+            raise BadRequest(f"{name}: expected at most {MAX_ID_CHARS} characters, got {len(value)}")
+    return model_response(await run_in_threadpool(service.sequence_provenance, owner, session_id, sequence_id))
 
 
 @router.get("/healthz")

@@ -484,6 +484,16 @@ class ServiceAPI(abc.ABC):
         {run_id, steps_taken, max_rows, rows: [{step, kind, metrics, time}]}, oldest first."""
 
     @abc.abstractmethod
+    def sequence_provenance(self, owner: str, session_id: str, sequence_id: str) -> dict[str, Any]:
+        """ember's own: what the server recorded of one sampled sequence of `session_id` (a
+        sampling client made with `record_stability_info=True`): {session_id, sequence_id,
+        num_tokens, version_spans: [{first_token, generation}] or None, spans_a_swap}.
+        `generation` is the run's in-flight save count (1 for its first `kind="inflight"` save)
+        whose weights drew the tokens from `first_token` on; None: one version throughout (the
+        request's). `NotFoundError` when the record does not exist for this owner and session,
+        expired or was evicted (docs/architecture.md#in-flight-weights)."""
+
+    @abc.abstractmethod
     def list_checkpoints(self, owner: str, run_id: str) -> types.CheckpointsListResponse: ...
 
     @abc.abstractmethod

@@ -562,6 +562,12 @@ class Service(ServiceAPI):
         rest.run_row(self.store, owner, run_id)
         return self.metric_history.history(run_id)
 
+    def sequence_provenance(self, owner, session_id, sequence_id) -> dict[str, Any]:
+        try:
+            return self.records.provenance(owner, session_id, sequence_id)
+        except UserError as exc:  # another owner's record reads exactly as a missing one
+            raise NotFoundError(str(exc)) from None
+
     @property
     def data_dir(self) -> Path:
         return self.config.data_dir

@@ -237,6 +237,14 @@ class StabilityRecords:
             self._owner_lru[rec.owner].move_to_end(sequence_id)
             return rec
 
+    def provenance(self, owner: str, session_id: str, sequence_id: str) -> dict:
+        """What a client may read of its record (`ServiceAPI.sequence_provenance`); `lookup`'s errors."""
+        rec = self.lookup(owner, session_id, sequence_id, "sequence_provenance")
+        spans = None if rec.version_spans is None else \
+            [{"first_token": int(first), "generation": int(gen)} for first, gen in rec.version_spans]
+        return {"session_id": session_id, "sequence_id": sequence_id, "num_tokens": int(len(rec.tokens)),
+                "version_spans": spans, "spans_a_swap": spans is not None and len(spans) > 1}
+
     def resolve(self, owner: str, session_id: str, data: Sequence[types.Datum]) -> list[types.Datum]:
         """`stable_reinforce` datums with ``logprobs`` and ``sampled_mask`` filled in from the
         records their provenance names (see the module docstring); UserError otherwise."""
