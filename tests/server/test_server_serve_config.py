@@ -39,7 +39,7 @@ def _example_keys() -> set[str]:
     """Dotted keys the example file sets or shows commented out (`# key = ...`)."""
     keys, section = set(), ""
     for line in EXAMPLE.read_text().splitlines():
-        header = re.match(r"^\[(\w+)\]", line)
+        header = re.match(r"^\[([\w.]+)\]", line)  # [sampler.torch]: a nested table
         if header:
             section = header[1] + "."
             continue
