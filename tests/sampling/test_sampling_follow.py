@@ -90,3 +90,18 @@ def test_a_follower_names_the_generation_of_each_published_version():
     assert follow.generation_of(first) == 0 and follow.generation_of(second) == 1
     with pytest.raises(ValueError, match="never published"):
         follow.generation_of(object())
+
+
+def test_listeners_hear_each_publish_once_and_a_mirror_adopts_only_newer_generations():
+    first, second, third = object(), object(), object()
+    follow, heard = VersionFollower(first), []
+    follow.subscribe(lambda g, v: heard.append((g, v)))
+    listener = lambda g, v: heard.append(("again", g))  # noqa: E731
+    follow.subscribe(listener)
+    follow.subscribe(listener)  # once per listener
+    follow.publish(second)
+    assert heard == [(1, second), ("again", 1)]
+    mirror = VersionFollower(first)
+    assert mirror.adopt(third, 2) == 2 and mirror.current() == (2, third)
+    assert mirror.adopt(second, 1) == 2 and mirror.current() == (2, third)  # a late forward: kept, not current
+    assert mirror.generation_of(second) == 1 and mirror.generation_of(third) == 2

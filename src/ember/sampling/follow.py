@@ -8,6 +8,12 @@ sequence's next token on the newest generation, keeping the KV cache of the toke
 before it (PipelineRL-style: earlier tokens are not recomputed). Each finished sequence
 records which generation produced which tokens as `version_spans`: ((first_token_index,
 generation), ...), one span per generation, in token order.
+
+A backend that cannot poll before each step (vLLM's engine runs its own loop; a pool's
+replicas run in other processes) `subscribe`s instead: its callback hears each publish and
+adopts it itself (vLLM: pause the engine between steps, keeping its queue and KV cache,
+load the weights in place, resume). A replica mirrors the pool's follower with `adopt`,
+which takes a (version, generation) pair as the pool forwards it.
 """
 
 from __future__ import annotations
@@ -30,13 +36,36 @@ class VersionFollower:
         self._lock = threading.Lock()
         self._generation, self._version = generation, version
         self._generation_of = {id(version): generation}  # which generation each published version was
+        self._listeners: list = []
 
     def publish(self, version) -> int:
-        """Make `version` the target's current version; returns its generation."""
+        """Make `version` the target's current version; returns its generation. Listeners
+        (`subscribe`) hear it after the lock is released, in the publishing thread."""
         with self._lock:
             self._generation += 1
             self._version = version
             self._generation_of[id(version)] = self._generation
+            generation, listeners = self._generation, list(self._listeners)
+        for listener in listeners:
+            listener(generation, version)
+        return generation
+
+    def subscribe(self, listener) -> None:
+        """Call `listener(generation, version)` after each later publish (once per listener:
+        subscribing the same callable again changes nothing). A listener must not block: it
+        runs in the publisher's thread (the service's save)."""
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners.append(listener)
+
+    def adopt(self, version, generation: int) -> int:
+        """A mirror's publish (a replica following the pool's follower): record `version`
+        as `generation` and make it current if it is newer than the current one (forwards
+        can arrive after a request that already carried them); returns the current generation."""
+        with self._lock:
+            self._generation_of[id(version)] = generation
+            if generation > self._generation:
+                self._generation, self._version = generation, version
             return self._generation
 
     def current(self) -> tuple[int, object]:
