@@ -32,6 +32,7 @@ from xdist.scheduler import LoadFileScheduling
 UNITS: dict[str, tuple[str, ...]] = {
     "session samplers (vllm_sampler, pool_sampler)": (
         "tests/sampling/test_sampling_vllm.py",
+        "tests/sampling/test_sampling_vllm_follow.py",
         "tests/sampling/test_sampling_lifecycle.py",
         "tests/sampling/test_sampling_exactness.py",
         "tests/sampling/test_sampling_pool.py",

@@ -9,6 +9,9 @@ for a backend says why with `not_on`."""
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
 import torch
 from tinker import types
@@ -123,3 +126,31 @@ def params(**kw) -> types.SamplingParams:
 
 def prompt(tokens) -> types.ModelInput:
     return types.ModelInput.from_ints(list(tokens))
+
+
+# in-flight weights adopted mid-sequence (test_sampling_follow.py, test_sampling_vllm_follow.py)
+def perturbed(model, seed: int):
+    """A copy of `model` with every weight moved by noise (a 'newer' in-flight save)."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    return other
+
+
+def mixed_cache_logprobs(old, new, tokens: list[int], first_new: int) -> np.ndarray:
+    """logp of tokens[first_new:] when the KV of tokens[:first_new - 1] comes from `old`
+    and every later token runs through `new` (what a mid-sequence swap computes)."""
+    with torch.no_grad():
+        past = old(torch.tensor([tokens[: first_new - 1]]), use_cache=True).past_key_values
+        logits = new(torch.tensor([tokens[first_new - 1: -1]]), past_key_values=past).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(tokens[first_new:])[:, None]).squeeze(1).numpy()
+
+
+def old_logprobs(model, tokens: list[int], upto: int) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[: upto - 1]])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(tokens[1:upto])[:, None]).squeeze(1).numpy()

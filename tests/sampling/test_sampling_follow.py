@@ -4,52 +4,22 @@ the KV cache of its earlier tokens, and records which generation produced which 
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
-import torch
 
 from ember.sampling import SamplerConfig, SamplingRequest, TorchSampler
 from ember.sampling.follow import VersionFollower, spans_a_swap, version_spans
 
-from .conftest import params, prompt
+from .conftest import mixed_cache_logprobs, old_logprobs, params, perturbed, prompt
 
 PROMPT = [5, 6, 7, 8, 9]
 SWAP_AFTER = 4  # the new version is published once this many tokens were streamed
 MAX_TOKENS = 12
 
 
-def _perturbed(model, seed: int):
-    """A copy of `model` with every weight moved by noise (a 'newer' in-flight save)."""
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in other.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=gen))
-    return other
-
-
-def _mixed_cache_logprobs(old, new, tokens: list[int], first_new: int) -> np.ndarray:
-    """logp of tokens[first_new:] when the KV of tokens[:first_new - 1] comes from `old`
-    and every later token runs through `new` (what a mid-sequence swap computes)."""
-    with torch.no_grad():
-        past = old(torch.tensor([tokens[: first_new - 1]]), use_cache=True).past_key_values
-        logits = new(torch.tensor([tokens[first_new - 1: -1]]), past_key_values=past).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(1, torch.tensor(tokens[first_new:])[:, None]).squeeze(1).numpy()
-
-
-def _old_logprobs(model, tokens: list[int], upto: int) -> np.ndarray:
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens[: upto - 1]])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(1, torch.tensor(tokens[1:upto])[:, None]).squeeze(1).numpy()
-
-
 def test_a_sequence_spanning_a_swap_records_it_and_runs_the_new_weights_on_the_old_cache(tiny_model_dir,
                                                                                          ref_model):
-    newer = _perturbed(ref_model, seed=7)
+    newer = perturbed(ref_model, seed=7)
     with TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(max_slots=4)) as sampler:
         assert sampler.follows_mid_sequence
         follow = VersionFollower(None)  # generation 0: the base weights
@@ -69,10 +39,10 @@ def test_a_sequence_spanning_a_swap_records_it_and_runs_the_new_weights_on_the_o
     assert SWAP_AFTER <= swap < MAX_TOKENS
     tokens, logprobs = PROMPT + list(seq.tokens), np.asarray(seq.logprobs_np)
     first_new = len(PROMPT) + swap
-    np.testing.assert_allclose(logprobs[:swap], _old_logprobs(ref_model, tokens, first_new)[-swap:], rtol=0, atol=1e-4)
-    np.testing.assert_allclose(logprobs[swap:], _mixed_cache_logprobs(ref_model, newer, tokens, first_new),
+    np.testing.assert_allclose(logprobs[:swap], old_logprobs(ref_model, tokens, first_new)[-swap:], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logprobs[swap:], mixed_cache_logprobs(ref_model, newer, tokens, first_new),
                                rtol=0, atol=1e-4)
-    stayed_old = _old_logprobs(ref_model, tokens, len(tokens) + 1)[-(len(tokens) - first_new):]
+    stayed_old = old_logprobs(ref_model, tokens, len(tokens) + 1)[-(len(tokens) - first_new):]
     assert np.abs(logprobs[swap:] - stayed_old).max() > 1e-2  # the swap changed what was computed
 
 

@@ -174,10 +174,11 @@ class Sampler(abc.ABC):
 
     follows_mid_sequence: bool = False
     """Optional capability: True when a request's `follow` handle (`ember.sampling.follow`)
-    is read before every decode step, so its running sequences switch to a newly published
+    is honoured before every decode step, so its running sequences switch to a newly published
     version at their next token (KV of earlier tokens kept) and each sequence carries its
-    `version_spans`. Other backends ignore `follow`: a request samples from `version` to its
-    end (per-request adoption; the vLLM engine and pool replicas do this)."""
+    `version_spans` (TorchSampler reads it each step; vLLM subscribes to it and pauses its
+    engine between steps: `vllm_follow.py`). Other backends ignore `follow`: a request
+    samples from `version` to its end (per-request adoption)."""
 
     @classmethod
     def check_model(cls, model_dir, config) -> None:

@@ -50,6 +50,10 @@ as above, or with "memory" a full version kept as tensors in this process
 adapter directories on disk: vLLM 0.32 loads an adapter only from a path
 (`LoRARequest.lora_path`; benchmarks/vllm_lora_files.py measures what the files cost).
 Swapping back to the base weights reads the base model's own files.
+
+In-flight weights (`SamplingRequest.follow`): a followed request runs on its follower's
+slot in the engine, and a publish is adopted mid-sequence, between two engine steps, with
+the queue and KV cache kept (`vllm_follow.py`; `follows_mid_sequence`).
 """
 
 from __future__ import annotations
@@ -82,11 +86,13 @@ from ember.fairness import owner_cap
 from ember.models.loading import resolve_dtype
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
+from ember.sampling.follow import with_spans
 from ember.sampling.jobs import sampled_sequence
 from ember.sampling.params import ResolvedRequest, effective_max_len, eos_token_ids, resolve_request
 from ember.sampling.scoped_env import scoped_env
 from ember.sampling.vllm_support import check_vllm_model, engine_fault_message, engine_kwargs  # noqa: F401 - re-exported
 from ember.sampling.transport.engine import MemoryEngineTransport, engine_transport, reload_from_files
+from ember.sampling.vllm_follow import EngineFollows, FollowedPart, FollowSlot
 from ember.sampling.vllm_versions import (
     BASE_KEY, VLLMWeightVersion, lora_refused_modules, meta_model, remove_version_files, write_lora_version,
 )
@@ -159,6 +165,7 @@ class VLLMSampler(Sampler):
     # `on_tokens`: vLLM's cumulative outputs, step by step; a cancelled Future cancels the
     # request's task, and AsyncLLM.generate aborts the request in the engine
     streams_tokens = True
+    follows_mid_sequence = True  # `SamplingRequest.follow`: adopted between engine steps (vllm_follow.py)
 
     def __init__(self, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
                  scratch_dir: str | os.PathLike | None = None) -> None:
@@ -184,6 +191,7 @@ class VLLMSampler(Sampler):
         self._asleep = False  # colocate: the engine released the GPU for the trainer
         self._sleeps = self._wakes = 0
         self._transport = engine_transport(self.config)  # how full versions enter the engine
+        self._follows = EngineFollows(self)
         self.engine_starts = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"ember-vllm-{self._id}", daemon=True)
@@ -218,11 +226,13 @@ class VLLMSampler(Sampler):
         """The one inspection point of the sampler (read-only): `weights_in_memory` (full versions
         enter the engine through vLLM's weight-transfer API, weight_sync="memory", not files),
         `weight_swaps` (weight loads into the engine completed, `WeightGate.swaps`),
-        `engine_pids` (the running engine core's processes) and `loaded_lora_ids` (the LoRA ids
-        the engine holds now; a released version's id leaves it), asked within `timeout_s`."""
+        `engine_pids` (the running engine core's processes), `loaded_lora_ids` (the LoRA ids
+        the engine holds now; a released version's id leaves it), asked within `timeout_s`, and
+        `inflight_adoptions` (publishes adopted while followed requests ran: `vllm_follow.py`)."""
         return {"weights_in_memory": isinstance(self._transport, MemoryEngineTransport),
                 "weight_swaps": self._gate.swaps, "engine_pids": self._engine_pids(),
-                "loaded_lora_ids": self._loaded_lora_ids(timeout_s)}
+                "loaded_lora_ids": self._loaded_lora_ids(timeout_s),
+                "inflight_adoptions": self._follows.adoptions}
 
     def load_weights(self, named_weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                      lora_config: types.LoraConfig | None = None, *, copy: bool = True) -> VLLMWeightVersion:
@@ -266,6 +276,35 @@ class VLLMSampler(Sampler):
         self._transport.close()
         remove_version_files(self._scratch)
 
+    # ------------------------------------------------------------------ for vllm_follow (its loop thread)
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def engine_if_running(self):
+        """The engine when it is up and awake (an adoption then loads into it), else None."""
+        return self._llm if self._llm is not None and not self._llm.errored and not self._asleep else None
+
+    def owns(self, version) -> bool:
+        return isinstance(version, VLLMWeightVersion) and version.sampler_id == self._id
+
+    def gate_loaded(self) -> str:
+        return self._gate.loaded
+
+    async def load_full_set(self, llm, version: VLLMWeightVersion | None, key: str) -> None:
+        """Load a full set in place: `version`'s weights, or the base model's (None)."""
+        if version is None:
+            await reload_from_files(llm, self.model_dir)
+        else:
+            await self._transport.load_full(llm, version, key)
+
+    def call_soon(self, fn, *args) -> None:
+        """Run `fn(*args)` on the sampler's loop (from any thread)."""
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def remove_lora_soon(self, lora_id: int) -> None:
+        self._call(self._remove_lora(lora_id))
+
     # ------------------------------------------------------------------ requests
     def _resolve(self, request: SamplingRequest) -> tuple[ResolvedRequest, VLLMWeightVersion | None]:
         if self._closed:
@@ -302,37 +341,62 @@ class VLLMSampler(Sampler):
         llm = await self._ensure_engine()
         if self._asleep:
             await self._wake(llm)
+        slot = self._follows.slot(spec.request.follow, version) if spec.request.follow is not None else None
         key = version.weights_key if version is not None else BASE_KEY
+        if slot is not None and not slot.lora:
+            key = slot.gate_key
         n = 1 if is_greedy(spec) else spec.num_samples
         cap = owner_cap(self.config.max_slots)
-        async with self._gate.hold(key, lambda k: self._swap(llm, k, version)):
-            finals = await asyncio.gather(*(self._generate_part(llm, spec, version, start, min(cap, n - start))
+        async with self._gate.hold(key, lambda k: self._swap(llm, k, version, slot, spec.request.follow)):
+            finals = await asyncio.gather(*(self._generate_part(llm, spec, version, start, min(cap, n - start), slot)
                                             for start in range(0, n, cap)))
         return _merged(finals)
 
-    async def _generate_part(self, llm, spec: ResolvedRequest, version, start: int, size: int):
+    async def _generate_part(self, llm, spec: ResolvedRequest, version, start: int, size: int,
+                             slot: FollowSlot | None = None):
         """Samples [start, start + size) of a request (sample i is seeded seed + i, as in one
-        request), admitted when its owner has room in the engine (`OwnerBacklog`)."""
-        final = None
+        request), admitted when its owner has room in the engine (`OwnerBacklog`); a followed
+        request's part (`slot`) is registered with its follower's slot while it runs."""
         owner = spec.request.owner
         async with self._backlog.admit(owner, size, owner_cap(self.config.max_slots)):
-            sent: dict[int, int] = {}  # streamed requests: sample -> tokens handed to on_tokens
-            latest: dict[int, object] = {}  # and each sample's newest completion
-            async for final in llm.generate(_prompt(spec), _params(spec, start, size), uuid.uuid4().hex,
-                                            lora_request=_lora_request(version),
-                                            priority=self._backlog.priority(owner)):
-                if spec.request.on_tokens is not None:
-                    _stream_part(final, spec, start, sent)
-                    latest.update((c.index, c) for c in final.outputs)
+            part = None
+            if slot is not None:
+                part = await self._follows.start_part(llm, spec.request.follow, slot, size)
+            try:
+                final = await self._run_part(llm, spec, version, start, size, slot, part)
+            finally:
+                if part is not None:
+                    self._follows.end_part(slot, part)
+        for completion in final.outputs:
+            completion.index += start
+        return final, start, part
+
+    async def _run_part(self, llm, spec: ResolvedRequest, version, start: int, size: int,
+                        slot: FollowSlot | None, part: FollowedPart | None):
+        final = None
+        sent: dict[int, int] = {}  # streamed requests: sample -> tokens handed to on_tokens
+        latest: dict[int, object] = {}  # and each sample's newest completion (cumulative outputs)
+        cumulative = spec.request.on_tokens is not None or part is not None
+        lora = self._follows.lora_request(slot) if slot is not None and slot.lora else _lora_request(version)
+        salt = slot.salt(spec.request.owner) if slot is not None else spec.request.owner
+        async for final in llm.generate(_prompt(spec, salt), _params(spec, start, size, cumulative), uuid.uuid4().hex,
+                                        lora_request=lora, priority=self._backlog.priority(spec.request.owner)):
+            if spec.request.on_tokens is not None:
+                _stream_part(final, spec, start, sent)
+            if cumulative:
+                latest.update((c.index, c) for c in final.outputs)
+            if part is not None:
+                for c in final.outputs:
+                    part.saw(c.index, len(c.token_ids), c.finish_reason is not None)
         if final is None:
             raise RuntimeError("the vLLM engine returned no output for the request")
         if latest:  # a cumulative output holds the completions that changed in its step only
             final.outputs = [latest[index] for index in sorted(latest)]
-        for completion in final.outputs:
-            completion.index += start
         return final
 
     def _score(self, request: SamplingRequest, version: VLLMWeightVersion | None) -> Future:
+        """Prompt scores by the torch scorer, on the request's version (a followed request is
+        scored on the version it was submitted with: the scorer follows no target)."""
         scorer = self._scorer_sampler()
         scorer_version = None
         if version is not None:
@@ -388,7 +452,11 @@ class VLLMSampler(Sampler):
             return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
                                              disable_log_stats=args.disable_log_stats)
 
-    async def _swap(self, llm, key: str, version: VLLMWeightVersion | None) -> None:
+    async def _swap(self, llm, key: str, version: VLLMWeightVersion | None, slot: FollowSlot | None = None,
+                    follower=None) -> None:
+        if slot is not None and key == slot.gate_key:
+            await self._follows.load_gate(llm, follower, slot)
+            return
         if key == BASE_KEY:
             await reload_from_files(llm, self.model_dir)
         else:
@@ -525,13 +593,15 @@ def _generation_config(model_dir: Path):
 def _with_version(request: SamplingRequest, version) -> SamplingRequest:
     from dataclasses import replace
 
-    return replace(request, version=version)
+    return replace(request, version=version, follow=None)
 
 
-def _prompt(spec: ResolvedRequest):
+def _prompt(spec: ResolvedRequest, salted: str):
+    """The request's tokens, its prefix-cache salt made from `salted` (the owner; for a
+    followed request its follow slot and generation too: `FollowSlot.salt`)."""
     from vllm.inputs import TokensPrompt
 
-    salt = cache_salt(spec.request.owner)
+    salt = cache_salt(salted)
     return TokensPrompt(prompt_token_ids=list(spec.prompt), **({"cache_salt": salt} if salt else {}))
 
 
@@ -578,7 +648,7 @@ class OwnerBacklog:
                 self._room.notify_all()
 
 
-def _params(spec: ResolvedRequest, start: int = 0, size: int | None = None):
+def _params(spec: ResolvedRequest, start: int = 0, size: int | None = None, cumulative: bool = False):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -590,8 +660,8 @@ def _params(spec: ResolvedRequest, start: int = 0, size: int | None = None):
         stop=list(spec.stop_strings) or None, stop_token_ids=list(spec.stop_token_ids) or None,
         ignore_eos=no_stop, include_stop_str_in_output=True, logprobs=spec.topk_sample_logprobs,
         skip_special_tokens=True,
-        # a streamed request sees every step's output (whole so far: the last one is the final)
-        output_kind=RequestOutputKind.CUMULATIVE if spec.request.on_tokens else RequestOutputKind.FINAL_ONLY,
+        # a streamed or followed request sees every step's output (whole so far: the last one is the final)
+        output_kind=RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -637,14 +707,20 @@ def _sequence(completion, spec: ResolvedRequest, sequence_id: str) -> types.Samp
 
 @dataclass
 class _Merged:
-    """The parts of one request as one output (what `_response` reads)."""
+    """The parts of one request as one output (what `_response` reads); `spans`: a followed
+    request's version spans by sample index (None: not followed)."""
 
     outputs: list
     num_cached_tokens: int
+    spans: dict[int, list] | None = None
 
 
-def _merged(finals: list) -> _Merged:
-    return _Merged([c for final in finals for c in final.outputs], int(finals[0].num_cached_tokens or 0))
+def _merged(parts: list) -> _Merged:
+    """`parts`: (final output, first sample index, FollowedPart or None) per part."""
+    spans = None
+    if any(part is not None for _, _, part in parts):
+        spans = {start + i: s for _, start, part in parts for i, s in part.spans.items()}
+    return _Merged([c for final, _, _ in parts for c in final.outputs], int(parts[0][0].num_cached_tokens or 0), spans)
 
 
 def _response(final, spec: ResolvedRequest) -> types.SampleResponse:
@@ -653,10 +729,11 @@ def _response(final, spec: ResolvedRequest) -> types.SampleResponse:
     completions = sorted(final.outputs, key=lambda c: c.index)
     if is_greedy(spec):  # vLLM refuses n > 1 for greedy decoding; the n samples are the same argmax path
         completions = completions[:1] * spec.num_samples
-    return types.SampleResponse(
-        sequences=[_sequence(c, spec, spec.sequence_ids[i]) for i, c in enumerate(completions)],
-        prompt_cache_hit_tokens=int(final.num_cached_tokens or 0),
-    )
+    sequences = [_sequence(c, spec, spec.sequence_ids[i]) for i, c in enumerate(completions)]
+    spans = getattr(final, "spans", None)
+    if spans is not None:
+        sequences = [with_spans(seq, spans[c.index]) for seq, c in zip(sequences, completions)]
+    return types.SampleResponse(sequences=sequences, prompt_cache_hit_tokens=int(final.num_cached_tokens or 0))
 
 
 def _empty_response(spec: ResolvedRequest) -> types.SampleResponse:

@@ -37,6 +37,11 @@ _lora_ids = itertools.count(1)  # vLLM adapter ids: unique in the process, never
 BASE_KEY = "base"  # the engine holds the base model's own weights (LoRA versions run on them)
 
 
+def next_lora_id() -> int:
+    """A vLLM adapter id never used before in this process (versions and follow slots)."""
+    return next(_lora_ids)
+
+
 class VLLMWeightVersion(WeightVersion):
     """A version on disk: `path` is the adapter directory (LoRA) or the weights directory
     (full); or, for a full version kept in memory, `tensors` (HF names; `path` is None)."""
@@ -48,7 +53,7 @@ class VLLMWeightVersion(WeightVersion):
         self.path = path
         self.tensors = tensors
         self.lora_config = lora_config
-        self.lora_id = next(_lora_ids) if lora_config else None
+        self.lora_id = next_lora_id() if lora_config else None
         self.scorer_version: WeightVersion | None = None  # the same weights in the torch scorer
 
     @property
