@@ -1,11 +1,13 @@
 """The unmodified official SDK against `ember serve --sampler.backend vllm`: sampling,
 save_weights_and_get_sampling_client, compute_logprobs, and two LoRA tenants whose
-samplers never see each other's adapters (contract 5 over HTTP, fp32 CPU, abs 1e-4)."""
+samplers never see each other's adapters (contract 5 over HTTP, fp32 CPU, abs 1e-4), and an in-flight
+save adopted by a sequence mid-decode."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -129,3 +131,42 @@ def test_engine_killed_mid_request_fails_with_server_category_and_is_rebuilt(vll
     assert [len(s.tokens) for s in again.sequences] == [3, 3]
     assert set(_engine_pids(vllm_server)).isdisjoint(pids)
     sc.close("success").result(timeout=30)
+
+
+def _active(base_url: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", headers={"X-API-Key": API_KEY}, timeout=30).text
+    name = f'ember_sampler_active_sequences{{model="{MODEL_NAME}"}}'
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)), 0.0)
+
+
+# The held sequence decoded for 5.4 s on the 2-core host (vLLM's CPU LoRA path, ~45 tokens/s);
+# the in-flight save right after it starts swapped at its token 1 there. A host fast enough to
+# finish first fails the test saying so; it does not pass without a swap. (The save publishes
+# the same weights as the first one: a new generation all the same; the weights' effect is
+# tested at the sampler, tests/sampling/test_sampling_vllm_follow.py.)
+HELD_TOKENS = 250 - len(PROMPT)
+
+
+def test_an_inflight_save_is_adopted_mid_sequence_and_reported(vllm_server):
+    """A sequence still decoding in vLLM when its run makes an in-flight save is reported as
+    spanning it (ember's provenance read over HTTP)."""
+    base = vllm_server.base_url
+    sc = tinker.ServiceClient(base_url=base, api_key=API_KEY)
+    try:
+        tc = sc.create_lora_training_client(base_model=MODEL_NAME, rank=4, seed=5).result()
+        follower = tc.save_weights_and_get_sampling_client(kind="inflight", record_stability_info=True).result()
+        held = follower.sample(types.ModelInput.from_ints(PROMPT), 1,
+                               types.SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0, stop=[]))
+        wait_until(lambda: _active(base) == 1, 120, message="the held sequence decoding in vLLM")
+        tc.save_weights_and_get_sampling_client(kind="inflight").result()
+        assert _active(base) == 1, "the held sequence ended before the in-flight save: nothing to test"
+        seq = held.result().sequences[0]
+        r = httpx.get(f"{base}/api/v1/sessions/{sc.holder.get_session_id()}/sequences/{seq.sequence_id}",
+                      headers={"X-API-Key": API_KEY}, timeout=30)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["spans_a_swap"] and len(seq.tokens) == HELD_TOKENS, body
+        (first, g1), (swap, g2) = [(s["first_token"], s["generation"]) for s in body["version_spans"]]
+        assert first == 0 and 0 < swap < HELD_TOKENS and g2 == g1 + 1, body
+    finally:
+        sc.close("success").result(timeout=60)

@@ -218,6 +218,12 @@ class VLLMSampler(Sampler):
     def live_versions(self) -> int:
         return len(self._versions)
 
+    def load(self) -> dict[str, int]:
+        """Read-only: samples in the engine now (`active_slots`: admitted by `OwnerBacklog`,
+        running or in vLLM's own queue) and request parts waiting for their owner's room
+        (`waiting_requests`); read from another thread, so counts, not a consistent view."""
+        return {"active_slots": sum(dict(self._backlog.samples).values()), "waiting_requests": self._backlog.waiting}
+
     @property
     def default_max_tokens(self) -> int:
         return self.config.default_max_tokens
@@ -624,6 +630,7 @@ class OwnerBacklog:
 
     def __init__(self) -> None:
         self.samples: dict[str, int] = {}
+        self.waiting = 0  # parts waiting for their owner's room
         self._room: asyncio.Condition | None = None
 
     def priority(self, owner: str) -> int:
@@ -634,7 +641,11 @@ class OwnerBacklog:
         if self._room is None:
             self._room = asyncio.Condition()
         async with self._room:
-            await self._room.wait_for(lambda: self.samples.get(owner, 0) == 0 or self.samples[owner] + n <= cap)
+            self.waiting += 1
+            try:
+                await self._room.wait_for(lambda: self.samples.get(owner, 0) == 0 or self.samples[owner] + n <= cap)
+            finally:
+                self.waiting -= 1
             self.samples[owner] = self.samples.get(owner, 0) + n
         try:
             yield
