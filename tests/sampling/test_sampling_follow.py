@@ -71,7 +71,9 @@ def test_listeners_hear_each_publish_once_and_a_mirror_adopts_only_newer_generat
     follow.subscribe(listener)  # once per listener
     follow.publish(second)
     assert heard == [(1, second), ("again", 1)]
-    mirror = VersionFollower(first)
+    mirror, mirrored = VersionFollower(first), []
+    mirror.subscribe(lambda g, v: mirrored.append(g))
     assert mirror.adopt(third, 2) == 2 and mirror.current() == (2, third)
     assert mirror.adopt(second, 1) == 2 and mirror.current() == (2, third)  # a late forward: kept, not current
+    assert mirrored == [2]  # listeners hear a change of the current version only
     assert mirror.generation_of(second) == 1 and mirror.generation_of(third) == 2

@@ -61,12 +61,17 @@ class VersionFollower:
     def adopt(self, version, generation: int) -> int:
         """A mirror's publish (a replica following the pool's follower): record `version`
         as `generation` and make it current if it is newer than the current one (forwards
-        can arrive after a request that already carried them); returns the current generation."""
+        can arrive after a request that already carried them; listeners hear it then, as
+        for `publish`); returns the current generation."""
         with self._lock:
             self._generation_of[id(version)] = generation
-            if generation > self._generation:
+            newer = generation > self._generation
+            if newer:
                 self._generation, self._version = generation, version
-            return self._generation
+            current, listeners = self._generation, list(self._listeners) if newer else []
+        for listener in listeners:
+            listener(generation, version)
+        return current
 
     def current(self) -> tuple[int, object]:
         """(generation, version) now; read by the backend before each decode step."""
