@@ -177,7 +177,7 @@ class Sampler(abc.ABC):
     is read before every decode step, so its running sequences switch to a newly published
     version at their next token (KV of earlier tokens kept) and each sequence carries its
     `version_spans`. Other backends ignore `follow`: a request samples from `version` to its
-    end (per-request adoption; the vLLM engine and pool replicas do this)."""
+    end (per-request adoption). A `SamplerPool` declares it when its replicas' backend does."""
 
     @classmethod
     def check_model(cls, model_dir, config) -> None:
