@@ -1,7 +1,8 @@
 """`save_weights_and_get_sampling_client(kind="inflight")` in process: the SDK's in-flight
 contract (tinker.types.SamplingClientKind). Every in-flight sampling client of a run samples
 from the run's newest in-flight save, from its next request on; snapshots stay immutable
-(contract 4); another run's in-flight saves never reach it; a bad `kind` is refused naming it."""
+(contract 4); another run's in-flight saves never reach it; a bad `kind` is refused naming it;
+on a sampler pool a sequence still decoding switches to a new in-flight save mid-sequence."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from tinker import types
 
 from helpers.datums import random_sft_datums
+
+from ember.sampling.follow import version_spans
 
 BASE = "ember-test/tiny-qwen3"
 PROMPT = types.ModelInput.from_ints([5, 9, 14, 22, 31])
@@ -79,3 +82,25 @@ def test_a_bad_kind_is_refused_naming_it_and_the_run_goes_on(make_client):
         tc.save_weights_and_get_sampling_client(kind="sometimes").result()  # type: ignore[arg-type]
     train(tc, steps=1)  # the refused request's turn was skipped, not waited for
     assert probe(tc.save_weights_and_get_sampling_client(kind="inflight").result()).isfinite().all()
+
+
+HELD_TOKENS = 600  # ~20 s of decoding on a pool replica here; the training step and the save take ~1-2 s
+
+
+@pytest.mark.slow  # a 2-replica sampler pool starts for it (~10 s) and a long sequence decodes (~20 s)
+def test_a_pool_replica_switches_a_running_sequence_to_a_new_inflight_save(make_client):
+    sc = make_client(sampler={"replicas": 2, "max_len": 1024, "max_slots": 4, "forward": "direct"})
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    follower = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    held = follower.sample(PROMPT, 1, types.SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0))
+    # The same sampling session's next request lands on the same replica, queued after the
+    # held one: once it is answered, the held sequence is decoding (no sleep as a signal).
+    assert version_spans(follower.sample(PROMPT, 1, GREEDY).result().sequences[0]) == ((0, 1),)
+    train(tc, steps=1)
+    tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    seq = held.result().sequences[0]
+    spans = version_spans(seq)
+    assert spans is not None and len(spans) == 2, (f"spans {spans}: the held sequence ({len(seq.tokens)} tokens) "
+                                                   "ended before the in-flight save (a very slow host?)")
+    (first, g1), (swap, g2) = spans
+    assert (first, g1, g2) == (0, 1, 2) and 0 < swap < len(seq.tokens), spans

@@ -36,6 +36,7 @@ UNITS: dict[str, tuple[str, ...]] = {
         "tests/sampling/test_sampling_lifecycle.py",
         "tests/sampling/test_sampling_exactness.py",
         "tests/sampling/test_sampling_pool.py",
+        "tests/sampling/test_sampling_pool_follow.py",
         "tests/sampling/test_sampling_semantics.py",
         "tests/sampling/test_sampling_versions.py",
         "tests/sampling/test_sampling_params.py",

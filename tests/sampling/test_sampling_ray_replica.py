@@ -4,7 +4,8 @@ samples equal an in-process sampler's (same seed), versions loaded from tensors 
 trainer's `forward` (abs 1e-4, fp32; contract 5), a bad request fails alone as a
 ValueError, and a replica killed (by the pool, or its process by SIGKILL) mid-request
 fails its pending calls with ReplicaFailed while the other replica keeps serving (the
-last tests kill the module's replicas).
+last tests kill the module's replicas). A followed sample adopts a forwarded publish and
+its version spans survive Ray's pickling.
 The same replicas across two hosts: tests/server/test_server_two_hosts.py.
 """
 
@@ -15,18 +16,21 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from tinker import types
 
 from ember.engine import EngineConfig, TorchEngine
+from ember.models import load_model
 from ember.sampling import SamplerConfig, TorchSampler
 from ember.sampling.base import SamplingRequest
+from ember.sampling.follow import version_spans
 from helpers.datums import random_sft_datums, sft_datum
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="placement 'ray' needs ray: pip install 'ember[ray]'")
 
 from ember.sampling.ray_replica import RayReplica, replica_resources  # noqa: E402
-from ember.sampling.replica import ReplicaFailed  # noqa: E402
+from ember.sampling.replica import FollowTag, ReplicaFailed  # noqa: E402
 
 CONFIG = SamplerConfig(max_slots=8, max_len=128)
 PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14]]
@@ -86,6 +90,19 @@ def test_version_from_tensors_matches_trainer_forward(replicas, tiny_model_dir, 
         r.call("drop", [key]).result(60)
         assert key not in r.call("loaded").result(60)
 
+
+
+def test_a_followed_sample_adopts_a_forwarded_publish_and_its_spans_come_back(replicas, tiny_model_dir):
+    replica = replicas[0][0]
+    model = load_model(tiny_model_dir)
+    for key, scale in ((200, 0.0), (201, 0.05)):  # 201: every weight moved (a newer in-flight save)
+        gen = torch.Generator().manual_seed(key)
+        moved = [(n, t + scale * torch.randn(t.shape, generator=gen)) for n, t in model.state_dict().items()]
+        replica.call("load_tensors", key, moved).result(120)
+    replica.call("follow", 9, 2, 201).result(60)  # the pool forwards generation 2 before the sample
+    got = replica.call("sample", request(PROMPTS[0]), 200, FollowTag(9, ((1, 200),))).result(120)
+    assert [version_spans(s) for s in got.sequences] == [((0, 1), (1, 2))] * 2  # through Ray's pickling
+    replica.call("drop", [200, 201]).result(60)
 
 def test_bad_request_fails_alone_with_its_message(replicas):
     started, _ = replicas

@@ -178,7 +178,8 @@ class Sampler(abc.ABC):
     version at their next token (KV of earlier tokens kept) and each sequence carries its
     `version_spans` (TorchSampler reads it each step; vLLM subscribes to it and pauses its
     engine between steps: `vllm_follow.py`). Other backends ignore `follow`: a request
-    samples from `version` to its end (per-request adoption)."""
+    samples from `version` to its end (per-request adoption). A `SamplerPool` declares it
+    when its replicas' backend does."""
 
     @classmethod
     def check_model(cls, model_dir, config) -> None:

@@ -6,8 +6,8 @@ and runs a `ReplicaHost` on its device. Calls travel over one
 `multiprocessing` pipe as `(request id, op, args)`; answers come back as
 `(request id, ok, payload)`, matched to their Future by a reader thread. Neither side
 ever blocks on the other: the pool's side sends from its own thread (a stopped replica
-fills the pipe, not a caller's stack), and the replica answers `ping` on its reading
-thread, samples when their Futures resolve, and runs the other ops on one worker thread,
+fills the pipe, not a caller's stack), and the replica answers `ping` and `follow` on
+its reading thread, samples when their Futures resolve, and runs the other ops on one worker thread,
 so a long weight load never delays a ping or a sample.
 
 A replica whose pipe closes (the process died) fails every pending call at once with
@@ -172,6 +172,8 @@ def _serve_loop(conn, host, failure, send, worker) -> bool:
             send((rid, True, host.ping()))
         elif op == "sample":
             _start_sample(host, rid, args, send)
+        elif op == "follow":  # adopted between decode steps: never queued behind a weight load
+            _run_op(host, rid, op, args, send)
         elif op == "close":
             worker.shutdown(wait=True)
             host.close()

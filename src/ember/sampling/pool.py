@@ -20,6 +20,13 @@ version, which spilling and fail-over need, and no request ever waits for a load
 the transport keeps is what a replacement replica loads the live versions from; it is
 let go when the version's last handle is dropped (and the replicas forget it).
 
+In-flight weights (docs/architecture.md, in-flight weights): when the replicas' backend
+follows mid-sequence (`ReplicaInfo.follows_mid_sequence`), so does the pool. A followed
+request travels with a `FollowTag` instead of its `VersionFollower`; the pool subscribes
+once to each follower and forwards every publish to every up replica (`follow`), where a
+mirror follower per tag is what the backend reads before each decode step. The
+sequence's `version_spans` come back in the follower's generation numbers.
+
 Faults: a replica whose process is gone, or that leaves a ping unanswered for
 `replica_timeout_s`, is taken out of the ring at once; its in-flight requests fail with
 `ReplicaFailed` (a RuntimeError: category `server`), other replicas' requests are
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -51,13 +59,14 @@ from tinker import types
 
 from ember.sampling.base import Sampler, SamplingRequest, WeightVersion
 from ember.sampling.config import SamplerConfig
-from ember.sampling.replica import Replica, ReplicaFailed, ReplicaInfo, host_config, replica_class
+from ember.sampling.replica import FollowTag, Replica, ReplicaFailed, ReplicaInfo, host_config, replica_class
 from ember.sampling.router import NoReplicaError, SessionRouter
 from ember.sampling.transport.pool import WeightTransport, pool_transport
 
 log = logging.getLogger(__name__)
 _pool_ids = itertools.count(1)
 _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+_NOT_OURS = object()  # a version another sampler loaded: no key here
 
 
 class PoolWeightVersion(WeightVersion):
@@ -80,6 +89,24 @@ def _release(released: queue.SimpleQueue, transport: WeightTransport, key: int) 
     replicas (no locks taken here)."""
     transport.release(key)
     released.put(key)
+
+
+class _Forward:
+    """A follower's listener (`VersionFollower.subscribe`): each publish goes on to the
+    pool's replicas. Holds the pool by weakref: a follower outliving the pool keeps nothing."""
+
+    def __init__(self, pool: "SamplerPool", follow_id: int) -> None:
+        self._pool, self.follow_id = weakref.ref(pool), follow_id
+
+    def __call__(self, generation: int, version) -> None:
+        pool = self._pool()
+        if pool is not None:
+            pool._forward(self.follow_id, generation, version)
+
+
+def _log_failed_forward(index: int, done: Future) -> None:
+    if done.exception() is not None:  # a dead replica is the monitor's business
+        log.warning("sampler replica %d did not adopt an in-flight version: %s", index, done.exception())
 
 
 @dataclass
@@ -120,6 +147,8 @@ class SamplerPool(Sampler):
         self._closed = False
         self._starting: set[Replica] = set()
         self._info: ReplicaInfo | None = None
+        self._follow_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VersionFollower -> id
+        self._next_follow_id = itertools.count(1)
         self._transport = pool_transport(config, self._dir)
         self._load_tokenizer()
         self._start_all()
@@ -153,6 +182,11 @@ class SamplerPool(Sampler):
     @property
     def default_max_tokens(self) -> int:
         return self._info.default_max_tokens
+
+    @property
+    def follows_mid_sequence(self) -> bool:
+        """What the replicas' backend reports (`ReplicaInfo`): the pool forwards publishes."""
+        return self._info is not None and self._info.follows_mid_sequence
 
     def keeps(self, key: int) -> bool:
         """Whether the pool's transport still keeps the weights of the version with this
@@ -262,6 +296,7 @@ class SamplerPool(Sampler):
         out: Future = Future()
         try:
             key = self._version_key(request)
+            tag = self._follow_tag(request, key)
             slot, replica = self._route(request)
         except ValueError as exc:
             out.set_exception(exc)
@@ -269,7 +304,7 @@ class SamplerPool(Sampler):
         except NoReplicaError as exc:
             out.set_exception(ReplicaFailed(f"{exc} (replacements are starting)"))
             return out
-        inner = replica.call("sample", dataclasses.replace(request, version=None), key)
+        inner = replica.call("sample", dataclasses.replace(request, version=None, follow=None), key, tag)
         inner.add_done_callback(lambda f: self._finished(slot, replica, f, out))
         return out
 
@@ -282,6 +317,52 @@ class SamplerPool(Sampler):
         if not isinstance(version, PoolWeightVersion) or version.sampler_id != self._id:
             raise ValueError(f"sample request: version: {version!r} was not loaded into this sampler")
         return version.key
+
+    def _follow_tag(self, request: SamplingRequest, key: int | None) -> FollowTag | None:
+        """The tag a followed request carries to its replica (None: not followed, or the
+        backend adopts per request only). ValueError: its version was never published to
+        its follower."""
+        follow = request.follow
+        if follow is None or not self.follows_mid_sequence:
+            return None
+        follow_id = self._follow_id(follow)  # subscribed before `current`: no publish falls between
+        adopt = [(follow.generation_of(request.version), key)]
+        generation, current = follow.current()
+        current_key = self._pool_key(current)
+        if generation > adopt[0][0] and current_key is not _NOT_OURS:
+            adopt.append((generation, current_key))
+        return FollowTag(follow_id, tuple(adopt))
+
+    def _follow_id(self, follow) -> int:
+        """The pool's id of a follower, subscribing to it on first sight (under the lock, so
+        no caller gets the id before the subscription; `subscribe` calls no listener)."""
+        with self._lock:
+            follow_id = self._follow_ids.get(follow)
+            if follow_id is None:
+                follow_id = self._follow_ids[follow] = next(self._next_follow_id)
+                follow.subscribe(_Forward(self, follow_id))
+            return follow_id
+
+    def _pool_key(self, version) -> int | None | object:
+        """A version's key here (None: the base weights; `_NOT_OURS`: another sampler's)."""
+        if version is None:
+            return None
+        if isinstance(version, PoolWeightVersion) and version.sampler_id == self._id:
+            return version.key
+        return _NOT_OURS
+
+    def _forward(self, follow_id: int, generation: int, version) -> None:
+        """A follower published: every up replica's mirror adopts it (fire and forget, in
+        the publisher's thread: `Replica.call` never blocks)."""
+        key = self._pool_key(version)
+        if key is _NOT_OURS:
+            log.debug("follower %d published a version of another sampler; not forwarded", follow_id)
+            return
+        with self._lock:
+            replicas = [s.replica for s in self._slots if s.up]
+        for replica in replicas:
+            replica.call("follow", follow_id, generation, key).add_done_callback(
+                functools.partial(_log_failed_forward, replica.index))
 
     def _route(self, request: SamplingRequest) -> tuple[_Slot, Replica]:
         session = request.session or f"{request.owner}:{getattr(request.version, 'key', 0)}"

@@ -11,9 +11,14 @@ through `Replica.call(op, *args)`, which runs `ReplicaHost.<op>(*args)` there:
     ============================  =====================================================
     info()                        `ReplicaInfo` once the backend is loaded (the pool's
                                   first call; it sends nothing else before the answer)
-    sample(request, version_key)  a Future of `types.SampleResponse`; `request.version`
-                                  is None on the wire, `version_key` names the version
-                                  (None = base weights)
+    sample(request, version_key,  a Future of `types.SampleResponse`; `request.version`
+           follow=None)           and `request.follow` are None on the wire, `version_key`
+                                  names the version (None = base weights), `follow` (a
+                                  `FollowTag`) names the run follower it follows
+    follow(follow_id, generation,  a publish of the pool's follower `follow_id`: the
+           key)                   replica's mirror of it adopts version `key` as
+                                  `generation` (answered on the reading thread, so a
+                                  weight load never delays it)
     load_file(key, path, lora)    make version `key` from a safetensors file
                                   (`FileTransport`: `SamplerConfig.weight_sync` "files")
     load_tensors(key, named, lora)  make version `key` from (name, tensor) pairs
@@ -58,6 +63,7 @@ import torch
 
 from ember.sampling.base import Sampler
 from ember.sampling.config import SamplerConfig
+from ember.sampling.follow import VersionFollower
 
 # Placement name (`SamplerConfig.placement`) -> "module:Class" of its `Replica`, imported on use.
 REPLICA_PLACEMENTS: dict[str, str] = {
@@ -85,6 +91,20 @@ class ReplicaInfo:
     pid: int
     eos_token_ids: tuple[int, ...] = ()
     max_len: int | None = None
+    follows_mid_sequence: bool = False  # the backend's `Sampler.follows_mid_sequence`: the pool's answer
+
+
+@dataclass(frozen=True)
+class FollowTag:
+    """What a followed sample carries to its replica instead of its `VersionFollower`
+    (a lock and listeners: it cannot be pickled). `follow_id` names the follower (assigned
+    by the pool, one per follower object); `adopt` holds the (generation, version key)
+    pairs the replica's mirror of it adopts before the sample: the request's own version,
+    then the follower's current one when newer (a replacement replica never heard the
+    earlier forwards). Key None: the base weights."""
+
+    follow_id: int
+    adopt: tuple[tuple[int, int | None], ...]
 
 
 class Replica(abc.ABC):
@@ -151,7 +171,8 @@ def write_weight_file(named_weights: Iterable[tuple[str, torch.Tensor]], path: s
 
 
 class ReplicaHost:
-    """The replica's side: one backend `Sampler` and its versions by the pool's keys."""
+    """The replica's side: one backend `Sampler`, its versions by the pool's keys, and one
+    mirror `VersionFollower` per pool follower its followed samples read (`follow`)."""
 
     def __init__(self, model_dir: str, config: SamplerConfig, scratch_dir: str | None = None) -> None:
         from ember.sampling.registry import create_sampler
@@ -159,21 +180,42 @@ class ReplicaHost:
         self.config = config
         self.sampler: Sampler = create_sampler(model_dir, config, scratch_dir=scratch_dir)
         self._versions: dict[int, Any] = {}
+        self._mirrors: dict[int, VersionFollower] = {}  # the pool's follow id -> its mirror here
         self._lock = threading.Lock()
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.sampler.vocab_size, self.sampler.default_max_tokens, self.config.backend,
                            self.config.resolved_device, os.getpid(), tuple(self.sampler.eos_token_ids),
-                           self.sampler.max_len)
+                           self.sampler.max_len, bool(self.sampler.follows_mid_sequence))
 
-    def sample(self, request, version_key: int | None) -> Future:
-        if version_key is not None:
-            with self._lock:
-                version = self._versions.get(version_key)
-            if version is None:
+    def sample(self, request, version_key: int | None, follow: FollowTag | None = None) -> Future:
+        with self._lock:
+            version = self._versions.get(version_key) if version_key is not None else None
+            if version_key is not None and version is None:
                 raise ReplicaError(f"weight version {version_key} is not loaded on this replica")
-            request = dataclasses.replace(request, version=version)
-        return self.sampler.submit(request)
+            mirror = None
+            for generation, key in follow.adopt if follow is not None else ():
+                mirror = self._adopt(follow.follow_id, generation, key) or mirror
+        return self.sampler.submit(dataclasses.replace(request, version=version, follow=mirror))
+
+    def follow(self, follow_id: int, generation: int, key: int | None) -> None:
+        """The pool's follower `follow_id` published version `key` as `generation`: the
+        followed sequences running here switch to it at their next decode step."""
+        with self._lock:
+            self._adopt(follow_id, generation, key)
+
+    def _adopt(self, follow_id: int, generation: int, key: int | None) -> VersionFollower | None:
+        """Mirror `follow_id` adopts (key's version, generation), made on first use; a key
+        not loaded here (dropped meanwhile) changes nothing. Called under the lock."""
+        if key is not None and key not in self._versions:
+            return self._mirrors.get(follow_id)
+        version = self._versions.get(key) if key is not None else None
+        mirror = self._mirrors.get(follow_id)
+        if mirror is None:
+            mirror = self._mirrors[follow_id] = VersionFollower(version, generation)
+        else:
+            mirror.adopt(version, generation)
+        return mirror
 
     def load_file(self, key: int, path: str, lora_config=None) -> None:
         from safetensors.torch import load_file
@@ -205,9 +247,13 @@ class ReplicaHost:
         return int(version_id)
 
     def drop(self, keys: Iterable[int]) -> None:
+        """Forget versions, and the mirrors whose current version is one of them (a mirror
+        keeps no dropped version alive; the next forward or followed sample makes it anew)."""
         with self._lock:
-            for key in keys:
-                self._versions.pop(key, None)
+            dropped = {id(self._versions.pop(key)) for key in keys if key in self._versions}
+            for follow_id, mirror in list(self._mirrors.items()):
+                if id(mirror.current()[1]) in dropped:
+                    del self._mirrors[follow_id]
 
     def loaded(self) -> list[int]:
         with self._lock:
