@@ -106,7 +106,8 @@ def test_a_pool_replica_running_vllm_receives_full_versions_in_memory(tiny_vllm_
     """`SamplerPool` (one replica process here: the path is the same for any number) over
     vLLM in memory mode: the trainer's tensors reach the replica over its gloo channel and
     its engine through the weight-transfer API; nothing is written under the pool's scratch
-    directory, and the samples match the trainer's forward (1e-4)."""
+    directory, and the samples match the trainer's forward (1e-4). Then in-flight weights: a
+    publish the pool forwards is adopted mid-sequence by the replica's engine."""
     from ember.engine import EngineConfig, TorchEngine
     from ember.sampling import SamplingRequest
     from ember.sampling.pool import SamplerPool
@@ -115,7 +116,7 @@ def test_a_pool_replica_running_vllm_receives_full_versions_in_memory(tiny_vllm_
     engine.forward_backward([DATUM], "cross_entropy")
     engine.optim_step(types.AdamParams(learning_rate=5e-2))
     cfg = SamplerConfig(backend="vllm", weight_sync="memory", replicas=1, device="cpu", dtype="float32",
-                        max_slots=8, max_len=128, max_loras=2, max_lora_rank=8, replica_timeout_s=120.0)
+                        max_slots=8, max_len=256, max_loras=2, max_lora_rank=8, replica_timeout_s=120.0)
     pool = SamplerPool(tiny_vllm_model_dir, cfg, scratch_dir=tmp_path)
     try:
         version = pool.load_weights(engine.named_weights())
@@ -124,6 +125,7 @@ def test_a_pool_replica_running_vllm_receives_full_versions_in_memory(tiny_vllm_
                     for i, p in enumerate(PROMPTS)]
         responses = [f.result(300) for f in pool.submit_many(requests)]
         assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        assert _followed_swap(pool, version, engine) == 1
     finally:
         pool.close()
     samples = [(p, list(s.tokens), np.asarray(s.logprobs, np.float32))
@@ -131,6 +133,32 @@ def test_a_pool_replica_running_vllm_receives_full_versions_in_memory(tiny_vllm_
     outs = engine.forward([sft_datum(p + t) for p, t, _ in samples], "cross_entropy").loss_fn_outputs
     worst = max(float(np.abs(o["logprobs"].to_numpy()[len(p) - 1:] - lp).max()) for o, (p, _, lp) in zip(outs, samples))
     assert worst < 1e-4, worst
+
+
+def _followed_swap(pool, version, engine) -> int:
+    """A followed 240-token greedy sequence on the pool's vLLM replica, published to once the
+    engine is stepping it (a 1-token request of the same follower has come back): its spans
+    name the swap, which the replica's engine adopted between two steps. Returns the
+    generation after the swap."""
+    from ember.sampling import SamplingRequest
+    from ember.sampling.follow import VersionFollower, version_spans
+
+    newer = pool.load_weights([(name, t * 1.05) for name, t in engine.named_weights()])  # other weights
+    follow = VersionFollower(version)
+
+    def followed(tokens: list[int], n: int):
+        return pool.submit(SamplingRequest(prompt=types.ModelInput.from_ints(tokens), version=version,
+                                           follow=follow, session="followed", sampling_params=types.SamplingParams(
+                                               max_tokens=n, temperature=0.0, stop=[])))
+
+    held = followed(PROMPTS[0], 240)
+    followed(PROMPTS[1], 1).result(300)  # the engine is stepping the held sequence now
+    follow.publish(newer)
+    spans = version_spans(held.result(300).sequences[0])
+    assert spans is not None and len(spans) == 2, f"no swap (the held sequence ended before the publish?): {spans}"
+    (first, g0), (swap, g1) = spans
+    assert first == 0 and g0 == 0 and 0 < swap < 240, spans
+    return g1
 
 
 def _gpus(n: int) -> bool:
