@@ -17,7 +17,10 @@ same shapes and the same addresses. So the static step:
 On CUDA each (batch bucket, KV bucket) step is captured once (warm-up on a side stream,
 then `torch.cuda.graph` with one memory pool shared by all buckets, as PyTorch's CUDA
 graphs notes describe) and replayed; on CPU the same static step runs eagerly, which is
-what the CPU tests compare with the dynamic step. Manual capture rather than
+what the CPU tests compare with the dynamic step. Every bucket keeps its output tensor
+for as long as its graph lives, so no capture reuses memory another graph's output still
+holds, and graphs of the shared pool may replay in any order (never concurrently: one
+worker thread decodes). Manual capture rather than
 torch.compile(mode="reduce-overhead"): which steps are captured, and when, is then
 explicit and counted. The KV cache is allocated at its full `max_len` up front (as vLLM
 does), so its address never changes under a graph; a `release` (colocation's sleep)
@@ -103,7 +106,7 @@ class StaticDecode:
     [B, 1, V]); `run` calls it over a bucket's persistent tensors, captured on CUDA."""
 
     def __init__(self, cache: SlotCache, step: StepFn, max_rows: int, device: torch.device,
-                 warmup: int = 2) -> None:
+                 warmup: int = 3) -> None:
         self.cache, self.step, self.max_rows = cache, step, max_rows
         self.device, self.warmup = device, warmup
         self.capture = device.type == "cuda"
@@ -157,8 +160,14 @@ class StaticDecode:
                 self.step(entry.ids, entry.positions, entry.slots, entry.kv)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            entry.out = self.step(entry.ids, entry.positions, entry.slots, entry.kv)
+        try:
+            # thread_local: the sampler's worker captures while other threads of the process
+            # (a colocated trainer) may use CUDA; only this thread's unsafe calls are errors
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                entry.out = self.step(entry.ids, entry.positions, entry.slots, entry.kv)
+        except RuntimeError as e:
+            raise RuntimeError(f"CUDA graph capture of the decode step ({entry.rows} rows, KV {entry.kv}) failed; "
+                               f"set [sampler.torch] cuda_graphs=false: {e}") from e
         entry.graph = graph
         self.stats.captured += 1
         self.stats.capture_seconds += time.perf_counter() - start
