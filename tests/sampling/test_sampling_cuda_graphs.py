@@ -34,9 +34,12 @@ def test_bucket_is_the_next_power_of_two_capped_at_the_limit():
         bucket(0, 4)
 
 
-def test_cuda_graphs_is_refused_off_cuda_naming_the_setting_and_the_device():
+def test_cuda_graphs_is_refused_off_cuda_naming_the_setting_and_the_device(tiny_model_dir):
     with pytest.raises(ValueError, match=r"cuda_graphs.*device 'cpu'"):
         SamplerConfig(cuda_graphs=True, device="cpu")
+    # an unset device follows the engine's later: the sampler refuses the CPU it runs on
+    with pytest.raises(ValueError, match=r"cuda_graphs.*device 'cpu'"):
+        TorchSampler.from_pretrained(tiny_model_dir, SamplerConfig(cuda_graphs=True, max_len=64))
     for bad, match in ((dict(compile=True), "compile"), (dict(forward="transformers"), "forward='transformers'"),
                        (dict(batch_invariant=True), "batch_invariant")):
         with pytest.raises(ValueError, match=match):

@@ -88,7 +88,8 @@ class SamplerConfig:
         inductor's on-disk cache ("" = the process's: `EngineConfig.compile_cache_dir` when
         the engine compiles, else `$TORCHINDUCTOR_CACHE_DIR` or torch's default). Its own
         setting: `--engine.compile` does not turn it on.
-    cuda_graphs: TorchSampler (`[sampler.torch]`), CUDA only (refused on another device):
+    cuda_graphs: TorchSampler (`[sampler.torch]`), CUDA only (refused on another device;
+        an unset device is checked once it follows the engine's):
         base-weights decode steps run over static shapes (batch padded to 1, 2, 4, ...,
         max_slots rows; KV read in power-of-two buckets from 64 positions) and each shape is
         captured once into a CUDA graph and replayed (`ember.sampling.cuda_graphs`). The KV
@@ -283,10 +284,10 @@ class SamplerConfig:
         if self.backend != "torch":
             raise ValueError(f"SamplerConfig.cuda_graphs is TorchSampler's ([sampler.torch] cuda_graphs); backend "
                              f"{self.backend!r} captures its own (vLLM: enforce_eager=false)")
-        device = self.resolved_device
-        if not str(device).startswith("cuda"):
+        # an unset device follows the engine's (service.sampler_backends): TorchSampler checks the one it gets
+        if self.device is not None and not self.device.startswith("cuda"):
             raise ValueError(f"SamplerConfig.cuda_graphs ([sampler.torch] cuda_graphs) needs a CUDA device; "
-                             f"the sampler runs on device {device!r}: set cuda_graphs=false")
+                             f"the sampler runs on device {self.device!r}: set cuda_graphs=false")
         if self.batch_invariant:
             raise ValueError("SamplerConfig.cuda_graphs with batch_invariant is not supported: batch_invariant runs "
                              "the transformers forward, the graphs capture the direct forward's decode step")

@@ -166,6 +166,9 @@ class TorchSampler(Sampler):
     def _cuda_graphs(self, runner: ModelRunner):
         """`SamplerConfig.cuda_graphs`: base-weights decode steps over static shapes, captured
         per bucket (`ember.sampling.cuda_graphs`); its counters."""
+        if self.device.type != "cuda":
+            raise ValueError("SamplerConfig.cuda_graphs ([sampler.torch] cuda_graphs) needs a CUDA device; the "
+                             f"sampler runs on device {str(self.device)!r}: set cuda_graphs=false")
         if runner.direct is None:
             raise ValueError("SamplerConfig.cuda_graphs captures the direct forward, which this model does not have "
                              f"({unsupported_reason(self.model)}): use cuda_graphs=false")
