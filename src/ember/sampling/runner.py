@@ -120,7 +120,13 @@ class ModelRunner:
                    ("shape", self.static.shape(int(input_ids.shape[0]), plan.kv_len) is None))
         return next((name for name, hit in reasons if hit), None)
 
-    def _run_static(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _try_static(self, input_ids: torch.Tensor, logits_to_keep: int, full, lora, vision,
+                    hidden: bool) -> torch.Tensor | None:
+        """The static path's logits, or None (counted by reason) when the forward cannot take it."""
+        reason = self._static_fallback(input_ids, logits_to_keep, full, lora, vision, hidden)
+        if reason is not None:
+            self.static.stats.fallback(reason)
+            return None
         plan = self.cache.plan
         slots = plan.slots
         if isinstance(slots, slice):
@@ -165,10 +171,9 @@ class ModelRunner:
             raise ValueError("ModelRunner.forward(hidden=True) needs a plain LM head and logits_to_keep=0")
         dtype = next(self.model.parameters()).dtype
         if self.static is not None:
-            reason = self._static_fallback(input_ids, logits_to_keep, full, lora, vision, hidden)
-            if reason is None:
-                return self._run_static(input_ids)
-            self.static.stats.fallback(reason)
+            static = self._try_static(input_ids, logits_to_keep, full, lora, vision, hidden)
+            if static is not None:
+                return static
         if self.direct is not None and not vision:
             try:
                 return self.direct.forward(input_ids, position_ids, self._mask(mask, dtype), self.cache,
