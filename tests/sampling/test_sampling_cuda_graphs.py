@@ -1,8 +1,9 @@
 """`SamplerConfig.cuda_graphs`'s static decode path (`ember.sampling.cuda_graphs`). On CPU it
 runs eagerly: its logprobs equal the dynamic step's within 1e-5 (fp32) over batches of
-varying sizes and KV lengths, slots in and out of order, with base and LoRA rows (LoRA
-steps fall back to the dynamic step and are counted); the bucket function is pure; the
-setting is refused on CPU naming it and the device. The GPU-marked test replays captured
+varying sizes and KV lengths, slots in and out of order, with base and LoRA rows (a step
+of one LoRA version runs static, a switch to another version reloads its factors, several
+versions in one batch fall back, counted); the bucket function is pure; the setting is
+refused on CPU naming it and the device. The GPU-marked test replays captured
 graphs in a TorchSampler and compares them with eager decoding (bf16 tolerance)."""
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def _model():
     return model
 
 
-def _lora(model) -> TorchWeightVersion:
-    gen = torch.Generator().manual_seed(2)
+def _lora(model, seed: int) -> TorchWeightVersion:
+    gen = torch.Generator().manual_seed(seed)
     deltas = {}
     for m in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         lin = model.get_submodule(m)
@@ -75,7 +76,7 @@ def _decode(runner, slots, positions, tokens, lora):
 
 def test_static_decode_equals_the_dynamic_step_for_varying_batches_kv_lengths_and_lora_rows():
     model = _model()
-    lora_version = _lora(model)
+    one, two = _lora(model, 2), _lora(model, 3)  # the same modules and ranks: one set of static buffers
     runners = [ModelRunner(model, SlotCache(2, SLOTS, MAX_LEN, initial_capacity=MAX_LEN), "sdpa", "direct")
                for _ in range(2)]
     stats = runners[1].use_static_decode(SLOTS, torch.device("cpu")).stats
@@ -90,7 +91,8 @@ def test_static_decode_equals_the_dynamic_step_for_varying_batches_kv_lengths_an
     tokens = torch.tensor([5, 9, 11, 2, 30, 44])
     # (rows, lora rows): all six, a prefix slice, out-of-order subsets of 3 and 1, LoRA mixed in
     batches = [(slice(0, 6), []), (slice(0, 3), []), (torch.tensor([5, 1, 3]), []), (torch.tensor([4]), []),
-               (slice(0, 5), [(torch.tensor([1, 3]), lora_version)]), (torch.tensor([2, 0]), [(None, lora_version)])]
+               (slice(0, 5), [(torch.tensor([1, 3]), one)]), (torch.tensor([2, 0]), [(None, one)]),
+               (slice(0, 4), [(None, two)])]
     for step in range(2):
         for rows, lora in batches:
             idx = torch.arange(rows.stop)[rows] if isinstance(rows, slice) else rows
@@ -99,7 +101,9 @@ def test_static_decode_equals_the_dynamic_step_for_varying_batches_kv_lengths_an
                                        msg=lambda m: f"step {step}, rows {rows}: {m}")
             tokens[idx] = out[0].argmax(-1)
             positions[idx] += 1
-    assert stats.static_steps == 8 and stats.fallbacks == {"prefill": 1, "lora": 4}, stats
+    # one LoRA version for every row runs static (its factors copied into static buffers
+    # when the version changes); rows of several versions fall back
+    assert stats.static_steps == 12 and stats.fallbacks == {"prefill": 1, "lora_mixed": 2}, stats
     assert stats.captured == 0 and stats.replays == 0  # CPU: the static path runs eagerly
 
 

@@ -90,14 +90,15 @@ class SamplerConfig:
         setting: `--engine.compile` does not turn it on.
     cuda_graphs: TorchSampler (`[sampler.torch]`), CUDA only (refused on another device;
         an unset device is checked once it follows the engine's):
-        base-weights decode steps run over static shapes (batch padded to 1, 2, 4, ...,
+        decode steps run over static shapes (batch padded to 1, 2, 4, ...,
         max_slots rows; KV read in power-of-two buckets from 64 positions) and each shape is
         captured once into a CUDA graph and replayed (`ember.sampling.cuda_graphs`). The KV
         cache is allocated at max_len up front rather than grown by doubling: memory
         2 * layers * max_slots * kv_heads * head_dim * max_len * dtype bytes from the start
-        (plus the graphs' shared pool). Steps with LoRA or full fine-tuning versions,
-        prefills and prefix-cache extends run the eager direct forward and are counted in
-        `TorchSampler.debug_state()["cuda_graphs"]` (`fallbacks`). Needs the direct forward;
+        (plus the graphs' shared pool). A step of one LoRA version for all rows is captured
+        too (its factors copied into static buffers); steps mixing LoRA versions, full
+        fine-tuning versions, prefills and prefix-cache extends run the eager direct forward
+        and are counted in `TorchSampler.debug_state()["cuda_graphs"]` (`fallbacks`). Needs the direct forward;
         refused with forward='transformers', batch_invariant and compile.
     batch_invariant: TorchSampler: every step runs under `ember.models.batch_invariant`'s
         row-invariant kernels (the transformers forward, its attention registered as

@@ -26,21 +26,27 @@ explicit and counted. The KV cache is allocated at its full `max_len` up front (
 does), so its address never changes under a graph; a `release` (colocation's sleep)
 changes it, and the graphs of the old address are dropped and captured again.
 
-Steps the static path does not take run the dynamic step and are counted by reason in
-`fallbacks`: LoRA or full fine-tuning versions (their weights are Python-side choices per
-step, not static inputs: not captured yet), a prefix-cache extend, and anything past the
-largest bucket.
+A step whose rows all sample one LoRA version runs static too: the version's factors are
+copied into persistent buffers of its adapter signature (modules and shapes;
+`StaticAdapter`, one set per signature, the size of one adapter) when it differs from the
+last one loaded, so the graph of (rows, KV, signature) reads any such version. Steps the
+static path does not take run the dynamic step and are counted by reason in `fallbacks`:
+several LoRA versions in one batch ("lora_mixed": per-row adapter choices are index plans
+that change every step), full fine-tuning versions (a whole weight set per version),
+prefills, prefix-cache extends, and anything past the largest bucket.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ember.sampling.kv_cache import SlotCache
+from ember.sampling.weights import LoraDelta, TorchWeightVersion
 
 KV_MIN = 64  # the smallest KV bucket: shorter reads gain nothing from their own graph
 
@@ -78,11 +84,38 @@ class GraphStats:
                 "capture_seconds": round(self.capture_seconds, 3)}
 
 
-class _Bucket:
-    """One (batch, KV) shape's persistent inputs, its output and (CUDA) its graph."""
+def adapter_signature(version: TorchWeightVersion) -> tuple:
+    """What a LoRA version's static buffers must match: its modules and factor shapes."""
+    return tuple(sorted((m, tuple(d.a.shape), tuple(d.b.shape)) for m, d in version.lora.items()))
 
-    def __init__(self, rows: int, kv: int, device: torch.device) -> None:
-        self.rows, self.kv = rows, kv
+
+class StaticAdapter:
+    """Persistent LoRA factors of one adapter signature, as a decoder LoRA plan whose rows
+    are all rows: a version is copied in when it differs from the last one loaded, so a
+    graph reads whichever version the step uses from the same addresses."""
+
+    def __init__(self, version: TorchWeightVersion) -> None:
+        self.plan = {m: [(None, LoraDelta(torch.empty_like(d.a), torch.empty_like(d.b),
+                                          torch.zeros((), dtype=torch.float32, device=d.a.device)))]
+                     for m, d in version.lora.items()}
+        self.loaded = lambda: None  # a weak reference to the version copied in last
+
+    def load(self, version: TorchWeightVersion) -> None:
+        if self.loaded() is version:
+            return
+        for m, d in version.lora.items():
+            static = self.plan[m][0][1]
+            static.a.copy_(d.a)
+            static.b.copy_(d.b)
+            static.scale.fill_(d.scale)
+        self.loaded = weakref.ref(version)
+
+
+class _Bucket:
+    """One (batch, KV, adapter) shape's persistent inputs, its output and (CUDA) its graph."""
+
+    def __init__(self, rows: int, kv: int, device: torch.device, lora: dict | None) -> None:
+        self.rows, self.kv, self.lora = rows, kv, lora
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
@@ -97,13 +130,14 @@ class _Bucket:
             static[n:].copy_(value[:1].expand_as(static[n:]))
 
 
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, dict | None], torch.Tensor]
 
 
 class StaticDecode:
     """The static decode path of one `SlotCache`. `step(ids [B,1], positions [B], slots
-    [B], kv_len)` is the dynamic decode forward (plans the cache and returns logits
-    [B, 1, V]); `run` calls it over a bucket's persistent tensors, captured on CUDA."""
+    [B], kv_len, lora)` is the dynamic decode forward (plans the cache and returns logits
+    [B, 1, V]; `lora`: a decoder LoRA plan or None); `run` calls it over a bucket's
+    persistent tensors (and a `StaticAdapter`'s), captured on CUDA."""
 
     def __init__(self, cache: SlotCache, step: StepFn, max_rows: int, device: torch.device,
                  warmup: int = 3) -> None:
@@ -111,7 +145,8 @@ class StaticDecode:
         self.device, self.warmup = device, warmup
         self.capture = device.type == "cuda"
         self.stats = GraphStats()
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: dict[tuple, _Bucket] = {}
+        self._adapters: dict[tuple, StaticAdapter] = {}  # adapter signature -> its buffers
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._address: int | None = None  # the KV cache's first buffer when the graphs were captured
 
@@ -121,17 +156,25 @@ class StaticDecode:
         kv = bucket(kv_len, self.cache.capacity, KV_MIN)
         return None if b is None or kv is None else (b, kv)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Logits [n, 1, V] of the n rows; the caller checked `shape` is not None."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int,
+            version: TorchWeightVersion | None = None) -> torch.Tensor:
+        """Logits [n, 1, V] of the n rows, on the base weights or one LoRA `version` for
+        every row; the caller checked `shape` is not None."""
         b, kv = self.shape(ids.shape[0], kv_len)
         self._check_address()
-        entry = self._buckets.get((b, kv))
+        lora, signature = None, None
+        if version is not None:
+            signature = adapter_signature(version)
+            adapter = self._adapters.get(signature) or self._adapters.setdefault(signature, StaticAdapter(version))
+            adapter.load(version)
+            lora = adapter.plan
+        entry = self._buckets.get((b, kv, signature))
         if entry is None:
-            entry = self._buckets[(b, kv)] = _Bucket(b, kv, self.device)
+            entry = self._buckets[(b, kv, signature)] = _Bucket(b, kv, self.device, lora)
         entry.load(ids, positions, slots)
         self.stats.static_steps += 1
         if not self.capture:
-            return self.step(entry.ids, entry.positions, entry.slots, kv)[: ids.shape[0]]
+            return self.step(entry.ids, entry.positions, entry.slots, kv, lora)[: ids.shape[0]]
         if entry.graph is None:
             self._capture(entry)
         entry.graph.replay()
@@ -157,14 +200,14 @@ class StaticDecode:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                self.step(entry.ids, entry.positions, entry.slots, entry.kv)
+                self.step(entry.ids, entry.positions, entry.slots, entry.kv, entry.lora)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the sampler's worker captures while other threads of the process
             # (a colocated trainer) may use CUDA; only this thread's unsafe calls are errors
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                entry.out = self.step(entry.ids, entry.positions, entry.slots, entry.kv)
+                entry.out = self.step(entry.ids, entry.positions, entry.slots, entry.kv, entry.lora)
         except RuntimeError as e:
             raise RuntimeError(f"CUDA graph capture of the decode step ({entry.rows} rows, KV {entry.kv}) failed; "
                                f"set [sampler.torch] cuda_graphs=false: {e}") from e

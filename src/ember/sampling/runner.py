@@ -15,9 +15,9 @@ A prefill that scores its prompt can return the decoder's last hidden states ins
 its logits (`hidden=True`); `unembed` then applies the LM head, with the same weights, to
 any rows of them (`ember.sampling.prompt_logits`: no (P, V) tensor for a long prompt).
 
-With `use_static_decode` (`SamplerConfig.cuda_graphs`), a base-weights decode step runs
-the direct forward over static shapes (`ember.sampling.cuda_graphs`: captured and replayed
-on CUDA); other forwards run as above, counted as fallbacks.
+With `use_static_decode` (`SamplerConfig.cuda_graphs`), a decode step on the base weights
+or one LoRA version runs the direct forward over static shapes (`ember.sampling.cuda_graphs`:
+captured and replayed on CUDA); other forwards run as above, counted as fallbacks.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class ModelRunner:
         self.static: StaticDecode | None = None  # `use_static_decode`
 
     def use_static_decode(self, max_rows: int, device: torch.device) -> StaticDecode:
-        """Run base-weights decode steps of up to `max_rows` rows through the direct forward
+        """Run decode steps (base weights or one LoRA version) of up to `max_rows` rows through the direct forward
         over static shapes (`ember.sampling.cuda_graphs`; captured on CUDA, eager elsewhere)."""
         if self.direct is None:
             raise ValueError("the static decode path runs the direct forward, which this runner does not have")
@@ -98,14 +98,14 @@ class ModelRunner:
         return self.static
 
     def _static_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     kv_len: int) -> torch.Tensor:
-        """One decode forward of base weights over rows that read `kv_len` KV positions
-        (the mask, built here from `positions`, hides each row's stale tail)."""
+                     kv_len: int, lora: dict | None) -> torch.Tensor:
+        """One decode forward over rows that read `kv_len` KV positions (the mask, built
+        here from `positions`, hides each row's stale tail), with a LoRA plan or none."""
         dtype = next(self.model.parameters()).dtype
         self.cache.plan_decode(slots, positions, kv_len)
         try:
             mask = self._mask(decode_mask(positions, kv_len), dtype)
-            return self.direct.forward(ids, positions[:, None], mask, self.cache, 1)
+            return self.direct.forward(ids, positions[:, None], mask, self.cache, 1, lora=lora)
         finally:
             self.cache.clear_plan()
 
@@ -116,7 +116,8 @@ class ModelRunner:
         if plan is None or plan.prefill or input_ids.shape[1] != 1:
             return "prefill"
         reasons = (("extend", plan.extend), ("vision", bool(vision)), ("full_version", full is not None),
-                   ("lora", bool(lora)), ("hidden", hidden or logits_to_keep != 1),
+                   ("lora_mixed", len(lora) > 1 or (len(lora) == 1 and lora[0][0] is not None)),
+                   ("lora_experts", any(v.experts for _, v in lora)), ("hidden", hidden or logits_to_keep != 1),
                    ("shape", self.static.shape(int(input_ids.shape[0]), plan.kv_len) is None))
         return next((name for name, hit in reasons if hit), None)
 
@@ -133,7 +134,7 @@ class ModelRunner:
             slots = torch.arange(slots.start or 0, slots.stop, device=input_ids.device)
         positions, kv_len = plan.positions, plan.kv_len
         self.cache.clear_plan()
-        return self.static.run(input_ids, positions, slots, kv_len)
+        return self.static.run(input_ids, positions, slots, kv_len, lora[0][1] if lora else None)
 
     def _mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return additive_mask(mask, dtype) if self.additive_mask else mask

@@ -164,8 +164,8 @@ class TorchSampler(Sampler):
         return stats
 
     def _cuda_graphs(self, runner: ModelRunner):
-        """`SamplerConfig.cuda_graphs`: base-weights decode steps over static shapes, captured
-        per bucket (`ember.sampling.cuda_graphs`); its counters."""
+        """`SamplerConfig.cuda_graphs`: decode steps (base weights or one LoRA version) over
+        static shapes, captured per bucket (`ember.sampling.cuda_graphs`); its counters."""
         if self.device.type != "cuda":
             raise ValueError("SamplerConfig.cuda_graphs ([sampler.torch] cuda_graphs) needs a CUDA device; the "
                              f"sampler runs on device {str(self.device)!r}: set cuda_graphs=false")
