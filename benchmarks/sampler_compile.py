@@ -7,11 +7,17 @@ timed; their compile seconds (inductor's, `debug_state()["compile"]`) are printe
 timed rounds. Decode tokens/s = generated tokens / process CPU time of a round (1 torch
 thread), medians over interleaved rounds. Last line: `decode_compile_vs_eager=<compiled
 tokens/s / eager tokens/s>`.
+
+`--cuda-graphs` (CUDA only; without a GPU it says so on stderr and exits 0 with no
+figure): the same rounds on `cuda`, bf16, `[sampler.torch] cuda_graphs` on vs off, timed
+by wall clock (the GPU works asynchronously); warm-up rounds capture the graphs. Last
+line: `decode_cuda_graphs_vs_eager=<graphs tokens/s / eager tokens/s>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -29,10 +35,40 @@ def _requests(rng, rows: int, tokens: int) -> list[SamplingRequest]:
                             sampling_params=params) for _ in range(rows)]
 
 
-def _round(sampler: TorchSampler, requests: list[SamplingRequest]) -> tuple[float, int]:
-    t0 = time.process_time()
+def _round(sampler: TorchSampler, requests: list[SamplingRequest], clock=time.process_time) -> tuple[float, int]:
+    t0 = clock()
     responses = sampler.sample_many(requests, timeout=600)
-    return time.process_time() - t0, sum(len(r.sequences[0].tokens) for r in responses)
+    return clock() - t0, sum(len(r.sequences[0].tokens) for r in responses)
+
+
+def _timed_rounds(samplers: dict[str, TorchSampler], rng, args, clock, unit: str) -> dict[str, float]:
+    """Median tokens/s of each sampler over `args.rounds` interleaved rounds."""
+    rates: dict[str, list[float]] = {k: [] for k in samplers}
+    for r in range(args.rounds):
+        requests = _requests(rng, args.rows, args.tokens)
+        for name, sampler in samplers.items():
+            seconds, tokens = _round(sampler, requests, clock)
+            rates[name].append(tokens / seconds)
+            print(f"round {r} {name}: {tokens} tokens in {seconds:.3f}s {unit} = {tokens / seconds:.1f} tokens/s")
+    return {name: float(np.median(v)) for name, v in rates.items()}
+
+
+def cuda_graphs(args, model_dir) -> None:
+    """`--cuda-graphs`: decode tokens/s (wall clock) with and without CUDA graphs, bf16 on cuda."""
+    base = dict(max_slots=args.rows, device="cuda", dtype="bfloat16")
+    samplers = {"eager": TorchSampler.from_pretrained(model_dir, SamplerConfig(**base)),
+                "cuda_graphs": TorchSampler.from_pretrained(model_dir, SamplerConfig(cuda_graphs=True, **base))}
+    rng = np.random.default_rng(0)
+    for rows in range(1, args.rows + 1):  # every batch bucket once: graphs captured before timing
+        for sampler in samplers.values():
+            sampler.sample_many(_requests(rng, rows, 4), timeout=600)
+    print(f"after warm-up: {samplers['cuda_graphs'].debug_state()['cuda_graphs']}")
+    medians = _timed_rounds(samplers, rng, args, time.perf_counter, "wall")
+    print(f"after timed rounds: {samplers['cuda_graphs'].debug_state()['cuda_graphs']}")
+    for s in samplers.values():
+        s.close()
+    print(f"median decode tokens/s: eager={medians['eager']:.1f} cuda_graphs={medians['cuda_graphs']:.1f}")
+    print(f"decode_cuda_graphs_vs_eager={medians['cuda_graphs'] / medians['eager']:.3f}")
 
 
 def main() -> None:
@@ -44,9 +80,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile-cache-dir", default="")
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs vs eager on cuda (GPU only)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.cuda_graphs and not torch.cuda.is_available():
+        print("sampler_compile.py --cuda-graphs needs a CUDA device; none here: no figure", file=sys.stderr)
+        return
     model_dir = build_model(hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4)
+    if args.cuda_graphs:
+        cuda_graphs(args, model_dir)
+        return
     samplers = {
         "eager": TorchSampler.from_pretrained(model_dir, SamplerConfig(max_slots=args.rows)),
         "compiled": TorchSampler.from_pretrained(model_dir, SamplerConfig(
@@ -60,17 +103,11 @@ def main() -> None:
     info = samplers["compiled"].debug_state()["compile"]
     print(f"warm-up {time.perf_counter() - t0:.1f}s wall; compile_graphs={info['graphs']} "
           f"compile_s={info['compile_seconds']:.1f}")
-    rates: dict[str, list[float]] = {k: [] for k in samplers}
-    for r in range(args.rounds):
-        requests = _requests(rng, args.rows, args.tokens)
-        for name, sampler in samplers.items():
-            seconds, tokens = _round(sampler, requests)
-            rates[name].append(tokens / seconds)
-            print(f"round {r} {name}: {tokens} tokens in {seconds:.3f}s cpu = {tokens / seconds:.1f} tokens/s")
+    medians = _timed_rounds(samplers, rng, args, time.process_time, "cpu")
     graphs_after = samplers["compiled"].debug_state()["compile"]["graphs"]
     for s in samplers.values():
         s.close()
-    eager, compiled = float(np.median(rates["eager"])), float(np.median(rates["compiled"]))
+    eager, compiled = medians["eager"], medians["compiled"]
     print(f"median decode tokens/s: eager={eager:.1f} compiled={compiled:.1f} "
           f"(graphs compiled during timed rounds: {graphs_after - info['graphs']})")
     print(f"decode_compile_vs_eager={compiled / eager:.3f}")

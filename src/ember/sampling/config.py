@@ -88,6 +88,18 @@ class SamplerConfig:
         inductor's on-disk cache ("" = the process's: `EngineConfig.compile_cache_dir` when
         the engine compiles, else `$TORCHINDUCTOR_CACHE_DIR` or torch's default). Its own
         setting: `--engine.compile` does not turn it on.
+    cuda_graphs: TorchSampler (`[sampler.torch]`), CUDA only (refused on another device;
+        an unset device is checked once it follows the engine's):
+        decode steps run over static shapes (batch padded to 1, 2, 4, ...,
+        max_slots rows; KV read in power-of-two buckets from 64 positions) and each shape is
+        captured once into a CUDA graph and replayed (`ember.sampling.cuda_graphs`). The KV
+        cache is allocated at max_len up front rather than grown by doubling: memory
+        2 * layers * max_slots * kv_heads * head_dim * max_len * dtype bytes from the start
+        (plus the graphs' shared pool). A step of one LoRA version for all rows is captured
+        too (its factors copied into static buffers); steps mixing LoRA versions, full
+        fine-tuning versions, prefills and prefix-cache extends run the eager direct forward
+        and are counted in `TorchSampler.debug_state()["cuda_graphs"]` (`fallbacks`). Needs the direct forward;
+        refused with forward='transformers', batch_invariant and compile.
     batch_invariant: TorchSampler: every step runs under `ember.models.batch_invariant`'s
         row-invariant kernels (the transformers forward, its attention registered as
         `ember_batch_invariant`), so a request's tokens and logprobs do not depend on its
@@ -184,6 +196,7 @@ class SamplerConfig:
     weight_sync: str = "files"
     compile: bool = field(default=False, metadata=meta(section="torch"))
     compile_cache_dir: str = field(default="", metadata=meta(section="torch"))
+    cuda_graphs: bool = field(default=False, metadata=meta(section="torch"))
     batch_invariant: bool = field(default=False, metadata=meta(hidden=True))
 
     def __post_init__(self) -> None:
@@ -235,6 +248,7 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
         self._check_batch_invariant()
         self._check_compile()
+        self._check_cuda_graphs()
         if self.colocate and self.device is not None and not self.device.startswith("cuda"):
             raise ValueError("SamplerConfig.colocate needs a CUDA device (vLLM sleep mode), got "
                              f"device={self.device!r}")
@@ -264,6 +278,26 @@ class SamplerConfig:
         if self.forward == "transformers":
             raise ValueError("SamplerConfig.compile compiles the direct forward's decode step; "
                              "forward='transformers' is not compiled: use forward='auto' or 'direct'")
+
+    def _check_cuda_graphs(self) -> None:
+        if not self.cuda_graphs:
+            return
+        if self.backend != "torch":
+            raise ValueError(f"SamplerConfig.cuda_graphs is TorchSampler's ([sampler.torch] cuda_graphs); backend "
+                             f"{self.backend!r} captures its own (vLLM: enforce_eager=false)")
+        # an unset device follows the engine's (service.sampler_backends): TorchSampler checks the one it gets
+        if self.device is not None and not self.device.startswith("cuda"):
+            raise ValueError(f"SamplerConfig.cuda_graphs ([sampler.torch] cuda_graphs) needs a CUDA device; "
+                             f"the sampler runs on device {self.device!r}: set cuda_graphs=false")
+        if self.batch_invariant:
+            raise ValueError("SamplerConfig.cuda_graphs with batch_invariant is not supported: batch_invariant runs "
+                             "the transformers forward, the graphs capture the direct forward's decode step")
+        if self.forward == "transformers":
+            raise ValueError("SamplerConfig.cuda_graphs captures the direct forward's decode step; "
+                             "forward='transformers' is not captured: use forward='auto' or 'direct'")
+        if self.compile:
+            raise ValueError("SamplerConfig.cuda_graphs with compile is not supported (the graphs capture the eager "
+                             "decode step): turn one of them off")
 
     def _check_placement(self) -> None:
         if self.placement not in PLACEMENTS:

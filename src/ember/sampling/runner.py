@@ -14,6 +14,10 @@ Two ways to compute the same forward (`SamplerConfig.forward`):
 A prefill that scores its prompt can return the decoder's last hidden states instead of
 its logits (`hidden=True`); `unembed` then applies the LM head, with the same weights, to
 any rows of them (`ember.sampling.prompt_logits`: no (P, V) tensor for a long prompt).
+
+With `use_static_decode` (`SamplerConfig.cuda_graphs`), a decode step on the base weights
+or one LoRA version runs the direct forward over static shapes (`ember.sampling.cuda_graphs`:
+captured and replayed on CUDA); other forwards run as above, counted as fallbacks.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.models.families import family_of
+from ember.sampling.cuda_graphs import StaticDecode
 from ember.sampling.decoder import DirectDecoder, additive_mask, unsupported_reason
 from ember.sampling.kv_cache import SlotCache
 from ember.sampling.experts import ExpertHooks, RouteRecorder, expert_plan
@@ -82,6 +87,54 @@ class ModelRunner:
         self.additive_mask = attn_implementation == "eager"
         self.direct = _direct_decoder(model, forward)
         self.lm_head = lm_head_of(model)  # None: prompt scoring keeps the forward's logits
+        self.static: StaticDecode | None = None  # `use_static_decode`
+
+    def use_static_decode(self, max_rows: int, device: torch.device) -> StaticDecode:
+        """Run decode steps (base weights or one LoRA version) of up to `max_rows` rows through the direct forward
+        over static shapes (`ember.sampling.cuda_graphs`; captured on CUDA, eager elsewhere)."""
+        if self.direct is None:
+            raise ValueError("the static decode path runs the direct forward, which this runner does not have")
+        self.static = StaticDecode(self.cache, self._static_step, max_rows, device)
+        return self.static
+
+    def _static_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     kv_len: int, lora: dict | None) -> torch.Tensor:
+        """One decode forward over rows that read `kv_len` KV positions (the mask, built
+        here from `positions`, hides each row's stale tail), with a LoRA plan or none."""
+        dtype = next(self.model.parameters()).dtype
+        self.cache.plan_decode(slots, positions, kv_len)
+        try:
+            mask = self._mask(decode_mask(positions, kv_len), dtype)
+            return self.direct.forward(ids, positions[:, None], mask, self.cache, 1, lora=lora)
+        finally:
+            self.cache.clear_plan()
+
+    def _static_fallback(self, input_ids: torch.Tensor, logits_to_keep: int, full, lora, vision,
+                         hidden: bool) -> str | None:
+        """Why this forward does not take the static decode path (None: it does)."""
+        plan = self.cache.plan
+        if plan is None or plan.prefill or input_ids.shape[1] != 1:
+            return "prefill"
+        reasons = (("extend", plan.extend), ("vision", bool(vision)), ("full_version", full is not None),
+                   ("lora_mixed", len(lora) > 1 or (len(lora) == 1 and lora[0][0] is not None)),
+                   ("lora_experts", any(v.experts for _, v in lora)), ("hidden", hidden or logits_to_keep != 1),
+                   ("shape", self.static.shape(int(input_ids.shape[0]), plan.kv_len) is None))
+        return next((name for name, hit in reasons if hit), None)
+
+    def _try_static(self, input_ids: torch.Tensor, logits_to_keep: int, full, lora, vision,
+                    hidden: bool) -> torch.Tensor | None:
+        """The static path's logits, or None (counted by reason) when the forward cannot take it."""
+        reason = self._static_fallback(input_ids, logits_to_keep, full, lora, vision, hidden)
+        if reason is not None:
+            self.static.stats.fallback(reason)
+            return None
+        plan = self.cache.plan
+        slots = plan.slots
+        if isinstance(slots, slice):
+            slots = torch.arange(slots.start or 0, slots.stop, device=input_ids.device)
+        positions, kv_len = plan.positions, plan.kv_len
+        self.cache.clear_plan()
+        return self.static.run(input_ids, positions, slots, kv_len, lora[0][1] if lora else None)
 
     def _mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return additive_mask(mask, dtype) if self.additive_mask else mask
@@ -118,6 +171,10 @@ class ModelRunner:
         if hidden and (self.lm_head is None or logits_to_keep):
             raise ValueError("ModelRunner.forward(hidden=True) needs a plain LM head and logits_to_keep=0")
         dtype = next(self.model.parameters()).dtype
+        if self.static is not None:
+            static = self._try_static(input_ids, logits_to_keep, full, lora, vision, hidden)
+            if static is not None:
+                return static
         if self.direct is not None and not vision:
             try:
                 return self.direct.forward(input_ids, position_ids, self._mask(mask, dtype), self.cache,

@@ -122,14 +122,17 @@ class TorchSampler(Sampler):
         self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._id = next(_sampler_ids)
         self._names = parameter_aliases(self.model)
+        # cuda_graphs: the whole KV cache up front, so its address never changes under a graph
+        initial = self.max_len if self.config.cuda_graphs else 256
         cache = self._cache = SlotCache(text_config.num_hidden_layers, self.config.max_slots, self.max_len,
-                                        layer_types=getattr(text_config, "layer_types", None))
+                                        initial_capacity=initial, layer_types=getattr(text_config, "layer_types", None))
         attention = effective_attention(model.config, self.config.attn_implementation)  # as load_model chose
         if self.config.batch_invariant:  # the trainer's kernels (`ember.models.batch_invariant`)
             use_batch_invariant_attention(self.model)
         runner = ModelRunner(self.model, cache, attention,
                              "transformers" if self.config.batch_invariant else self.config.forward)
         self.compile_stats = self._compile(runner) if self.config.compile else None
+        self.graph_stats = self._cuda_graphs(runner) if self.config.cuda_graphs else None
         slots = SlotTable(self.config.max_slots, self.max_len, self._vocab)
         # A linear-attention layer's state is its whole sequence's, never a cached prefix's:
         # such a model runs with the prefix cache off (every prompt prefilled in full).
@@ -159,6 +162,17 @@ class TorchSampler(Sampler):
         stats = CompileStats(cache_dir=use_cache_dir(self.config.compile_cache_dir))
         runner.direct.use_compiled(stats)
         return stats
+
+    def _cuda_graphs(self, runner: ModelRunner):
+        """`SamplerConfig.cuda_graphs`: decode steps (base weights or one LoRA version) over
+        static shapes, captured per bucket (`ember.sampling.cuda_graphs`); its counters."""
+        if self.device.type != "cuda":
+            raise ValueError("SamplerConfig.cuda_graphs ([sampler.torch] cuda_graphs) needs a CUDA device; the "
+                             f"sampler runs on device {str(self.device)!r}: set cuda_graphs=false")
+        if runner.direct is None:
+            raise ValueError("SamplerConfig.cuda_graphs captures the direct forward, which this model does not have "
+                             f"({unsupported_reason(self.model)}): use cuda_graphs=false")
+        return runner.use_static_decode(self.config.max_slots, self.device).stats
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, config: SamplerConfig | None = None,
@@ -322,11 +336,15 @@ class TorchSampler(Sampler):
         every `TorchWeightVersion` of this sampler carries (a version of another is refused);
         with `SamplerConfig.compile`, `compile`: graphs compiled so far and inductor's seconds
         on them (`CompileStats.as_dict`; the sampler compiles at its first decode steps, not at
-        start: `compiled_layers` is 0 until then and `warmup_seconds` stays 0)."""
+        start: `compiled_layers` is 0 until then and `warmup_seconds` stays 0); with
+        `SamplerConfig.cuda_graphs`, `cuda_graphs`: graphs captured, replays, static steps,
+        fallbacks by reason, invalidations and capture seconds (`GraphStats.as_dict`)."""
         with self._lock:
             state = {"draining": self._draining, "sampler_id": self._id}
         if self.compile_stats is not None:
             state["compile"] = self.compile_stats.as_dict()
+        if self.graph_stats is not None:
+            state["cuda_graphs"] = self.graph_stats.as_dict()
         return state
 
     def sleep(self) -> None:
