@@ -10,32 +10,20 @@ the earlier forwards, and of a mirror whose version is dropped. The 2-replica po
 
 from __future__ import annotations
 
-import copy
 import pickle
 
 import numpy as np
 import pytest
-import torch
 from tinker import types
 
 from ember.sampling import SamplerConfig, SamplingRequest
 from ember.sampling.follow import VersionFollower, spans_a_swap, version_spans, with_spans
 from ember.sampling.replica import FollowTag, ReplicaHost
 
-from .conftest import params, prompt
+from .conftest import params, perturbed, prompt
 
 PROMPT = [5, 6, 7, 8, 9]
 LONG = 200  # tokens of the pool's followed sequence: the publish lands well inside it (max_len 256)
-
-
-def _perturbed(model, seed: int):
-    """A copy of `model` with every weight moved by noise (a 'newer' in-flight save)."""
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in other.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=gen))
-    return other
 
 
 def _request(max_tokens: int, session: str = "", follow=None) -> SamplingRequest:
@@ -48,8 +36,8 @@ def host(tiny_model_dir, ref_model):
     """A replica's side in this process, with versions 1 (the base weights moved by seed 7)
     and 2 (seed 8) loaded under the pool's keys."""
     h = ReplicaHost(tiny_model_dir, SamplerConfig(max_slots=4, max_len=128))
-    h.load_tensors(1, _perturbed(ref_model, 7).state_dict().items())
-    h.load_tensors(2, _perturbed(ref_model, 8).state_dict().items())
+    h.load_tensors(1, perturbed(ref_model, 7).state_dict().items())
+    h.load_tensors(2, perturbed(ref_model, 8).state_dict().items())
     yield h
     h.close()
 
@@ -83,12 +71,12 @@ def test_a_replica_that_missed_the_forwards_adopts_the_followers_current_from_th
 def test_an_unfollowed_sample_carries_no_spans_and_a_dropped_version_forgets_its_mirror(tiny_model_dir, ref_model):
     h = ReplicaHost(tiny_model_dir, SamplerConfig(max_slots=4, max_len=128))
     try:
-        h.load_tensors(1, _perturbed(ref_model, 7).state_dict().items())
-        h.load_tensors(2, _perturbed(ref_model, 8).state_dict().items())
+        h.load_tensors(1, perturbed(ref_model, 7).state_dict().items())
+        h.load_tensors(2, perturbed(ref_model, 8).state_dict().items())
         assert version_spans(h.sample(_request(3), 1).result(timeout=300).sequences[0]) is None
         h.follow(7, 2, 2)
         h.drop([2])  # the mirror's current version: the mirror goes with it
-        h.load_tensors(3, _perturbed(ref_model, 9).state_dict().items())
+        h.load_tensors(3, perturbed(ref_model, 9).state_dict().items())
         seq = h.sample(_request(4), 1, FollowTag(7, ((1, 1),))).result(timeout=300).sequences[0]
         assert version_spans(seq) == ((0, 1),)  # a kept mirror would have switched to generation 2
         h.follow(7, 2, 2)  # a late forward of a dropped version changes nothing
@@ -102,7 +90,7 @@ def test_an_unfollowed_sample_carries_no_spans_and_a_dropped_version_forgets_its
 def test_a_pool_replica_adopts_a_publish_mid_sequence(pool_sampler, ref_model):
     pool = pool_sampler
     assert pool.follows_mid_sequence
-    newer = pool.load_weights(_perturbed(ref_model, 11).state_dict().items())
+    newer = pool.load_weights(perturbed(ref_model, 11).state_dict().items())
     follow = VersionFollower(None, 1)  # as the service's: generation 1 for the base weights
     session = "pool-follow-test"
     followed = pool.submit(_request(LONG, session, follow))

@@ -266,38 +266,34 @@ class SamplerConfig:
                              "computes attention and matmuls its own way: use forward='auto' or 'transformers'")
 
     def _check_compile(self) -> None:
-        if not self.compile:
-            return
-        if self.backend != "torch":
-            raise ValueError(f"SamplerConfig.compile is TorchSampler's ([sampler.torch] compile); backend "
-                             f"{self.backend!r} compiles its own way (vLLM: enforce_eager=false)")
-        if self.batch_invariant:
-            raise ValueError("SamplerConfig.compile with batch_invariant is not supported: batch_invariant runs "
-                             "the transformers forward under its own kernels, compile the direct forward's "
-                             "(inductor would fuse their reductions its own way): turn one of them off")
-        if self.forward == "transformers":
-            raise ValueError("SamplerConfig.compile compiles the direct forward's decode step; "
-                             "forward='transformers' is not compiled: use forward='auto' or 'direct'")
+        if self.compile:
+            self._check_direct_decode("compile", "compiles its own way", "compiled")
 
     def _check_cuda_graphs(self) -> None:
         if not self.cuda_graphs:
             return
-        if self.backend != "torch":
-            raise ValueError(f"SamplerConfig.cuda_graphs is TorchSampler's ([sampler.torch] cuda_graphs); backend "
-                             f"{self.backend!r} captures its own (vLLM: enforce_eager=false)")
+        self._check_direct_decode("cuda_graphs", "captures its own", "captured")
         # an unset device follows the engine's (service.sampler_backends): TorchSampler checks the one it gets
         if self.device is not None and not self.device.startswith("cuda"):
             raise ValueError(f"SamplerConfig.cuda_graphs ([sampler.torch] cuda_graphs) needs a CUDA device; "
                              f"the sampler runs on device {self.device!r}: set cuda_graphs=false")
-        if self.batch_invariant:
-            raise ValueError("SamplerConfig.cuda_graphs with batch_invariant is not supported: batch_invariant runs "
-                             "the transformers forward, the graphs capture the direct forward's decode step")
-        if self.forward == "transformers":
-            raise ValueError("SamplerConfig.cuda_graphs captures the direct forward's decode step; "
-                             "forward='transformers' is not captured: use forward='auto' or 'direct'")
         if self.compile:
             raise ValueError("SamplerConfig.cuda_graphs with compile is not supported (the graphs capture the eager "
                              "decode step): turn one of them off")
+
+    def _check_direct_decode(self, setting: str, vllm_does: str, done: str) -> None:
+        """`setting` ("compile", "cuda_graphs") works on TorchSampler's direct forward's decode
+        step: refused with another backend, batch_invariant and forward='transformers'."""
+        if self.backend != "torch":
+            raise ValueError(f"SamplerConfig.{setting} is TorchSampler's ([sampler.torch] {setting}); backend "
+                             f"{self.backend!r} {vllm_does} (vLLM: enforce_eager=false)")
+        if self.batch_invariant:
+            raise ValueError(f"SamplerConfig.{setting} with batch_invariant is not supported: batch_invariant runs "
+                             f"the transformers forward under its own kernels; {setting} works on the direct "
+                             "forward's decode step: turn one of them off")
+        if self.forward == "transformers":
+            raise ValueError(f"SamplerConfig.{setting} works on the direct forward's decode step; "
+                             f"forward='transformers' is not {done}: use forward='auto' or 'direct'")
 
     def _check_placement(self) -> None:
         if self.placement not in PLACEMENTS:
