@@ -84,7 +84,7 @@ def test_a_bad_kind_is_refused_naming_it_and_the_run_goes_on(make_client):
     assert probe(tc.save_weights_and_get_sampling_client(kind="inflight").result()).isfinite().all()
 
 
-HELD_TOKENS = 600  # ~20 s of decoding on a pool replica here; the training step and the save take ~1-2 s
+HELD_TOKENS = 600  # ~20 s of decoding on a pool replica here (stop=[]: EOS does not end it); a training step and the save take ~1-2 s
 
 
 @pytest.mark.slow  # a 2-replica sampler pool starts for it (~10 s) and a long sequence decodes (~20 s)
@@ -92,13 +92,14 @@ def test_a_pool_replica_switches_a_running_sequence_to_a_new_inflight_save(make_
     sc = make_client(sampler={"replicas": 2, "max_len": 1024, "max_slots": 4, "forward": "direct"})
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     follower = tc.save_weights_and_get_sampling_client(kind="inflight").result()
-    held = follower.sample(PROMPT, 1, types.SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0))
+    held = follower.sample(PROMPT, 1, types.SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0, stop=[]))
     # The same sampling session's next request lands on the same replica, queued after the
     # held one: once it is answered, the held sequence is decoding (no sleep as a signal).
     assert version_spans(follower.sample(PROMPT, 1, GREEDY).result().sequences[0]) == ((0, 1),)
     train(tc, steps=1)
     tc.save_weights_and_get_sampling_client(kind="inflight").result()
     seq = held.result().sequences[0]
+    assert len(seq.tokens) == HELD_TOKENS
     spans = version_spans(seq)
     assert spans is not None and len(spans) == 2, (f"spans {spans}: the held sequence ({len(seq.tokens)} tokens) "
                                                    "ended before the in-flight save (a very slow host?)")
