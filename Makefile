@@ -68,7 +68,7 @@ test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" tests
 
-# The compiled layouts (tests/engine/test_engine_compile.py): minutes each, outside make test.
+# Every compiled layout (tests/engine/test_engine_compile.py), the two make test skips included.
 test-compile: $(STAMP)
 	EMBER_COMPILE_TESTS=all $(PYTEST) tests/engine/test_engine_compile.py
 

@@ -6,8 +6,10 @@ What is compiled, as torchtitan does it:
 
 * each decoder layer, once, in place (`nn.Module.compile`: the module keeps its class, its
   parameter names and its hooks, so state dicts, checkpoints, peft and FSDP2 see the same
-  model). Layers are compiled after `fully_shard` (torchtitan's order), so FSDP2's
-  per-layer hooks run around the compiled forward;
+  model). Layers are compiled after the layout is applied (TP's `parallelize_module`, CP's
+  attention, `fully_shard`: torchtitan's order), so FSDP2's per-layer hooks run around the
+  compiled forward, and TP's DTensor projections and CP's all-to-alls are traced inside it
+  (TP's Linears multiply 2-D inputs: `ember.engine.parallel._flat_styles` says why);
 * the policy head's chunk function (LM head, fp32 log-softmax, target gather:
   `ember.engine.heads.PolicyHead.use_chunk_fn`) and each loss function the engine runs.
 
@@ -93,11 +95,24 @@ def compile_layers(layers: nn.ModuleList, stats: CompileStats) -> None:
     stats.compiled_layers = len(layers)
 
 
-def check_compile_layout(tp: int, cp: int) -> None:
-    """Refuse the layouts compile has not been verified with (ValueError naming them)."""
-    if tp > 1 or cp > 1:
-        raise ValueError(f"EngineConfig.compile supports single-device and FSDP2 layouts; tensor parallelism "
-                         f"(tp={tp}) and context parallelism (cp={cp}) are not verified with it: use compile=false")
+def on_a_copy(chunk_fn: Callable) -> Callable:
+    """`chunk_fn(unembed, hidden, targets, vocab)` called on a copy of `hidden`. The policy
+    head's chunks are views of the (T, H) hidden states, and dynamo guards a view input on its
+    base's sizes: one chunk covering all T rows and a strict slice of them would compile
+    separately. The copy is (chunk, H), beside the chunk's (chunk, V) logits."""
+
+    def call(unembed, hidden, targets, vocab):
+        return chunk_fn(unembed, hidden.clone(), targets, vocab)
+
+    return call
+
+
+def check_compile_layout(ep: int) -> None:
+    """Refuse the layouts compile has not been verified with: expert parallelism (ValueError
+    naming it). Single device, FSDP2, TP and CP are verified (tests/engine/test_engine_compile.py)."""
+    if ep > 1:
+        raise ValueError(f"EngineConfig.compile is verified on one device and under FSDP2, TP and CP; expert "
+                         f"parallelism (ep={ep}) is not: use compile=false")
 
 
 def timed(stats: CompileStats, warmup: Callable[[], None]) -> None:

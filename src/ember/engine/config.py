@@ -58,8 +58,8 @@ class EngineConfig:
         policy head's chunks and the losses, with dynamic shapes (no recompilation per
         sequence length). Values equal eager's to rounding (fp32 CPU: rtol 1e-5). The
         engine compiles at start (a warm-up forward and backward; its seconds are logged and
-        in the engine info's `extra["compile"]`). Single device and FSDP2; refused with TP,
-        CP and activation checkpointing.
+        in the engine info's `extra["compile"]`). Single device, FSDP2, TP and CP; refused
+        with expert parallelism and activation checkpointing.
     compile_cache_dir: inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR), so a restart does
         not compile again; "" = `<data_dir>/compile-cache` under `ember serve`, else
         torch's default.

@@ -169,9 +169,10 @@ class CPShard:
     keeps: list[torch.Tensor]  # per cp rank: which of the T real tokens it scores
 
 
-def _full_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def _full_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               always: bool = False) -> torch.Tensor | None:
     """The (rows, 1, S, S) boolean mask world 1 uses: causal, within a packed segment (positions
-    restart at 0) or over the unpadded keys; None when it is plain causal."""
+    restart at 0) or over the unpadded keys; None when it is plain causal, unless `always`."""
     s = position_ids.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
     if attention_mask is not None:
@@ -179,7 +180,7 @@ def _full_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
     else:
         segment = torch.cumsum(position_ids == 0, dim=1)
         mask = causal[None] & (segment[:, :, None] == segment[:, None, :])
-    if bool(mask.eq(causal[None]).all()):
+    if not always and bool(mask.eq(causal[None]).all()):
         return None
     return mask[:, None]
 
@@ -195,9 +196,11 @@ def _pad_columns(mb: MicroBatch, width: int, pad_id: int):
     return ids, pos, F.pad(mb.attention_mask, (0, extra), value=0)
 
 
-def shard_micro_batch(mb: MicroBatch, cp: int, rank: int, pad_id: int = 0) -> CPShard:
+def shard_micro_batch(mb: MicroBatch, cp: int, rank: int, pad_id: int = 0, always_mask: bool = False) -> CPShard:
     """Split `mb`'s columns into `cp` contiguous shards (padded to a multiple of cp) and keep
-    shard `rank`: the same micro-batch on every cp rank gives every rank the same plan."""
+    shard `rank`: the same micro-batch on every cp rank gives every rank the same plan.
+    `always_mask`: a mask even where plain causal attention would do (`is_causal`), so that a
+    compiled layer sees one kind of mask (`EngineConfig.compile`)."""
     rows, width = mb.input_ids.shape
     full = math.ceil(width / cp) * cp
     ids, pos, mask2d = _pad_columns(mb, full, pad_id)
@@ -212,7 +215,7 @@ def shard_micro_batch(mb: MicroBatch, cp: int, rank: int, pad_id: int = 0) -> CP
         attention_mask=None, valid_index=local_index, inputs={k: v[keep] for k, v in mb.inputs.items()},
         segment_ids=mb.segment_ids[keep],
     )
-    return CPShard(local.input_ids, local.position_ids, _full_mask(pos, mask2d), local, keeps)
+    return CPShard(local.input_ids, local.position_ids, _full_mask(pos, mask2d, always_mask), local, keeps)
 
 
 def gather_token_outputs(local: torch.Tensor, shard: CPShard, group, rank: int) -> torch.Tensor:

@@ -64,6 +64,7 @@ checkpointing → FSDP2.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -227,10 +228,45 @@ def _lora_leaves(module: nn.Module) -> tuple[nn.Module, list[str]] | None:
     return base, list(getattr(module, "lora_A", {}).keys())
 
 
-def _projection_plan(layer: nn.Module, path: str, rowwise: bool) -> dict:
+@functools.cache
+def _flat_styles() -> tuple[type, type]:
+    """Colwise/RowwiseParallel whose Linear multiplies a 2-D (B·T, in) DTensor: a forward
+    pre-hook flattens the input's leading dims, a forward hook restores them on the (local)
+    output. The values are those of the 3-D product (matmul flattens the same way). Why:
+    under `torch.compile` with dynamic shapes, tracing the backward of a DTensor matmul on a
+    3-D input (its `_unsafe_view` with symbolic sizes) recurses without end in torch 2.13;
+    on 2-D inputs it traces (docs/architecture.md#compile)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    style = RowwiseParallel if rowwise else ColwiseParallel
+    class _Flat:
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            out = super()._apply(module, device_mesh)
+            leads: list = []  # set by the pre-hook, popped by the hook (a call that raised left one)
+
+            def flatten(_mod, args):
+                leads.clear()
+                leads.append(args[0].shape[:-1])
+                return (args[0].flatten(0, -2), *args[1:])
+
+            def restore(_mod, _args, output):
+                return output.unflatten(0, leads.pop())
+
+            module.register_forward_pre_hook(flatten, prepend=True)
+            module.register_forward_hook(restore)
+            return out
+
+    class FlatColwise(_Flat, ColwiseParallel):
+        pass
+
+    class FlatRowwise(_Flat, RowwiseParallel):
+        pass
+
+    return FlatColwise, FlatRowwise
+
+
+def _projection_plan(layer: nn.Module, path: str, rowwise: bool) -> dict:
+    colwise, rowwise_style = _flat_styles()
+    style = rowwise_style if rowwise else colwise
     lora = _lora_leaves(layer.get_submodule(path))
     if lora is None:
         return {path: style()}

@@ -33,6 +33,7 @@ from ember.engine import checkpoint
 from ember.engine.base import EngineInfo, EngineStatus, LossConfig, NonFiniteGradientError, TrainingEngine
 from ember.engine.batching import (
     MicroBatch,
+    PreparedDatum,
     build_micro_batch,
     head_mismatch,
     packed_masks,
@@ -327,28 +328,29 @@ class TorchEngine(TrainingEngine):
         from ember.engine import compile as compiling
 
         layout = self.parallel.config if self.distributed else ParallelismConfig()
-        compiling.check_compile_layout(layout.tp, layout.cp)
+        compiling.check_compile_layout(layout.ep)
         stats = compiling.CompileStats(cache_dir=compiling.use_cache_dir(self.config.compile_cache_dir))
         compiling.compile_layers(decoder_layers(self.model), stats)
         if isinstance(self.head, PolicyHead):
-            self.head.use_chunk_fn(stats.compiled(unembed_target_logprobs))
+            self.head.use_chunk_fn(compiling.on_a_copy(stats.compiled(unembed_target_logprobs)))
         compiling.timed(stats, self._warmup)
         return stats
 
-    def _warmup(self, tokens: int = 8) -> None:
-        """A forward and backward contributing nothing, on a row of `tokens` pads: the
-        compiled graphs are built (and their sizes marked dynamic) before the first request."""
+    def _warmup(self) -> None:
+        """Forward and backward passes that contribute nothing, on micro-batches of pad tokens
+        laid out as requests are: one row, then rows of two lengths. Torch specialises a size
+        of 1, so a one-row and a several-row micro-batch compile separately; both (and the
+        head's chunks, as `_head_outputs` makes them) are compiled before the first request
+        (under CP a compiled layer always gets a mask: `_cp_head_outputs`)."""
         self._activate()
-        ids = torch.full((1, tokens), self._pad_id, dtype=torch.int64, device=self.device)
-        pos = torch.arange(tokens, device=self.device).unsqueeze(0)
-        with torch.enable_grad():
-            out = self._model_forward(ids, pos, None)
-            if isinstance(self.head, PolicyHead) and self.head.chunked:
-                hidden = self.head.last_hidden(out).flatten(0, 1)
-                zero = self.head.chunk_fn(self.head.unembed, hidden, ids.flatten(), self.head.vocab).sum() * 0.0
-            else:
-                zero = self.head.zero_contribution(out)
-            zero.backward()
+        pad = self._pad_id
+        for lengths in ((8,), (8, 5)):
+            items = [PreparedDatum(i, torch.full((n,), pad, dtype=torch.int64),
+                                   {"target_tokens": torch.full((n,), pad, dtype=torch.int64)})
+                     for i, n in enumerate(lengths)]
+            mb = build_micro_batch(items, self._packing, pad, single_row=self._varlen_attention)
+            with torch.enable_grad():
+                (self._head_outputs(mb).sum() * 0.0).backward()
         self.clear_gradients()
 
     def _loss_fn(self, spec):
@@ -374,7 +376,7 @@ class TorchEngine(TrainingEngine):
         from ember.engine.context_parallel import gather_token_outputs, shard_micro_batch
 
         dev, rank, group = self.device, self.parallel.cp_rank(), self.parallel.cp_group()
-        shard = shard_micro_batch(mb, self.parallel.cp, rank, self._pad_id)
+        shard = shard_micro_batch(mb, self.parallel.cp, rank, self._pad_id, always_mask=self.config.compile)
         mask = None if shard.mask is None else shard.mask.to(dev)
         out = self._model_forward(shard.input_ids.to(dev), shard.position_ids.to(dev), mask)
         return gather_token_outputs(self.head.outputs(out, shard.local, dev), shard, group, rank)

@@ -132,11 +132,14 @@ class EngineFollows:
                              f"{'LoRA' if slot.lora else 'full'} weights; version {version!r} cannot join it")
         return slot
 
-    def lora_request(self, slot: FollowSlot):
+    def lora_request(self, slot: FollowSlot, version=None, load_inplace: bool = False):
+        """`slot`'s vLLM LoRARequest, of `version` (default: the slot's); `load_inplace`
+        replaces the weights vLLM holds under the slot's adapter id."""
         from vllm.lora.request import LoRARequest
 
+        path = (version if version is not None else slot.version).path
         return LoRARequest(lora_name=f"ember-follow-{slot.index}", lora_int_id=slot.lora_id,
-                           lora_path=str(slot.version.path))
+                           lora_path=str(path), load_inplace=load_inplace)
 
     # ------------------------------------------------------------------ requests
     async def start_part(self, llm, follower, slot: FollowSlot, size: int) -> FollowedPart:
@@ -219,10 +222,7 @@ class EngineFollows:
     async def _load(self, llm, slot: FollowSlot, version) -> None:
         sampler = self._sampler()
         if slot.lora:
-            from vllm.lora.request import LoRARequest
-
-            await llm.add_lora(LoRARequest(lora_name=f"ember-follow-{slot.index}", lora_int_id=slot.lora_id,
-                                           lora_path=str(version.path), load_inplace=True))
+            await llm.add_lora(self.lora_request(slot, version, load_inplace=True))
             slot.loaded_in = sampler.engine_starts
         else:
             await sampler.load_full_set(llm, version, slot.gate_key)
