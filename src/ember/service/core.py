@@ -747,9 +747,16 @@ class Service(ServiceAPI):
         self._on_session_expired(session_id)
 
     def operator_unload_run(self, run_id: str) -> str:
-        """Unload any key's loaded run, saved first; the checkpoint its owner resumes from."""
-        if not self.runs.unload_run(run_id, save_as=SESSION_END_CHECKPOINT):
+        """Unload any key's loaded run, saved first; the checkpoint its owner resumes from.
+        Returns once it is saved, after the requests queued before it: waits up to
+        `runs.shutdown_drain_s`, then says so in the log and lets the save finish behind."""
+        done = self.runs.unload_run(run_id, save_as=SESSION_END_CHECKPOINT)
+        if done is None:
             raise UserError(f"training run {run_id!r} is not loaded")
+        if not done.wait(self.config.runs.shutdown_drain_s):
+            log.warning("run %s is still saving after runs.shutdown_drain_s=%s (requests queued before the "
+                        "unload run first); it is saved and unloaded when they end", run_id,
+                        self.config.runs.shutdown_drain_s)
         return f"tinker://{run_id}/weights/{SESSION_END_CHECKPOINT}"
 
 

@@ -572,16 +572,25 @@ class RunManager:
         with self._lock:
             return dict(self._runs)
 
-    def unload_run(self, run_id: str, save_as: str | None = None) -> bool:
+    def unload_run(self, run_id: str, save_as: str | None = None) -> threading.Event | None:
         """The operator unloads one run, as `unload_session` does a session's (saved as
-        `save_as` first, so that its owner can resume); False if it was not loaded."""
+        `save_as` first, so that its owner can resume), after the requests queued before it.
+        The event is set once it is saved and released; None if it was not loaded."""
         with self._lock:
             run = self._runs.pop(run_id, None)
         if run is None:
-            return False
+            return None
         self.store.update(RunRow, run.run_id, status="unloaded")
-        run.seq.drain(lambda: self._save_then_release(run, save_as))
-        return True
+        done = threading.Event()
+
+        def save_then_release() -> None:
+            try:
+                self._save_then_release(run, save_as)
+            finally:
+                done.set()
+
+        run.seq.drain(save_then_release)
+        return done
 
     def shutdown(self, drain_s: float) -> int:
         """A clean stop, before `close`: no new request is taken; what is queued runs for up
