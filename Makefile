@@ -68,7 +68,7 @@ test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" tests
 
-# Every compiled layout (tests/engine/test_engine_compile.py), the two make test skips included.
+# Every compiled layout (tests/engine/test_engine_compile.py): make test skips them (CI time).
 test-compile: $(STAMP)
 	EMBER_COMPILE_TESTS=all $(PYTEST) tests/engine/test_engine_compile.py
 

@@ -56,12 +56,12 @@ HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums);
     "tests/sampling/test_sampling_params.py",
     "tests/sampling/test_sampling_prompt_extras.py",
     # files
-    "tests/engine/test_engine_compile.py",
     "tests/recipes/test_recipes_vllm.py",
     # the unit "two hosts"
     "tests/server/test_server_two_hosts.py",
     "tests/workers/test_workers_two_hosts.py",
     # files
+    "tests/engine/test_engine_compile.py",
     "tests/server/test_server_restart_signals.py",
     "tests/recipes/test_recipes_cookbook_moe.py",
     "tests/engine/test_engine_parallel_ep.py",
