@@ -41,6 +41,8 @@ def pytest_configure(config):
 # ordering files by their number of tests, which put the cookbook's 7 long tests last) and
 # the many short files fill in behind them: no worker ends the run alone on one of them.
 HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums); a unit's files together
+    # the longest file (two world-2 compiled layouts), beside the Ray unit on the other worker
+    "tests/engine/test_engine_compile.py",
     # the unit "a local Ray cluster" (helpers.scheduling), its Ray cases back to back
     "tests/sampling/test_sampling_pool_colocate.py",
     "tests/sampling/test_sampling_ray_replica.py",
@@ -61,7 +63,6 @@ HEAVY_FIRST = (  # longest first, from a full run's --durations (per-file sums);
     "tests/server/test_server_two_hosts.py",
     "tests/workers/test_workers_two_hosts.py",
     # files
-    "tests/engine/test_engine_compile.py",
     "tests/server/test_server_restart_signals.py",
     "tests/recipes/test_recipes_cookbook_moe.py",
     "tests/engine/test_engine_parallel_ep.py",
